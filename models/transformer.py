@@ -1,0 +1,186 @@
+"""A Llama-style decoder in Flax NNX, with a pure functional forward.
+
+Dimension letters (tensor names carry their shape, e.g. x_BTD):
+  B batch   T sequence   D d_model   H query heads   K kv heads   G = H/K
+  E head_dim   F d_ff (MLP hidden)   V vocabulary   L layers
+
+The module owns the parameters and their logical axis names; the math lives in pure
+functions over a dict of arrays, so the trainer can jit, shard_map, pipeline and remat
+it without going through the module. Layers are stacked on a leading `layers` axis and
+run by one `lax.scan` (one compiled layer). The model never names a mesh axis: it calls
+`constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+
+
+def _no_constrain(x, logical):
+    return x
+
+
+def _identity(p):
+    return p
+
+
+class Stack(nnx.Module):
+    """The decoder layers' weights, stacked on a leading `layers` axis."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        L, D, H, K, E, F = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+        normal = nnx.initializers.normal(c.init_std)
+        out_init = nnx.initializers.normal(c.init_std / (2 * L) ** 0.5)  # GPT-2 residual scaling
+
+        def param(init, shape, axes):
+            return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+        ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
+        self.attn_norm = param(ones, (L, D), ("layers", "embed"))
+        self.wq = param(normal, (L, D, H, E), ("layers", "embed", "heads", "head_dim"))
+        self.wk = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wv = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = param(out_init, (L, H, E, D), ("layers", "heads", "head_dim", "embed"))
+        self.mlp_norm = param(ones, (L, D), ("layers", "embed"))
+        self.w_gate = param(normal, (L, D, F), ("layers", "embed", "mlp"))
+        self.w_up = param(normal, (L, D, F), ("layers", "embed", "mlp"))
+        self.w_down = param(out_init, (L, F, D), ("layers", "mlp", "embed"))
+
+
+class Transformer(nnx.Module):
+    """Token embedding -> L x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU) -> head."""
+
+    def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = c
+        self.embed = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.vocab_size, c.d_model)),
+                               logical_axes=("vocab", "embed"))
+        self.layers = Stack(c, rngs)
+        self.final_norm = nnx.Param(jnp.ones((c.d_model,)), logical_axes=("embed",))
+        if not c.tie_embeddings:
+            self.lm_head = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.d_model, c.vocab_size)),
+                                     logical_axes=("embed", "vocab"))
+
+    def __call__(self, tokens_BT, dtype=jnp.float32):
+        return forward(self.config, params_of(self), tokens_BT, dtype=dtype)
+
+
+def params_of(model: nnx.Module) -> dict:
+    """The module's parameters as a plain nested dict of arrays."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def logical_axes_of(model: nnx.Module) -> dict:
+    """The logical axis names of every parameter, as a dict shaped like params_of()."""
+    state = nnx.state(model, nnx.Param)
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+# ----------------------------------------------------------------------------- math
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(T: int, E: int, theta: float):
+    inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+    ang_TE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(ang_TE2), jnp.sin(ang_TE2)
+
+
+def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
+    """Rotate pairs (first half, second half) of head_dim by position-dependent angles."""
+    T = x_BTNE.shape[1]
+    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[None, :, None, :]
+    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNE.dtype)
+
+
+def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain):
+    """One decoder layer on weights `p` (no leading layers axis)."""
+    dt = x_BTD.dtype
+    p = jax.tree.map(lambda w: w.astype(dt), p)
+    h = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
+    q_BTHE = constrain(jnp.einsum("btd,dhe->bthe", h, p["wq"]), ("batch", "seq", "heads", "head_dim"))
+    k_BTKE = constrain(jnp.einsum("btd,dke->btke", h, p["wk"]), ("batch", "seq", "kv_heads", "head_dim"))
+    v_BTKE = constrain(jnp.einsum("btd,dke->btke", h, p["wv"]), ("batch", "seq", "kv_heads", "head_dim"))
+    q_BTHE, k_BTKE = apply_rope(q_BTHE, *rope), apply_rope(k_BTKE, *rope)
+    o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
+    o_BTHE = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim"))
+    x_BTD = constrain(x_BTD + jnp.einsum("bthe,hed->btd", o_BTHE, p["wo"]), ("batch", "seq", "embed"))
+    h = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
+    g_BTF = jnp.einsum("btd,df->btf", h, p["w_gate"])
+    u_BTF = jnp.einsum("btd,df->btf", h, p["w_up"])
+    a_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("batch", "seq", "mlp"))
+    return constrain(x_BTD + jnp.einsum("btf,fd->btd", a_BTF, p["w_down"]), ("batch", "seq", "embed"))
+
+
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
+                gather: Callable[[dict], dict] = _identity, remat: str | None = None):
+    """Run a stack of layers (leading axis = layers) with one scanned, optionally remat'd layer.
+
+    `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
+    it runs inside the scan body, so ZeRO-3 all-gathers one layer at a time.
+    """
+    remat = c.remat if remat is None else remat
+    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta)
+
+    def body(x, p):
+        return layer(c, gather(p), x, rope, constrain), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
+    x_BTD, _ = jax.lax.scan(body, x_BTD, layers)
+    return x_BTD
+
+
+def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
+    x = jnp.take(params["embed"], tokens_BT, axis=0).astype(dtype)
+    return constrain(x, ("batch", "seq", "embed"))
+
+
+def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constrain):
+    """Final norm and output projection; logits in float32."""
+    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
+    w_DV = params["embed"].T if c.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(x.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
+            constrain: Constrain = _no_constrain, gather: Callable[[dict], dict] = _identity,
+            remat: str | None = None):
+    """Logits (B, T, V) in float32 for integer tokens (B, T)."""
+    x = embed(c, params, tokens_BT, dtype, constrain)
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
+    return head(c, params, x, constrain)
+
+
+def cross_entropy(logits_BTV, targets_BT):
+    """Mean next-token cross-entropy in nats."""
+    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
+    tgt = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - tgt)
+
+
+def loss_fn(c: ModelConfig, params: dict, batch_BT1, **kw):
+    """Next-token loss on a (B, T+1) token batch."""
+    logits = forward(c, params, batch_BT1[:, :-1], **kw)
+    return cross_entropy(logits, batch_BT1[:, 1:])

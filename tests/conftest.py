@@ -1,0 +1,63 @@
+"""Every test runs on 8 simulated CPU devices, set before jax is imported."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
+
+TINY = ["model.preset=tiny", "train.batch_size=16", "train.warmup_steps=1", "train.lr=1e-2",
+        "train.steps=3", "run.progress=false"]
+
+
+@functools.lru_cache(maxsize=None)
+def corpus(source="builtin"):
+    from trainer.data import load_corpus
+    return load_corpus(source)
+
+
+def run_steps(overrides, n_devices=8, steps=3, source="builtin"):
+    """Train `steps` steps in-process; return (losses, params as numpy, setup, state)."""
+    from trainer.config import load_config
+    from trainer.data import Batches
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_train_step
+    cfg = load_config(TINY + list(overrides))
+    s = make_setup(cfg, jax.devices()[:n_devices])
+    state = init_state(s)
+    step = jit_train_step(s)
+    b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
+    losses = []
+    with jax.set_mesh(s.mesh):
+        for i in range(steps):
+            state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
+            losses.append(float(m["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state["params"]), s, state
+
+
+def single_device(overrides, steps=3):
+    """The 1-device reference run for the same model/train settings."""
+    keep = [o for o in overrides if not o.startswith(("mesh.", "train.zero_stage", "train.grad_sync"))]
+    return _single(tuple(keep), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _single(overrides, steps):
+    return run_steps(list(overrides) + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"], 1, steps)[:2]
+
+
+def max_rel(a_tree, b_tree):
+    """Largest per-tensor relative difference ||a - b|| / ||b|| over a pytree."""
+    pairs = zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree))
+    return max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in pairs)
+
+
+@pytest.fixture
+def tmp_run(tmp_path):
+    return str(tmp_path / "run")

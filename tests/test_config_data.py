@@ -1,0 +1,71 @@
+"""Configs and presets load; batches are a pure function of (seed, step); a run writes its files."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY, corpus
+from meshes import preset_names
+from trainer import load_config, train
+from trainer.config import validate
+from trainer.data import Batches, _split_files, stdlib_files
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_mesh_preset_loads(name):
+    cfg = load_config([f"mesh.preset={name}", "model.preset=7b", "train.batch_size=512"])
+    shape = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
+    assert validate(cfg, int(np.prod(shape))) == shape
+
+
+def test_required_presets_exist():
+    assert {"single", "cpu-8-dp", "cpu-8-fsdp", "cpu-8-2x2x2", "h100x8-tp8", "v5p-256-fsdp"} <= set(preset_names())
+
+
+def test_fsdp_preset_sets_zero3_and_overrides_win():
+    assert load_config(["mesh.preset=cpu-8-fsdp"]).train.zero_stage == 3
+    assert load_config(["mesh.preset=cpu-8-fsdp", "train.zero_stage=1"]).train.zero_stage == 1
+
+
+def test_yaml_files_layer_in_order(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("train: {steps: 7, lr: 0.5}\n")
+    b.write_text("train: {steps: 9}\n")
+    cfg = load_config([str(a), str(b), "train.lr=0.25"])
+    assert (cfg.train.steps, cfg.train.lr) == (9, 0.25)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    c = corpus()
+    b1, b2 = Batches(c, 3, 8, 32, 256), Batches(c, 3, 8, 32, 256)
+    assert np.array_equal(b1.train(5), b2.train(5))
+    assert not np.array_equal(b1.train(5), b1.train(6))
+    assert not np.array_equal(b1.train(5), Batches(c, 4, 8, 32, 256).train(5))
+    rows = [Batches(c, 3, 8, 32, 256, p, 4).train(5) for p in range(4)]
+    assert np.array_equal(np.concatenate(rows), b1.train(5))  # processes build disjoint rows
+
+
+def test_heldout_files_are_disjoint_and_stable():
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files()
+    tr, he = _split_files(files, root, 0.05)
+    assert he and set(tr).isdisjoint(he) and len(tr) + len(he) == len(files)
+    assert 0.02 < len(he) / len(files) < 0.1
+
+
+def test_train_api_writes_run_files(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(TINY + ["mesh.data=8", "train.steps=4", "run.log_every=2", "train.eval_every=4",
+                              "train.eval_batches=2", f"run.dir={run}"])
+    result = train(cfg)
+    assert (run / "config.yaml").exists()
+    assert load_config([str(run / "config.yaml")]) == cfg  # the written config resolves to the same
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [2, 4]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"):
+        assert key in lines[0]
+    assert lines[0]["mfu"] is not None and 0 < lines[0]["mfu"] < 1
+    assert "eval_loss" in lines[-1] and result.eval_loss == lines[-1]["eval_loss"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,237 @@
+"""Typed config: dataclass schema (OmegaConf structured), YAML files and key=value overrides.
+
+Later files and overrides win. Unknown keys, wrong types and impossible layouts are
+UserErrors with one line that names the problem and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from meshes import load_preset, resolve_shape, MeshError
+from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
+from trainer.errors import UserError
+
+GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    preset: str = "small"
+    d_model: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    d_ff: Optional[int] = None
+    vocab_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    remat: str = "none"  # none | full | dots
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    preset: Optional[str] = None  # a file in meshes/presets/, applied before everything else
+    data: int = -1
+    stage: int = 1
+    model: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    steps: int = 200
+    batch_size: int = 32  # global sequences per step
+    microbatches: int = 1
+    zero_stage: int = 0
+    grad_sync: str = "auto"  # auto | psum | ring | ring_bf16
+    seed: int = 0
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: Optional[str] = None  # float32 | bfloat16; default: bfloat16 on GPU/TPU, float32 on CPU
+    eval_every: int = 50
+    eval_batches: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0  # steps; 0 = only at the end
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+    dir: str = "runs/default"
+    log_every: int = 10
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    source: str = "builtin"  # builtin | synthetic | path to a text file, folder, or token .bin
+    heldout_fraction: float = 0.05
+    bin_dtype: str = "uint16"  # token .bin element type: uint16 | uint32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    run: RunSection = dataclasses.field(default_factory=RunSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+
+
+def all_keys(node=Config, prefix="") -> list[str]:
+    out = []
+    for f in dataclasses.fields(node):
+        t = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if t is not None and dataclasses.is_dataclass(t):
+            out += all_keys(t, f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def _closest(key: str) -> str:
+    keys = all_keys()
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if not near:  # try the last component alone, e.g. 'zero_stage' -> 'train.zero_stage'
+        leaf = key.split(".")[-1]
+        near = [k for k in keys if k.split(".")[-1] == leaf] or \
+            [k for k in keys if k.split(".")[-1] in difflib.get_close_matches(leaf, [x.split(".")[-1] for x in keys], 1)]
+    return f"did you mean '{near[0]}'?" if near else "see the keys in `meshtrain train --help`"
+
+
+def _merge(base, other, where: str):
+    try:
+        return OmegaConf.merge(base, other)
+    except ConfigKeyError as e:
+        key = e.full_key or str(e)
+        raise UserError(f"unknown config key '{key}' ({where}); {_closest(key)}") from None
+    except ValidationError as e:
+        msg = str(e).splitlines()[0]
+        raise UserError(f"config key '{e.full_key}' ({where}): {msg}; give a value of the key's type") from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"bad config ({where}): {str(e).splitlines()[0]}") from None
+
+
+def _load_yaml(path: str):
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file '{path}' does not exist; give the path of a YAML file")
+    try:
+        node = OmegaConf.load(p)
+    except Exception as e:  # yaml.YAMLError and friends
+        raise UserError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not OmegaConf.is_dict(node):
+        raise UserError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
+    return node
+
+
+def load_config(args: list[str] = (), base: dict | None = None) -> Config:
+    """Config from the schema defaults, YAML files and key=value overrides, in order."""
+    files, pairs = [], []
+    for a in args:
+        if "=" in a and not a.endswith((".yaml", ".yml")):
+            pairs.append(a)
+        else:
+            files.append(a)
+    for p in pairs:
+        if not p.split("=", 1)[0]:
+            raise UserError(f"override '{p}' has no key; write key=value, e.g. train.steps=100")
+    layers = [(_load_yaml(f), f"file {f}") for f in files]
+    if base:
+        layers.insert(0, (OmegaConf.create(base), "base"))
+    try:
+        dot = OmegaConf.from_dotlist(pairs)
+    except Exception as e:
+        raise UserError(f"cannot parse overrides {pairs}: {str(e).splitlines()[0]}; write key=value") from None
+    layers.append((dot, "command line"))
+    cfg = OmegaConf.structured(Config)
+    # A mesh preset goes first, so that explicit keys anywhere override it.
+    preset = None
+    for node, _ in layers:
+        preset = OmegaConf.select(node, "mesh.preset", default=preset)
+    if preset:
+        try:
+            path = load_preset(str(preset))
+        except MeshError as e:
+            raise UserError(str(e)) from None
+        cfg = _merge(cfg, OmegaConf.load(path), f"mesh preset {preset}")
+    for node, where in layers:
+        cfg = _merge(cfg, node, where)
+    return OmegaConf.to_object(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def replace(cfg: Config, **sections) -> Config:
+    """A copy of cfg with section fields replaced: replace(cfg, train=dict(steps=3))."""
+    return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+
+
+def model_config(cfg: Config) -> ModelConfig:
+    m = cfg.model
+    if m.preset not in PRESETS:
+        raise UserError(f"model.preset='{m.preset}' is unknown; choose one of {', '.join(PRESETS)}")
+    if m.remat not in REMAT_POLICIES:
+        raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
+    over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "preset"}
+    return from_preset(m.preset, **over)
+
+
+def compute_dtype(cfg: Config, platform: str) -> str:
+    return cfg.train.dtype or ("float32" if platform == "cpu" else "bfloat16")
+
+
+def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
+    """Check the config against the device count; return the resolved mesh shape."""
+    t, mc = cfg.train, model_config(cfg)
+    try:
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model, n_devices)
+    except MeshError as e:
+        raise UserError(str(e)) from None
+    data, stage, model = shape
+    checks = [
+        (t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage} is outside 0..3; use 0, 1, 2 or 3"),
+        (t.grad_sync in GRAD_SYNC, f"train.grad_sync='{t.grad_sync}' is unknown; choose one of {', '.join(GRAD_SYNC)}"),
+        (t.dtype in (None,) + DTYPES, f"train.dtype='{t.dtype}' is unknown; choose float32 or bfloat16"),
+        (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0,
+         "train.steps must be >= 0 and train.batch_size, train.microbatches > 0; fix the value"),
+        (cfg.run.log_every > 0, f"run.log_every={cfg.run.log_every} must be > 0; use 1 or more"),
+        (mc.d_model % mc.n_heads == 0 and mc.head_dim % 2 == 0,
+         f"model.d_model={mc.d_model} must be n_heads ({mc.n_heads}) x an even head_dim; change d_model or n_heads"),
+        (mc.n_heads % mc.n_kv_heads == 0,
+         f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={mc.n_kv_heads}; pick n_kv_heads dividing n_heads"),
+    ]
+    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        v = getattr(mc, name)
+        checks.append((v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; "
+                                       f"pick a mesh.model that divides {v} or change model.{name}"))
+    checks += [
+        (t.batch_size % (data * t.microbatches) == 0,
+         f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
+         f"{data} x {t.microbatches}; use a multiple of {data * t.microbatches}"),
+        (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
+                                   f"use a mesh.stage that divides {mc.n_layers}"),
+        (math.prod(shape) == n_devices, "mesh size mismatch"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    return shape

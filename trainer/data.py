@@ -1,0 +1,141 @@
+"""Data: token sources and the batch of step s as a pure function of (seed, s).
+
+Sources:
+  builtin    the Python standard library's .py files read as bytes (vocab 256); files go to
+             train or held-out by a hash of their relative path, so the split is stable.
+  synthetic  uniform random tokens (for benchmarks; nothing to learn).
+  PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
+             uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
+
+Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each
+process builds only its own rows. Nothing depends on what came before, so a resumed or
+resharded run sees exactly the batches it would have seen. grain runs the per-step batch
+function in a background thread with a prefetch buffer (its MapDataset is random-access,
+which fits a step-indexed source, and it starts at any step).
+"""
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.errors import UserError
+
+_TRAIN, _EVAL = 0x7A1, 0xE7A
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # 1-D token array (uint8/uint16/uint32 or memmap)
+    heldout: np.ndarray
+    vocab: int  # smallest vocab_size that covers the tokens
+    synthetic: bool = False
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def _split_files(files: list[Path], root: Path, frac: float):
+    train, held = [], []
+    for p in files:
+        h = zlib.crc32(str(p.relative_to(root)).encode()) % 10_000
+        (held if h < frac * 10_000 else train).append(p)
+    if not held and len(files) > 1:  # tiny folders: hold out the last file
+        held, train = train[-1:], train[:-1]
+    return train, held
+
+
+def _read(files: list[Path]) -> np.ndarray:
+    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+
+
+def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "uint16") -> Corpus:
+    if source == "synthetic":
+        return Corpus(np.zeros(0, np.uint8), np.zeros(0, np.uint8), vocab=0, synthetic=True)
+    if source == "builtin":
+        files = stdlib_files()
+        root = Path(sysconfig.get_paths()["stdlib"])
+        tr, he = _split_files(files, root, heldout_fraction)
+        return _check(Corpus(_read(tr), _read(he), 256), source)
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"data.source '{source}' does not exist; give an existing file or folder, "
+                        "or use data.source=builtin")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        tr, he = _split_files(files, path, heldout_fraction)
+        return _check(Corpus(_read(tr), _read(he), 256), source)
+    if path.suffix == ".bin":
+        if bin_dtype not in ("uint16", "uint32"):
+            raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
+        toks = np.memmap(path, dtype=bin_dtype, mode="r")
+        cut = int(len(toks) * (1 - heldout_fraction))
+        vocab = int(toks.max()) + 1 if len(toks) else 0
+        return _check(Corpus(toks[:cut], toks[cut:], vocab), source)
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    cut = int(len(data) * (1 - heldout_fraction))
+    return _check(Corpus(data[:cut], data[cut:], 256), source)
+
+
+def _check(c: Corpus, source: str) -> Corpus:
+    if len(c.train) == 0:
+        raise UserError(f"data.source '{source}' is empty (no tokens to train on); point it at a non-empty "
+                        "file or folder")
+    return c
+
+
+class Batches:
+    """The global batch of any step, and this process's rows of it."""
+
+    def __init__(self, corpus: Corpus, seed: int, batch_size: int, seq_len: int, vocab_size: int,
+                 process_index: int = 0, process_count: int = 1):
+        self.c, self.seed, self.B, self.T, self.V = corpus, seed, batch_size, seq_len, vocab_size
+        if batch_size % process_count:
+            raise UserError(f"train.batch_size={batch_size} is not divisible by the {process_count} processes; "
+                            f"use a multiple of {process_count}")
+        rows = batch_size // process_count
+        self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        if not corpus.synthetic:
+            if corpus.vocab > vocab_size:
+                raise UserError(f"the data has token ids up to {corpus.vocab - 1} but model.vocab_size={vocab_size}; "
+                                f"set model.vocab_size >= {corpus.vocab}")
+            if len(corpus.train) <= seq_len + 1:
+                raise UserError(f"the training data has {len(corpus.train)} tokens, too few for "
+                                f"model.seq_len={seq_len}; use more data or a shorter seq_len")
+
+    def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> np.ndarray:
+        rng = np.random.default_rng(seed_words)
+        if self.c.synthetic:
+            full = rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)
+            return full[self.rows] if n == self.B else full
+        starts = rng.integers(0, len(tokens) - self.T - 1, size=n)
+        starts = starts[self.rows] if n == self.B else starts
+        idx = starts[:, None] + np.arange(self.T + 1)[None, :]
+        return np.asarray(tokens[idx], dtype=np.int32)
+
+    def train(self, step: int) -> np.ndarray:
+        """This process's rows (B/P, T+1) of step `step`'s global batch."""
+        return self._rows(self.c.train, [self.seed, step, _TRAIN], self.B)
+
+    def global_train(self, step: int) -> np.ndarray:
+        """The whole global batch of a step (tests and single-process tools)."""
+        saved, self.rows = self.rows, slice(None)
+        try:
+            return self._rows(self.c.train, [self.seed, step, _TRAIN], self.B)
+        finally:
+            self.rows = saved
+
+    def eval(self, i: int) -> np.ndarray:
+        src = self.c.heldout if len(self.c.heldout) > self.T + 1 else self.c.train
+        return self._rows(src, [self.seed, i, _EVAL], self.B)
+
+    def iterate(self, start: int, stop: int, prefetch: int = 4):
+        """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread."""
+        import grain
+        ds = grain.MapDataset.range(start, stop).map(lambda s: (s, self.train(s)))
+        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))

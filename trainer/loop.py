@@ -1,0 +1,137 @@
+"""The training loop: `train(cfg)` is the Python API; the CLI is a thin layer over it."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from models import flops_per_token, hardware_flops_per_token, param_count
+from trainer.config import Config, to_yaml
+from trainer.data import Batches, load_corpus
+from trainer.errors import UserError
+from trainer.metrics import MetricsWriter, device_peak, peak_devices
+from trainer.state import Setup, init_state, make_setup
+from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
+
+
+@dataclasses.dataclass
+class Result:
+    setup: Setup
+    state: dict
+    history: list  # the metric records written
+    eval_loss: float | None
+
+
+def prepare_run_dir(path: str) -> Path:
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run.dir '{path}' is not writable ({e.strerror}); choose another run.dir") from None
+    return d
+
+
+def to_global(s: Setup, rows: np.ndarray) -> jax.Array:
+    """This process's rows -> the global batch array, sharded over `data`."""
+    global_shape = (s.cfg.train.batch_size,) + rows.shape[1:]
+    return jax.make_array_from_process_local_data(s.batch_sharding(), rows, global_shape)
+
+
+def evaluate(s: Setup, eval_fn, params, batches: Batches) -> float:
+    losses = [eval_fn(params, to_global(s, batches.eval(i))) for i in range(s.cfg.train.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def describe(s: Setup) -> str:
+    t, mc = s.cfg.train, s.model
+    sync = t.grad_sync if uses_manual_sync(s) else "auto (compiler all-reduce)"
+    if t.grad_sync == "auto" and uses_manual_sync(s):
+        sync = "explicit reduce-scatter (ZeRO-2/3)"
+    return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "
+            f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
+            f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
+            f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
+            f"{t.microbatches} microbatch(es)")
+
+
+def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
+    """Train according to cfg; returns the final state and the logged metrics."""
+    console = console or Console(stderr=True, soft_wrap=True)
+    main = jax.process_index() == 0
+    run_dir = prepare_run_dir(cfg.run.dir)
+    s = make_setup(cfg, devices)
+    t = cfg.train
+    if main:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
+    batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
+                      jax.process_index(), jax.process_count())
+    console.print(f"[bold]meshtrain[/] {describe(s)}")
+
+    t0 = time.perf_counter()
+    state = init_state(s)
+    start = int(jax.device_get(state["step"]))
+    step_fn, eval_fn = jit_train_step(s), jit_eval_step(s)
+    with jax.set_mesh(s.mesh):
+        compiled = step_fn.lower(state, to_global(s, batches.train(start))).compile()
+    compile_s = time.perf_counter() - t0
+    peak, peak_src = device_peak(s.dtype)
+    n_peak = peak_devices(s.mesh)
+    tokens_per_step = t.batch_size * s.model.seq_len
+    fpt, hfpt = flops_per_token(s.model), hardware_flops_per_token(s.model)
+    console.print(f"init+compile {compile_s:.1f}s | peak {peak and peak / 1e12:.3g} TFLOP/s x {n_peak} "
+                  f"({peak_src}) | {fpt / 1e6:.1f} MFLOP/token")
+
+    writer = MetricsWriter(run_dir, enabled=main)
+    history, eval_loss = [], None
+    progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
+                        TextColumn("{task.fields[info]}"), console=console, disable=not cfg.run.progress)
+    try:
+        with progress, jax.set_mesh(s.mesh):
+            task = progress.add_task("train", total=t.steps, completed=start, info="")
+            last_t, last_step = time.perf_counter(), start
+            for step, rows in batches.iterate(start, t.steps):
+                state, metrics = compiled(state, to_global(s, rows))
+                done = step + 1
+                logging = done % cfg.run.log_every == 0 or done == t.steps
+                evaluating = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
+                if logging:
+                    m = jax.device_get(metrics)  # the only host sync in the loop
+                    now = time.perf_counter()
+                    dt = (now - last_t) / (done - last_step)
+                    last_t, last_step = now, done
+                    tps = tokens_per_step / dt
+                    mfu = fpt * tps / (peak * n_peak) if peak else None
+                    rec = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                           "lr": float(m["lr"]), "tokens_per_sec": tps, "step_time_s": dt, "mfu": mfu,
+                           "hfu": hfpt * tps / (peak * n_peak) if peak else None}
+                    if evaluating:
+                        eval_loss = evaluate(s, eval_fn, state["params"], batches)
+                        rec["eval_loss"] = eval_loss
+                        last_t = time.perf_counter()  # eval time is not step time
+                    writer.write(rec)
+                    history.append(rec)
+                    info = (f"loss {rec['loss']:.3f} | {tps:,.0f} tok/s | MFU "
+                            f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
+                            + (f" | eval {eval_loss:.3f}" if evaluating else ""))
+                    progress.update(task, completed=done, info=info)
+                    console.print(f"step {done}/{t.steps} | {info}")
+                elif evaluating:
+                    eval_loss = evaluate(s, eval_fn, state["params"], batches)
+                    writer.write({"step": done, "eval_loss": eval_loss})
+                    history.append({"step": done, "eval_loss": eval_loss})
+    finally:
+        writer.close()
+    total = time.perf_counter() - t0
+    console.print(f"done: {t.steps} steps in {total:.1f}s"
+                  + (f", eval loss {eval_loss:.4f} nats/token" if eval_loss is not None else ""))
+    return Result(s, state, history, eval_loss)

@@ -1,0 +1,80 @@
+"""Throughput, MFU, and the run's outputs: metrics.jsonl, TensorBoard, console lines."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# Dense peak FLOP/s per chip from vendor datasheets: (bfloat16, float32).
+# float32 on GPUs counts the TF32 tensor-core rate, which XLA uses for f32 matmuls by default.
+PEAKS = {
+    "h200": (989e12, 494e12),   # NVIDIA H200 SXM datasheet
+    "h100": (989e12, 494e12),   # NVIDIA H100 SXM datasheet
+    "a100": (312e12, 156e12),   # NVIDIA A100 datasheet
+    "tpu v5p": (459e12, 459e12),  # Cloud TPU v5p docs (bf16)
+    "tpu v5 lite": (197e12, 197e12),  # v5e
+    "tpu v4": (275e12, 275e12),
+}
+
+
+def measure_matmul_rate(dtype=jnp.float32, n: int = 1024, reps: int = 8, device=None) -> float:
+    """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def device_peak(dtype) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device for `dtype`, and where the figure comes from."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        rate = measure_matmul_rate(dtype)
+        # Simulated CPU devices share the host's cores: the process-wide rate is the peak.
+        return rate, f"measured {jnp.dtype(dtype).name} matmul rate on this CPU"
+    kind = dev.device_kind.lower()
+    for key, (bf16, f32) in PEAKS.items():
+        if key in kind:
+            return (bf16 if jnp.dtype(dtype) == jnp.bfloat16 else f32), f"datasheet peak for {dev.device_kind}"
+    return None, f"unknown peak for {dev.device_kind}"
+
+
+def peak_devices(mesh) -> int:
+    """Devices whose peaks add up: simulated CPU devices share one host, so count 1 there."""
+    return 1 if mesh.devices.flat[0].platform == "cpu" else mesh.size
+
+
+class MetricsWriter:
+    """metrics.jsonl and TensorBoard scalars; only one process writes (process 0)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.file = self.tb = None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict):
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        step = record["step"]
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and v is not None:
+                self.tb.add_scalar(k, v, step)
+
+    def close(self):
+        if self.enabled:
+            self.file.close()
+            self.tb.close()

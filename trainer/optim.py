@@ -1,0 +1,23 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only: norms (and anything 1-D per layer) are not decayed."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+        decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip),
+        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask),
+    )
+    return tx, schedule

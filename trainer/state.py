@@ -1,0 +1,77 @@
+"""Train state created already sharded: abstract shapes -> shardings -> jitted init."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshes import Layout, build_mesh
+from models import ModelConfig, Transformer, logical_axes_of, params_of
+from trainer.config import Config, compute_dtype, model_config, validate
+from trainer.optim import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setup:
+    """Everything static about a run: config, mesh, shardings, optimizer."""
+    cfg: Config
+    model: ModelConfig
+    mesh: Mesh
+    layout: Layout
+    tx: optax.GradientTransformation
+    schedule: Any
+    dtype: Any
+    logical: dict  # logical axes of every parameter
+    shapes: dict  # abstract train state
+    shardings: dict  # NamedSharding of every leaf of the train state
+
+    @property
+    def param_shapes(self):
+        return self.shapes["params"]
+
+    def batch_sharding(self):
+        return self.layout.sharding(self.layout.batch_spec())
+
+
+def abstract_model(mc: ModelConfig, seed: int = 0):
+    """Parameter shapes and logical axes, without allocating anything."""
+    m = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(seed)))
+    return params_of(m), logical_axes_of(m)
+
+
+def make_setup(cfg: Config, devices=None) -> Setup:
+    devices = list(jax.devices() if devices is None else devices)
+    data, stage, model = validate(cfg, len(devices))
+    mesh = build_mesh(data, stage, model, devices=devices)
+    mc = model_config(cfg)
+    layout = Layout(mesh, cfg.train.zero_stage)
+    tx, schedule = make_optimizer(cfg.train)
+    pshapes, logical = abstract_model(mc, cfg.train.seed)
+    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
+              "opt_state": jax.eval_shape(tx.init, pshapes)}
+    opt_param_sh = layout.tree("opt", pshapes, logical)
+    shardings = {
+        "step": layout.replicated,
+        "params": layout.tree("param", pshapes, logical),
+        "opt_state": optax.tree_map_params(tx, lambda _, sh: sh, shapes["opt_state"], opt_param_sh,
+                                           transform_non_params=lambda _: layout.replicated),
+    }
+    dtype = jnp.dtype(compute_dtype(cfg, devices[0].platform))
+    return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings)
+
+
+def init_state(s: Setup) -> dict:
+    """Initialise the train state directly into its shardings (no device holds it whole)."""
+    mc, seed, tx = s.model, s.cfg.train.seed, s.tx
+
+    def init():
+        params = params_of(Transformer(mc, rngs=nnx.Rngs(seed)))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    with jax.set_mesh(s.mesh):
+        return jax.jit(init, out_shardings=s.shardings)()

@@ -1,0 +1,176 @@
+"""The train and eval steps: pure functions of (state, batch), jitted once with explicit shardings.
+
+Gradients come from one of two paths:
+  compiler  (grad_sync=auto, ZeRO 0/1): plain jit; XLA inserts the gradient all-reduce.
+  manual    (grad_sync=psum|ring|ring_bf16, or ZeRO 2/3): the loss and gradients run in a
+            shard_map that is manual over `data` (tensor parallelism over `model` stays
+            with the compiler). Each device differentiates its own rows; the reduction is
+            explicit: reduce-scatter for ZeRO 2/3 (once per microbatch, so the accumulated
+            gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
+            arrive sharded and are all-gathered one layer at a time inside the layer scan;
+            the transpose of that all-gather is the gradient's reduce-scatter.
+ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
+dynamic-slice into a reduce-scatter, and the explicit form keeps the gradient sharded on
+every backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from meshes.rules import RULES, constrainer, without_axes
+from models.transformer import loss_fn
+from trainer import sync
+from trainer.state import Setup
+
+
+def split_microbatches(batch, m: int):
+    """(B, T1) -> (M, B/M, T1); microbatch j takes rows j, j+M, ... so each spans every data shard."""
+    b = batch.shape[0]
+    return batch.reshape(b // m, m, *batch.shape[1:]).swapaxes(0, 1)
+
+
+def _constrain_tree(tree, shardings):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def uses_manual_sync(s: Setup) -> bool:
+    t = s.cfg.train
+    return t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
+
+
+# ----------------------------------------------------------------------------- compiler path
+
+def _auto_grads(s: Setup, params, batch):
+    constrain = constrainer(s.mesh)
+    vg = jax.value_and_grad(lambda p, b: loss_fn(s.model, p, b, dtype=s.dtype, constrain=constrain))
+    m = s.cfg.train.microbatches
+    if m == 1:
+        return vg(params, batch)
+    gsh = s.layout.tree("grad", s.param_shapes, s.logical)
+    mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, m), P(None, "data"))
+
+    def body(carry, mb):
+        loss, g = vg(params, mb)
+        acc = _constrain_tree(jax.tree.map(jnp.add, carry[1], g), gsh)
+        return (carry[0] + loss, acc), None
+
+    zeros = _constrain_tree(jax.tree.map(jnp.zeros_like, params), gsh)
+    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+    return loss / m, jax.tree.map(lambda x: x / m, g)
+
+
+# ----------------------------------------------------------------------------- manual path
+
+def _spec_with_data(ndim: int, dim: int | None) -> P:
+    if dim is None:
+        return P()
+    return P(*([None] * dim + ["data"]))
+
+
+def _scattered_shape(shape, dim, k):
+    return shape if dim is None else shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]
+
+
+def _manual_grads(s: Setup, params, batch):
+    t, lay = s.cfg.train, s.layout
+    k, m, zero = s.mesh.shape["data"], t.microbatches, t.zero_stage
+    dims = jax.tree.map(lambda sh, lg: lay.data_dim(sh.shape, lg), s.param_shapes, s.logical)
+    shapes = s.param_shapes
+    sharded_params = zero >= 3
+    in_p = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if sharded_params else None), shapes, dims)
+    out_g = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if zero >= 2 else None), shapes, dims)
+    constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
+    reducer = sync.make(t.grad_sync, "data", k)
+
+    def gather_leaf(x, d):
+        return x if d is None else reducer.all_gather(x, d)
+
+    def full_params(p):
+        """ZeRO-3: gather the non-layer weights; layer weights are gathered inside the scan."""
+        if not sharded_params:
+            return p, lambda lp: lp
+        top = {name: jax.tree.map(gather_leaf, v, dims[name]) for name, v in p.items() if name != "layers"}
+        layer_dims = {n: (None if d is None else d - 1) for n, d in dims["layers"].items()}
+        return {**top, "layers": p["layers"]}, lambda lp: {n: gather_leaf(v, layer_dims[n]) for n, v in lp.items()}
+
+    def local_loss(p, mb):
+        full, gather = full_params(p)
+        return loss_fn(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather)
+
+    vg = jax.value_and_grad(local_loss)
+
+    def reduce_micro(g):
+        """Per microbatch: ZeRO-2 reduce-scatters; ZeRO-3 was reduce-scattered by the gather's
+        transpose; leaves ZeRO leaves replicated (no divisible dim) are all-reduced."""
+        if zero < 2:
+            return g
+        def leaf(x, d):
+            if d is None:
+                return reducer.all_reduce(x)
+            return x if zero >= 3 else reducer.reduce_scatter(x, d)
+        return jax.tree.map(leaf, g, dims)
+
+    def local(p, b):
+        mbs = split_microbatches(b, m)
+        def body(carry, mb):
+            loss, g = vg(p, mb)
+            g = reduce_micro(g)
+            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+        zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d if zero == 2 else None, k),
+                                                    x.dtype), p, dims)
+        if m == 1:
+            (loss, g), _ = body((jnp.zeros((), jnp.float32), zeros), mbs[0])
+        else:
+            (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+        if zero < 2:  # one all-reduce per step, after accumulation
+            g = reducer.all_reduce_tree(g)
+        g = jax.tree.map(lambda x: x / (k * m), g)
+        return jax.lax.pmean(loss, "data") / m, g
+
+    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data")), out_specs=(P(), out_g),
+                       axis_names={"data"}, check_vma=False)
+    return fn(params, batch)
+
+
+# ----------------------------------------------------------------------------- steps
+
+def loss_and_grads(s: Setup, params, batch):
+    """Mean loss over the global batch and its gradient, synced over `data`."""
+    if uses_manual_sync(s):
+        return _manual_grads(s, params, batch)
+    return _auto_grads(s, params, batch)
+
+
+def train_step(s: Setup, state: dict, batch: jax.Array):
+    """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
+    params = state["params"]
+    loss, grads = loss_and_grads(s, params, batch)
+    opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
+    if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
+        grads = _constrain_tree(grads, opt_sh)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = s.tx.update(grads, state["opt_state"], params)
+    params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
+    new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    return new, {"loss": loss, "grad_norm": grad_norm, "lr": s.schedule(state["step"])}
+
+
+def eval_step(s: Setup, params, batch):
+    return loss_fn(s.model, params, batch, dtype=s.dtype, constrain=constrainer(s.mesh))
+
+
+def jit_train_step(s: Setup):
+    """train_step jitted once with explicit in/out shardings and the state donated."""
+    metrics_sh = {"loss": s.layout.replicated, "grad_norm": s.layout.replicated, "lr": s.layout.replicated}
+    return jax.jit(functools.partial(train_step, s), in_shardings=(s.shardings, s.batch_sharding()),
+                   out_shardings=(s.shardings, metrics_sh), donate_argnums=0)
+
+
+def jit_eval_step(s: Setup):
+    return jax.jit(functools.partial(eval_step, s), in_shardings=(s.shardings["params"], s.batch_sharding()),
+                   out_shardings=s.layout.replicated)
