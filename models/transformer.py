@@ -108,22 +108,31 @@ def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain):
-    """One decoder layer on weights `p` (no leading layers axis)."""
+    """One decoder layer on weights `p` (no leading layers axis).
+
+    Projections run on the tokens flattened to N = B*T rows: XLA:CPU runs a 2-D matmul and its
+    weight gradient about 1.5x faster than the same einsum with two batch-like dims.
+    """
     dt = x_BTD.dtype
+    B, T, D = x_BTD.shape
+    H, K, E = c.n_heads, c.n_kv_heads, c.head_dim
     p = jax.tree.map(lambda w: w.astype(dt), p)
-    h = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
-    q_BTHE = constrain(jnp.einsum("btd,dhe->bthe", h, p["wq"]), ("batch", "seq", "heads", "head_dim"))
-    k_BTKE = constrain(jnp.einsum("btd,dke->btke", h, p["wk"]), ("batch", "seq", "kv_heads", "head_dim"))
-    v_BTKE = constrain(jnp.einsum("btd,dke->btke", h, p["wv"]), ("batch", "seq", "kv_heads", "head_dim"))
-    q_BTHE, k_BTKE = apply_rope(q_BTHE, *rope), apply_rope(k_BTKE, *rope)
+    h_ND = rms_norm(x_BTD, p["attn_norm"], c.norm_eps).reshape(B * T, D)
+    q_BTHE = jnp.einsum("nd,dhe->nhe", h_ND, p["wq"]).reshape(B, T, H, E)
+    k_BTKE = jnp.einsum("nd,dke->nke", h_ND, p["wk"]).reshape(B, T, K, E)
+    v_BTKE = jnp.einsum("nd,dke->nke", h_ND, p["wv"]).reshape(B, T, K, E)
+    q_BTHE = constrain(apply_rope(q_BTHE, *rope), ("batch", "seq", "heads", "head_dim"))
+    k_BTKE = constrain(apply_rope(k_BTKE, *rope), ("batch", "seq", "kv_heads", "head_dim"))
+    v_BTKE = constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
     o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
-    o_BTHE = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim"))
-    x_BTD = constrain(x_BTD + jnp.einsum("bthe,hed->btd", o_BTHE, p["wo"]), ("batch", "seq", "embed"))
-    h = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
-    g_BTF = jnp.einsum("btd,df->btf", h, p["w_gate"])
-    u_BTF = jnp.einsum("btd,df->btf", h, p["w_up"])
-    a_BTF = constrain(jax.nn.silu(g_BTF) * u_BTF, ("batch", "seq", "mlp"))
-    return constrain(x_BTD + jnp.einsum("btf,fd->btd", a_BTF, p["w_down"]), ("batch", "seq", "embed"))
+    o_NHE = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B * T, H, E)
+    x_BTD = x_BTD + jnp.einsum("nhe,hed->nd", o_NHE, p["wo"]).reshape(B, T, D)
+    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+    h_ND = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps).reshape(B * T, D)
+    a_NF = jax.nn.silu(h_ND @ p["w_gate"]) * (h_ND @ p["w_up"])
+    a_NF = constrain(a_NF, ("batch", "mlp"))
+    x_BTD = x_BTD + jnp.einsum("nf,fd->nd", a_NF, p["w_down"]).reshape(B, T, D)
+    return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
 REMAT = {

@@ -15,7 +15,7 @@ from trainer.step import loss_and_grads
 
 
 def _grads(overrides, n_devices=8):
-    cfg = load_config(TINY + overrides)
+    cfg = load_config(TINY + ["train.batch_size=32"] + overrides)
     s = make_setup(cfg, jax.devices()[:n_devices])
     state = init_state(s)
     b = Batches(corpus(), 0, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size).global_train(0)
