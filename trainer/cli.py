@@ -26,7 +26,22 @@ def _train(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train}
+def _simulate(args: list[str]) -> int:
+    from trainer.config import all_keys, load_config
+    from trainer.simulate import plot, simulate
+    if args and args[0] in ("-h", "--help"):
+        print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
+              "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot.\n\n"
+              "keys:\n  " + "\n  ".join(k for k in all_keys() if k.startswith("sim.")))
+        return 0
+    cfg = load_config(args)
+    rows = simulate(cfg)
+    path = plot(rows, cfg.sim.plot or os.path.join(cfg.run.dir, "simulate.png"), " ".join(args) or "default")
+    print(f"plot: {path}" if path else "plot skipped: install the plot extra (pip install -e '.[plot]')")
+    return 0
+
+
+COMMANDS = {"train": _train, "simulate": _simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

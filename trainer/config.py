@@ -85,6 +85,26 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SimSection:
+    """The machine `meshtrain simulate` models (trainer/simulate.py); training ignores it."""
+    hardware: str = "h100"  # a100 | h100 | v5p: peak FLOP/s, link bandwidths and latencies
+    devices: Optional[int] = None  # cluster size when a mesh axis is -1
+    devices_per_node: Optional[int] = None  # override; on TPU the chips of one ICI slice
+    intra_bw: Optional[float] = None  # override: GB/s a device sends inside a node
+    inter_bw: Optional[float] = None  # override: GB/s a device sends between nodes
+    efficiency: float = 0.75  # fraction of peak the kernels reach with no communication or waiting
+    overlap: float = 0.0  # fraction of compute time that hides data-axis communication
+    straggler: str = "lognormal"  # none | lognormal | slow
+    sigma: float = 0.02  # lognormal: compute time x exp(sigma z) per device and step
+    slow_fraction: float = 0.001  # slow: share of (device, step) pairs that are slow_factor x slower
+    slow_factor: float = 2.0
+    steps: int = 64  # simulated steps per cluster size
+    max_devices: int = 16384
+    seed: int = 0
+    plot: Optional[str] = None  # default: run.dir/simulate.png
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
@@ -92,6 +112,7 @@ class Config:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     run: RunSection = dataclasses.field(default_factory=RunSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
+    sim: SimSection = dataclasses.field(default_factory=SimSection)
 
 
 def all_keys(node=Config, prefix="") -> list[str]:

@@ -1,0 +1,69 @@
+"""The cluster simulator: ring traffic, topology, the bubble, stragglers, and its command line."""
+from pathlib import Path
+
+import pytest
+
+from models import param_count
+from trainer.cli import main
+from trainer.config import load_config, model_config
+from trainer.simulate import HARDWARE, point, ring_allreduce, simulate
+
+BASE = ["model.preset=1b", "mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.batch_size=64",
+        "sim.max_devices=64", "sim.steps=16"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 3072, 16384])
+def test_ring_traffic_is_2_k_minus_1_over_k_times_size(k):
+    size, bw, lat = 3.0e9, 25e9, 1e-5
+    r = ring_allreduce(size, k, bw, lat)
+    assert r.bytes_per_device == pytest.approx(2 * (k - 1) / k * size, rel=1e-12)
+    assert r.seconds == pytest.approx(r.bytes_per_device / bw + 2 * (k - 1) * lat, rel=1e-12)
+
+
+def test_data_axis_traffic_of_a_step_inside_and_across_nodes():
+    cfg = load_config(BASE + ["mesh.data=4", "mesh.model=2", "sim.hardware=a100"])
+    mc, hw = model_config(cfg), HARDWARE["a100"]
+    grad = param_count(mc) / 2 * 4  # float32 gradient of one model-parallel slice
+    inside = point(cfg, mc, hw, (4, 1, 2), 4)  # 4 replicas x 2 fill one node of 8: one NVLink ring
+    assert inside.data_comm.bytes_per_device == pytest.approx(2 * 3 / 4 * grad, rel=1e-12)
+    across = point(cfg, mc, hw, (4, 1, 2), 16)  # 4 nodes x 4 members: ring of 4 inside, of 4 shards between
+    assert across.data_comm.bytes_per_device == pytest.approx(2 * 3 / 4 * grad + 2 * 3 / 4 * grad / 4, rel=1e-12)
+    assert across.data_comm.seconds == pytest.approx(
+        ring_allreduce(grad, 4, hw.intra_bw, hw.intra_lat).seconds
+        + ring_allreduce(grad / 4, 4, hw.inter_bw, hw.inter_lat).seconds, rel=1e-12)
+    z3 = point(load_config(BASE + ["train.zero_stage=3"]), mc, hw, (8, 1, 1), 8)
+    assert z3.data_comm.bytes_per_device == pytest.approx(1.5 * 2 * 7 / 8 * param_count(mc) * 4, rel=1e-12)
+
+
+def test_bubble_share_is_s_minus_1_over_m_plus_s_minus_1():
+    quiet = ["sim.straggler=none", "sim.intra_bw=1e9", "sim.inter_bw=1e9"]  # only link latencies remain
+    rows = simulate(load_config(BASE + ["mesh.data=2", "mesh.stage=2", "train.microbatches=4"] + quiet),
+                    out=lambda *_: None)
+    for r in rows:
+        assert r["lost"]["stragglers"] == 0
+        assert r["lost"]["bubble"] == pytest.approx((2 - 1) / (4 + 2 - 1), rel=5e-3)
+
+
+def test_stragglers_cost_sync_more_as_k_grows_and_local_sgd_recovers_it():
+    rows = simulate(load_config(BASE + ["sim.straggler=slow", "sim.slow_fraction=0.01", "sim.slow_factor=3",
+                                        "sim.max_devices=1024", "sim.steps=64"]), out=lambda *_: None)
+    lost = [r["lost"]["stragglers"] for r in rows]
+    assert lost[0] < 0.05 < 0.3 < lost[-1]  # one device is rarely slow; 1,024 almost always include one
+    big = rows[-1]
+    assert big["mfu"]["local"] > 1.3 * big["mfu"]["sync"]
+    assert big["local_bytes"] == pytest.approx(big["dp_bytes"] / big["H"])
+
+
+def test_simulate_cli(tmp_path, capsys):
+    plot = tmp_path / "sim.png"
+    assert main(["simulate"] + BASE + [f"sim.plot={plot}"]) == 0
+    assert "<- config" in capsys.readouterr().out and plot.stat().st_size > 0
+    assert main(["simulate"] + BASE + ["sim.hardware=b200"]) == 2
+    assert "sim.hardware='b200' is unknown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("docs/simulate/*.yaml")), ids=lambda p: p.stem)
+def test_documented_comparisons_simulate(path):
+    cfg = load_config([str(path), "sim.steps=8"])
+    own = [r for r in simulate(cfg, out=lambda *_: None) if r["own"]]
+    assert len(own) == 1 and 0.3 < own[0]["mfu"]["sync"] < own[0]["hfu"] <= 0.75

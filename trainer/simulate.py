@@ -1,0 +1,261 @@
+"""`meshtrain simulate`: utilization of K accelerators, step by step, as the cluster grows.
+
+The model and mesh come from the same config as `train`/`plan`; the `sim.*` keys describe the
+machine. Devices are placed mesh-order (model innermost, then stage, then data), `devices_per_node`
+to a node: fast links inside a node (NVLink / ICI), the network between nodes (InfiniBand / DCN).
+Per step and device:
+  compute   hardware FLOPs (remat included) / (peak x sim.efficiency), times a straggler factor
+            drawn per device and step: lognormal exp(sigma z) and/or, with probability
+            slow_fraction, slow_factor x slower.
+  bubble    (S-1)/V microbatch times of a pipeline with S stages and V repeats.
+  tensor    4 activation all-reduces per layer and microbatch (6 with full remat), not overlapped.
+  pipeline  one activation send forward and one gradient send back per microbatch.
+  data      the gradient ring all-reduce (ZeRO-3: all-gather twice + reduce-scatter = 1.5x),
+            sim.overlap x compute of it hidden behind the backward pass.
+A ring all-reduce of S bytes over K devices takes 2(K-1) steps; in each every device sends S/K
+bytes to its neighbour, so each sends 2(K-1)/K x S; a step costs latency + S/K / bandwidth. Groups
+that span nodes all-reduce hierarchically: rings inside nodes, then a ring of shards between them.
+Training modes: sync waits for the slowest device every step; local-SGD(H) lets replicas run H
+steps apart, then waits once and all-reduces the parameters; async never waits (each replica
+pushes 2 x its gradient to sharded parameter servers), at the price of updates d-1 steps stale.
+Weak scaling: `data` grows with K; rows per replica, microbatches, stage and model stay fixed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from models import ModelConfig, flops_per_token, hardware_flops_per_token, param_count
+from trainer.config import Config, model_config, validate
+from trainer.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    peak: float  # dense bf16 FLOP/s per device (datasheet)
+    node: int  # devices joined by the fast links
+    intra_bw: float  # bytes/s one device sends on the fast links
+    intra_lat: float  # seconds per hop
+    inter_bw: float  # bytes/s one device sends on the network
+    inter_lat: float
+
+
+GB = 1e9
+HARDWARE = {
+    # DGX A100: NVLink3 600 GB/s bidirectional per GPU; 8 x 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU)
+    "a100": Hardware(312e12, 8, 300 * GB, 3e-6, 25 * GB, 10e-6),
+    # DGX H100: NVLink4 900 GB/s bidirectional per GPU; 8 x 400 Gb/s NDR InfiniBand per node
+    "h100": Hardware(989e12, 8, 450 * GB, 3e-6, 50 * GB, 10e-6),
+    # Cloud TPU v5p: ICI 1200 GB/s bidirectional per chip over 6 torus links (a ring uses 2: 200 GB/s
+    # out), DCN 50 Gb/s per chip; a "node" is an ICI slice, set sim.devices_per_node to its chips
+    "v5p": Hardware(459e12, 4096, 200 * GB, 2e-6, 6.25 * GB, 25e-6),
+}
+STRAGGLERS = ("none", "lognormal", "slow")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    bytes_per_device: float
+    seconds: float
+
+
+def ring_allreduce(size: float, k: int, bw: float, lat: float) -> Transfer:
+    """Reduce-scatter (K-1 steps) then all-gather (K-1 steps) of `size` bytes around K devices."""
+    if k <= 1:
+        return Transfer(0.0, 0.0)
+    steps, chunk = 2 * (k - 1), size / k
+    return Transfer(steps * chunk, steps * (lat + chunk / bw))
+
+
+def hop(hw: Hardware, k: int, stride: int) -> tuple[float, float]:
+    """(bandwidth, latency) of the links of a group of k devices `stride` apart in mesh order."""
+    if stride * k <= hw.node:
+        return hw.intra_bw, hw.intra_lat
+    return hw.inter_bw, hw.inter_lat
+
+
+def group_allreduce(hw: Hardware, size: float, k: int, stride: int) -> Transfer:
+    """All-reduce over k devices `stride` apart: one ring inside a node; across n nodes with c
+    members each, hierarchical (NCCL / XLA multi-slice): a ring inside each node, a ring of the
+    nodes' 1/c shards between nodes (each member drives its own NIC), then the gather inside."""
+    c = max(1, min(k, hw.node // stride))
+    if c >= k:
+        return ring_allreduce(size, k, hw.intra_bw, hw.intra_lat)
+    inside = ring_allreduce(size, c, hw.intra_bw, hw.intra_lat)
+    across = ring_allreduce(size / c, k // c, hw.inter_bw, hw.inter_lat)
+    return Transfer(inside.bytes_per_device + across.bytes_per_device, inside.seconds + across.seconds)
+
+
+@dataclasses.dataclass
+class Point:
+    """One cluster size: the nominal per-step costs (seconds per device) and what they do to MFU."""
+    devices: int
+    data: int
+    batch: int
+    model_flops: float
+    hw_flops: float
+    compute: float
+    bubble: float
+    tensor: float
+    pipeline: float
+    data_comm: Transfer  # the synchronous step's data-axis traffic
+    param_sync: Transfer  # local SGD: one all-reduce of the parameters
+    data_exposed: float
+    async_comm: float
+
+
+def hardware(cfg: Config) -> Hardware:
+    sim = cfg.sim
+    if sim.hardware not in HARDWARE:
+        raise UserError(f"sim.hardware='{sim.hardware}' is unknown; choose one of {', '.join(HARDWARE)}")
+    hw = HARDWARE[sim.hardware]
+    over = {"node": sim.devices_per_node, "intra_bw": sim.intra_bw and sim.intra_bw * GB,
+            "inter_bw": sim.inter_bw and sim.inter_bw * GB}
+    return dataclasses.replace(hw, **{k: v for k, v in over.items() if v})
+
+
+def point(cfg: Config, mc: ModelConfig, hw: Hardware, shape: tuple[int, int, int], data: int) -> Point:
+    """Nominal costs of one training step with `data` replicas of the config's (stage, model) block."""
+    t, sim = cfg.train, cfg.sim
+    d0, s, m = shape
+    rows = t.batch_size // d0  # per replica, kept as the cluster grows
+    k, mb = data * s * m, t.microbatches
+    tokens = rows * data * mc.seq_len
+    model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
+    compute = hw_flops / (k * hw.peak * sim.efficiency)
+    v = getattr(t, "pipeline_repeats", 1)
+    bubble = (s - 1) / v * compute / mb
+    act_bytes = 4 if t.dtype == "float32" else 2
+    act = rows / mb * mc.seq_len * mc.d_model * act_bytes  # one microbatch's activations
+    per_layer = 6 if mc.remat == "full" else 4
+    tensor = mb * (mc.n_layers // s) * per_layer * group_allreduce(hw, act, m, 1).seconds
+    pbw, plat = hop(hw, 2, m)
+    pipeline = mb * 2 * (plat + act / pbw) if s > 1 else 0.0
+    grad = param_count(mc) / (s * m) * 4  # float32 gradients, this device's (stage, model) slice
+    plain = ring = group_allreduce(hw, grad, data, s * m)
+    if t.zero_stage >= 3:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
+        ring = Transfer(1.5 * ring.bytes_per_device, 1.5 * ring.seconds)
+    exposed = max(0.0, ring.seconds - sim.overlap * compute)
+    bw, lat = hop(hw, data, s * m)
+    push_pull = 2 * grad / bw + 2 * lat if data > 1 else 0.0
+    return Point(k, data, rows * data, model_flops, hw_flops, compute, bubble, tensor, pipeline, ring, plain,
+                 exposed, max(0.0, push_pull - sim.overlap * compute))
+
+
+def straggler_factors(cfg: Config, steps: int, k: int, rng) -> np.ndarray:
+    """(steps, k) multipliers of each device's compute time."""
+    sim = cfg.sim
+    f = np.ones((steps, k))
+    if sim.straggler == "lognormal":
+        f *= np.exp(sim.sigma * rng.standard_normal((steps, k)))
+    elif sim.straggler == "slow":
+        f *= np.where(rng.random((steps, k)) < sim.slow_fraction, sim.slow_factor, 1.0)
+    return f
+
+
+def step_times(cfg: Config, p: Point, h: int, rng) -> dict:
+    """Mean seconds per step for sync, local-SGD(h) and async, from simulated straggler draws."""
+    s_m = p.devices // p.data
+    n = max(1, cfg.sim.steps // h) * h
+    f = straggler_factors(cfg, n, p.devices, rng).reshape(n, p.data, s_m)
+    work = p.compute + p.bubble  # the pipeline stretches with its slowest stage
+    fixed = p.tensor + p.pipeline
+    replica = f.max(axis=2)  # (steps, data): a replica is itself synchronous
+    sync = work * f.max(axis=(1, 2)) + fixed + p.data_exposed
+    blocks = (work * replica + fixed).reshape(n // h, h, p.data).sum(axis=1)  # (blocks, data)
+    local = (blocks.max(axis=1) + p.param_sync.seconds) / h  # averaging waits; nothing to overlap it with
+    per_replica = (work * replica + fixed + p.async_comm).mean(axis=0)
+    async_ = p.data / np.sum(1.0 / per_replica)  # replicas' rates add up
+    return {"sync": float(sync.mean()), "local": float(local.mean()), "async": float(async_),
+            "straggle": float(work * (f.max(axis=(1, 2)).mean() - 1.0))}
+
+
+def cluster_sizes(shape: tuple[int, int, int], max_devices: int) -> list[int]:
+    """Replica counts: powers of two up to max_devices, plus the config's own."""
+    d0, s, m = shape
+    ds = {d0} | {2 ** i for i in range(0, 40) if 2 ** i * s * m <= max_devices}
+    return sorted(ds)
+
+
+def check(cfg: Config) -> tuple[int, int, int]:
+    sim = cfg.sim
+    mesh = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
+    if min(mesh) < 1 and not sim.devices:
+        raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
+    k = sim.devices or math.prod(mesh)
+    shape = validate(cfg, k)
+    checks = [
+        (sim.straggler in STRAGGLERS, f"sim.straggler='{sim.straggler}' is unknown; choose one of {', '.join(STRAGGLERS)}"),
+        (sim.efficiency > 0 and sim.efficiency <= 1, f"sim.efficiency={sim.efficiency} must be in (0, 1]"),
+        (0 <= sim.overlap <= 1, f"sim.overlap={sim.overlap} must be in [0, 1]"),
+        (sim.steps > 0 and sim.max_devices > 0, "sim.steps and sim.max_devices must be > 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    return shape
+
+
+def simulate(cfg: Config, out=print) -> list[dict]:
+    """Rows of (K, MFU and goodput per mode, loss breakdown) as `data` grows; prints a table."""
+    shape = check(cfg)
+    mc, hw = model_config(cfg), hardware(cfg)
+    h = max(getattr(cfg.train, "sync_every", 8), 2)  # local SGD's H; 1 would be synchronous
+    rng = np.random.default_rng(cfg.sim.seed)
+    out(f"model {param_count(mc) / 1e9:.3g}B params | mesh (data, stage, model)={shape} | {cfg.sim.hardware}: "
+        f"{hw.peak / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.intra_bw / GB:.0f} | {hw.inter_bw / GB:.3g} GB/s "
+        f"in | between nodes | efficiency {cfg.sim.efficiency:.2f}, overlap {cfg.sim.overlap:.2f}, "
+        f"stragglers {cfg.sim.straggler}")
+    out(f"{'K':>6} {'data':>5} {'batch':>6} | {'MFU':>5} {'HFU':>5} {'goodput':>7} {'lost: straggle':>14} "
+        f"{'comm':>5} {'bubble':>6} | {'local(H=' + str(h) + ')':>10} {'async':>5} | DP GB/device/step sync, local")
+    rows = []
+    for data in cluster_sizes(shape, cfg.sim.max_devices):
+        p = point(cfg, mc, hw, shape, data)
+        t = step_times(cfg, p, h, rng)
+        mfu = {mode: p.model_flops / (t[mode] * p.devices * hw.peak) for mode in ("sync", "local", "async")}
+        comm = p.tensor + p.pipeline + p.data_exposed
+        lost = {"stragglers": t["straggle"] / t["sync"], "communication": comm / t["sync"],
+                "bubble": p.bubble / t["sync"]}
+        row = {"devices": p.devices, "data": data, "batch": p.batch, "mfu": mfu,
+               "hfu": p.hw_flops / (t["sync"] * p.devices * hw.peak), "goodput": p.compute / t["sync"],
+               "lost": lost, "dp_bytes": p.data_comm.bytes_per_device,
+               "local_bytes": p.param_sync.bytes_per_device / h, "step_s": t, "H": h,
+               "own": data == shape[0]}
+        rows.append(row)
+        gb, gb_local = p.data_comm.bytes_per_device / GB, p.param_sync.bytes_per_device / GB
+        out(f"{p.devices:>6} {data:>5} {p.batch:>6} | {mfu['sync']:>5.1%} {row['hfu']:>5.1%} {row['goodput']:>7.1%} "
+            f"{lost['stragglers']:>14.1%} {lost['communication']:>5.1%} {lost['bubble']:>6.1%} | "
+            f"{mfu['local']:>10.1%} {mfu['async']:>5.1%} | {gb:.3g}, {gb_local / h:.3g}" + ("  <- config" if row["own"] else ""))
+    worst = rows[-1]["lost"]
+    main = max(worst, key=worst.get)
+    out(f"at K={rows[-1]['devices']}: synchronous utilization is lost mostly to {main} "
+        f"({worst[main]:.1%} of the step); local-SGD(H={h}) MFU {rows[-1]['mfu']['local']:.1%}, "
+        f"async {rows[-1]['mfu']['async']:.1%} (async updates are {rows[-1]['data'] - 1} steps stale)")
+    return rows
+
+
+def plot(rows: list[dict], path: str, title: str) -> str | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ks = [r["devices"] for r in rows]
+    h = rows[0]["H"]
+    for mode, label in (("sync", "synchronous"), ("local", f"local SGD (H={h})"), ("async", "asynchronous")):
+        ax.plot(ks, [100 * r["mfu"][mode] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("accelerators K")
+    ax.set_ylabel("MFU (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
