@@ -1,0 +1,98 @@
+"""KV-cache decoding: prefill a prompt, then one token per step, as pure functions.
+
+Dimension letters as in models/transformer.py, plus S = cache length (positions held).
+The cache holds every layer's RoPE'd keys and values, k/v of shape (L, B, S, K, E); slots at
+positions >= the current one are garbage and masked out.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.transformer import attn_out_mlp, embed, head, qkv, rope_tables
+
+
+def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
+    shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _stacked(layers: dict) -> dict:
+    """Layer weights with one leading layers axis (a circular pipeline stores them (V, L/V, ...))."""
+    if layers["wq"].ndim == 5:
+        return jax.tree.map(lambda w: w.reshape((-1,) + w.shape[2:]), layers)
+    return layers
+
+
+def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
+    """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
+    T, S = tokens_BT.shape[1], cache["k"].shape[2]
+    rope = rope_tables(S, c.head_dim, c.rope_theta)
+    # query at pos + t sees cache slots 0..pos + t (its own key is written first)
+    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+
+    def body(x_BTD, xs):
+        p, k_BSKE, v_BSKE = xs
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=pos)
+        k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
+        v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
+        o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
+        return attn_out_mlp(c, p, x_BTD, o_BTHE), (k_BSKE, v_BSKE)
+
+    x_BTD = embed(c, params, tokens_BT, dtype)
+    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(params["layers"]), cache["k"], cache["v"]))
+    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
+
+
+def sample(logits_BV, key, temperature: float, top_k: int):
+    """Next tokens (B,): argmax at temperature 0, else a draw from the top_k (0 = all) softmax."""
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    if top_k:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    return jax.random.categorical(key, logits_BV).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_fn(c: ModelConfig, temperature: float, top_k: int, dtype):
+    """extend + sample, jitted once per model and sampling settings (prefill and step shapes)."""
+    def step(params, tokens_BT, pos, cache, key):
+        logits_BV, cache = extend(c, params, tokens_BT, pos, cache, dtype)
+        return sample(logits_BV, key, temperature, top_k), cache
+    return jax.jit(step, donate_argnums=3)
+
+
+def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: float = 0.0, top_k: int = 0,
+             seed: int = 0, dtype=jnp.float32) -> Iterator[np.ndarray]:
+    """Yield n new tokens (B,) one at a time: one prefill, then one cached step per token.
+
+    The cache holds c.seq_len positions (the trained context); when it is full, the last half of
+    the tokens is prefilled again into an empty cache and decoding continues from there.
+    """
+    S = c.seq_len
+    tokens = np.asarray(prompt_BT, np.int32)
+    B = tokens.shape[0]
+    step = _step_fn(c, temperature, top_k, jnp.dtype(dtype))
+    key = jax.random.key(seed)
+    context = tokens[:, -(S // 2):] if tokens.shape[1] > S else tokens
+    cache, pos, nxt = init_cache(c, B, S, dtype), 0, context
+    for _ in range(n):
+        key, sub = jax.random.split(key)
+        tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub)
+        pos += nxt.shape[1]
+        tok_B = np.asarray(tok_B)
+        yield tok_B
+        context = np.concatenate([context, tok_B[:, None]], axis=1)
+        if pos == S:  # full: keep the last half as context and prefill it again
+            context = context[:, -(S // 2):]
+            cache, pos, nxt = init_cache(c, B, S, dtype), 0, context
+        else:
+            nxt = tok_B[:, None]
