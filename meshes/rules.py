@@ -31,9 +31,11 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "layers": "stage",
+    "repeats": None,  # circular pipeline repeats: every stage holds a block of each
 }
 # The dimension ZeRO shards over `data`, in order of preference (FSDP shards `embed`).
-ZERO_PREFERENCE = ("embed", "mlp", "vocab", "head_dim", "heads", "kv_heads", "layers")
+# `layers` is never chosen: the layer scan slices it, and `stage` may already split it.
+ZERO_PREFERENCE = ("embed", "mlp", "vocab", "head_dim", "heads", "kv_heads")
 
 
 def logical_to_spec(logical: tuple[str | None, ...], rules: dict = RULES) -> P:
@@ -59,8 +61,8 @@ def zero_dim(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh
     if k == 1:
         return None
     base = logical_to_spec(logical)
-    order = sorted(range(len(shape)), key=lambda i: (
-        ZERO_PREFERENCE.index(logical[i]) if logical[i] in ZERO_PREFERENCE else len(ZERO_PREFERENCE), -shape[i]))
+    order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
+                   key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
     for i in order:
         if shape[i] % (k * _axis_size(mesh, base[i])) == 0:
             return i

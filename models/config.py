@@ -31,6 +31,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     remat: str = "none"
     init_std: float = 0.02
+    # Circular pipeline repeats V: layer weights are stored (V, L/V, ...) so that sharding the
+    # second axis over `stage` gives stage s the blocks s, s+S, ... (row-major = logical order).
+    pipeline_repeats: int = 1
 
     @property
     def head_dim(self) -> int:

@@ -22,13 +22,19 @@ def corpus(source="builtin"):
     return load_corpus(source)
 
 
-def run_steps(overrides, n_devices=8, steps=3, source="builtin"):
-    """Train `steps` steps in-process; return (losses, params as numpy, setup, state)."""
+def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
+    """Train `steps` steps in-process; return (losses, params as numpy, setup, state).
+
+    n_devices defaults to the mesh's product when every axis is given, else 8.
+    """
     from trainer.config import load_config
     from trainer.data import Batches
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
     cfg = load_config(TINY + list(overrides))
+    if n_devices is None:
+        shape = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
+        n_devices = int(np.prod(shape)) if min(shape) > 0 else 8
     s = make_setup(cfg, jax.devices()[:n_devices])
     state = init_state(s)
     step = jit_train_step(s)

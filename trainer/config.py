@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -17,8 +18,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshes import load_preset, resolve_shape, MeshError
 from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from trainer.errors import UserError
+from trainer.profiling import parse_steps
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
+SYNC_MODES = ("every_step", "local_sgd", "diloco")
+OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -34,6 +38,7 @@ class ModelSection:
     seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
     remat: str = "none"  # none | full | dots
+    init_from: Optional[str] = None  # parameters from `meshtrain export` for a new run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class TrainSection:
     microbatches: int = 1
     zero_stage: int = 0
     grad_sync: str = "auto"  # auto | psum | ring | ring_bf16
+    pipeline_repeats: int = 1  # V: circular pipeline schedule when > 1 (needs mesh.stage > 1)
     seed: int = 0
     lr: float = 3e-3
     warmup_steps: int = 20
@@ -58,16 +64,23 @@ class TrainSection:
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    optimizer: str = "adamw"  # adamw | sgd (momentum b1, linear in the gradient)
+    sync: str = "every_step"  # every_step | local_sgd | diloco (trainer/localsgd.py)
+    sync_every: int = 1  # H: optimizer steps each replica takes on its own between syncs
+    outer_lr: float = 0.7  # diloco: Nesterov step on the replicas' mean parameter delta
+    outer_momentum: float = 0.9
     dtype: Optional[str] = None  # float32 | bfloat16; default: bfloat16 on GPU/TPU, float32 on CPU
     eval_every: int = 50
     eval_batches: int = 8
+    profile_steps: str = ""  # A:B: a jax.profiler trace of steps A..B (as numbered in the log)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 0  # steps; 0 = only at the end
-    keep: int = 3
+    every: int = 0  # steps; 0 = only at the end (and on preemption)
+    keep: int = 3  # newest checkpoints kept; 0 = all
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this for good; 0 = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +190,8 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     if base:
         layers.insert(0, (OmegaConf.create(base), "base"))
     try:
-        dot = OmegaConf.from_dotlist(pairs)
+        # YAML 1.1 reads 5:8 as the base-60 integer 308; keep A:B values (profile_steps) as text
+        dot = OmegaConf.from_dotlist([re.sub(r"=(\d+:\d+)$", r"='\1'", p) for p in pairs])
     except Exception as e:
         raise UserError(f"cannot parse overrides {pairs}: {str(e).splitlines()[0]}; write key=value") from None
     layers.append((dot, "command line"))
@@ -212,8 +226,8 @@ def model_config(cfg: Config) -> ModelConfig:
         raise UserError(f"model.preset='{m.preset}' is unknown; choose one of {', '.join(PRESETS)}")
     if m.remat not in REMAT_POLICIES:
         raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
-    over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "preset"}
-    return from_preset(m.preset, **over)
+    over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
+    return from_preset(m.preset, pipeline_repeats=cfg.train.pipeline_repeats, **over)
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:
@@ -247,11 +261,28 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
     checks += [
         (t.batch_size % (data * t.microbatches) == 0,
          f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
-         f"{data} x {t.microbatches}; use a multiple of {data * t.microbatches}"),
+         f"{data} x {t.microbatches} (each microbatch of batch_size/microbatches rows is split over "
+         f"mesh.data); use a multiple of {data * t.microbatches}"),
         (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
                                    f"use a mesh.stage that divides {mc.n_layers}"),
+        (t.pipeline_repeats >= 1, f"train.pipeline_repeats={t.pipeline_repeats} must be >= 1"),
+        (mc.n_layers % (stage * t.pipeline_repeats) == 0,
+         f"model.n_layers={mc.n_layers} is not divisible by mesh.stage x train.pipeline_repeats = "
+         f"{stage} x {t.pipeline_repeats}; choose them so that their product divides n_layers"),
+        (stage == 1 or t.microbatches >= stage,
+         f"train.microbatches={t.microbatches} is less than mesh.stage={stage}: the pipeline needs at least "
+         f"one microbatch per stage; set train.microbatches >= {stage}"),
+        (stage == 1 or t.grad_sync == "auto",
+         f"train.grad_sync={t.grad_sync} needs mesh.stage=1 (with a pipeline the data-axis sync is "
+         "compiler-inserted); use train.grad_sync=auto"),
+        (t.optimizer in OPTIMIZERS, f"train.optimizer='{t.optimizer}' is unknown; choose adamw or sgd"),
+        (t.sync in SYNC_MODES, f"train.sync='{t.sync}' is unknown; choose one of {', '.join(SYNC_MODES)}"),
+        (t.sync_every >= 1, f"train.sync_every={t.sync_every} must be >= 1 (optimizer steps between syncs)"),
+        (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
+         f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         (math.prod(shape) == n_devices, "mesh size mismatch"),
     ]
+    parse_steps(t.profile_steps)  # a UserError naming the fix if it is not A:B
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)

@@ -12,10 +12,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from models import flops_per_token, hardware_flops_per_token, param_count
+from trainer import pipeline
+from trainer.checkpoint import Checkpointer
 from trainer.config import Config, to_yaml
 from trainer.data import Batches, load_corpus
 from trainer.errors import UserError
+from trainer.goodput import Goodput, summary
 from trainer.metrics import MetricsWriter, device_peak, peak_devices
+from trainer.preempt import StopRequest
+from trainer.profiling import StepProfiler
 from trainer.state import Setup, init_state, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
 
@@ -26,6 +31,9 @@ class Result:
     state: dict
     history: list  # the metric records written
     eval_loss: float | None
+    start_step: int = 0  # the step it resumed from (0: a fresh run)
+    preempted: bool = False  # stopped early by SIGTERM/SIGINT, after saving a checkpoint
+    goodput: dict | None = None  # seconds per part of the run (trainer/goodput.py)
 
 
 def prepare_run_dir(path: str) -> Path:
@@ -60,11 +68,14 @@ def describe(s: Setup) -> str:
             f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
             f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
-            f"{t.microbatches} microbatch(es)")
+            f"{t.microbatches} microbatch(es)"
+            + (f" | {pipeline.describe(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats)}"
+               if s.mesh.shape["stage"] > 1 else ""))
 
 
 def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     """Train according to cfg; returns the final state and the logged metrics."""
+    gp = Goodput()
     console = console or Console(stderr=True, soft_wrap=True)
     main = jax.process_index() == 0
     run_dir = prepare_run_dir(cfg.run.dir)
@@ -78,12 +89,13 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     console.print(f"[bold]meshtrain[/] {describe(s)}")
 
     t0 = time.perf_counter()
-    state = init_state(s)
-    start = int(jax.device_get(state["step"]))
+    ckpt = Checkpointer(s, run_dir, log=console.print)
+    state, start = ckpt.restore_or_init(lambda: init_state(s))
     step_fn, eval_fn = jit_train_step(s), jit_eval_step(s)
     with jax.set_mesh(s.mesh):
         compiled = step_fn.lower(state, to_global(s, batches.train(start))).compile()
     compile_s = time.perf_counter() - t0
+    gp.add("compile", compile_s)
     peak, peak_src = device_peak(s.dtype)
     n_peak = peak_devices(s.mesh)
     tokens_per_step = t.batch_size * s.model.seq_len
@@ -91,21 +103,29 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     console.print(f"init+compile {compile_s:.1f}s | peak {peak and peak / 1e12:.3g} TFLOP/s x {n_peak} "
                   f"({peak_src}) | {fpt / 1e6:.1f} MFLOP/token")
 
-    writer = MetricsWriter(run_dir, enabled=main)
-    history, eval_loss = [], None
+    writer = MetricsWriter(run_dir, enabled=main, resume_step=start)
+    history, eval_loss, preempted, done = [], None, False, start
+    profiler = StepProfiler(t.profile_steps, run_dir / "tensorboard")  # TensorBoard's profile tab reads it there
     progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[info]}"), console=console, disable=not cfg.run.progress)
     try:
-        with progress, jax.set_mesh(s.mesh):
+        with progress, jax.set_mesh(s.mesh), StopRequest() as stop:
             task = progress.add_task("train", total=t.steps, completed=start, info="")
             last_t, last_step = time.perf_counter(), start
-            for step, rows in batches.iterate(start, t.steps):
-                state, metrics = compiled(state, to_global(s, rows))
+            for step, rows in gp.timed("data", batches.iterate(start, t.steps)):
+                with gp.span("data"):
+                    batch = to_global(s, rows)
                 done = step + 1
+                profiler.before(done)
+                with gp.span("compute"):
+                    with profiler.annotate(done):
+                        state, metrics = compiled(state, batch)
+                    profiler.after(done, (state, metrics))
                 logging = done % cfg.run.log_every == 0 or done == t.steps
                 evaluating = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
                 if logging:
-                    m = jax.device_get(metrics)  # the only host sync in the loop
+                    with gp.span("compute"):
+                        m = jax.device_get(metrics)  # the only host sync in the loop
                     now = time.perf_counter()
                     dt = (now - last_t) / (done - last_step)
                     last_t, last_step = now, done
@@ -115,23 +135,44 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                            "lr": float(m["lr"]), "tokens_per_sec": tps, "step_time_s": dt, "mfu": mfu,
                            "hfu": hfpt * tps / (peak * n_peak) if peak else None}
                     if evaluating:
-                        eval_loss = evaluate(s, eval_fn, state["params"], batches)
+                        with gp.span("eval"):
+                            eval_loss = evaluate(s, eval_fn, state["params"], batches)
                         rec["eval_loss"] = eval_loss
                         last_t = time.perf_counter()  # eval time is not step time
                     writer.write(rec)
                     history.append(rec)
-                    info = (f"loss {rec['loss']:.3f} | {tps:,.0f} tok/s | MFU "
+                    info = (f"loss {rec['loss']:.3f} | grad norm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
+                            f"{tps:,.0f} tok/s | MFU "
                             f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                             + (f" | eval {eval_loss:.3f}" if evaluating else ""))
                     progress.update(task, completed=done, info=info)
                     console.print(f"step {done}/{t.steps} | {info}")
                 elif evaluating:
-                    eval_loss = evaluate(s, eval_fn, state["params"], batches)
+                    with gp.span("eval"):
+                        eval_loss = evaluate(s, eval_fn, state["params"], batches)
                     writer.write({"step": done, "eval_loss": eval_loss})
                     history.append({"step": done, "eval_loss": eval_loss})
+                if ckpt.due(done):
+                    with gp.span("checkpoint"):
+                        ckpt.save(done, state)
+                if stop.agreed(can_sync=logging):
+                    preempted = True
+                    break
+            profiler.stop(state)
+            with gp.span("checkpoint"):
+                if done > start:
+                    ckpt.save(done, state)
+                ckpt.close()  # waits for the save in flight, still inside the signal handlers
+            goodput = gp.record()
+            writer.write({"step": done, **goodput})
     finally:
+        profiler.stop()
         writer.close()
+        ckpt.close()
     total = time.perf_counter() - t0
-    console.print(f"done: {t.steps} steps in {total:.1f}s"
+    if preempted:
+        console.print(f"stopped after step {done}; checkpoint saved, rerun the same command to resume")
+    console.print(f"done: {done - start} steps in {total:.1f}s"
                   + (f", eval loss {eval_loss:.4f} nats/token" if eval_loss is not None else ""))
-    return Result(s, state, history, eval_loss)
+    console.print(summary(goodput))
+    return Result(s, state, history, eval_loss, start, preempted, goodput)

@@ -24,14 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
-from trainer import sync
+from trainer import localsgd, sync
+from trainer.pipeline import pipeline_loss, split_microbatches
 from trainer.state import Setup
-
-
-def split_microbatches(batch, m: int):
-    """(B, T1) -> (M, B/M, T1); microbatch j takes rows j, j+M, ... so each spans every data shard."""
-    b = batch.shape[0]
-    return batch.reshape(b // m, m, *batch.shape[1:]).swapaxes(0, 1)
 
 
 def _constrain_tree(tree, shardings):
@@ -40,6 +35,8 @@ def _constrain_tree(tree, shardings):
 
 def uses_manual_sync(s: Setup) -> bool:
     t = s.cfg.train
+    if s.mesh.shape["stage"] > 1:  # the pipeline leaves data-axis sync to the compiler
+        return False
     return t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
 
 
@@ -84,19 +81,19 @@ def _manual_grads(s: Setup, params, batch):
     sharded_params = zero >= 3
     in_p = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if sharded_params else None), shapes, dims)
     out_g = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if zero >= 2 else None), shapes, dims)
+    specs = jax.tree.map(lambda sh, lg: lay.compute_spec(sh.shape, lg), shapes, s.logical)
     constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
     reducer = sync.make(t.grad_sync, "data", k)
-
-    def gather_leaf(x, d):
-        return x if d is None else reducer.all_gather(x, d)
 
     def full_params(p):
         """ZeRO-3: gather the non-layer weights; layer weights are gathered inside the scan."""
         if not sharded_params:
             return p, lambda lp: lp
-        top = {name: jax.tree.map(gather_leaf, v, dims[name]) for name, v in p.items() if name != "layers"}
+        top = {n: v for n, v in p.items() if n != "layers"}
+        top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top})
         layer_dims = {n: (None if d is None else d - 1) for n, d in dims["layers"].items()}
-        return {**top, "layers": p["layers"]}, lambda lp: {n: gather_leaf(v, layer_dims[n]) for n, v in lp.items()}
+        layer_specs = {n: P(*sp[1:]) for n, sp in specs["layers"].items()}
+        return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs)
 
     def local_loss(p, mb):
         full, gather = full_params(p)
@@ -109,11 +106,9 @@ def _manual_grads(s: Setup, params, batch):
         transpose; leaves ZeRO leaves replicated (no divisible dim) are all-reduced."""
         if zero < 2:
             return g
-        def leaf(x, d):
-            if d is None:
-                return reducer.all_reduce(x)
-            return x if zero >= 3 else reducer.reduce_scatter(x, d)
-        return jax.tree.map(leaf, g, dims)
+        if zero == 2:
+            return reducer.reduce_scatter_tree(g, dims, specs)
+        return jax.tree.map(lambda x, d: reducer.all_reduce(x) if d is None else x, g, dims)
 
     def local(p, b):
         mbs = split_microbatches(b, m)
@@ -128,7 +123,7 @@ def _manual_grads(s: Setup, params, batch):
         else:
             (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
         if zero < 2:  # one all-reduce per step, after accumulation
-            g = reducer.all_reduce_tree(g)
+            g = reducer.all_reduce_tree(g, dims, specs)
         g = jax.tree.map(lambda x: x / (k * m), g)
         return jax.lax.pmean(loss, "data") / m, g
 
@@ -141,6 +136,8 @@ def _manual_grads(s: Setup, params, batch):
 
 def loss_and_grads(s: Setup, params, batch):
     """Mean loss over the global batch and its gradient, synced over `data`."""
+    if s.mesh.shape["stage"] > 1:
+        return jax.value_and_grad(functools.partial(pipeline_loss, s))(params, batch)
     if uses_manual_sync(s):
         return _manual_grads(s, params, batch)
     return _auto_grads(s, params, batch)
@@ -166,11 +163,15 @@ def eval_step(s: Setup, params, batch):
 
 def jit_train_step(s: Setup):
     """train_step jitted once with explicit in/out shardings and the state donated."""
+    if localsgd.enabled(s.cfg):  # replicas step apart and sync every train.sync_every steps
+        return localsgd.jit_train_step(s)
     metrics_sh = {"loss": s.layout.replicated, "grad_norm": s.layout.replicated, "lr": s.layout.replicated}
     return jax.jit(functools.partial(train_step, s), in_shardings=(s.shardings, s.batch_sharding()),
                    out_shardings=(s.shardings, metrics_sh), donate_argnums=0)
 
 
 def jit_eval_step(s: Setup):
+    if localsgd.enabled(s.cfg):
+        return localsgd.jit_eval_step(s)
     return jax.jit(functools.partial(eval_step, s), in_shardings=(s.shardings["params"], s.batch_sharding()),
                    out_shardings=s.layout.replicated)
