@@ -1,0 +1,69 @@
+"""`meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png`: loss, eval loss, tokens/s and MFU of runs, overlaid."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.errors import UserError
+
+PANELS = (("loss", "train loss (nats/token)"), ("eval_loss", "eval loss (nats/token)"),
+          ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run's metrics.jsonl records merged per step (later lines win), in step order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"'{run_dir}' has no metrics.jsonl; give the run.dir of a run that has logged steps")
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            by_step.setdefault(rec["step"], {}).update(rec)
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def series(records: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
+    """Write the figure to `out`; returns how many runs each panel shows."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("meshtrain plot needs matplotlib; install the plot extra: pip install -e '.[plot]'") from None
+    if not run_dirs:
+        raise UserError("give at least one RUN_DIR: meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png")
+    runs = [(str(d), read_metrics(d)) for d in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    shown = {}
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        shown[key] = 0
+        for i, (name, recs) in enumerate(runs):
+            x, y = series(recs, key)
+            if x:
+                ax.plot(x, y, color=f"C{i}", label=name, marker="." if len(x) < 30 else None)
+                shown[key] += 1
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if not shown[key]:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes.flat[0].legend(fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot write the plot to '{out}' ({e}); give a writable --out path ending in .png") from None
+    finally:
+        plt.close(fig)
+    return shown
