@@ -12,6 +12,8 @@ USAGE = """meshtrain train [CONFIG.yaml ...] [key=value ...]
 Train a transformer on the (data, stage, model) mesh. Later YAML files and key=value
 pairs override earlier ones; `mesh.preset=NAME` loads meshes/presets/NAME.yaml first.
 With no arguments: the `small` model on the built-in corpus on all local devices.
+If run.dir holds checkpoints, training resumes from the newest complete one; SIGTERM or
+Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
 """
 
 
@@ -41,7 +43,31 @@ def _simulate(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "simulate": _simulate}
+def _inspect(args: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshtrain inspect", description="List a run's checkpoints (step, size, "
+                                "time, mesh, ZeRO stage) and the parameters' shapes and shardings.")
+    p.add_argument("--run", required=True, help="the run.dir (or an export)")
+    ns = p.parse_args(args)
+    from trainer.ckpt_tools import inspect_run
+    print(inspect_run(ns.run))
+    return 0
+
+
+def _export(args: list[str]) -> int:
+    from trainer.ckpt_tools import EXPORT_DTYPES, export
+    p = argparse.ArgumentParser(prog="meshtrain export", description="Write a checkpoint's parameters only "
+                                "(start a new run from them with model.init_from=OUT).")
+    p.add_argument("--run", required=True, help="the run.dir")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--out", required=True, help="new directory to write")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast the parameters (default: as saved)")
+    ns = p.parse_args(args)
+    out = export(ns.run, ns.out, ns.step, ns.dtype)
+    print(f"exported parameters to {out}")
+    return 0
+
+
+COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "simulate": _simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,17 +53,28 @@ def peak_devices(mesh) -> int:
     return 1 if mesh.devices.flat[0].platform == "cpu" else mesh.size
 
 
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+        return float("inf")
+
+
 class MetricsWriter:
     """metrics.jsonl and TensorBoard scalars; only one process writes (process 0)."""
 
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int = 0):
         self.enabled = enabled
         self.file = self.tb = None
         if not enabled:
             return
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if path.exists():  # drop records past the step training resumes from: each step is logged once
+            keep = [ln for ln in path.read_text().splitlines(keepends=True) if _step_of(ln) <= resume_step]
+            path.write_text("".join(keep))
+        self.file = open(path, "a", buffering=1)
         from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
 
     def write(self, record: dict):
         if not self.enabled:
