@@ -46,8 +46,18 @@ def build_mesh(data: int = -1, stage: int = 1, model: int = 1, devices=None,
     axis_types = (AxisType.Auto,) * 3
     if dcn is not None and math.prod(dcn) > 1:
         from jax.experimental import mesh_utils
+        if any(s % d for s, d in zip(shape, dcn)):
+            raise MeshError(f"dcn {tuple(dcn)} does not divide the mesh {shape}; give each axis a dcn size dividing it")
         ici = tuple(s // d for s, d in zip(shape, dcn))
-        dev = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+        # TPU slices carry slice_index; hosts of GPUs and CPUs do not: then each process is a granule
+        slices = {getattr(d, "slice_index", None) for d in devices}
+        by_process = None in slices or len(slices) != math.prod(dcn)
+        granules = len({d.process_index for d in devices}) if by_process else len(slices)
+        if granules != math.prod(dcn):
+            kind = "processes" if by_process else "slices"
+            raise MeshError(f"dcn {tuple(dcn)} spans {math.prod(dcn)} hosts but the devices come from {granules} "
+                            f"{kind}; make mesh.dcn_data x mesh.dcn_stage equal {granules}")
+        dev = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
         return Mesh(dev, AXES, axis_types=axis_types)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         return jax.make_mesh(shape, AXES, axis_types=axis_types)

@@ -19,11 +19,13 @@ Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
 
 def _train(args: list[str]) -> int:
     from trainer.config import all_keys, load_config
+    from trainer.distributed import initialize
     from trainer.loop import train
     if args and args[0] in ("-h", "--help"):
         print(USAGE + "\nkeys:\n  " + "\n  ".join(all_keys()))
         return 0
     cfg = load_config(args)
+    initialize(cfg.dist)  # before jax touches a device
     train(cfg)
     return 0
 

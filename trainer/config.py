@@ -47,6 +47,8 @@ class MeshSection:
     data: int = -1
     stage: int = 1
     model: int = 1
+    dcn_data: int = 1  # split data over this many hosts/slices (hybrid mesh: model stays inside a host)
+    dcn_stage: int = 1  # split stage over this many hosts/slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,17 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistSection:
+    """Joining a multi-process run (trainer/distributed.py); one process needs none of it."""
+    coordinator: Optional[str] = None  # HOST:PORT of process 0; with num_processes and process_id
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    cluster: str = "auto"  # auto (SLURM, Open MPI, TPU pods) | none | slurm | ompi | gcetpu | gketpu | mpi4py
+    timeout_s: int = 300  # seconds to wait for every process to join
+    heartbeat_s: int = 100  # a process silent this long counts as dead and the others stop
+
+
+@dataclasses.dataclass(frozen=True)
 class SimSection:
     """The machine `meshtrain simulate` models (trainer/simulate.py); training ignores it."""
     hardware: str = "h100"  # a100 | h100 | v5p: peak FLOP/s, link bandwidths and latencies
@@ -126,6 +139,7 @@ class Config:
     run: RunSection = dataclasses.field(default_factory=RunSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     sim: SimSection = dataclasses.field(default_factory=SimSection)
+    dist: DistSection = dataclasses.field(default_factory=DistSection)
 
 
 def all_keys(node=Config, prefix="") -> list[str]:
@@ -266,6 +280,10 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
                                    f"use a mesh.stage that divides {mc.n_layers}"),
         (t.pipeline_repeats >= 1, f"train.pipeline_repeats={t.pipeline_repeats} must be >= 1"),
+        (cfg.mesh.dcn_data >= 1 and data % cfg.mesh.dcn_data == 0,
+         f"mesh.dcn_data={cfg.mesh.dcn_data} does not divide mesh.data={data}; use a divisor of {data} (hosts per replica group)"),
+        (cfg.mesh.dcn_stage >= 1 and stage % cfg.mesh.dcn_stage == 0,
+         f"mesh.dcn_stage={cfg.mesh.dcn_stage} does not divide mesh.stage={stage}; use a divisor of {stage}"),
         (mc.n_layers % (stage * t.pipeline_repeats) == 0,
          f"model.n_layers={mc.n_layers} is not divisible by mesh.stage x train.pipeline_repeats = "
          f"{stage} x {t.pipeline_repeats}; choose them so that their product divides n_layers"),

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from models import flops_per_token, hardware_flops_per_token, param_count
 from trainer import pipeline
+from trainer import distributed
 from trainer.checkpoint import Checkpointer
 from trainer.config import Config, to_yaml
 from trainer.data import Batches, load_corpus
@@ -40,7 +41,7 @@ def prepare_run_dir(path: str) -> Path:
     d = Path(path)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        probe = d / ".write_test"
+        probe = d / f".write_test.{jax.process_index()}"  # processes sharing run.dir probe at once
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -77,6 +78,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     """Train according to cfg; returns the final state and the logged metrics."""
     gp = Goodput()
     console = console or Console(stderr=True, soft_wrap=True)
+    distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
     main = jax.process_index() == 0
     run_dir = prepare_run_dir(cfg.run.dir)
     s = make_setup(cfg, devices)
@@ -85,8 +87,10 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
     batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
-                      jax.process_index(), jax.process_count())
+                      *distributed.process_rows(s.batch_sharding(), t.batch_size))
     console.print(f"[bold]meshtrain[/] {describe(s)}")
+    if jax.process_count() > 1:
+        console.print(distributed.describe(s.mesh, batches.rows, t.batch_size))
 
     t0 = time.perf_counter()
     ckpt = Checkpointer(s, run_dir, log=console.print)

@@ -10,9 +10,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshes import Layout, build_mesh
+from meshes import Layout, MeshError, build_mesh
 from models import ModelConfig, Transformer, logical_axes_of, params_of
 from trainer.config import Config, compute_dtype, model_config, validate
+from trainer.errors import UserError
 from trainer.optim import make_optimizer
 
 
@@ -47,7 +48,10 @@ def abstract_model(mc: ModelConfig, seed: int = 0):
 def make_setup(cfg: Config, devices=None) -> Setup:
     devices = list(jax.devices() if devices is None else devices)
     data, stage, model = validate(cfg, len(devices))
-    mesh = build_mesh(data, stage, model, devices=devices)
+    try:
+        mesh = build_mesh(data, stage, model, devices=devices, dcn=(cfg.mesh.dcn_data, cfg.mesh.dcn_stage, 1))
+    except MeshError as e:
+        raise UserError(str(e)) from None
     mc = model_config(cfg)
     layout = Layout(mesh, cfg.train.zero_stage)
     tx, schedule = make_optimizer(cfg.train)

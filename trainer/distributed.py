@@ -1,0 +1,155 @@
+"""Joining a multi-process run: jax.distributed.initialize from the dist.* keys or a detected cluster.
+
+One process per host (or per GPU under SLURM) runs the same program; `initialize` must run
+before jax touches a device. Explicit keys win; otherwise `dist.cluster=auto` joins when the
+environment is a cluster jax bootstraps from (a SLURM step or Open MPI job with several
+tasks, a multi-host TPU slice), and runs as one process everywhere else.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+
+import jax
+import numpy as np
+
+from trainer.errors import UserError
+
+CLUSTERS = ("auto", "none", "slurm", "ompi", "gcetpu", "gketpu", "mpi4py")
+
+
+def _tasks(env, key: str) -> int:
+    try:
+        return int(env.get(key, "1").split("(")[0])  # SLURM may write '4(x2)'
+    except ValueError:
+        return 1
+
+
+def _tpu_vm() -> bool:
+    """A Cloud TPU VM, as jax itself decided at import (private, so guarded)."""
+    try:
+        from jax._src import cloud_tpu_init
+        return bool(cloud_tpu_init.running_in_cloud_tpu_vm) and "TPU_SKIP_MDS_QUERY" not in os.environ
+    except (ImportError, AttributeError):
+        return False
+
+
+def detect(env=None) -> str | None:
+    """Name of the cluster this process runs in, if it spans several processes; else None."""
+    env = os.environ if env is None else env
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in env for k in slurm) and _tasks(env, "SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and _tasks(env, "OMPI_COMM_WORLD_SIZE") > 1:
+        return "ompi"
+    hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES") or ""
+    if len([h for h in hosts.split(",") if h]) > 1:
+        return "gketpu"
+    if env is os.environ and _tpu_vm():
+        return "gcetpu"  # a single-host VM joins as one process, which costs nothing
+    return None
+
+
+def _explicit(d) -> dict | None:
+    """initialize() arguments from dist.coordinator / num_processes / process_id, or None if unset."""
+    given = {"coordinator": d.coordinator, "num_processes": d.num_processes, "process_id": d.process_id}
+    if all(v is None for v in given.values()):
+        return None
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise UserError(f"dist.{missing[0]} is not set; give dist.coordinator=HOST:PORT, dist.num_processes=N "
+                        "and dist.process_id=I together (or none of them)")
+    host, _, port = d.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"dist.coordinator='{d.coordinator}' is not HOST:PORT; give process 0's address and a free "
+                        "port, e.g. dist.coordinator=10.0.0.1:1234")
+    if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+        raise UserError(f"dist.process_id={d.process_id} is not in 0..dist.num_processes-1 "
+                        f"(num_processes={d.num_processes}); number the processes 0, 1, ..., N-1")
+    return {"coordinator_address": d.coordinator, "num_processes": d.num_processes, "process_id": d.process_id}
+
+
+def initialize(d) -> bool:
+    """Join the cluster that `d` (the config's dist section) names or that is detected; True if joined."""
+    if d.cluster not in CLUSTERS:
+        raise UserError(f"dist.cluster='{d.cluster}' is unknown; choose one of {', '.join(CLUSTERS)}")
+    if d.timeout_s <= 0 or d.heartbeat_s <= 0:
+        raise UserError(f"dist.timeout_s={d.timeout_s} and dist.heartbeat_s={d.heartbeat_s} must be > 0 seconds")
+    kw = _explicit(d)
+    if kw is None:
+        method = None if d.cluster == "none" else detect() if d.cluster == "auto" else d.cluster
+        if method is None:
+            return False
+        kw = {} if d.cluster == "auto" else {"cluster_detection_method": method}
+    elif kw["num_processes"] == 1:
+        return False
+    if jax.distributed.is_initialized():  # joined already (a notebook or a wrapper script)
+        return True
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    # jax aborts the process (no exception) when its own deadline passes: the watchdog fires first
+    for name, value in (("initialization_timeout", d.timeout_s + 30), ("heartbeat_timeout_seconds", d.heartbeat_s)):
+        if name in accepted:
+            kw[name] = value
+    try:  # CPU collectives across processes; GPU/TPU hosts ignore it
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError):
+        pass
+    who = f"process {kw['process_id']} of {kw['num_processes']}" if "process_id" in kw else "this process"
+    where = kw.get("coordinator_address", f"the {d.cluster} cluster's coordinator")
+    joined = _watchdog(d.timeout_s, f"meshtrain: error: {who} waited dist.timeout_s={d.timeout_s}s at {where} and "
+                       "not every process joined; start all of them with the same dist.coordinator (process ids "
+                       "0..N-1), or raise dist.timeout_s")
+    try:
+        jax.distributed.initialize(**kw)
+    except RuntimeError as e:
+        if "before" in str(e):
+            raise UserError("jax was already using devices when dist.* took effect; join before any jax call "
+                            "(meshtrain train does; in Python call trainer.distributed.initialize first)") from None
+        raise
+    except ValueError as e:
+        raise UserError(f"dist.cluster={d.cluster}: jax found no cluster to join ({str(e).strip()}); give "
+                        "dist.coordinator, dist.num_processes and dist.process_id, or set dist.cluster=none") from None
+    finally:
+        joined.set()
+    return True
+
+
+def _watchdog(seconds: float, message: str) -> threading.Event:
+    """An event to set within `seconds`; otherwise print `message` and exit with status 2. The wait for
+    peers runs in C++ with the GIL released, so this thread runs meanwhile."""
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            os.write(2, (message + "\n").encode())
+            os._exit(2)
+
+    threading.Thread(target=watch, name="meshtrain-join-watchdog", daemon=True).start()
+    return done
+
+
+def process_rows(sharding, batch_size: int, process_of=None, me: int | None = None) -> tuple[int, int]:
+    """(index, count): this process loads block `index` of the global batch cut into `count` equal blocks,
+    the rows its devices hold under `sharding` (all of them where the batch is replicated across hosts)."""
+    process_of = process_of or (lambda dev: dev.process_index)
+    me = jax.process_index() if me is None else me
+    rows = set()
+    for dev, idx in sharding.devices_indices_map((batch_size,)).items():
+        if process_of(dev) == me:
+            rows.update(range(batch_size)[idx[0]])
+    lo, n = min(rows), len(rows)
+    if rows != set(range(lo, lo + n)) or batch_size % n or lo % n:
+        raise UserError(f"this process's devices hold batch rows {sorted(rows)}, not one block of the batch; "
+                        "order the mesh so that each host holds a contiguous part of mesh.data (mesh.dcn_data)")
+    return lo // n, batch_size // n
+
+
+def describe(mesh, rows: slice, batch_size: int) -> str:
+    """'process 1 of 2 | 4 devices at data 0-3 stage 0 model 0 | batch rows 8:16 of 16'."""
+    me = jax.process_index()
+    at = np.argwhere(np.vectorize(lambda dev: dev.process_index == me)(mesh.devices))
+    span = " ".join(f"{name} {lo}" + (f"-{hi}" if hi > lo else "")
+                    for name, lo, hi in zip(mesh.axis_names, at.min(0), at.max(0)))
+    return (f"process {me} of {jax.process_count()} | {len(at)} devices at {span} | "
+            f"batch rows {rows.start}:{rows.stop} of {batch_size}")
