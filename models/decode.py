@@ -50,21 +50,23 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
 
 
-def sample(logits_BV, key, temperature: float, top_k: int):
-    """Next tokens (B,): argmax at temperature 0, else a draw from the top_k (0 = all) softmax."""
-    if temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / temperature
-    if top_k:
-        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    return jax.random.categorical(key, logits_BV).astype(jnp.int32)
+def sample(logits_BV, key, temperature, top_k):
+    """Next tokens (B,): argmax at temperature 0, else a draw from the top_k (0 = all) softmax.
+
+    temperature and top_k may be traced, so one compiled step serves every setting.
+    """
+    V = logits_BV.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth_B1 = jnp.sort(logits_BV, axis=-1)[:, V - k][:, None]
+    kept_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    drawn_B = jax.random.categorical(key, kept_BV / jnp.where(temperature > 0, temperature, 1.0))
+    return jnp.where(temperature > 0, drawn_B, jnp.argmax(logits_BV, axis=-1)).astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=8)
-def _step_fn(c: ModelConfig, temperature: float, top_k: int, dtype):
-    """extend + sample, jitted once per model and sampling settings (prefill and step shapes)."""
-    def step(params, tokens_BT, pos, cache, key):
+def _step_fn(c: ModelConfig, dtype):
+    """extend + sample, jitted once per model (compiled for the prefill and the one-token shapes)."""
+    def step(params, tokens_BT, pos, cache, key, temperature, top_k):
         logits_BV, cache = extend(c, params, tokens_BT, pos, cache, dtype)
         return sample(logits_BV, key, temperature, top_k), cache
     return jax.jit(step, donate_argnums=3)
@@ -80,13 +82,14 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
     S = c.seq_len
     tokens = np.asarray(prompt_BT, np.int32)
     B = tokens.shape[0]
-    step = _step_fn(c, temperature, top_k, jnp.dtype(dtype))
+    step = _step_fn(c, jnp.dtype(dtype))
+    temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)
     key = jax.random.key(seed)
     context = tokens[:, -(S // 2):] if tokens.shape[1] > S else tokens
     cache, pos, nxt = init_cache(c, B, S, dtype), 0, context
     for _ in range(n):
         key, sub = jax.random.split(key)
-        tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub)
+        tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub, temperature, top_k)
         pos += nxt.shape[1]
         tok_B = np.asarray(tok_B)
         yield tok_B

@@ -69,7 +69,36 @@ def _export(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "simulate": _simulate}
+def _plot(args: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshtrain plot", description="Plot loss, eval loss, tokens/s and MFU "
+                                "of one or more runs, overlaid.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run.dir of each run (holds metrics.jsonl)")
+    p.add_argument("--out", default="plot.png", help="image to write (default: plot.png)")
+    ns = p.parse_args(args)
+    from trainer.plot import plot_runs
+    plot_runs(ns.runs, ns.out)
+    print(f"plot: {ns.out}")
+    return 0
+
+
+def _generate(args: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="meshtrain generate", description="Sample text from a run's newest "
+                                "checkpoint (KV-cache decoding), streamed to stdout.")
+    p.add_argument("--run", required=True, help="the run.dir (or an export)")
+    p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
+    p.add_argument("--tokens", type=int, default=256, help="bytes to generate (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top_k", type=int, default=40, help="sample from the k likeliest; 0 = all (default: 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    ns = p.parse_args(args)
+    from trainer.generate import generate_text
+    generate_text(ns.run, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed, ns.step)
+    return 0
+
+
+COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "simulate": _simulate, "plot": _plot,
+            "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:

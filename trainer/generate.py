@@ -1,0 +1,54 @@
+"""`meshtrain generate`: sample bytes from a run's newest checkpoint with a KV cache, streamed as text."""
+from __future__ import annotations
+
+import codecs
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from trainer.errors import UserError
+
+
+def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int):
+    if not Path(run_dir).is_dir():
+        raise UserError(f"--run '{run_dir}' is not a directory; give the run.dir of a trained run")
+    if n_tokens < 1:
+        raise UserError(f"--tokens {n_tokens} must be at least 1")
+    if temperature < 0:
+        raise UserError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise UserError(f"--top_k {top_k} must be >= 0 (0 = no cut-off)")
+
+
+def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8,
+                  top_k: int = 40, seed: int = 0, step: int | None = None, out=None) -> str:
+    """Write the prompt and n_tokens sampled continuations to `out` as they come; return the new text."""
+    _check(run_dir, n_tokens, temperature, top_k)
+    import jax
+    from models.decode import generate
+    from trainer.checkpoint import load_params
+    from trainer.config import model_config
+    out = out or sys.stdout
+    # one local device holds the weights whatever mesh saved them; decoding is one sequence
+    params, cfg = load_params(run_dir, step, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    if cfg.data.source.endswith(".bin"):
+        raise UserError(f"run '{run_dir}' was trained on token ids ({cfg.data.source}), not bytes; "
+                        "generate decodes bytes, so use a run trained on text")
+    mc = model_config(cfg)
+    ids = list(prompt.encode("utf-8")) or [ord("\n")]  # an empty prompt starts a new line
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out.write(prompt)
+    new = []
+    for tok in generate(mc, params, np.asarray([ids], np.int32), n_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed):
+        t = int(tok[0])
+        # ids past the byte range exist only in a vocabulary wider than 256; show them as U+FFFD
+        piece = decoder.decode(bytes([t])) if t < 256 else "\ufffd"
+        new.append(piece)
+        out.write(piece)
+        out.flush()
+    tail = decoder.decode(b"", final=True)
+    out.write(tail + "\n")
+    out.flush()
+    return "".join(new) + tail
