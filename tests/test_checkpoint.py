@@ -209,7 +209,8 @@ def test_reshard_restore_is_bitwise_and_training_continues(tmp_path, tiny):
 
     s = setup(["mesh.data=8", "train.zero_stage=3"], 8)
     batches = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
-    state, _ = step(s, jax.device_put(tiny[1], s.shardings), 0)  # non-zero optimizer moments
+    fresh = jax.device_put(jax.tree.map(np.asarray, tiny[1]), s.shardings)  # own buffers: the step donates them
+    state, _ = step(s, fresh, 0)  # non-zero optimizer moments
     c = ckpt.Checkpointer(s, tmp_path / "run")
     c.save(1, state)
     c.close()
