@@ -97,7 +97,13 @@ def _generate(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "inspect": _inspect, "export": _export, "simulate": _simulate, "plot": _plot,
+def _plan(args: list[str]) -> int:
+    from trainer.plan_cli import main as plan
+    return plan(args)
+
+
+COMMANDS = {"train": _train, "plan": _plan,
+            "inspect": _inspect, "export": _export, "simulate": _simulate, "plot": _plot,
             "generate": _generate}
 
 

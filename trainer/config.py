@@ -131,6 +131,13 @@ class SimSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSection:
+    """The device `meshtrain plan` plans for (trainer/plan_devices.py); training ignores it."""
+    device: str = "auto"  # auto (this machine's) | h100-80g | h200 | a100-80g | tpu-v5p | tpu-v5e | tpu-v4 | cpu
+    hbm_gb: Optional[float] = None  # override the device's memory, in GB
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
@@ -139,6 +146,7 @@ class Config:
     run: RunSection = dataclasses.field(default_factory=RunSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     sim: SimSection = dataclasses.field(default_factory=SimSection)
+    plan: PlanSection = dataclasses.field(default_factory=PlanSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
 
 

@@ -1,0 +1,201 @@
+"""`meshtrain plan` against XLA's own numbers, against the hand arithmetic in docs/plan.md, and its CLI."""
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY
+from models import param_count
+from trainer.cli import main
+from trainer.config import load_config, model_config
+from trainer.plan import estimate, links, strategy_of
+from trainer.plan_devices import get_device
+from trainer.plan_hlo import collective_bytes
+from trainer.plan_report import by_axis
+from trainer.plan_verify import measure
+
+DOCS = Path(__file__).parent.parent / "docs" / "plan.md"
+H100 = get_device("h100-80g")  # bytes do not depend on the device; its table needs no measuring
+
+# tiny and small models; data, stage and model axes; ZeRO 0-3; 1 and 4 microbatches; the pipeline
+AGAINST_XLA = {
+    "d8-z0": ["mesh.data=8"],
+    "d8-z1-m4": ["mesh.data=8", "train.zero_stage=1", "train.microbatches=4", "train.batch_size=32"],
+    "d8-z2-m4": ["mesh.data=8", "train.zero_stage=2", "train.microbatches=4", "train.batch_size=32"],
+    "d8-z3-full": ["mesh.data=8", "train.zero_stage=3", "model.remat=full"],
+    "d4m2-z0-m4": ["mesh.data=4", "mesh.model=2", "train.microbatches=4", "train.batch_size=32"],
+    "d4m2-z3": ["mesh.data=4", "mesh.model=2", "train.zero_stage=3"],
+    "d2m4-z2": ["mesh.data=2", "mesh.model=4", "train.zero_stage=2"],
+    "m8-z0": ["mesh.data=1", "mesh.model=8", "model.n_kv_heads=8"],
+    "d2s2m2-z0-m4": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=4"],
+    "d2s4-z1-m4": ["mesh.data=2", "mesh.stage=4", "model.n_layers=4", "train.zero_stage=1", "train.microbatches=4"],
+    "d2s2-z3-m4-v2": ["mesh.data=2", "mesh.stage=2", "model.n_layers=4", "train.zero_stage=3",
+                      "train.microbatches=4", "train.pipeline_repeats=2"],
+    "small-d8-z1": ["model.preset=small", "mesh.data=8", "train.zero_stage=1"],
+    "small-d4m2-z2-m4-dots": ["model.preset=small", "mesh.data=4", "mesh.model=2", "train.zero_stage=2",
+                              "train.microbatches=4", "train.batch_size=32", "model.remat=dots"],
+}
+
+
+def _plan(overrides, device=H100, dtype="float32"):
+    cfg = load_config(TINY + list(overrides))
+    sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
+    n = math.prod(sizes) if min(sizes) > 0 else 8
+    return cfg, estimate(model_config(cfg), cfg.train, strategy_of(cfg, n), device, 1, dtype)
+
+
+@pytest.mark.parametrize("name", list(AGAINST_XLA))
+def test_against_xla(name):
+    """State bytes within 5% of XLA's memory analysis, collective bytes within 5% of the HLO's.
+
+    Each mesh axis also carries what XLA sends over it, within 10% of the total: XLA's combiner
+    sometimes merges a small collective into one over more axes.
+    """
+    cfg, plan = _plan(AGAINST_XLA[name])
+    m = measure(cfg)
+    xla_state = m.params_opt_bytes + m.grads_bytes
+    state_err = plan.state_bytes / xla_state - 1
+    comm_err = plan.comm_bytes / m.comm_bytes - 1
+    print(f"{name}: state {100 * state_err:+.2f}%  collectives {100 * comm_err:+.2f}%")
+    assert abs(state_err) < 0.05, (plan.state_bytes, xla_state)
+    assert abs(comm_err) < 0.05, (plan.comm_bytes, m.comm_bytes)
+    for axis, (mine, xla) in by_axis(plan, m).items():
+        assert abs(mine - xla) <= 0.10 * m.comm_bytes, (axis, mine, xla)
+
+
+def test_activations_follow_remat_as_xla_does():
+    """Remat policies order the predicted activations as they order XLA's scratch, which the estimate tracks."""
+    temps, preds = {}, {}
+    for remat in ("none", "dots", "full"):
+        cfg, plan = _plan(["mesh.data=8", "train.batch_size=64", f"model.remat={remat}"])
+        temps[remat] = measure(cfg, grads=False).temp_bytes
+        preds[remat] = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
+        assert abs(preds[remat] / temps[remat] - 1) < 0.35, (remat, preds[remat], temps[remat])
+    assert preds["none"] > preds["dots"] > preds["full"] and temps["none"] > temps["dots"] > temps["full"]
+
+
+def test_hlo_parser_counts_loops_and_groups():
+    """Bus bytes: a 3-trip loop's all-reduce over groups of 4, an all-gather over 2, a 2-pair permute."""
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %ar = f32[1024]{0} all-reduce(f32[1024]{0} %x), replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ag = bf16[64,4]{1,0} all-gather(bf16[32,4]{1,0} %y), replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}
+  %cp = f32[16]{0} collective-permute(f32[16]{0} %z), source_target_pairs={{0,2},{2,0}}
+}
+"""
+    got = collective_bytes(hlo, {"data": 2, "stage": 2, "model": 2})
+    assert got[("all-reduce", ("stage", "model"))] == 3 * 2 * 3 / 4 * 4096
+    assert got[("all-gather", ("data",))] == 1 / 2 * 64 * 4 * 2
+    assert got[("collective-permute", ("stage",))] == 64 * 2 / 8
+
+
+def _doc_numbers(heading: str) -> list[list[float]]:
+    """The numbers after '=' in each row of the table under a docs/plan.md heading."""
+    text = DOCS.read_text(encoding="utf-8").split(heading, 1)[1]
+    rows = [line for line in text.split("\n\n", 2)[1].splitlines() if line.startswith("|") and "---" not in line]
+    return [[float(x.replace(",", "")) for x in re.findall(r"=\s*([\d,.]+)", r)] for r in rows[1:]]
+
+
+def test_llama2_7b_state_matches_the_hand_arithmetic_in_the_docs():
+    psi = int(re.search(r"Ψ = ([\d,]+) parameters", DOCS.read_text(encoding="utf-8")).group(1).replace(",", ""))
+    mc = model_config(load_config(["model.preset=7b"]))
+    assert param_count(mc) == psi
+    rows = _doc_numbers("### Llama-2-7B training state per device, mesh.data=8")
+    assert len(rows) == 4
+    for zero, (params, grads, adam, total) in enumerate(rows):
+        cfg = load_config(["model.preset=7b", "mesh.data=8", f"train.zero_stage={zero}"])
+        plan = estimate(mc, cfg.train, strategy_of(cfg, 8), H100, 1, "bfloat16")
+        got = [plan.params_bytes, plan.grads_bytes, plan.opt_state_bytes, plan.state_bytes]
+        for doc, tool in zip((params, grads, adam, total), got):
+            assert abs(tool / 1e9 - doc) < 0.006, (zero, doc, tool / 1e9)  # the docs round to 0.01 GB
+
+
+def test_json_has_per_device_bytes(capsys):
+    code = main(["plan", "model.preset=7b", "mesh.data=-1", "mesh.model=8", "--devices", "64", "--hosts", "8",
+                 "plan.device=h100-80g", "train.zero_stage=1", "model.remat=full", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["fits"]
+    terms = ["params_bytes", "grads_bytes", "opt_state_bytes", "activations_bytes", "buffers_bytes"]
+    assert doc["total_bytes"] == pytest.approx(sum(doc[k] for k in terms))
+    assert doc["comm_bytes"] == pytest.approx(sum(t["bytes"] for t in doc["transfers"]))
+    mc = model_config(load_config(["model.preset=7b"]))
+    norms = (2 * mc.n_layers + 1) * mc.d_model  # replicated over `model`; everything else is split 8 ways
+    psi = param_count(mc) - norms
+    assert doc["params_bytes"] == 4 * psi / 8 + 4 * norms  # fp32
+    assert doc["opt_state_bytes"] == 8 * psi / 64 + 8 * norms / 8 + 8  # ZeRO-1: Adam moments also split over data
+    assert doc["links"] == {"model": "fast", "stage": "fast", "data": "net"}  # 8 GPUs per node: data crosses
+
+
+def test_links_follow_mesh_order_and_hosts():
+    st = strategy_of(load_config(["model.preset=7b", "mesh.data=4", "mesh.model=16"]), 64)
+    assert links(st, H100, 4) == {"model": "net", "stage": "net", "data": "net"}  # 16 GPUs span 2 nodes
+    st = strategy_of(load_config(["model.preset=7b", "mesh.data=8", "mesh.stage=2", "mesh.model=4", "train.microbatches=2"]), 64)
+    assert links(st, H100, 8) == {"model": "fast", "stage": "fast", "data": "net"}
+    assert links(st, get_device("tpu-v5p"), 1)["data"] == "fast"  # one ICI slice
+
+
+@pytest.mark.parametrize("args", [
+    ["--devices", "256", "plan.device=tpu-v5p"],
+    ["--devices", "64", "--hosts", "8", "plan.device=h100-80g"],
+])
+def test_search_ranks_7b_layouts_in_under_30s(args, capsys):
+    t = time.perf_counter()
+    code = main(["plan", "model.preset=7b", "--search", "--json", *args])
+    took = time.perf_counter() - t
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and took < 30, took
+    plans = doc["plans"]
+    assert len(plans) == 5 and doc["fit"] >= 5 and doc["tried"] > doc["fit"] - 1
+    steps = [p["step_s"] for p in plans]
+    assert steps == sorted(steps) and all(p["fits"] for p in plans)
+    assert plans[0]["why"].startswith("fastest") and all("vs #1" in p["why"] for p in plans[1:])
+    n = int(args[1])
+    assert all(p["layout"]["data"] * p["layout"]["stage"] * p["layout"]["model"] == n for p in plans)
+
+
+def test_layout_that_cannot_fit_says_by_how_much_and_why(capsys):
+    code = main(["plan", "model.preset=7b", "mesh.data=1", "plan.device=h100-80g", "model.remat=full",
+                 "train.batch_size=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    over = float(re.search(r"is ([\d.]+) GB more than the 80.0 GB", err[0]).group(1))
+    _, plan = _plan(["model.preset=7b", "mesh.data=1", "model.remat=full", "train.batch_size=1"], dtype="bfloat16")
+    assert over == pytest.approx((plan.total_bytes - 80e9) / 1e9, abs=0.06)
+    assert "largest term is optimizer state" in err[0] and "train.zero_stage=1" in err[0]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["plan.device=h100"], "did you mean 'h100-80g'"),
+    (["plan.hbm_gb=-1", "plan.device=h200"], "plan.hbm_gb=-1.0 must be > 0"),
+    (["--devices", "8", "--hosts", "3", "plan.device=h100-80g"], "--hosts 3 must divide --devices 8"),
+    (["--bogus"], "unknown option '--bogus'"),
+])
+def test_bad_plan_input_one_line(args, expected, capsys):
+    code = main(["plan", "model.preset=tiny", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("meshtrain: error:") and len(err.splitlines()) == 1, err
+    assert expected in err, err
+
+
+def test_cli_verify_prints_xla_beside_the_prediction(capsys):
+    code = main(["plan", *TINY, "mesh.data=8", "train.zero_stage=2", "plan.device=h100-80g", "--verify"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^  (\S[^\d\n]*?)\s+([\d.]+)\s+([\d.]+)\s+[-+]", out, re.M)}
+    assert rows["parameters + optimizer + gradients"][0] == pytest.approx(rows["parameters + optimizer + gradients"][1],
+                                                                          rel=0.05)
+    assert rows["collectives, total"][0] == pytest.approx(rows["collectives, total"][1], rel=0.05)

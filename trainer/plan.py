@@ -1,0 +1,115 @@
+"""`meshtrain plan`: per-device memory, communication and roofline step time of one layout.
+
+Nothing is allocated and no device is needed (plan 256 devices on a laptop): memory comes from
+trainer/plan_memory.py, collectives from trainer/plan_comm.py, device figures from
+trainer/plan_devices.py. The roofline assumes no overlap: step time = compute at peak / (1 - bubble)
++ every collective's bus bytes / the bandwidth of the link its mesh axis crosses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from models import ModelConfig, flops_per_token, hardware_flops_per_token
+from trainer.plan_comm import transfers
+from trainer.plan_devices import Device
+from trainer.plan_memory import activation_bytes, buffer_bytes, state_bytes
+from trainer.plan_types import Strategy, Transfer
+
+__all__ = ["Plan", "Strategy", "Transfer", "estimate", "links", "strategy_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    strategy: Strategy
+    model: ModelConfig
+    device: Device
+    hosts: int
+    dtype: str
+    batch_size: int
+    params_bytes: float
+    grads_bytes: float
+    opt_state_bytes: float
+    activations_bytes: float  # saved residuals, logits, pipeline buffers
+    buffers_bytes: float  # transient full-size gradients and gathered ZeRO-3 weights
+    transfers: tuple[Transfer, ...]
+    bubble: float
+    compute_s: float
+    comm_s: dict  # axis -> seconds
+    links: dict  # axis -> "fast" | "net"
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.activations_bytes + self.buffers_bytes
+
+    @property
+    def state_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.opt_state_bytes
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(t.bytes for t in self.transfers)
+
+    def axis_bytes(self, axis: str) -> float:
+        return sum(t.bytes for t in self.transfers if t.axis == axis)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device.hbm
+
+    @property
+    def step_s(self) -> float:
+        """Roofline step time, no overlap assumed: compute / (1 - bubble) + every transfer."""
+        return self.compute_s / (1 - self.bubble) + sum(self.comm_s.values())
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    @property
+    def mfu(self) -> float:
+        peak = self.device.peak(self.dtype) * (1 if self.device.shared else self.strategy.devices)
+        return flops_per_token(self.model) * self.tokens_per_step / (peak * self.step_s)
+
+
+def links(st: Strategy, device: Device, hosts: int) -> dict:
+    """Which link each mesh axis's collectives cross: mesh order puts `model` innermost."""
+    per_node = max(1, st.devices // hosts)
+    out, inner = {}, 1
+    for axis, size in (("model", st.model), ("stage", st.stage), ("data", st.data)):
+        inner *= size
+        out[axis] = "fast" if inner <= min(per_node, device.node) else "net"
+    return out
+
+
+def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, dtype: str) -> Plan:
+    """The plan of one layout: memory per device, bytes per axis, roofline time."""
+    a = 2 if dtype == "bfloat16" else 4
+    batch = train.batch_size
+    mc = dataclasses.replace(mc, remat=st.remat)
+    p, g, o = state_bytes(mc, train, st)
+    acts = activation_bytes(mc, st, batch, dtype)
+    bufs = buffer_bytes(mc, train, st)
+    moves = tuple(transfers(mc, train, st, batch, a))
+    bubble = (st.stage - 1) / (st.microbatches * st.repeats + st.stage - 1)
+    tokens = batch * mc.seq_len
+    flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
+    flops = hardware_flops_per_token(flop_mc) * tokens / st.devices
+    if st.stage > 1:  # embedding and head are replicated over `stage`
+        flops += 6 * mc.d_model * mc.vocab_size * tokens * (st.stage - 1) / st.devices
+    peak = device.peak(dtype) / (st.devices if device.shared else 1)
+    lk = links(st, device, hosts)
+    bw = {"fast": device.fast_bw, "net": device.net_bw}
+    comm = {}
+    for t in moves:  # a collective over several axes runs at the slowest of their links
+        slow = min(bw[lk[a]] for a in t.axis.split(","))
+        comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
+    return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk)
+
+
+def strategy_of(cfg, n_devices: int) -> Strategy:
+    """The layout a config describes, on n_devices."""
+    from trainer.config import validate
+    data, stage, model = validate(cfg, n_devices)
+    t = cfg.train
+    return Strategy(data, stage, model, t.zero_stage, t.microbatches, cfg.model.remat,
+                    getattr(t, "pipeline_repeats", 1), t.grad_sync)

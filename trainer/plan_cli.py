@@ -1,0 +1,135 @@
+"""`meshtrain plan [CONFIG.yaml ...] [key=value ...] [--json] [--verify] [--search --devices N [--hosts H]]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from trainer.errors import UserError
+
+DESCRIPTION = """Per-device memory, communication per mesh axis and roofline step time of a layout,
+from shapes alone: nothing is allocated and the planned devices need not exist. plan.device
+(h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, cpu; default: this machine's) and
+plan.hbm_gb choose the device. --verify compiles the real step for simulated CPU devices and
+prints XLA's numbers beside the prediction; --search ranks every layout for --devices N."""
+# Device kinds jax reports -> the plan's device table (the longer names first: 'tpu v5 lite' is v5e).
+KINDS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"), ("tpu v5 lite", "tpu-v5e"),
+         ("tpu v5e", "tpu-v5e"), ("tpu v5", "tpu-v5p"), ("tpu v4", "tpu-v4"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshtrain plan", description=DESCRIPTION)
+    p.add_argument("--json", action="store_true", help="machine-readable output (bytes per device)")
+    p.add_argument("--verify", action="store_true", help="compile the step and compare with XLA's figures")
+    p.add_argument("--search", action="store_true", help="rank every valid layout for --devices")
+    p.add_argument("--devices", type=int, help="devices to plan for (default: the mesh's product, or local)")
+    p.add_argument("--hosts", type=int, help="nodes (GPU hosts, TPU slices) they span (default: fewest)")
+    p.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
+    return p
+
+
+def _local_device() -> str:
+    import jax
+    kind = jax.devices()[0].device_kind.lower()
+    return next((name for key, name in KINDS if key in kind), "cpu")
+
+
+def _n_devices(cfg, ns) -> int:
+    if ns.devices is not None:
+        if ns.devices < 1:
+            raise UserError(f"--devices {ns.devices} must be >= 1")
+        return ns.devices
+    sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
+    if min(sizes) > 0:
+        return math.prod(sizes)
+    import jax
+    return jax.device_count()
+
+
+def main(args: list[str]) -> int:
+    ns, rest = _parser().parse_known_args(args)
+    bad = [a for a in rest if a.startswith("-")]
+    if bad:
+        raise UserError(f"unknown option '{bad[0]}' for meshtrain plan; see `meshtrain plan --help`")
+    from trainer.config import compute_dtype, load_config, model_config
+    cfg = load_config(rest)
+    n = _n_devices(cfg, ns)
+    if ns.verify and ns.search:
+        raise UserError("--verify checks one layout; drop --search, or --verify the layout the search picks")
+    if ns.verify and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # simulated CPU devices; read when jax starts its backend (if it already has, _verify says so)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from trainer.plan import estimate, strategy_of
+    from trainer.plan_devices import get_device
+    device = get_device(_local_device() if cfg.plan.device == "auto" else cfg.plan.device, cfg.plan.hbm_gb)
+    hosts = ns.hosts or -(-n // device.node)
+    if hosts < 1 or n % hosts:
+        raise UserError(f"--hosts {hosts} must divide --devices {n}; give a number of nodes that splits them evenly")
+    mc = model_config(cfg)
+    dtype = cfg.train.dtype or ("float32" if device.name == "cpu" else "bfloat16")
+    if ns.search:
+        return _search(mc, cfg, n, device, hosts, dtype, ns)
+    plan = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype)
+    out = {"plan": plan}
+    if ns.verify:
+        out["verify"] = _verify(cfg, n, device, hosts, mc, compute_dtype(cfg, "cpu"))
+    _print(out, ns.json)
+    from trainer.plan_report import overflow
+    problem = overflow(plan)
+    if problem:
+        print(f"meshtrain: error: {problem}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _verify(cfg, n, device, hosts, mc, dtype):
+    import jax
+    from trainer.plan import estimate, strategy_of
+    from trainer.plan_verify import measure
+    if jax.devices()[0].platform != "cpu" or jax.device_count() < n:
+        raise UserError(f"--verify needs {n} simulated CPU devices but this process has {jax.device_count()} "
+                        f"{jax.devices()[0].platform} device(s); run it in a fresh process with JAX_PLATFORMS=cpu")
+    pred = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype)
+    return pred, measure(cfg, jax.devices()[:n])
+
+
+def _print(out: dict, as_json: bool):
+    from trainer import plan_report as report
+    plan = out["plan"]
+    if as_json:
+        doc = report.as_json(plan)
+        if "verify" in out:
+            pred, m = out["verify"]
+            doc["verify"] = {"predicted": report.as_json(pred), "xla": {
+                "params_opt_bytes": m.params_opt_bytes, "grads_bytes": m.grads_bytes, "temp_bytes": m.temp_bytes,
+                "argument_bytes": m.argument_bytes, "output_bytes": m.output_bytes, "alias_bytes": m.alias_bytes,
+                "comm_bytes": m.comm_bytes,
+                "collectives": [{"kind": k, "axes": list(a), "bytes": b} for (k, a), b in m.collectives.items()]}}
+        print(json.dumps(doc, indent=1))
+        return
+    print(report.text(plan))
+    if "verify" in out:
+        print()
+        print(report.verify_text(*out["verify"]))
+
+
+def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
+    from trainer import plan_report as report
+    from trainer.plan_search import search, why
+    ranked = search(mc, cfg.train, n, device, hosts, dtype)
+    if ns.json:
+        print(json.dumps({"tried": ranked.tried, "fit": len(ranked.plans),
+                          "plans": [dict(report.as_json(p), why=why(p, ranked.plans[0], i))
+                                    for i, p in enumerate(ranked.plans[:ns.top])]}, indent=1))
+    elif ranked.plans:
+        print(report.search_text(ranked, ns.top, why))
+    if not ranked.plans:
+        if ranked.smallest is None:
+            raise UserError(f"no layout of {mc.n_layers} layers, {mc.n_heads} heads and batch {cfg.train.batch_size} "
+                            f"splits over {n} devices; change --devices or train.batch_size")
+        print(f"meshtrain: error: nothing fits; the smallest: {report.overflow(ranked.smallest)}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,161 @@
+"""Bus bytes per device of every collective in one step, per mesh axis, as XLA emits them.
+
+Bus bytes are what one device sends with ring algorithms: all-reduce 2(K-1)/K x S, all-gather,
+reduce-scatter and all-to-all (K-1)/K x S (S the unsharded array), a pipeline hop S. These rules
+follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan_hlo.py reads the same
+quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
+more than the textbook, the rule says so.
+
+Letters: K = data, S = stage, tp = model, M microbatches, n tokens per device and microbatch,
+a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
+"""
+from __future__ import annotations
+
+from models import ModelConfig
+from trainer.plan_memory import Leaf, leaves
+from trainer.plan_types import Strategy, Transfer
+
+def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[Transfer]:
+    """Every collective of one step, per mesh axis, in bus bytes per device."""
+    ls = leaves(mc, train, st)
+    n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
+    if st.stage > 1:
+        out = _pipeline_transfers(mc, st, ls, n, a)
+    else:
+        out = (_data_transfers(mc, st, ls, n) if st.data > 1 else []) + (_model_transfers(mc, st, n, a) if st.model > 1 else [])
+    return [t for t in out if t.bytes > 0]
+
+
+def _ring(kind: str, k: int) -> float:
+    return 2 * (k - 1) / k if kind == "all-reduce" else (k - 1) / k
+
+
+def manual_sync(st: Strategy) -> bool:
+    """Whether step.py reduces gradients explicitly in a shard_map (else the compiler inserts it)."""
+    return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2)
+
+
+def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
+    k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
+    ar, ag = _ring("all-reduce", k), _ring("all-gather", k)
+    grads = sum(x.bytes for x in ls)
+    zeroed = sum(x.bytes for x in ls if x.zero)
+    wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
+    T = lambda *a: Transfer(*a)  # noqa: E731
+    out = []
+    if manual_sync(st):
+        # psum_scatter / all_gather inside the data-manual shard_map see model-split leaves whole:
+        # XLA gathers them over `model` first and moves the unsplit leaf over `data`.
+        # (the ring runs manual over `model` too, so each device rings only its own slice)
+        psum = st.grad_sync in ("auto", "psum")
+        whole = lambda sel: sum(x.bytes * (x.model_split if psum else 1) for x in ls if sel(x))  # noqa: E731
+        over_model = lambda sel: sum(x.bytes * x.model_split for x in ls if psum and sel(x) and x.model_split > 1)  # noqa: E731
+        if zero >= 2:
+            out.append(T("data", "reduce-scatter", "gradient reduce-scatter, every microbatch",
+                         m * ag * whole(lambda x: x.zero) * wire, m))
+            out.append(T("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                         m * _ring("all-gather", tp) * over_model(lambda x: x.zero), m))
+            out.append(T("data", "all-reduce", "all-reduce of leaves too small to shard",
+                         m * ar * sum(x.bytes for x in ls if not x.zero), m))
+        else:
+            out.append(T("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step", ar * grads * wire, 1))
+        if zero >= 3:
+            again = 1 if st.remat == "none" else 2  # the backward pass gathers again under remat
+            top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
+            out.append(T("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
+                         + (", again in backward)" if again > 1 else ")"),
+                         ag * (whole(top) + m * again * whole(lay)), 1 + m * again))
+            out.append(T("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
+                         _ring("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k, 1 + m * again))
+    else:
+        syncs = m if st.stage == 1 else 1  # the accumulation loop reduces every microbatch
+        embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
+        if zero >= 1 and m == 1 and embed:
+            # the lookup's gradient rows go all-to-all; the head's part is reduced with the rest
+            out.append(T("data", "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
+            if tp > 1:
+                grads -= embed
+                out.append(T("data,model", "all-reduce", "tied head gradient", _ring("all-reduce", k * tp) * embed, 1))
+        else:
+            grads += embed  # the lookup's and the head's embedding gradients are reduced apart
+        out.append(T("data", "all-reduce", "gradient all-reduce (compiler)" + (", every microbatch" if syncs > 1 else ""),
+                     syncs * ar * grads, syncs))
+        if zero >= 1 and syncs > 1:
+            out.append(T("data", "all-gather", "ZeRO-1 accumulator gathered every microbatch", syncs * ag * zeroed, syncs))
+    if zero in (1, 2):
+        out.append(T("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+    return out
+
+
+def _embed_bytes(mc: ModelConfig, st: Strategy) -> float:
+    return mc.vocab_size // st.model * mc.d_model * 4
+
+
+def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
+    """Megatron activation all-reduces: XLA reduces the q/k/v and gate/up input gradients separately."""
+    tp, m = st.model, st.microbatches
+    ar = _ring("all-reduce", tp)
+    act = n * mc.d_model * a
+    layers = mc.n_layers // st.stage
+    # forward: after wo and w_down; backward: q, k, v and gate, up apart; full remat recomputes the
+    # first (the layer's output is not needed again); `dots` saves the projection outputs instead
+    per_layer = 2 + 5 + (1 if st.remat == "full" else 0)
+    out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
+                    m * ar * layers * per_layer * act, m * layers * per_layer)]
+    # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
+    out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss", m * ar * (2 * act + 3 * n * 4), 4 * m))
+    return out
+
+
+def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
+    """The pipeline step (trainer/pipeline.py) as XLA partitions it: the data-axis sync is the compiler's.
+
+    XLA reduces (and under ZeRO-3 gathers: forward, recompute, backward) one repeat's layer weights
+    inside every tick of the schedule, not once per step.
+    """
+    k, S, tp, m, zero = st.data, st.stage, st.model, st.microbatches, st.zero
+    ticks, body = m * st.repeats + S - 1, mc.n_layers // (S * st.repeats)
+    act = n * mc.d_model * a
+    whole = m * act  # the local batch's residual stream, before and after the schedule
+    out = [Transfer("stage", "collective-permute", "pipeline hops (activations forward, gradients back)",
+                    2 * ticks * act, 2 * ticks),
+           Transfer("stage", "collective-permute", "last stage's output picked (and its gradient)", 2 * whole / S, 2),
+           Transfer("stage", "all-reduce", "pipeline output shared over stage (and its gradient)",
+                    2 * _ring("all-reduce", S) * whole, 2)]
+    if k > 1:
+        ar, ag = _ring("all-reduce", k), _ring("all-gather", k)
+        layer = sum(x.bytes for x in ls if x.layers) / st.repeats
+        out += [Transfer("data", "all-reduce", "layer gradients all-reduced every tick", ticks * ar * layer, ticks),
+                Transfer("data", "all-to-all", "microbatches split and merged over data", 2 * ag * whole, 2)]
+        top = sum(x.bytes for x in ls if not x.layers)
+        embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
+        if zero == 0 or not embed:  # the lookup's and the head's embedding gradients are reduced apart
+            out.append(Transfer("data", "all-reduce", "embedding and head gradients", ar * (top + embed), 1))
+        else:  # the lookup's gradient rows go all-to-all; the head's, in ZeRO shards, over data and stage
+            out += [Transfer("data,stage", "all-reduce", "head gradient shards", _ring("all-reduce", k * S) * embed / k, 1),
+                    Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * m * n * mc.d_model * 4, 1),
+                    Transfer("data,stage", "collective-permute", "head gradient moved to its stage", embed / k, 1),
+                    Transfer("stage", "all-reduce", "head gradient summed over stage", _ring("all-reduce", S) * embed / k, 1)]
+        zeroed = sum(x.bytes for x in ls if x.zero)
+        if zero in (1, 2):
+            out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+        if zero >= 3:
+            lay = sum(x.bytes for x in ls if x.zero and x.layers) / st.repeats
+            # the last layer of a stage body is not recomputed, so its w_down is gathered twice, not three times
+            last = sum(x.bytes for x in ls if x.zero and x.name.endswith("['w_down']")) / (mc.n_layers // S)
+            # with one repeat the stage's weights do not change between ticks: XLA hoists the gathers
+            times = ticks if st.repeats > 1 else 1
+            out.append(Transfer("data", "all-gather", "ZeRO-3 weights gathered (forward, recompute, backward)"
+                                + (" every tick" if times > 1 else ""), times * ag * (3 * lay - last), 3 * times))
+            if embed:  # the data-sharded embedding is looked up by all-to-all and gathered over stage for the head
+                out += [Transfer("data", "all-to-all", "ZeRO-3 embedding lookup", ag * m * n * mc.d_model * 4, 1),
+                        Transfer("data,stage", "collective-permute", "ZeRO-3 head weights moved to their stage", embed / S, 1),
+                        Transfer("stage", "all-gather", "ZeRO-3 embedding gathered over stage",
+                                 _ring("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
+    if tp > 1:
+        ar = _ring("all-reduce", tp)
+        per_tick = 2 * body + (2 * body - 1) + 5 * body  # forward, recompute (not the last), backward
+        out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
+                         ticks * per_tick * ar * act, ticks * per_tick),
+                Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss", ar * (2 * whole + m * n * 4), 3)]
+    return out

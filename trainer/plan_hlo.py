@@ -1,0 +1,138 @@
+"""Collective bytes in compiled HLO text: per mesh axis, per device, with loop trip counts.
+
+Bytes follow the bus-bytes convention the planner predicts in (what one device sends with
+ring algorithms): all-reduce 2(K-1)/K x S, all-gather and reduce-scatter (K-1)/K x S
+(S = the full, unsharded array), all-to-all (K-1)/K x S, collective-permute S per sending
+device (averaged over all devices).
+"""
+from __future__ import annotations
+
+import collections
+import re
+
+import numpy as np
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-done)?\(")
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    comps, entry, name = {}, None, None
+    for line in text.splitlines():
+        if name is None:
+            m = _HEADER.match(line)
+            if m and "(" in line:
+                name = m.group(2)
+                comps[name] = []
+                entry = name if m.group(1) else entry
+        elif line.startswith("}"):
+            name = None
+        else:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _multiplicity(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    calls = collections.defaultdict(list)  # caller -> [(callee, times)]
+    for name, lines in comps.items():
+        for line in lines:
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            for key in ("body", "to_apply", "calls", "true_computation", "false_computation"):
+                for callee in re.findall(rf"\b{key}=%([\w.\-]+)", line):
+                    n = int(trip.group(1)) if key == "body" and trip else 1
+                    if key == "body" and not trip:
+                        raise ValueError(f"while loop calling {callee} has no known trip count")
+                    calls[name].append((callee, n))
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                calls[name] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
+    mult = collections.Counter()
+
+    def visit(name, times):
+        mult[name] += times
+        for callee, n in calls.get(name, ()):
+            visit(callee, times * n)
+    visit(entry, 1)
+    return mult
+
+
+def _array_bytes(type_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def _groups(line: str, n_devices: int) -> list[list[int]]:
+    """Replica groups of one collective, as lists of logical device ids."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # mesh form: mesh['axis_0'=8,...] {'axis_0'}: groups span the listed axes
+        axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in m.group(1).split(",")]
+        names, sizes = [a for a, _ in axes], [s for _, s in axes]
+        over = [names.index(a.strip("' ")) for a in m.group(2).split(",") if a.strip("' ")]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        keep = [i for i in range(len(sizes)) if i not in over]
+        return ids.transpose(keep + over).reshape(-1, int(np.prod([sizes[i] for i in over] or [1]))).tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?", line)
+    if m:  # iota form: [G,K]<=[dims]T(perm)
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)?\}", line)
+    if m and m.group(1):
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
+    return [list(range(n_devices))]  # empty replica_groups: all devices
+
+
+def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of a group differ."""
+    coords = np.array(np.unravel_index(np.asarray(groups[0]), tuple(mesh_shape.values()))).T
+    return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
+
+
+def collective_bytes(text: str, mesh_shape: dict[str, int]) -> dict[tuple[str, tuple[str, ...]], float]:
+    """{(kind, mesh axes): bytes one device sends per call} over every collective in the HLO."""
+    out = collections.Counter()
+    for kind, axes, sent, _ in collective_ops(text, mesh_shape):
+        out[(kind, axes)] += sent
+    return dict(out)
+
+
+def collective_ops(text: str, mesh_shape: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, str]]:
+    """(kind, mesh axes, bytes one device sends per call, HLO line) of every collective op."""
+    comps, entry = _computations(text)
+    mult = _multiplicity(comps, entry)
+    n = int(np.prod(list(mesh_shape.values())))
+    out = []
+    for name, lines in comps.items():
+        if not mult[name]:
+            continue
+        defs = {d.group(1): line for line in lines if (d := re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line))}
+        for line in lines:
+            m = _OP.search(line)
+            if not m:
+                continue
+            kind, size = m.group(2), _array_bytes(m.group(1))
+            if m.group(3):  # async pair: the -done op has the result, its -start the groups
+                line = defs[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
+            if kind == "collective-permute":
+                pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+                coords = [np.unravel_index([int(a), int(b)], tuple(mesh_shape.values())) for a, b in pairs]
+                axes = tuple(a for i, a in enumerate(mesh_shape) if any(c[i][0] != c[i][1] for c in coords))
+                out.append((kind, axes, mult[name] * size * len(pairs) / n, line))
+                continue
+            groups = _groups(line, n)
+            k = len(groups[0])
+            if k == 1:
+                continue
+            full = size * k if kind == "reduce-scatter" else size
+            factor = 2 * (k - 1) / k if kind == "all-reduce" else (k - 1) / k
+            out.append((kind, _axes_of(groups, mesh_shape), mult[name] * full * factor, line))
+    return out

@@ -1,0 +1,182 @@
+"""Per-device bytes of one layout, from shapes alone: state (exact), activations and buffers (estimates).
+
+Parameter shapes come from `jax.eval_shape`; their per-device shards from the trainer's own rules
+table and ZeRO specs (meshes/rules.py) on an AbstractMesh, so no device is needed. Activations are
+the residuals JAX itself saves for the backward pass of one layer at one device's shapes, times
+the layers, under the remat policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AbstractMesh, AxisType
+
+from meshes import AXES, Layout
+from models import ModelConfig
+from trainer.plan_types import Strategy
+
+@functools.lru_cache(maxsize=64)
+def _abstract(mc: ModelConfig, train):
+    """Parameter shapes, logical axes and optimizer-state shapes (cached per model and optimizer)."""
+    from trainer.optim import make_optimizer
+    from trainer.state import abstract_model
+    params, logical = abstract_model(mc)
+    tx, _ = make_optimizer(train)
+    return params, logical, tx, jax.eval_shape(tx.init, params)
+
+
+def _local(shape, spec, sizes) -> int:
+    """Elements of one device's shard of an array with this PartitionSpec."""
+    n = 1
+    for i, dim in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        n *= -(-dim // math.prod(sizes[a] for a in names))
+    return n
+
+
+def _layout(st: Strategy) -> Layout:
+    mesh = AbstractMesh((st.data, st.stage, st.model), AXES, axis_types=(AxisType.Auto,) * 3)
+    return Layout(mesh, st.zero)
+
+
+def leaf_bytes(mc: ModelConfig, train, st: Strategy, kind: str) -> dict:
+    """Bytes per device of every parameter leaf under the `kind` spec (param | grad | opt | compute)."""
+    params, logical, _, _ = _abstract(_no_remat(mc), train)
+    lay, sizes = _layout(st), dict(zip(AXES, (st.data, st.stage, st.model)))
+    fn = getattr(lay, f"{kind}_spec")
+    return jax.tree.map(lambda s, lg: _local(s.shape, fn(s.shape, lg), sizes) * s.dtype.itemsize, params, logical)
+
+
+def _no_remat(mc: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(mc, remat="none")
+
+
+def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, float]:
+    """(params, grads, optimizer state) bytes per device."""
+    _, _, tx, opt = _abstract(_no_remat(mc), train)
+    p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
+    # the pipeline's gradients come back whole from autodiff; only the update is ZeRO-sharded
+    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad" if st.stage == 1 else "compute")))
+    o = optax.tree_map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
+                              transform_non_params=lambda x: x.size * x.dtype.itemsize)
+    return float(p), float(g), float(sum(jax.tree.leaves(o)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter as the collectives see it."""
+    name: str
+    layers: bool  # part of the layer stack (gathered one layer at a time under ZeRO-3)
+    bytes: float  # per device at the compute spec (split over model and stage, not data)
+    model_split: int  # ways it is split over `model`
+    zero: bool  # has a dimension ZeRO shards over `data`
+
+
+def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
+    params, logical, _, _ = _abstract(_no_remat(mc), train)
+    lay, full = _layout(st), leaf_bytes(mc, train, st, "compute")
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    lgs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    out = []
+    for (path, s), lg, b in zip(flat, lgs, jax.tree.leaves(full)):
+        split = math.prod(st.model for e in lay.compute_spec(s.shape, lg) if e == "model" or (isinstance(e, tuple) and "model" in e))
+        name = jax.tree_util.keystr(path)
+        out.append(Leaf(name, name.startswith("['layers']"), float(b), split,
+                        st.data > 1 and lay.data_dim(s.shape, lg) is not None))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard(ModelConfig):
+    """One device's widths under tensor parallelism: heads, kv heads, d_ff, vocab / model; head_dim kept."""
+    shard_head_dim: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.shard_head_dim
+
+
+def _shard(mc: ModelConfig, tp: int) -> _Shard:
+    fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(ModelConfig)}
+    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads // tp, d_ff=mc.d_ff // tp,
+                  vocab_size=mc.vocab_size // tp, remat="none")
+    return _Shard(**fields, shard_head_dim=mc.head_dim)
+
+
+def _residuals(fn, *args) -> float:
+    """Bytes JAX saves from fn's forward for its backward, less the weights (already counted as state)."""
+    # jax.ad_checkpoint.print_saved_residuals prints this list; the function behind it returns it
+    from jax._src.ad_checkpoint import saved_residuals
+    return float(sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, where in saved_residuals(fn, *args)
+                     if "argument w" not in where))
+
+
+@functools.lru_cache(maxsize=512)
+def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, float]:
+    """(fixed, per sequence) residual bytes of one layer under a remat policy, or of the head and loss."""
+    from models.transformer import REMAT, cross_entropy, head, layer, rope_tables
+    c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
+    w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
+    D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+    out = []
+    for rows in (1, 2):
+        x = jax.ShapeDtypeStruct((rows, T, D), dt)
+        if what == "head":
+            weights = {"final_norm": w((D,)), "lm_head": w((D, c.vocab_size))}
+            cfg = dataclasses.replace(c, tie_embeddings=False)
+            targets = np.zeros((rows, T), np.int32)
+            out.append(_residuals(lambda x, weights: cross_entropy(head(cfg, weights, x), targets), x, weights))
+            continue
+        weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
+                   "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)), "w_down": w((F, D))}
+        fn = lambda x, weights: layer(c, weights, x, rope_tables(T, E, c.rope_theta))  # noqa: E731
+        if what != "none":
+            fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
+        out.append(_residuals(fn, x, weights))
+    return 2 * out[0] - out[1], out[1] - out[0]
+
+
+def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
+    fixed, per = _per_row(_no_remat(mc), tp, dtype, what)
+    return fixed + per * rows
+
+
+def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> float:
+    """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
+    a = jax.numpy.dtype(dtype).itemsize
+    b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
+    n = b * mc.seq_len * mc.d_model * a  # one microbatch's residual stream
+    if st.stage == 1:
+        saved = mc.n_layers * _saved(mc, st.model, dtype, st.remat, b)
+        recompute = _saved(mc, st.model, dtype, "none", b) if st.remat != "none" else 0.0
+        return saved + recompute + _saved(mc, st.model, dtype, "head", b)
+    # pipeline: stage bodies are rematerialised, so a stage keeps its input of every tick, plus the
+    # schedule's input and output buffers; embedding and head run on all microbatches at once
+    ticks = st.microbatches * st.repeats + st.stage - 1
+    body = mc.n_layers // (st.stage * st.repeats)
+    return ((ticks + 3 * st.microbatches) * n + body * _saved(mc, st.model, dtype, "none", b)
+            + _saved(mc, st.model, dtype, "head", b * st.microbatches))
+
+
+def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
+    """Transient gradient and weight buffers that are not persistent state."""
+    ls = leaves(mc, train, st)
+    top = sum(x.bytes for x in ls if x.zero and not x.layers)
+    lay = sum(x.bytes for x in ls if x.zero and x.layers)
+    zero3 = st.zero >= 3 and st.data > 1
+    if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
+        return top + lay / st.repeats if zero3 else 0.0
+    out = 0.0
+    if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
+        # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
+        # each layer's inside the scan, so its whole gradient never exists)
+        out += sum(x.bytes for x in ls)
+    if zero3:  # gathered layer weights: kept for the backward without remat, one layer at a time with it
+        out += top + (lay if st.remat == "none" else lay / mc.n_layers)
+    return out

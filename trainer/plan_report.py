@@ -1,0 +1,122 @@
+"""What `meshtrain plan` prints: the plan as text or JSON, XLA's figures beside it, the search's ranking."""
+from __future__ import annotations
+
+from models import param_count
+from trainer.plan import Plan
+
+GB = 1e9
+LINK = {"fast": "fast link", "net": "network"}
+TERMS = {"params_bytes": "parameters", "grads_bytes": "gradients", "opt_state_bytes": "optimizer state",
+         "activations_bytes": "activations", "buffers_bytes": "buffers"}
+FIXES = {"params_bytes": "train.zero_stage=3 or a larger mesh.model / mesh.stage",
+         "grads_bytes": "train.zero_stage=2 or a larger mesh.model / mesh.stage",
+         "opt_state_bytes": "train.zero_stage=1 (or higher) shards it over data",
+         "activations_bytes": "model.remat=full, more train.microbatches, or a larger mesh.model",
+         "buffers_bytes": "model.remat (ZeRO-3 keeps gathered weights without it) or fewer train.microbatches"}
+
+
+def memory_terms(p: Plan) -> dict:
+    return {k: getattr(p, k) for k in TERMS}
+
+
+def overflow(p: Plan) -> str | None:
+    """Why a layout does not fit: by how much, and the term to cut first."""
+    if p.fits:
+        return None
+    key, big = max(memory_terms(p).items(), key=lambda kv: kv[1])
+    return (f"{p.strategy.describe()} does not fit: {p.total_bytes / GB:.1f} GB per device is "
+            f"{(p.total_bytes - p.device.hbm) / GB:.1f} GB more than the {p.device.hbm / GB:.1f} GB of "
+            f"{p.device.name}; the largest term is {TERMS[key]} ({big / GB:.1f} GB): try {FIXES[key]}")
+
+
+def headline(p: Plan, n_params: int) -> str:
+    mc = p.model
+    return (f"{n_params / 1e9:.2f}B params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} KV={mc.n_kv_heads} "
+            f"F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}) on {p.strategy.devices} x {p.device.name} "
+            f"in {p.hosts} node(s) | batch {p.batch_size} x {mc.seq_len} tokens | {p.dtype} compute")
+
+
+def as_json(p: Plan) -> dict:
+    st = p.strategy
+    return {
+        "layout": {"data": st.data, "stage": st.stage, "model": st.model, "zero_stage": st.zero,
+                   "microbatches": st.microbatches, "remat": st.remat, "pipeline_repeats": st.repeats,
+                   "grad_sync": st.grad_sync},
+        "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
+        "params": param_count(p.model), "hbm_bytes": p.device.hbm,
+        **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits,
+        "comm_bytes": p.comm_bytes,
+        "comm_bytes_by_axis": {a: p.axis_bytes(a) for a in sorted({t.axis for t in p.transfers})},
+        "transfers": [{"axis": t.axis, "kind": t.kind, "what": t.what, "bytes": t.bytes, "count": t.count}
+                      for t in p.transfers],
+        "links": p.links, "bubble": p.bubble, "compute_s": p.compute_s, "comm_s": p.comm_s,
+        "step_s": p.step_s, "tokens_per_step": p.tokens_per_step, "mfu": p.mfu,
+    }
+
+
+def text(p: Plan) -> str:
+    st = p.strategy
+    rows = [f"meshtrain plan: {headline(p, param_count(p.model))}",
+            f"layout: {st.describe()} | grad_sync {st.grad_sync}", "",
+            "memory per device                        GB"]
+    for key, name in TERMS.items():
+        rows.append(f"  {name:<34}{getattr(p, key) / GB:>8.2f}")
+    verdict = f"fits, {(p.device.hbm - p.total_bytes) / GB:.1f} GB free" if p.fits else "DOES NOT FIT"
+    rows += [f"  {'total':<34}{p.total_bytes / GB:>8.2f}  of {p.device.hbm / GB:.1f} ({p.device.name}): {verdict}",
+             "", "communication per step and device (bus bytes)",
+             f"  {'axis':<11}{'link':<10}{'kind':<19}{'GB':>9}  what"]
+    for t in p.transfers:
+        link = "/".join(sorted({LINK[p.links[a]] for a in t.axis.split(",")}))
+        rows.append(f"  {t.axis:<11}{link:<10}{t.kind:<19}{t.bytes / GB:>9.4f}  {t.what} (x{t.count})")
+    rows.append(f"  {'total':<40}{p.comm_bytes / GB:>9.4f}")
+    if st.stage > 1:
+        rows.append(f"  pipeline bubble (S-1)/(M*V+S-1) = {100 * p.bubble:.1f}%")
+    comm = " + ".join(f"{a} {s:.4g} s" for a, s in p.comm_s.items()) or "none"
+    rows += ["", "roofline step time (no overlap)",
+             f"  compute {p.compute_s:.4g} s at {p.device.peak(p.dtype) / 1e12:.0f} TFLOP/s"
+             + (f" / (1 - bubble {p.bubble:.2f})" if p.bubble else "") + f" + communication {comm}",
+             f"  step {p.step_s:.4g} s | {p.tokens_per_step / p.step_s:,.0f} tokens/s | MFU {100 * p.mfu:.1f}%"]
+    return "\n".join(rows)
+
+
+def verify_text(pred: Plan, m) -> str:
+    """Prediction beside XLA's memory analysis and the HLO's collective bytes."""
+    def row(name, a, b):
+        err = f"{100 * (a / b - 1):+.1f}%" if b else "n/a"
+        return f"  {name:<38}{a / GB:>12.6f}{b / GB:>12.6f}  {err}"
+    n = pred.strategy.devices
+    rows = [f"XLA, compiled ahead of time for {n} simulated CPU devices ({pred.dtype}); GB per device",
+            f"  {'':<38}{'predicted':>12}{'XLA':>12}  error",
+            row("parameters + optimizer state", pred.params_bytes + pred.opt_state_bytes, m.params_opt_bytes),
+            row("gradients", pred.grads_bytes, m.grads_bytes),
+            row("parameters + optimizer + gradients", pred.state_bytes, m.params_opt_bytes + m.grads_bytes),
+            row("temp: activations+gradients+buffers", pred.activations_bytes + pred.grads_bytes + pred.buffers_bytes,
+                m.temp_bytes)]
+    for axis, (mine, xla) in by_axis(pred, m).items():
+        rows.append(row(f"collectives over {axis}", mine, xla))
+    rows.append(row("collectives, total", pred.comm_bytes, m.comm_bytes))
+    return "\n".join(rows)
+
+
+def by_axis(pred: Plan, m) -> dict:
+    """{mesh axis: (predicted, HLO) bytes}; a collective over several axes counts under each of them."""
+    axes = sorted({a for t in pred.transfers for a in t.axis.split(",")} | {a for _, g in m.collectives for a in g})
+    return {a: (sum(t.bytes for t in pred.transfers if a in t.axis.split(",")), m.axis_bytes(a)) for a in axes}
+
+
+def search_text(ranked, best_n: int, why) -> str:
+    fit = ranked.plans
+    if not fit:
+        return ""
+    p0 = fit[0]
+    rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
+            f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
+            f"the fastest {min(best_n, len(fit))} by roofline step time:",
+            f"   #  data stage model ZeRO    M remat   step s   MFU  mem GB  comm GB"]
+    for i, p in enumerate(fit[:best_n]):
+        st = p.strategy
+        rows.append(f"  {i + 1:>2} {st.data:>5} {st.stage:>5} {st.model:>5} {st.zero:>4} {st.microbatches:>4} "
+                    f"{st.remat:<5} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} "
+                    f"{p.comm_bytes / GB:>8.3f}")
+        rows.append(f"       {why(p, p0, i)}")
+    return "\n".join(rows)

@@ -1,0 +1,75 @@
+"""`meshtrain plan --search`: every valid layout for N devices, ranked by roofline step time."""
+from __future__ import annotations
+
+import dataclasses
+
+from models import ModelConfig
+from trainer.plan import Plan, Strategy, estimate
+
+MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+REMATS = ("none", "dots", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
+    """(data, stage, model) x ZeRO x microbatches x remat that the trainer accepts on n_devices."""
+    widths = (mc.n_heads, mc.n_kv_heads, mc.d_ff, mc.vocab_size)
+    for model in _divisors(n_devices):
+        if any(w % model for w in widths):
+            continue
+        for stage in _divisors(n_devices // model):
+            v = repeats if stage > 1 else 1
+            if mc.n_layers % (stage * v):
+                continue
+            data = n_devices // (model * stage)
+            sync = grad_sync if stage == 1 else "auto"  # the pipeline leaves data sync to the compiler
+            for m in MICROBATCHES:
+                if batch % (data * m) or (stage > 1 and m < stage):
+                    continue
+                for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
+                    for remat in REMATS:
+                        yield Strategy(data, stage, model, zero, m, remat, v, sync)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    plans: list  # the layouts that fit, fastest first
+    rejected: int  # layouts that do not fit in memory
+    tried: int
+    smallest: Plan | None  # the least memory of all, for when nothing fits
+
+
+def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: str) -> Ranked:
+    plans = [estimate(mc, train, st, device, hosts, dtype)
+             for st in strategies(mc, train.batch_size, n_devices, getattr(train, "pipeline_repeats", 1),
+                                  train.grad_sync)]
+    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.total_bytes))
+    smallest = min(plans, key=lambda p: p.total_bytes) if plans else None
+    return Ranked(fit, len(plans) - len(fit), len(plans), smallest)
+
+
+def parts(p: Plan) -> dict:
+    """Seconds of one step by cause: compute, bubble, and each mesh axis's communication."""
+    out = {"compute": p.compute_s, "bubble": p.compute_s * p.bubble / (1 - p.bubble)}
+    for axis, s in p.comm_s.items():
+        link = "network" if any(p.links[a] == "net" for a in axis.split(",")) else "fast links"
+        out[f"{axis} comm ({link})"] = s
+    return out
+
+
+def why(p: Plan, best: Plan, rank: int) -> str:
+    """One line on what makes this layout fast or slow, against the fastest."""
+    mine = parts(p)
+    share = ", ".join(f"{k} {100 * v / p.step_s:.0f}%" for k, v in sorted(mine.items(), key=lambda kv: -kv[1])
+                      if v / p.step_s >= 0.01)
+    free = (p.device.hbm - p.total_bytes) / 1e9
+    if rank == 0:
+        lead = "fastest"
+    else:
+        theirs = parts(best)
+        worst = max(set(mine) | set(theirs), key=lambda k: mine.get(k, 0) - theirs.get(k, 0))
+        lead = f"+{100 * (p.step_s / best.step_s - 1):.1f}% vs #1, mostly {worst}"
+    return f"{lead}: {share}; {free:.1f} GB free"

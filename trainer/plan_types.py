@@ -1,0 +1,36 @@
+"""The planner's vocabulary: a layout (Strategy) and one kind of traffic (Transfer)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One layout: mesh shape, ZeRO stage, microbatches, remat, pipeline repeats, gradient sync."""
+    data: int
+    stage: int
+    model: int
+    zero: int
+    microbatches: int
+    remat: str
+    repeats: int = 1
+    grad_sync: str = "auto"
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.stage * self.model
+
+    def describe(self) -> str:
+        pp = f" V={self.repeats}" if self.repeats > 1 else ""
+        return (f"data={self.data} stage={self.stage} model={self.model} ZeRO-{self.zero} "
+                f"M={self.microbatches}{pp} remat={self.remat}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Bytes one device sends per step for one kind of collective over one mesh axis."""
+    axis: str
+    kind: str  # all-reduce | all-gather | reduce-scatter | collective-permute (HLO op names)
+    what: str
+    bytes: float
+    count: int  # collectives per step
