@@ -284,3 +284,11 @@ def test_second_sigint_aborts_at_once(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 130 and time.time() - t0 < 30, r.stderr
     assert "stopping after this step" in r.stderr and "aborting" in r.stderr
+
+
+def test_unwritable_run_dir_fails_before_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where run.dir's parent should be")
+    assert main(["train", *TINY, f"run.dir={blocker}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "is not writable" in err and "choose another run.dir" in err, err
