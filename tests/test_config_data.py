@@ -63,6 +63,8 @@ def test_train_api_writes_run_files(tmp_path):
     assert (run / "config.yaml").exists()
     assert load_config([str(run / "config.yaml")]) == cfg  # the written config resolves to the same
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "goodput" in lines[-1] and lines[-1]["step"] == 4  # last: the run's goodput breakdown
+    lines = lines[:-1]
     assert [l["step"] for l in lines] == [2, 4]
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"):
         assert key in lines[0]
