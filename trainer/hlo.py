@@ -35,8 +35,8 @@ def _parse(text: str):
 def collective_stats(hlo_text: str, op: str = "collective-permute") -> tuple[int, int]:
     """(executions, bytes) of `op` per device per run of the module, while-loop trip counts included.
 
-    Bytes are each op's buffer (the first array of its result: for a collective-permute, what
-    every device sends). Loops without a known trip count raise ValueError.
+    Bytes are each op's result buffers (for a collective-permute: what every device sends; for a
+    combined all-reduce: all its arrays). Loops without a known trip count raise ValueError.
     """
     comps, entry = _parse(hlo_text)
     pattern = re.compile(rf"\s{re.escape(op)}(?:-start)?\(")
@@ -45,10 +45,13 @@ def collective_stats(hlo_text: str, op: str = "collective-permute") -> tuple[int
     def visit(name: str, mult: int):
         for line in comps.get(name, ()):
             rhs = line.split(" = ", 1)[1]
-            if pattern.search(rhs):
-                shape = _SHAPE.search(rhs)
+            hit = pattern.search(rhs)
+            if hit:
+                result = _SHAPE.findall(rhs[:hit.start()])
+                if "-start(" in hit.group(0):  # async: (operand, result, context...); count the operand
+                    result = result[:1]
                 totals[0] += mult
-                totals[1] += mult * _bytes(*shape.groups())
+                totals[1] += mult * sum(_bytes(*shape) for shape in result)
             for kind, callee in _CALL.findall(rhs):
                 if kind == "body":
                     trip = _TRIP.search(rhs)

@@ -1,17 +1,19 @@
 """Explicit gradient collectives over one mesh axis, for code inside a shard_map manual over it.
 
 psum       XLA's own all-reduce, reduce-scatter and all-gather.
-ring       one bucket for all leaves: each leaf's ZeRO dimension (`dims`) is cut into K blocks that
-           move to a leading axis, and the leaves are concatenated into one (K, n/K) buffer. K-1
-           ppermute steps to the next device reduce-scatter it, leaving device i with chunk i,
-           which is its ZeRO shard of every leaf; K-1 more steps all-gather it. Bytes each device
-           sends: all-reduce 2(K-1)/K x the gradient, reduce-scatter or all-gather (K-1)/K x.
+ring       one bucket per call, not one message per leaf. The all-reduce (ZeRO 0/1) flattens and
+           concatenates every leaf into a (K, n/K) buffer. The reduce-scatter (ZeRO-2) and the
+           all-gather (ZeRO-3) cut each leaf's ZeRO dimension (`dims`) into K blocks that move to a
+           leading axis before concatenating, so that chunk i is device i's ZeRO shard of every
+           leaf. K-1 ppermute steps to the next device reduce-scatter the buffer, leaving device i
+           with chunk i summed; K-1 more all-gather it. Bytes each device sends: all-reduce
+           2(K-1)/K x the gradient, reduce-scatter or all-gather (K-1)/K x.
 ring_bf16  the ring with bfloat16 on the wire and float32 sums: half the bytes. Every summed element
            is rounded to bfloat16 at most K times, so |error| <= K * 2^-8 * sum_i |g_i| (2^-8: the
            unit roundoff of bfloat16's 8-bit significand). ZeRO-3 weights are still gathered exactly.
-Leaves without a ZeRO dimension, or whose ZeRO dimension is also split over another mesh axis,
-go through psum. The ring runs in a nested shard_map manual over the remaining mesh axes, so with
-tensor parallelism each device rings only its own slice of every leaf.
+In the reduce-scatter and all-gather, leaves without a ZeRO dimension, or whose ZeRO dimension is
+also split over another mesh axis, go through psum. The ring runs in a nested shard_map manual
+over the remaining mesh axes, so with tensor parallelism each device rings only its own slice.
 """
 from __future__ import annotations
 
@@ -83,6 +85,15 @@ def _offsets(sizes):
     return np.cumsum(sizes)[:-1].tolist()
 
 
+def _flatten(leaves, dtype):
+    return jnp.concatenate([x.reshape(-1).astype(dtype) for x in leaves])
+
+
+def _unflatten(flat, shapes, like):
+    parts = jnp.split(flat, _offsets([math.prod(s) for s in shapes]))
+    return [p.reshape(s).astype(x.dtype) for p, s, x in zip(parts, shapes, like)]
+
+
 class Ring(Psum):
     """Bucketed ring reduce-scatter / all-gather built from ppermute; `wire` is the dtype sent."""
 
@@ -114,13 +125,11 @@ class Ring(Psum):
     def ring_all_gather(self, x_N, wire=None):
         """(N,) -> (K, N): row j is device j's input. K-1 sends of N elements."""
         k, i = self.size, jax.lax.axis_index(self.axis)
-        row = x_N if wire is None else x_N.astype(wire)  # the owner keeps what it sends: replicas agree
-        out = jax.lax.dynamic_update_index_in_dim(jnp.zeros((k,) + x_N.shape, x_N.dtype),
-                                                  row.astype(x_N.dtype), i, 0)
-        for t in range(k - 1):
-            row = self._send(row, wire)
-            out = jax.lax.dynamic_update_index_in_dim(out, row.astype(x_N.dtype), (i - t - 1) % k, 0)
-        return out
+        rows = [x_N if wire is None else x_N.astype(wire)]  # the owner keeps what it sends: replicas agree
+        for _ in range(k - 1):
+            rows.append(self._send(rows[-1], wire))
+        # rows[t] came from device i-t: one gather puts them in device order
+        return jnp.stack(rows)[(i - jnp.arange(k)) % k].astype(x_N.dtype)
 
     # ---- bucketing
 
@@ -130,7 +139,8 @@ class Ring(Psum):
         xs, treedef = jax.tree.flatten(tree)
         ds = treedef.flatten_up_to(dims)
         ss = [_keep(sp, axes) for sp in treedef.flatten_up_to(specs)]
-        ring = [j for j, (d, sp) in enumerate(zip(ds, ss)) if d is not None and (d >= len(sp) or sp[d] is None)]
+        ring = [j for j, (d, sp) in enumerate(zip(ds, ss))
+                if mode == "reduce" or (d is not None and (d >= len(sp) or sp[d] is None))]
         out = [x if j in ring else self._psum_leaf(x, ds[j], mode) for j, x in enumerate(xs)]
         if ring:
             fn = functools.partial(self._ring_leaves, ds=[ds[j] for j in ring], mode=mode, wire=wire)
@@ -142,22 +152,21 @@ class Ring(Psum):
         return jax.tree.unflatten(treedef, out)
 
     def _ring_leaves(self, leaves, ds, mode, wire):
-        """The ring on one (K, n/K) bucket of local leaves."""
+        """The ring on one bucket of local leaves."""
         k, dt = self.size, jnp.result_type(*leaves)
-        if mode == "gather":
-            full = [x.shape[:d] + (x.shape[d] * k,) + x.shape[d + 1:] for x, d in zip(leaves, ds)]
-            b = self.ring_all_gather(jnp.concatenate([x.reshape(-1).astype(dt) for x in leaves]), wire)
-        else:
-            full = [x.shape for x in leaves]
-            row = self.ring_reduce_scatter(
-                jnp.concatenate([_to_blocks(x.astype(dt), d, k) for x, d in zip(leaves, ds)], axis=1), wire)
-            if mode == "scatter":
-                parts = jnp.split(row, _offsets([x.size // k for x in leaves]))
-                return [p.reshape(x.shape[:d] + (x.shape[d] // k,) + x.shape[d + 1:]).astype(x.dtype)
-                        for p, x, d in zip(parts, leaves, ds)]
-            b = self.ring_all_gather(row, wire)
-        parts = jnp.split(b, _offsets([math.prod(s) // k for s in full]), axis=1)
-        return [_from_blocks(p, s, d, k).astype(x.dtype) for p, s, d, x in zip(parts, full, ds, leaves)]
+        if mode == "reduce":  # any layout will do: flat, no transposes
+            flat = _flatten(leaves, dt)
+            b = jnp.pad(flat, (0, -flat.size % k)).reshape(k, -1)
+            b = self.ring_all_gather(self.ring_reduce_scatter(b, wire), wire)
+            return _unflatten(b.reshape(-1)[:flat.size], [x.shape for x in leaves], leaves)
+        if mode == "scatter":
+            b = jnp.concatenate([_to_blocks(x.astype(dt), d, k) for x, d in zip(leaves, ds)], axis=1)
+            shards = [x.shape[:d] + (x.shape[d] // k,) + x.shape[d + 1:] for x, d in zip(leaves, ds)]
+            return _unflatten(self.ring_reduce_scatter(b, wire), shards, leaves)
+        b = self.ring_all_gather(_flatten(leaves, dt), wire)  # gather: the leaves are this device's shards
+        parts = jnp.split(b, _offsets([x.size for x in leaves]), axis=1)
+        return [_from_blocks(p, x.shape[:d] + (x.shape[d] * k,) + x.shape[d + 1:], d, k).astype(x.dtype)
+                for p, x, d in zip(parts, leaves, ds)]
 
     def _psum_leaf(self, x, d, mode):
         if mode == "gather":
