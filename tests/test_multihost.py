@@ -1,9 +1,8 @@
 """Multi-process training on localhost (jax.distributed, gloo) against one process holding all 8 devices.
 
-Runs go through scripts/launch_local.sh as real processes. They share one compilation cache, and
-the checkpoint test restores the ZeRO-3 run's checkpoint, so that few programs compile twice.
-min_lr_ratio=1 makes the learning rate constant after warmup: a relaunch with other train.steps
-then sees the same schedule as the run it resumes.
+Runs go through scripts/launch_local.sh as real processes. Compiling dominates the time, so one
+ZeRO-3 run serves three tests: it is killed mid-run, relaunched to the end (dead process, resume),
+compared with the single-process run (same losses), and its last checkpoint restored elsewhere.
 """
 import json
 import os
@@ -12,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -27,10 +27,10 @@ from trainer.state import make_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
-RUN = TINY + ["train.min_lr_ratio=1.0", "train.eval_every=0", "run.log_every=1", "data.source=synthetic"]
+STEPS = 20
+RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=0", "run.log_every=1", "data.source=synthetic"]
 FSDP = ["mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.zero_stage=3"]
 HYBRID = ["mesh.preset=cpu-8-2x2x2", "mesh.dcn_stage=2"]  # stage across the 2 processes, model inside one
-REF_STEPS = 30  # the in-process reference run is this long (the resume test compares later steps)
 
 # Restores a run's newest checkpoint onto the mesh its arguments give; prints the parameters' checksums.
 RESTORE = """
@@ -60,17 +60,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax-cache")
-    return dict(os.environ, PYTHONPATH=str(ROOT), MESHTRAIN=f"{sys.executable} -m trainer.cli",
-                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", GRACE_S="10")
+def env():
+    # No persistent compilation cache: its entries are keyed per process and only process 0 writes
+    # them, so process 0 would start at once while the others compile, past gloo's 30 s setup deadline.
+    return dict(os.environ, PYTHONPATH=str(ROOT), MESHTRAIN=f"{sys.executable} -m trainer.cli", GRACE_S="10")
 
 
-def launch(env, procs, devices, *args, timeout=300, **popen):
-    """Start launch_local.sh; returns the Popen (stdout and stderr together, as text)."""
+def launch(env, procs, devices, *args):
+    """Start launch_local.sh; stdout and stderr together, as text."""
     return subprocess.Popen([str(LAUNCH), str(procs), str(devices), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def run(env, procs, devices, *args, timeout=300) -> str:
@@ -90,63 +89,6 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.abs(b)))
 
 
-@pytest.fixture(scope="module")
-def ref_fsdp():
-    """Losses of 1 process x 8 devices, (8,1,1) ZeRO-3, for REF_STEPS steps."""
-    return run_steps(RUN + FSDP + [f"train.steps={REF_STEPS}"], steps=REF_STEPS, source="synthetic")[0]
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(env, tmp_path_factory):
-    """2 processes x 4 devices, (8,1,1) ZeRO-3, 5 steps; it checkpoints step 5 at the end."""
-    d = tmp_path_factory.mktemp("fsdp") / "run"
-    log = run(env, 2, 4, *RUN, *FSDP, "train.steps=5", f"run.dir={d}")
-    return d, log
-
-
-def test_same_losses_zero3(fsdp_run, ref_fsdp):
-    d, log = fsdp_run
-    got = losses(d)
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    assert rel([got[i] for i in range(1, 6)], ref_fsdp[:5]) < 1e-5
-    # each process fed its own half of the batch to its own 4 devices
-    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 model 0 | batch rows 0:8 of 16" in log
-    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 model 0 | batch rows 8:16 of 16" in log
-
-
-def test_same_losses_2x2x2_hybrid(env, tmp_path):
-    ref = run_steps(RUN + HYBRID[:1] + ["train.steps=5"], steps=5, source="synthetic")[0]
-    d = tmp_path / "run"
-    log = run(env, 2, 4, *RUN, *HYBRID, "train.steps=5", "checkpoint.every=100", f"run.dir={d}")
-    got = losses(d)
-    assert rel([got[i] for i in range(1, 6)], ref) < 1e-5
-    # mesh.dcn_stage=2: stage i lives on process i; data and model stay inside a process, so both need all rows
-    for i in range(2):
-        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} model 0-1 | batch rows 0:16 of 16" in log
-
-
-def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
-    d, _ = fsdp_run
-    saved = {k.removeprefix("params."): v["checksum"] for k, v in read_meta(d, 5)["leaves"].items()
-             if k.startswith("params.")}
-    # 1 process x 8 devices, onto (2,1,4) ZeRO-0
-    cfg = load_config(RUN + ["mesh.data=2", "mesh.model=4", "train.steps=5", f"run.dir={d}"])
-    s = make_setup(cfg)
-    ckpt = Checkpointer(s, d)
-    state, step = ckpt.restore_or_init(lambda: pytest.fail("no checkpoint restored"))
-    ckpt.close()
-    assert step == 5 and checksums(state["params"]) == saved
-    assert state["params"]["embed"].sharding.spec != read_meta(d, 5)["leaves"]["params.embed"]["spec"]
-    # 4 processes x 2 devices, onto (4,1,2) ZeRO-1
-    script = tmp_path / "restore.py"
-    script.write_text(RESTORE)
-    out = run(dict(env, MESHTRAIN=f"{sys.executable} {script}"), 4, 2, *RUN, "mesh.data=4", "mesh.model=2",
-              "train.zero_stage=1", "train.steps=5", f"run.dir={d}")
-    line = next(ln for ln in out.splitlines() if ln.startswith("[0] RESTORED"))
-    _, _, step, sums = line.split(" ", 3)
-    assert int(step) == 5 and json.loads(sums) == saved
-
-
 def _child(launcher: subprocess.Popen, index: int) -> int:
     """Pid of the launcher's child that runs process `index`."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -160,28 +102,126 @@ def _child(launcher: subprocess.Popen, index: int) -> int:
     raise AssertionError(f"process {index} not found under the launcher")
 
 
-def test_dead_process_then_resume(env, ref_fsdp, tmp_path):
-    d = tmp_path / "run"
-    args = [*RUN, *FSDP, "checkpoint.every=3", f"run.dir={d}"]
-    p = launch(env, 2, 4, *args, "train.steps=10000")
+@pytest.fixture(scope="module")
+def ref_fsdp():
+    """Losses of 1 process x 8 devices, (8,1,1) ZeRO-3."""
+    return run_steps(RUN + FSDP, steps=STEPS, source="synthetic")[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(env, tmp_path_factory):
+    """2 processes x 4 devices, (8,1,1) ZeRO-3, saving every step; process 1 is killed (-9) after the first
+    save, then the same command runs again, resumes and finishes (one run, to keep the file fast)."""
+    d = tmp_path_factory.mktemp("fsdp") / "run"
+    p = launch(env, 2, 4, *RUN, *FSDP, "checkpoint.every=1", f"run.dir={d}")
     deadline = time.time() + 240
-    while not list_steps(d):  # a complete checkpoint exists: the run is well under way
+    while not list_steps(d):
         assert p.poll() is None and time.time() < deadline, p.communicate()[0][-3000:]
-        time.sleep(0.5)
+        time.sleep(0.2)
     os.kill(_child(p, 1), signal.SIGKILL)
     t0 = time.time()
-    out, _ = p.communicate(timeout=90)
+    killed_log, _ = p.communicate(timeout=120)
     waited = time.time() - t0
-    assert p.returncode != 0 and waited < 60, (p.returncode, waited, out[-2000:])
-    assert "launch_local: process 1 exited with status 137" in out
+    before, last = losses(d), list_steps(d)[-1]  # the relaunch drops the records past `last`
+    log = run(env, 2, 4, *RUN, *FSDP, f"run.dir={d}")
+    print(f"kill -9 of process 1: launcher exited with {p.returncode} after {waited:.1f}s; resumed from step {last}")
+    return SimpleNamespace(dir=d, rc=p.returncode, waited=waited, killed_log=killed_log, before=before,
+                           last=last, log=log)
 
-    last = list_steps(d)[-1]
-    assert last + 2 <= REF_STEPS, f"the run got to checkpoint {last} before the kill; raise REF_STEPS"
-    out = run(env, 2, 4, *args, f"train.steps={last + 2}")
-    assert f"[0] resumed from {d / 'checkpoints' / str(last)}" in out
+
+def test_same_losses_zero3(fsdp_run, ref_fsdp):
+    got = losses(fsdp_run.dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert rel([got[i] for i in range(1, 6)], ref_fsdp[:5]) < 1e-5
+    print(f"ZeRO-3 2x4 vs 1x8: max relative loss difference {rel([got[i] for i in range(1, STEPS + 1)], ref_fsdp):.2e}")
+    assert rel([got[i] for i in range(1, STEPS + 1)], ref_fsdp) < 1e-5
+    # process 0 alone writes metrics and TensorBoard: one record per step, one event file per launch
+    lines = (fsdp_run.dir / "metrics.jsonl").read_text().splitlines()
+    assert len([ln for ln in lines if '"loss"' in ln]) == STEPS
+    assert len(list((fsdp_run.dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    # each process fed its own half of the batch to its own 4 devices
+    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 model 0 | batch rows 0:8 of 16" in fsdp_run.log
+    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 model 0 | batch rows 8:16 of 16" in fsdp_run.log
+
+
+def test_dead_process_then_resume(fsdp_run):
+    r = fsdp_run
+    assert r.rc != 0 and r.waited < 60, (r.rc, r.waited, r.killed_log[-2000:])
+    assert "launch_local: process 1 exited with status 137; stopping the other processes" in r.killed_log
+    assert r.last < STEPS, "the run ended before the kill"
+    assert f"[0] resumed from {r.dir / 'checkpoints' / str(r.last)}" in r.log
+    got = losses(r.dir)
+    assert [got[i] for i in range(1, r.last + 1)] == [r.before[i] for i in range(1, r.last + 1)]
+    # steps the killed run logged past its last checkpoint come out the same, bit for bit, after the resume
+    redone = [i for i in r.before if i > r.last]
+    assert [got[i] for i in redone] == [r.before[i] for i in redone]
+
+
+def test_same_losses_2x2x2_hybrid(env, tmp_path):
+    ref = run_steps(RUN + HYBRID[:1] + ["train.steps=5"], steps=5, source="synthetic")[0]
+    d = tmp_path / "run"
+    log = run(env, 2, 4, *RUN, *HYBRID, "train.steps=5", f"run.dir={d}")
     got = losses(d)
-    assert sorted(got)[-2:] == [last + 1, last + 2]
-    assert rel([got[last + 1], got[last + 2]], ref_fsdp[last:last + 2]) < 1e-5
+    print(f"(2,2,2) dcn_stage=2 2x4 vs 1x8: max relative loss difference {rel([got[i] for i in range(1, 6)], ref):.2e}")
+    assert rel([got[i] for i in range(1, 6)], ref) < 1e-5
+    # mesh.dcn_stage=2: stage i lives on process i; data and model stay inside a process, so both need all rows
+    for i in range(2):
+        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} model 0-1 | batch rows 0:16 of 16" in log
+
+
+def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
+    d = fsdp_run.dir
+    meta = read_meta(d, STEPS)
+    saved = {k.removeprefix("params."): v["checksum"] for k, v in meta["leaves"].items() if k.startswith("params.")}
+    # 1 process x 8 devices, onto (2,1,4) ZeRO-0
+    cfg = load_config(RUN + ["mesh.data=2", "mesh.model=4", f"run.dir={d}"])
+    s = make_setup(cfg)
+    ckpt = Checkpointer(s, d)
+    state, step = ckpt.restore_or_init(lambda: pytest.fail("no checkpoint restored"))
+    ckpt.close()
+    assert meta["processes"] == 2 and step == STEPS and checksums(state["params"]) == saved
+    assert str(state["params"]["embed"].sharding.spec) != meta["leaves"]["params.embed"]["spec"]
+    # 4 processes x 2 devices, onto (4,1,2) ZeRO-1
+    script = tmp_path / "restore.py"
+    script.write_text(RESTORE)
+    out = run(dict(env, MESHTRAIN=f"{sys.executable} {script}"), 4, 2, *RUN, "mesh.data=4", "mesh.model=2",
+              "train.zero_stage=1", f"run.dir={d}")
+    line = next(ln for ln in out.splitlines() if ln.startswith("[0] RESTORED"))
+    _, _, step, sums = line.split(" ", 3)
+    assert int(step) == STEPS and json.loads(sums) == saved
+
+
+FAKE = """#!/usr/bin/env bash
+i=${@: -1}; i=${i#dist.process_id=}
+echo "args $*"
+trap 'echo "TERM $i"; [[ -n ${FAIL:-} && $i == 2 ]] || exit 0' TERM  # with FAIL, process 2 ignores it
+if [[ $i == 1 && -n ${FAIL:-} ]]; then sleep 1; exit 3; fi
+for _ in $(seq 300); do sleep 0.1; done
+"""
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_launcher(tmp_path, fail):
+    """With stand-in processes: prefixes and arguments; a failure stops the others (SIGKILL for one that
+    ignores SIGTERM, GRACE_S later) and sets the exit status; SIGTERM to the launcher reaches every process."""
+    fake = tmp_path / "fake.sh"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    env = dict(os.environ, MESHTRAIN=str(fake), GRACE_S="2", PORT="4321", **({"FAIL": "1"} if fail else {}))
+    t0 = time.time()
+    p = launch(env, 3, 2, "train", "a=1")
+    if not fail:
+        time.sleep(2)
+        p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert time.time() - t0 < 20  # the processes would run 30 s on their own
+    for i in range(3):
+        assert f"[{i}] args train a=1 dist.coordinator=127.0.0.1:4321 dist.num_processes=3 dist.process_id={i}" in out
+    assert "[0] TERM 0" in out and "[2] TERM 2" in out
+    if fail:
+        assert p.returncode == 3 and "launch_local: process 1 exited with status 3" in out
+    else:
+        assert p.returncode == 0 and "[1] TERM 1" in out
 
 
 def test_peer_never_arrives(env):

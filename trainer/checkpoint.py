@@ -280,6 +280,8 @@ def _changes(saved: dict, cfg: Config) -> str:
     now = config_dict(cfg)
     diff = []
     for sec, vals in now.items():
+        if sec == "dist":  # where this launch's processes meet, not what they train
+            continue
         for k, v in vals.items():
             old = saved.get(sec, {}).get(k, v)
             if old != v:

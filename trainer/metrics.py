@@ -22,7 +22,7 @@ PEAKS = {
 
 def measure_matmul_rate(dtype=jnp.float32, n: int = 1024, reps: int = 8, device=None) -> float:
     """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x, y: x @ y)
     f(a, a).block_until_ready()
@@ -36,7 +36,7 @@ def measure_matmul_rate(dtype=jnp.float32, n: int = 1024, reps: int = 8, device=
 
 def device_peak(dtype) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for `dtype`, and where the figure comes from."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     if dev.platform == "cpu":
         rate = measure_matmul_rate(dtype)
         # Simulated CPU devices share the host's cores: the process-wide rate is the peak.
