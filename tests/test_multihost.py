@@ -273,10 +273,19 @@ def test_detect():
     (["dist.coordinator=nohost", "dist.num_processes=2", "dist.process_id=0"], "is not HOST:PORT"),
     (["dist.coordinator=h:1", "dist.num_processes=2", "dist.process_id=2"], "dist.process_id=2 is not in"),
     (["dist.cluster=yarn"], "dist.cluster='yarn' is unknown"),
+    (["dist.timeout_s=0"], "must be > 0 seconds"),
+    # this test process has used its devices already
+    (["dist.coordinator=127.0.0.1:1", "dist.num_processes=2", "dist.process_id=0"], "already using devices"),
 ])
 def test_bad_dist_keys(args, needle):
     with pytest.raises(UserError, match=needle):
         distributed.initialize(load_config(args).dist)
+
+
+def test_single_process_needs_no_join():
+    for args in ([], ["dist.cluster=none"], ["dist.coordinator=h:1", "dist.num_processes=1", "dist.process_id=0"]):
+        assert distributed.initialize(load_config(args).dist) is False
+    assert jax.process_count() == 1
 
 
 def test_dcn_needs_as_many_hosts():

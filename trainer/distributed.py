@@ -82,7 +82,9 @@ def initialize(d) -> bool:
         if method is None:
             return False
         kw = {} if d.cluster == "auto" else {"cluster_detection_method": method}
-    elif kw["num_processes"] == 1:
+    else:
+        method = None
+    if kw.get("num_processes") == 1:
         return False
     if jax.distributed.is_initialized():  # joined already (a notebook or a wrapper script)
         return True
@@ -96,14 +98,14 @@ def initialize(d) -> bool:
     except (AttributeError, ValueError):
         pass
     who = f"process {kw['process_id']} of {kw['num_processes']}" if "process_id" in kw else "this process"
-    where = kw.get("coordinator_address", f"the {d.cluster} cluster's coordinator")
+    where = kw.get("coordinator_address", f"the coordinator of the {method} cluster")
     joined = _watchdog(d.timeout_s, f"meshtrain: error: {who} waited dist.timeout_s={d.timeout_s}s at {where} and "
                        "not every process joined; start all of them with the same dist.coordinator (process ids "
                        "0..N-1), or raise dist.timeout_s")
     try:
         jax.distributed.initialize(**kw)
     except RuntimeError as e:
-        if "before" in str(e):
+        if "must be called before" in str(e):
             raise UserError("jax was already using devices when dist.* took effect; join before any jax call "
                             "(meshtrain train does; in Python call trainer.distributed.initialize first)") from None
         raise
@@ -116,9 +118,8 @@ def initialize(d) -> bool:
 
 
 def _watchdog(seconds: float, message: str) -> threading.Event:
-    """An event to set within `seconds`; otherwise print `message` and exit with status 2. The wait for
-    peers runs in C++ with the GIL released, so this thread runs meanwhile."""
-    done = threading.Event()
+    """An event to set within `seconds`, or else `message` on stderr and exit status 2."""
+    done = threading.Event()  # the wait for peers runs in C++ with the GIL released: this thread runs meanwhile
 
     def watch():
         if not done.wait(seconds):
@@ -130,8 +131,8 @@ def _watchdog(seconds: float, message: str) -> threading.Event:
 
 
 def process_rows(sharding, batch_size: int, process_of=None, me: int | None = None) -> tuple[int, int]:
-    """(index, count): this process loads block `index` of the global batch cut into `count` equal blocks,
-    the rows its devices hold under `sharding` (all of them where the batch is replicated across hosts)."""
+    """(index, count): the block of the batch (cut into `count`) that this process's devices hold."""
+    # with the batch replicated over processes (data inside a host) that is the whole batch: (0, 1)
     process_of = process_of or (lambda dev: dev.process_index)
     me = jax.process_index() if me is None else me
     rows = set()
