@@ -65,6 +65,8 @@ def describe(s: Setup) -> str:
     sync = t.grad_sync if uses_manual_sync(s) else "auto (compiler all-reduce)"
     if t.grad_sync == "auto" and uses_manual_sync(s):
         sync = "explicit reduce-scatter (ZeRO-2/3)"
+    if t.sync != "every_step":
+        sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
     return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "
             f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
             f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "

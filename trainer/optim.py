@@ -1,4 +1,4 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+"""AdamW (or SGD with momentum) with linear warmup, cosine decay and global-norm clipping (optax)."""
 from __future__ import annotations
 
 import jax
@@ -16,8 +16,11 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
         decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
-    tx = optax.chain(
-        optax.clip_by_global_norm(t.grad_clip),
-        optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask),
-    )
-    return tx, schedule
+    if getattr(t, "optimizer", "adamw") == "sgd":
+        # Every step of this chain is linear in the gradient (clipping aside): local SGD relies on it.
+        update = optax.chain(optax.add_decayed_weights(t.weight_decay, mask=_decay_mask),
+                             optax.sgd(schedule, momentum=t.b1 or None))
+    else:
+        update = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, update), schedule

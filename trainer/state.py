@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from meshes import Layout, MeshError, build_mesh
 from models import ModelConfig, Transformer, logical_axes_of, params_of
+from trainer import localsgd
 from trainer.config import Config, compute_dtype, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
@@ -65,6 +66,8 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         "opt_state": optax.tree_map_params(tx, lambda _, sh: sh, shapes["opt_state"], opt_param_sh,
                                            transform_non_params=lambda _: layout.replicated),
     }
+    if localsgd.enabled(cfg):  # one copy of params and optimizer state per data-parallel replica
+        shapes, shardings = localsgd.stack(cfg, shapes, shardings, data)
     dtype = jnp.dtype(compute_dtype(cfg, devices[0].platform))
     return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings)
 
@@ -75,7 +78,8 @@ def init_state(s: Setup) -> dict:
 
     def init():
         params = params_of(Transformer(mc, rngs=nnx.Rngs(seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        return localsgd.replicate(s.cfg, s.mesh.shape["data"], state) if localsgd.enabled(s.cfg) else state
 
     with jax.set_mesh(s.mesh):
         return jax.jit(init, out_shardings=s.shardings)()

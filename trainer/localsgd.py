@@ -1,0 +1,134 @@
+"""Local SGD and DiLoCo (train.sync=local_sgd|diloco): replicas train apart for H steps, then sync.
+
+State: every leaf of `params` and `opt_state` gets a leading replica axis R = mesh.data, split
+over `data`, so each data shard holds its own replica's parameters and optimizer state (ZeRO does
+not apply: a replica needs all of its state). DiLoCo adds `outer` = {params, momentum}, replicated.
+Step: a shard_map manual over `data` (tensor parallelism stays with the compiler). Each replica
+differentiates its own rows and takes its own optimizer step, with no communication. On every
+H-th step (a lax.cond whose branch is the same on every device) the replicas all-reduce their
+parameters:
+  local_sgd  params_r <- mean_r params_r
+  diloco     delta = outer - mean_r params_r            (the outer gradient)
+             m <- mu m + delta;  outer <- outer - lr (delta + mu m)   (Nesterov)
+             params_r <- outer
+One parameter all-reduce per H steps replaces one gradient all-reduce per step: the data axis
+carries 1/H of the synchronous traffic. Inner optimizer states stay local.
+With an optimizer linear in the gradient (train.optimizer=sgd, train.grad_clip=0), H=1 reproduces
+synchronous training: the replicas' mean update is the update of the mean gradient (DiLoCo with
+outer lr 1 and no momentum too). AdamW's update is not linear in the gradient, so there H=1 differs.
+Evaluation uses the replicas' mean: at multiples of H, the synced model itself.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshes.rules import RULES, constrainer, without_axes
+from models.transformer import loss_fn
+
+
+def enabled(cfg) -> bool:
+    return cfg.train.sync != "every_step"
+
+
+def _stacked(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, P("data", *sharding.spec))
+
+
+def stack(cfg, shapes: dict, shardings: dict, replicas: int) -> tuple[dict, dict]:
+    """Abstract state and shardings with a replica axis on params and opt_state (+ DiLoCo's outer)."""
+    grow = lambda x: jax.ShapeDtypeStruct((replicas,) + x.shape, x.dtype)  # noqa: E731
+    shapes = {**shapes, **{k: jax.tree.map(grow, shapes[k]) for k in ("params", "opt_state")}}
+    out = {**shardings, **{k: jax.tree.map(_stacked, shardings[k]) for k in ("params", "opt_state")}}
+    if cfg.train.sync == "diloco":
+        shapes["outer"] = {"params": shapes_of(shapes["params"]), "momentum": shapes_of(shapes["params"])}
+        out["outer"] = {"params": shardings["params"], "momentum": shardings["params"]}
+    return shapes, out
+
+
+def shapes_of(stacked):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+
+
+def replicate(cfg, replicas: int, state: dict) -> dict:
+    """Inside the jitted init: one copy of params and optimizer state per replica."""
+    copy = lambda x: jnp.broadcast_to(x, (replicas,) + x.shape)  # noqa: E731
+    out = {**state, "params": jax.tree.map(copy, state["params"]), "opt_state": jax.tree.map(copy, state["opt_state"])}
+    if cfg.train.sync == "diloco":
+        out["outer"] = {"params": state["params"], "momentum": jax.tree.map(jnp.zeros_like, state["params"])}
+    return out
+
+
+def _sync(t, carry):
+    """The every-H-steps all-reduce of the replicas' parameters (and DiLoCo's outer step)."""
+    p, outer = carry
+    mean = jax.tree.map(lambda x: jax.lax.pmean(x, "data"), p)
+    if t.sync == "local_sgd":
+        return mean, outer
+    delta = jax.tree.map(jnp.subtract, outer["params"], mean)
+    mom = jax.tree.map(lambda m, d: t.outer_momentum * m + d, outer["momentum"], delta)
+    new = jax.tree.map(lambda o, d, m: o - t.outer_lr * (d + t.outer_momentum * m), outer["params"], delta, mom)
+    return new, {"params": new, "momentum": mom}
+
+
+def train_step(s, state: dict, batch):
+    """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
+    t = s.cfg.train
+    constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
+    vg = jax.value_and_grad(lambda p, b: loss_fn(s.model, p, b, dtype=s.dtype, constrain=constrain))
+
+    def local(st, rows):
+        p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
+        m = t.microbatches
+        if m == 1:
+            loss, g = vg(p, rows)
+        else:
+            def body(acc, mb):
+                lm, gm = vg(p, mb)
+                return (acc[0] + lm / m, jax.tree.map(lambda a, b: a + b / m, acc[1], gm)), None
+            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
+            (loss, g), _ = jax.lax.scan(body, zero, rows.reshape(m, -1, *rows.shape[1:]))
+        grad_norm = optax.tree.norm(g)
+        updates, o = s.tx.update(g, o, p)
+        p = optax.apply_updates(p, updates)
+        step = st["step"] + 1
+        p, outer = jax.lax.cond(step % t.sync_every == 0, functools.partial(_sync, t), lambda c: c,
+                                (p, st.get("outer", {})))
+        new = {**st, "step": step, "params": jax.tree.map(lambda x: x[None], p),
+               "opt_state": jax.tree.map(lambda x: x[None], o)}
+        if "outer" in st:
+            new["outer"] = outer
+        # Two scalars per step for the log: the only data-axis traffic between syncs.
+        loss, grad_norm = jax.lax.pmean((loss, grad_norm), "data")
+        return new, {"loss": loss, "grad_norm": grad_norm, "lr": s.schedule(st["step"])}
+
+    specs = jax.tree.map(lambda sh: P("data") if sh.spec[:1] == ("data",) else P(), s.shardings)
+    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(specs, P("data")), out_specs=(specs, P()),
+                       axis_names={"data"}, check_vma=False)
+    return fn(state, batch)
+
+
+def eval_step(s, params, batch):
+    mean = jax.tree.map(lambda x: x.mean(axis=0), params)
+    return loss_fn(s.model, mean, batch, dtype=s.dtype, constrain=constrainer(s.mesh))
+
+
+def jit_train_step(s):
+    rep = s.layout.replicated
+    return jax.jit(functools.partial(train_step, s), in_shardings=(s.shardings, s.batch_sharding()),
+                   out_shardings=(s.shardings, {"loss": rep, "grad_norm": rep, "lr": rep}), donate_argnums=0)
+
+
+def jit_eval_step(s):
+    return jax.jit(functools.partial(eval_step, s), in_shardings=(s.shardings["params"], s.batch_sharding()),
+                   out_shardings=s.layout.replicated)
+
+
+def data_bytes_per_step(cfg, param_bytes: float, replicas: int) -> float:
+    """Bytes one device sends on the data axis per step: a ring all-reduce every H steps (1 if synchronous)."""
+    h = cfg.train.sync_every if enabled(cfg) else 1
+    return 2 * (replicas - 1) / replicas * param_bytes / h
