@@ -142,7 +142,8 @@ def test_json_has_per_device_bytes(capsys):
 def test_links_follow_mesh_order_and_hosts():
     st = strategy_of(load_config(["model.preset=7b", "mesh.data=4", "mesh.model=16"]), 64)
     assert links(st, H100, 4) == {"model": "net", "stage": "net", "data": "net"}  # 16 GPUs span 2 nodes
-    st = strategy_of(load_config(["model.preset=7b", "mesh.data=8", "mesh.stage=2", "mesh.model=4", "train.microbatches=2"]), 64)
+    st = strategy_of(load_config(["model.preset=7b", "mesh.data=8", "mesh.stage=2", "mesh.model=4",
+                                  "train.microbatches=2"]), 64)
     assert links(st, H100, 8) == {"model": "fast", "stage": "fast", "data": "net"}
     assert links(st, get_device("tpu-v5p"), 1)["data"] == "fast"  # one ICI slice
 
@@ -194,8 +195,8 @@ def test_cli_verify_prints_xla_beside_the_prediction(capsys):
     code = main(["plan", *TINY, "mesh.data=8", "train.zero_stage=2", "plan.device=h100-80g", "--verify"])
     out = capsys.readouterr().out
     assert code == 0
-    rows = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
-            for m in re.finditer(r"^  (\S[^\d\n]*?)\s+([\d.]+)\s+([\d.]+)\s+[-+]", out, re.M)}
+    rows = {m.group(1).strip(): (float(m.group(2).replace(",", "")), float(m.group(3).replace(",", "")))
+            for m in re.finditer(r"^  (\S[^\d\n]*?)\s+([\d,]+)\s+([\d,]+)\s+[-+]", out, re.M)}
     assert rows["parameters + optimizer + gradients"][0] == pytest.approx(rows["parameters + optimizer + gradients"][1],
                                                                           rel=0.05)
     assert rows["collectives, total"][0] == pytest.approx(rows["collectives, total"][1], rel=0.05)

@@ -20,6 +20,7 @@ __all__ = ["Plan", "Strategy", "Transfer", "estimate", "links", "strategy_of"]
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """One layout's memory per device, collectives, bubble and roofline time."""
     strategy: Strategy
     model: ModelConfig
     device: Device
@@ -39,7 +40,7 @@ class Plan:
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.opt_state_bytes + self.activations_bytes + self.buffers_bytes
+        return self.state_bytes + self.activations_bytes + self.buffers_bytes
 
     @property
     def state_bytes(self) -> float:
@@ -112,4 +113,4 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     data, stage, model = validate(cfg, n_devices)
     t = cfg.train
     return Strategy(data, stage, model, t.zero_stage, t.microbatches, cfg.model.remat,
-                    getattr(t, "pipeline_repeats", 1), t.grad_sync)
+                    t.pipeline_repeats, t.grad_sync)

@@ -1,4 +1,4 @@
-"""`meshtrain plan [CONFIG.yaml ...] [key=value ...] [--json] [--verify] [--search --devices N [--hosts H]]`."""
+"""`meshtrain plan [CONFIG.yaml ...] [key=value ...] [--json] [--verify] [--search] [--devices N] [--hosts H]`"""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +20,7 @@ KINDS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"), ("tpu v5 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtrain plan", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="meshtrain plan", description=DESCRIPTION, usage=__doc__.strip("`"))
     p.add_argument("--json", action="store_true", help="machine-readable output (bytes per device)")
     p.add_argument("--verify", action="store_true", help="compile the step and compare with XLA's figures")
     p.add_argument("--search", action="store_true", help="rank every valid layout for --devices")

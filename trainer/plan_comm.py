@@ -15,6 +15,7 @@ from models import ModelConfig
 from trainer.plan_memory import Leaf, leaves
 from trainer.plan_types import Strategy, Transfer
 
+
 def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[Transfer]:
     """Every collective of one step, per mesh axis, in bus bytes per device."""
     ls = leaves(mc, train, st)
@@ -22,7 +23,8 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
     if st.stage > 1:
         out = _pipeline_transfers(mc, st, ls, n, a)
     else:
-        out = (_data_transfers(mc, st, ls, n) if st.data > 1 else []) + (_model_transfers(mc, st, n, a) if st.model > 1 else [])
+        out = ((_data_transfers(mc, st, ls, n) if st.data > 1 else [])
+               + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
     return [t for t in out if t.bytes > 0]
 
 
@@ -41,49 +43,57 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
-    T = lambda *a: Transfer(*a)  # noqa: E731
     out = []
     if manual_sync(st):
         # psum_scatter / all_gather inside the data-manual shard_map see model-split leaves whole:
-        # XLA gathers them over `model` first and moves the unsplit leaf over `data`.
-        # (the ring runs manual over `model` too, so each device rings only its own slice)
+        # XLA gathers them over `model` first and moves the unsplit leaf over `data`. The ring runs
+        # manual over `model` too, so there each device rings only its own slice.
         psum = st.grad_sync in ("auto", "psum")
-        whole = lambda sel: sum(x.bytes * (x.model_split if psum else 1) for x in ls if sel(x))  # noqa: E731
-        over_model = lambda sel: sum(x.bytes * x.model_split for x in ls if psum and sel(x) and x.model_split > 1)  # noqa: E731
+
+        def whole(sel):
+            return sum(x.bytes * (x.model_split if psum else 1) for x in ls if sel(x))
+
+        def over_model(sel):
+            return sum(x.bytes * x.model_split for x in ls if psum and sel(x) and x.model_split > 1)
+
         if zero >= 2:
-            out.append(T("data", "reduce-scatter", "gradient reduce-scatter, every microbatch",
-                         m * ag * whole(lambda x: x.zero) * wire, m))
-            out.append(T("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
-                         m * _ring("all-gather", tp) * over_model(lambda x: x.zero), m))
-            out.append(T("data", "all-reduce", "all-reduce of leaves too small to shard",
-                         m * ar * sum(x.bytes for x in ls if not x.zero), m))
+            out += [Transfer("data", "reduce-scatter", "gradient reduce-scatter, every microbatch",
+                             m * ag * whole(lambda x: x.zero) * wire, m),
+                    Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                             m * _ring("all-gather", tp) * over_model(lambda x: x.zero), m),
+                    Transfer("data", "all-reduce", "all-reduce of leaves too small to shard",
+                             m * ar * sum(x.bytes for x in ls if not x.zero), m)]
         else:
-            out.append(T("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step", ar * grads * wire, 1))
+            out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+                                ar * grads * wire, 1))
         if zero >= 3:
             again = 1 if st.remat == "none" else 2  # the backward pass gathers again under remat
             top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
-            out.append(T("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
-                         + (", again in backward)" if again > 1 else ")"),
-                         ag * (whole(top) + m * again * whole(lay)), 1 + m * again))
-            out.append(T("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
-                         _ring("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k, 1 + m * again))
+            out += [Transfer("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
+                             + (", again in backward)" if again > 1 else ")"),
+                             ag * (whole(top) + m * again * whole(lay)), 1 + m * again),
+                    Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
+                             _ring("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k,
+                             1 + m * again)]
     else:
-        syncs = m if st.stage == 1 else 1  # the accumulation loop reduces every microbatch
         embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
         if zero >= 1 and m == 1 and embed:
             # the lookup's gradient rows go all-to-all; the head's part is reduced with the rest
-            out.append(T("data", "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
+            out.append(Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
             if tp > 1:
                 grads -= embed
-                out.append(T("data,model", "all-reduce", "tied head gradient", _ring("all-reduce", k * tp) * embed, 1))
+                out.append(Transfer("data,model", "all-reduce", "tied head gradient",
+                                    _ring("all-reduce", k * tp) * embed, 1))
         else:
             grads += embed  # the lookup's and the head's embedding gradients are reduced apart
-        out.append(T("data", "all-reduce", "gradient all-reduce (compiler)" + (", every microbatch" if syncs > 1 else ""),
-                     syncs * ar * grads, syncs))
-        if zero >= 1 and syncs > 1:
-            out.append(T("data", "all-gather", "ZeRO-1 accumulator gathered every microbatch", syncs * ag * zeroed, syncs))
+        # the accumulation loop reduces every microbatch
+        what = "gradient all-reduce (compiler)" + (", every microbatch" if m > 1 else "")
+        out.append(Transfer("data", "all-reduce", what, m * ar * grads, m))
+        if zero >= 1 and m > 1:
+            out.append(Transfer("data", "all-gather", "ZeRO-1 accumulator gathered every microbatch",
+                                m * ag * zeroed, m))
     if zero in (1, 2):
-        out.append(T("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+        out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
     return out
 
 
@@ -103,7 +113,8 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
-    out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss", m * ar * (2 * act + 3 * n * 4), 4 * m))
+    out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
+                        m * ar * (2 * act + 3 * n * 4), 4 * m))
     return out
 
 
@@ -132,10 +143,12 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
         if zero == 0 or not embed:  # the lookup's and the head's embedding gradients are reduced apart
             out.append(Transfer("data", "all-reduce", "embedding and head gradients", ar * (top + embed), 1))
         else:  # the lookup's gradient rows go all-to-all; the head's, in ZeRO shards, over data and stage
-            out += [Transfer("data,stage", "all-reduce", "head gradient shards", _ring("all-reduce", k * S) * embed / k, 1),
+            out += [Transfer("data,stage", "all-reduce", "head gradient shards",
+                             _ring("all-reduce", k * S) * embed / k, 1),
                     Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * m * n * mc.d_model * 4, 1),
                     Transfer("data,stage", "collective-permute", "head gradient moved to its stage", embed / k, 1),
-                    Transfer("stage", "all-reduce", "head gradient summed over stage", _ring("all-reduce", S) * embed / k, 1)]
+                    Transfer("stage", "all-reduce", "head gradient summed over stage",
+                             _ring("all-reduce", S) * embed / k, 1)]
         zeroed = sum(x.bytes for x in ls if x.zero)
         if zero in (1, 2):
             out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
@@ -149,7 +162,8 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
                                 + (" every tick" if times > 1 else ""), times * ag * (3 * lay - last), 3 * times))
             if embed:  # the data-sharded embedding is looked up by all-to-all and gathered over stage for the head
                 out += [Transfer("data", "all-to-all", "ZeRO-3 embedding lookup", ag * m * n * mc.d_model * 4, 1),
-                        Transfer("data,stage", "collective-permute", "ZeRO-3 head weights moved to their stage", embed / S, 1),
+                        Transfer("data,stage", "collective-permute", "ZeRO-3 head weights moved to their stage",
+                                 embed / S, 1),
                         Transfer("stage", "all-gather", "ZeRO-3 embedding gathered over stage",
                                  _ring("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
     if tp > 1:
@@ -157,5 +171,6 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
         per_tick = 2 * body + (2 * body - 1) + 5 * body  # forward, recompute (not the last), backward
         out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
                          ticks * per_tick * ar * act, ticks * per_tick),
-                Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss", ar * (2 * whole + m * n * 4), 3)]
+                Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
+                         ar * (2 * whole + m * n * 4), 3)]
     return out

@@ -20,6 +20,7 @@ from meshes import AXES, Layout
 from models import ModelConfig
 from trainer.plan_types import Strategy
 
+
 @functools.lru_cache(maxsize=64)
 def _abstract(mc: ModelConfig, train):
     """Parameter shapes, logical axes and optimizer-state shapes (cached per model and optimizer)."""
@@ -79,13 +80,15 @@ class Leaf:
 
 
 def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
+    """Every parameter with its compute-spec bytes, model split and whether ZeRO shards it."""
     params, logical, _, _ = _abstract(_no_remat(mc), train)
     lay, full = _layout(st), leaf_bytes(mc, train, st, "compute")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     lgs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     out = []
     for (path, s), lg, b in zip(flat, lgs, jax.tree.leaves(full)):
-        split = math.prod(st.model for e in lay.compute_spec(s.shape, lg) if e == "model" or (isinstance(e, tuple) and "model" in e))
+        spec = lay.compute_spec(s.shape, lg)
+        split = math.prod(st.model for e in spec if e == "model" or (isinstance(e, tuple) and "model" in e))
         name = jax.tree_util.keystr(path)
         out.append(Leaf(name, name.startswith("['layers']"), float(b), split,
                         st.data > 1 and lay.data_dim(s.shape, lg) is not None))
@@ -134,7 +137,8 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
             out.append(_residuals(lambda x, weights: cross_entropy(head(cfg, weights, x), targets), x, weights))
             continue
         weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
-                   "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)), "w_down": w((F, D))}
+                   "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
+                   "w_down": w((F, D))}
         fn = lambda x, weights: layer(c, weights, x, rope_tables(T, E, c.rope_theta))  # noqa: E731
         if what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
@@ -171,7 +175,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
     zero3 = st.zero >= 3 and st.data > 1
     if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
-        return top + lay / st.repeats if zero3 else 0.0
+        return (top + lay / st.repeats) if zero3 else 0.0
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters

@@ -15,6 +15,14 @@ FIXES = {"params_bytes": "train.zero_stage=3 or a larger mesh.model / mesh.stage
          "buffers_bytes": "model.remat (ZeRO-3 keeps gathered weights without it) or fewer train.microbatches"}
 
 
+def size(b: float) -> str:
+    """Bytes in the largest unit that keeps a digit before the point (GB = 10^9 bytes)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 def memory_terms(p: Plan) -> dict:
     return {k: getattr(p, k) for k in TERMS}
 
@@ -31,7 +39,8 @@ def overflow(p: Plan) -> str | None:
 
 def headline(p: Plan, n_params: int) -> str:
     mc = p.model
-    return (f"{n_params / 1e9:.2f}B params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} KV={mc.n_kv_heads} "
+    count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+    return (f"{count} params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} KV={mc.n_kv_heads} "
             f"F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}) on {p.strategy.devices} x {p.device.name} "
             f"in {p.hosts} node(s) | batch {p.batch_size} x {mc.seq_len} tokens | {p.dtype} compute")
 
@@ -58,22 +67,22 @@ def text(p: Plan) -> str:
     st = p.strategy
     rows = [f"meshtrain plan: {headline(p, param_count(p.model))}",
             f"layout: {st.describe()} | grad_sync {st.grad_sync}", "",
-            "memory per device                        GB"]
+            "memory per device"]
     for key, name in TERMS.items():
-        rows.append(f"  {name:<34}{getattr(p, key) / GB:>8.2f}")
-    verdict = f"fits, {(p.device.hbm - p.total_bytes) / GB:.1f} GB free" if p.fits else "DOES NOT FIT"
-    rows += [f"  {'total':<34}{p.total_bytes / GB:>8.2f}  of {p.device.hbm / GB:.1f} ({p.device.name}): {verdict}",
+        rows.append(f"  {name:<30}{size(getattr(p, key)):>12}")
+    verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else "DOES NOT FIT"
+    rows += [f"  {'total':<30}{size(p.total_bytes):>12}  of {size(p.device.hbm)} ({p.device.name}): {verdict}",
              "", "communication per step and device (bus bytes)",
-             f"  {'axis':<11}{'link':<10}{'kind':<19}{'GB':>9}  what"]
+             f"  {'axis':<18}{'link':<12}{'kind':<20}{'bytes':>10}  what"]
     for t in p.transfers:
         link = "/".join(sorted({LINK[p.links[a]] for a in t.axis.split(",")}))
-        rows.append(f"  {t.axis:<11}{link:<10}{t.kind:<19}{t.bytes / GB:>9.4f}  {t.what} (x{t.count})")
-    rows.append(f"  {'total':<40}{p.comm_bytes / GB:>9.4f}")
+        rows.append(f"  {t.axis:<18}{link:<12}{t.kind:<20}{size(t.bytes):>10}  {t.what} (x{t.count})")
+    rows.append(f"  {'total':<50}{size(p.comm_bytes):>10}")
     if st.stage > 1:
         rows.append(f"  pipeline bubble (S-1)/(M*V+S-1) = {100 * p.bubble:.1f}%")
     comm = " + ".join(f"{a} {s:.4g} s" for a, s in p.comm_s.items()) or "none"
     rows += ["", "roofline step time (no overlap)",
-             f"  compute {p.compute_s:.4g} s at {p.device.peak(p.dtype) / 1e12:.0f} TFLOP/s"
+             f"  compute {p.compute_s:.4g} s at {p.device.peak(p.dtype) / 1e12:.3g} TFLOP/s"
              + (f" / (1 - bubble {p.bubble:.2f})" if p.bubble else "") + f" + communication {comm}",
              f"  step {p.step_s:.4g} s | {p.tokens_per_step / p.step_s:,.0f} tokens/s | MFU {100 * p.mfu:.1f}%"]
     return "\n".join(rows)
@@ -83,10 +92,10 @@ def verify_text(pred: Plan, m) -> str:
     """Prediction beside XLA's memory analysis and the HLO's collective bytes."""
     def row(name, a, b):
         err = f"{100 * (a / b - 1):+.1f}%" if b else "n/a"
-        return f"  {name:<38}{a / GB:>12.6f}{b / GB:>12.6f}  {err}"
+        return f"  {name:<38}{a:>14,.0f}{b:>14,.0f}  {err}"
     n = pred.strategy.devices
-    rows = [f"XLA, compiled ahead of time for {n} simulated CPU devices ({pred.dtype}); GB per device",
-            f"  {'':<38}{'predicted':>12}{'XLA':>12}  error",
+    rows = [f"XLA, compiled ahead of time for {n} simulated CPU devices ({pred.dtype}); bytes per device",
+            f"  {'':<38}{'predicted':>14}{'XLA':>14}  error",
             row("parameters + optimizer state", pred.params_bytes + pred.opt_state_bytes, m.params_opt_bytes),
             row("gradients", pred.grads_bytes, m.grads_bytes),
             row("parameters + optimizer + gradients", pred.state_bytes, m.params_opt_bytes + m.grads_bytes),

@@ -44,8 +44,7 @@ class Ranked:
 
 def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: str) -> Ranked:
     plans = [estimate(mc, train, st, device, hosts, dtype)
-             for st in strategies(mc, train.batch_size, n_devices, getattr(train, "pipeline_repeats", 1),
-                                  train.grad_sync)]
+             for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync)]
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.total_bytes))
     smallest = min(plans, key=lambda p: p.total_bytes) if plans else None
     return Ranked(fit, len(plans) - len(fit), len(plans), smallest)

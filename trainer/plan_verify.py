@@ -65,7 +65,8 @@ def measure(cfg, devices=None, grads: bool = True) -> Measured:
         if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss)
             grad_fn = jax.jit(functools.partial(loss_and_grads, s),
                               in_shardings=(s.shardings["params"], s.batch_sharding()))
-            g_bytes = grad_fn.lower(state["params"], batch).compile(FAST_COMPILE).memory_analysis().output_size_in_bytes - 4
+            g_mem = grad_fn.lower(state["params"], batch).compile(FAST_COMPILE).memory_analysis()
+            g_bytes = g_mem.output_size_in_bytes - 4
     mem = step.memory_analysis()
     n_batch = batch.size * batch.dtype.itemsize // s.mesh.shape["data"]
     text = step.as_text()
