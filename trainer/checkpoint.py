@@ -1,7 +1,7 @@
 """Checkpoints: asynchronous Orbax saves of the train state, validated restores onto any mesh.
 
 A run keeps `run.dir/checkpoints/<step>/` with two Orbax items:
-  state  the train state {step, params, opt_state}, every array written shard by shard;
+  state  the train state {step, params, opt_state, guard}, every array written shard by shard;
   meta   JSON: the resolved config, the mesh and ZeRO stage it was saved from, the RNG
          (the seed: batches are a pure function of (seed, step), so the step is the data
          position), and every leaf's shape, dtype, sharding and a checksum of its bits.

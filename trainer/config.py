@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from meshes import load_preset, resolve_shape, MeshError
 from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
+from trainer import guard
 from trainer.errors import UserError
 from trainer.profiling import parse_steps
 
@@ -76,6 +77,11 @@ class TrainSection:
     eval_every: int = 50
     eval_batches: int = 8
     profile_steps: str = ""  # A:B: a jax.profiler trace of steps A..B (as numbered in the log)
+    on_nan: str = "skip"  # skip | rollback | stop: what a streak of max_bad_steps bad steps gets (trainer/guard.py)
+    max_bad_steps: int = 5  # consecutive bad steps (non-finite loss/grad norm, or a spike) before on_nan acts
+    spike_factor: float = 0.0  # skip a step whose loss > factor x the running median; 0 = off
+    spike_window: int = 32  # losses in that running median
+    inject_nan_at: str = ""  # STEP or A:B: NaN loss at those data positions (drills and tests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +195,13 @@ def _load_yaml(path: str):
     if not p.is_file():
         raise UserError(f"config file '{path}' does not exist; give the path of a YAML file")
     try:
-        node = OmegaConf.load(p)
+        node = OmegaConf.load(p)  # a yaml.SafeLoader: tags that would build Python objects are refused
     except Exception as e:  # yaml.YAMLError and friends
-        raise UserError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        first = str(e).splitlines()[0]
+        if "could not determine a constructor" in first:
+            raise UserError(f"config file '{path}': {first}; meshtrain reads plain YAML only (no Python tags), "
+                            "remove the tag") from None
+        raise UserError(f"config file '{path}' is not valid YAML: {first}") from None
     if not OmegaConf.is_dict(node):
         raise UserError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
     return node
@@ -201,6 +211,9 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     """Config from the schema defaults, YAML files and key=value overrides, in order."""
     files, pairs = [], []
     for a in args:
+        if a.startswith("-"):
+            raise UserError(f"unknown option '{a}'; give YAML files and key=value pairs, e.g. train.steps=100 "
+                            "(--help lists the keys)")
         if "=" in a and not a.endswith((".yaml", ".yml")):
             pairs.append(a)
         else:
@@ -309,6 +322,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (math.prod(shape) == n_devices, "mesh size mismatch"),
     ]
     parse_steps(t.profile_steps)  # a UserError naming the fix if it is not A:B
+    guard.validate(t)
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)

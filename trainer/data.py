@@ -55,6 +55,14 @@ def _read(files: list[Path]) -> np.ndarray:
 
 
 def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "uint16") -> Corpus:
+    try:
+        return _load(source, heldout_fraction, bin_dtype)
+    except OSError as e:  # unreadable file, a folder with a dangling link, ...
+        raise UserError(f"data.source '{source}' cannot be read ({e.strerror or e}: {e.filename or source}); "
+                        "give a readable file or folder") from None
+
+
+def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
     if source == "synthetic":
         return Corpus(np.zeros(0, np.uint8), np.zeros(0, np.uint8), vocab=0, synthetic=True)
     if source == "builtin":
@@ -73,7 +81,11 @@ def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "u
     if path.suffix == ".bin":
         if bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
-        toks = np.memmap(path, dtype=bin_dtype, mode="r")
+        size = np.dtype(bin_dtype).itemsize
+        if path.stat().st_size % size:
+            raise UserError(f"data.source '{source}' has {path.stat().st_size} bytes, not a whole number of "
+                            f"{bin_dtype} tokens; check data.bin_dtype (uint16 or uint32) or the file")
+        toks = np.memmap(path, dtype=bin_dtype, mode="r") if path.stat().st_size else np.zeros(0, bin_dtype)
         cut = int(len(toks) * (1 - heldout_fraction))
         vocab = int(toks.max()) + 1 if len(toks) else 0
         return _check(Corpus(toks[:cut], toks[cut:], vocab), source)
@@ -134,8 +146,9 @@ class Batches:
         src = self.c.heldout if len(self.c.heldout) > self.T + 1 else self.c.train
         return self._rows(src, [self.seed, i, _EVAL], self.B)
 
-    def iterate(self, start: int, stop: int, prefetch: int = 4):
-        """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread."""
+    def iterate(self, start: int, stop: int, prefetch: int = 4, offset: int = 0):
+        """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread; step s
+        trains on the batch at position s + offset (moved on by a rollback, trainer/guard.py)."""
         import grain
-        ds = grain.MapDataset.range(start, stop).map(lambda s: (s, self.train(s)))
+        ds = grain.MapDataset.range(start, stop).map(lambda s: (s, self.train(s + offset)))
         return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))

@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """Bad input from the user; the message names the problem and the fix."""
+    exit_code = 2
+
+
+class TrainingStopped(UserError):
+    """Training cannot go on (train.on_nan=stop after a streak of bad steps); its own exit code."""
+    exit_code = 3

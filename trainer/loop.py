@@ -19,6 +19,7 @@ from trainer.config import Config, to_yaml
 from trainer.data import Batches, load_corpus
 from trainer.errors import UserError
 from trainer.goodput import Goodput, summary
+from trainer.guard import Feed, Guard
 from trainer.metrics import MetricsWriter, device_peak, peak_devices
 from trainer.preempt import StopRequest
 from trainer.profiling import StepProfiler
@@ -85,8 +86,6 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     run_dir = prepare_run_dir(cfg.run.dir)
     s = make_setup(cfg, devices)
     t = cfg.train
-    if main:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
     batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
                       *distributed.process_rows(s.batch_sharding(), t.batch_size))
@@ -97,6 +96,10 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     t0 = time.perf_counter()
     ckpt = Checkpointer(s, run_dir, log=console.print)
     state, start = ckpt.restore_or_init(lambda: init_state(s))
+    guard = Guard(s, ckpt, state, lambda: init_state(s), console.print)
+    feed = Feed(batches, start, t.steps, guard.offset)
+    if main:  # only now: a command that fails on its input leaves run.dir as it was
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     step_fn, eval_fn = jit_train_step(s), jit_eval_step(s)
     with jax.set_mesh(s.mesh):
         compiled = step_fn.lower(state, to_global(s, batches.train(start))).compile()
@@ -118,7 +121,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
         with progress, jax.set_mesh(s.mesh), StopRequest() as stop:
             task = progress.add_task("train", total=t.steps, completed=start, info="")
             last_t, last_step = time.perf_counter(), start
-            for step, rows in gp.timed("data", batches.iterate(start, t.steps)):
+            for step, rows in gp.timed("data", feed):
                 with gp.span("data"):
                     batch = to_global(s, rows)
                 done = step + 1
@@ -139,7 +142,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     mfu = fpt * tps / (peak * n_peak) if peak else None
                     rec = {"step": done, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                            "lr": float(m["lr"]), "tokens_per_sec": tps, "step_time_s": dt, "mfu": mfu,
-                           "hfu": hfpt * tps / (peak * n_peak) if peak else None}
+                           "hfu": hfpt * tps / (peak * n_peak) if peak else None, **guard.fields(m)}
                     if evaluating:
                         with gp.span("eval"):
                             eval_loss = evaluate(s, eval_fn, state["params"], batches)
@@ -158,6 +161,15 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                         eval_loss = evaluate(s, eval_fn, state["params"], batches)
                     writer.write({"step": done, "eval_loss": eval_loss})
                     history.append({"step": done, "eval_loss": eval_loss})
+                if (logging or ckpt.due(done)) and (trip := guard.tripped(m if logging else metrics)):
+                    state, done = guard.act(trip)  # on_nan=rollback (stop raises): back to a checkpoint
+                    writer.close()
+                    writer = MetricsWriter(run_dir, enabled=main, resume_step=done)
+                    feed.restart(done, guard.offset)
+                    history = [r for r in history if r["step"] <= done]
+                    last_t, last_step = time.perf_counter(), done
+                    progress.update(task, completed=done)
+                    continue
                 if ckpt.due(done):
                     with gp.span("checkpoint"):
                         ckpt.save(done, state)
@@ -166,7 +178,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     break
             profiler.stop(state)
             with gp.span("checkpoint"):
-                if done > start:
+                if done > start and guard.may_save(metrics):
                     ckpt.save(done, state)
                 ckpt.close()  # waits for the save in flight, still inside the signal handlers
             goodput = gp.record()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 
@@ -71,7 +73,9 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         if path.exists():  # drop records past the step training resumes from: each step is logged once
             keep = [ln for ln in path.read_text().splitlines(keepends=True) if _step_of(ln) <= resume_step]
-            path.write_text("".join(keep))
+            tmp = path.with_name(path.name + ".tmp")  # a kill mid-write must not lose the kept lines
+            tmp.write_text("".join(keep))
+            os.replace(tmp, path)
         self.file = open(path, "a", buffering=1)
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
@@ -82,7 +86,7 @@ class MetricsWriter:
         self.file.write(json.dumps(record) + "\n")
         step = record["step"]
         for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and v is not None:
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):  # a skipped NaN step stays in the jsonl
                 self.tb.add_scalar(k, v, step)
 
     def close(self):

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from meshes import Layout, MeshError, build_mesh
 from models import ModelConfig, Transformer, logical_axes_of, params_of
-from trainer import localsgd
+from trainer import guard, localsgd
 from trainer.config import Config, compute_dtype, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
@@ -58,13 +58,14 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     tx, schedule = make_optimizer(cfg.train)
     pshapes, logical = abstract_model(mc, cfg.train.seed)
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
-              "opt_state": jax.eval_shape(tx.init, pshapes)}
+              "opt_state": jax.eval_shape(tx.init, pshapes), "guard": guard.shapes(cfg.train)}
     opt_param_sh = layout.tree("opt", pshapes, logical)
     shardings = {
         "step": layout.replicated,
         "params": layout.tree("param", pshapes, logical),
         "opt_state": optax.tree_map_params(tx, lambda _, sh: sh, shapes["opt_state"], opt_param_sh,
                                            transform_non_params=lambda _: layout.replicated),
+        "guard": jax.tree.map(lambda _: layout.replicated, shapes["guard"]),
     }
     if localsgd.enabled(cfg):  # one copy of params and optimizer state per data-parallel replica
         shapes, shardings = localsgd.stack(cfg, shapes, shardings, data)
@@ -78,7 +79,8 @@ def init_state(s: Setup) -> dict:
 
     def init():
         params = params_of(Transformer(mc, rngs=nnx.Rngs(seed)))
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+                 "guard": guard.init(s.cfg.train)}
         return localsgd.replicate(s.cfg, s.mesh.shape["data"], state) if localsgd.enabled(s.cfg) else state
 
     with jax.set_mesh(s.mesh):

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
-from trainer import localsgd, sync
+from trainer import guard, localsgd, sync
 from trainer.pipeline import pipeline_loss, split_microbatches
 from trainer.state import Setup
 
@@ -162,12 +162,12 @@ def eval_step(s: Setup, params, batch):
 
 
 def jit_train_step(s: Setup):
-    """train_step jitted once with explicit in/out shardings and the state donated."""
-    if localsgd.enabled(s.cfg):  # replicas step apart and sync every train.sync_every steps
-        return localsgd.jit_train_step(s)
-    metrics_sh = {"loss": s.layout.replicated, "grad_norm": s.layout.replicated, "lr": s.layout.replicated}
-    return jax.jit(functools.partial(train_step, s), in_shardings=(s.shardings, s.batch_sharding()),
-                   out_shardings=(s.shardings, metrics_sh), donate_argnums=0)
+    """train_step behind the NaN/spike guard, jitted once with explicit in/out shardings and the state donated."""
+    # local SGD / DiLoCo: replicas step apart and sync every train.sync_every steps
+    inner = localsgd.train_step if localsgd.enabled(s.cfg) else train_step
+    step = functools.partial(guard.guarded_step, functools.partial(inner, s), s.cfg)
+    return jax.jit(step, in_shardings=(s.shardings, s.batch_sharding()),
+                   out_shardings=(s.shardings, s.layout.replicated), donate_argnums=0)
 
 
 def jit_eval_step(s: Setup):

@@ -1,0 +1,194 @@
+"""Reliability: NaN/spike guard, rollback, stop, a 3-kill chaos drill, and loading that never runs code."""
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, corpus
+
+from trainer import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import chaos  # noqa: E402
+
+# The drill: data positions 9 and 10 are poisoned; two bad steps in a row roll back.
+DRILL = ["train.inject_nan_at=9:10", "train.on_nan=rollback", "train.max_bad_steps=2", "checkpoint.keep=0"]
+STEPS = 20
+
+
+def _host(state, *keys):
+    return jax.tree.map(np.asarray, {k: state[k] for k in keys})
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_nan_and_spike_skip_the_update_and_leave_the_state_untouched():
+    from trainer.config import load_config
+    from trainer.data import Batches
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_train_step
+    cfg = load_config(TINY + ["mesh.data=8", "train.zero_stage=1", "train.steps=20", "train.inject_nan_at=2",
+                              "train.spike_factor=1.2", "train.spike_window=3"])
+    s = make_setup(cfg)
+    state, step = init_state(s), jit_train_step(s)
+    b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
+    noise = np.random.default_rng(0).integers(0, 256, size=(16, s.model.seq_len + 1), dtype=np.int32)
+    after, ms = [_host(state, "params", "opt_state")], []
+    with jax.set_mesh(s.mesh):
+        for i in range(9):  # step 8 (i=7) trains on uniform noise: a loss spike once the model has learned
+            state, m = step(state, jax.device_put(noise if i == 7 else b.global_train(i), s.batch_sharding()))
+            after.append(_host(state, "params", "opt_state"))
+            ms.append({k: float(v) for k, v in jax.device_get(m).items()})
+    assert int(state["step"]) == 9  # the step counter (and so the data position) moves on
+    # step 2: NaN injected -> skipped, params and Adam moments bitwise as after step 1
+    assert np.isnan(ms[1]["loss"]) and ms[1]["skipped"] == 1 and ms[1]["bad_streak"] == 1
+    assert _equal(after[2], after[1]) and not _equal(after[1], after[0])
+    assert ms[2]["bad_streak"] == 0 and not _equal(after[3], after[2])
+    # step 8: finite loss above 1.2 x the median of the last 3 accepted losses (steps 5-7) -> skipped
+    median = float(np.median([ms[i]["loss"] for i in (4, 5, 6)]))
+    assert np.isfinite(ms[7]["loss"]) and ms[7]["loss"] > 1.2 * median, (ms[7]["loss"], median)
+    assert all(m["loss"] <= 1.2 * median for m in ms[4:7])  # no false alarm before it
+    assert _equal(after[8], after[7]) and ms[7]["skipped"] == 2
+    assert ms[8]["bad_streak"] == 0 and ms[8]["skipped"] == 2 and not _equal(after[9], after[8])
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    """3 kills of the NaN-rollback drill on one device; figures of chaos.chaos()."""
+    return chaos.chaos(3, DRILL, tmp_path_factory.mktemp("chaos"), seed=1, devices=1, steps=STEPS, timeout=300)
+
+
+def test_chaos_three_kills_resume_bitwise(drill):
+    assert drill["kills"] == 3 and drill["during_save"] >= 1, drill
+    assert drill["params_bitwise_equal"] and drill["state_checksums_equal"], drill
+    assert drill["losses_equal"] and drill["steps_once"] and drill["steps_logged"] == STEPS, drill
+    assert drill["resumed_newest"], drill
+
+
+def _records(run: Path) -> dict:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
+    from models.transformer import loss_fn
+    from trainer.config import model_config
+    from trainer.data import Batches, load_corpus
+    ref = Path(drill["workdir"]) / "ref"
+    log = (ref.parent / "ref.log").read_text()
+    # steps 9, 10 are bad; at 10 it rolls back to the newest checkpoint (8): data offset 2
+    assert "2 consecutive bad steps (non-finite loss or gradient norm, steps 9..10); rolled back to step 8, " \
+           "data offset now 2" in log, log
+    recs = _records(ref)
+    assert sorted(recs) == list(range(1, STEPS + 1))  # the rolled-back steps are logged once, as redone
+    assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in recs.values())
+    assert [r.get("data_offset", 0) for r in recs.values()] == [0] * 8 + [2] * (STEPS - 8)
+    # step 9 after the rollback = checkpoint 8's parameters on the batch at position 11 (index 10)
+    params, cfg = ckpt.load_params(ref, 8, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    mc, t = model_config(cfg), cfg.train
+    batches = Batches(load_corpus("synthetic"), t.seed, t.batch_size, mc.seq_len, mc.vocab_size)
+    loss = jax.jit(lambda p, b: loss_fn(mc, p, b))
+    moved, replayed = float(loss(params, batches.train(10))), float(loss(params, batches.train(8)))
+    assert abs(moved - recs[9]["loss"]) < 1e-5 * abs(moved) < abs(replayed - recs[9]["loss"]), (moved, replayed)
+
+
+def test_stop_exits_3_naming_the_step(drill, tmp_path):
+    run = tmp_path / "stop"
+    env = chaos.child_env(1, Path(drill["workdir"]) / "jax-cache")  # the drill's compiled step
+    p = subprocess.run([sys.executable, "-m", "trainer.cli", "train", *chaos.CONFIG, *DRILL, f"train.steps={STEPS}",
+                        "train.on_nan=stop", f"run.dir={run}"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3, p.stderr
+    assert lines[-1].startswith("meshtrain: error: step 10: 2 consecutive bad steps (non-finite loss or "
+                                "gradient norm, steps 9..10) and train.on_nan=stop;"), p.stderr
+    assert "Traceback" not in p.stderr and sum("error" in ln for ln in lines) == 1, p.stderr
+    assert ckpt.list_steps(run) == [2, 4, 6, 8]  # the state after the bad streak is never saved
+
+
+class _Audit:
+    """Records audit events (pickle.find_class: an unpickler resolving a global; exec/compile: code run)."""
+    events: list = []
+    on = False
+
+    @classmethod
+    def hook(cls, event, args):
+        if cls.on and event in ("pickle.find_class", "exec", "compile"):
+            src = args[0].decode() if event == "compile" and isinstance(args[0], bytes) else args[0]
+            cls.events.append((event, str(args)[:80], src if isinstance(src, str) else None))
+
+    def __enter__(self):
+        _Audit.events, _Audit.on = [], True
+        return _Audit.events
+
+    def __exit__(self, *exc):
+        _Audit.on = False
+
+
+sys.addaudithook(_Audit.hook)
+
+
+def test_checkpoint_loading_never_unpickles(drill, tmp_path):
+    ref, marker = Path(drill["workdir"]) / "ref", tmp_path / "pwned"
+    with _Audit() as events:  # a clean load
+        params, _ = ckpt.load_params(ref, STEPS)
+    assert jax.tree.leaves(params) and not [e for e in events if e[0] == "pickle.find_class"], events
+    bomb = pickle.dumps(type("Bomb", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})())
+    assert b"system" in bomb
+    for name in ("state/_METADATA", "meta/metadata", "_CHECKPOINT_METADATA"):
+        run = tmp_path / name.replace("/", "_")
+        shutil.copytree(ref, run)
+        (run / "checkpoints" / str(STEPS) / name).write_bytes(bomb)  # a pickle where JSON is expected
+        with _Audit() as events:
+            try:
+                ckpt.load_params(run, STEPS)
+            except Exception as e:  # noqa: BLE001 - refused as unreadable is fine; running it is not
+                assert "corrupt" in str(e) or "no checkpoint" in str(e), e
+        assert not marker.exists() and not [e for e in events if e[0] == "pickle.find_class"], (name, events)
+
+
+def test_config_parsing_never_evaluates_code(tmp_path):
+    from trainer.config import load_config
+    from trainer.errors import UserError
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f'train:\n  steps: !!python/object/apply:os.system ["touch {marker}"]\n')
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  steps: 7\n  lr: ${train.b1}\nrun:\n  dir: /x\n")
+    with _Audit() as events:
+        assert load_config([str(good), "train.seed=3"]).train.lr == 0.9  # interpolation is a lookup, not code
+        for args in ([str(evil)], ['train.steps=!!python/object/apply:os.system ["touch x"]']):
+            with pytest.raises(UserError, match="could not determine a constructor"):
+                load_config(args)
+    assert not marker.exists() and not [e for e in events if e[0] == "pickle.find_class"], events
+    # OmegaConf evaluates the schema's own type annotations (strings under `from __future__ import
+    # annotations`); nothing else, and nothing from the files or overrides, is compiled
+    compiled = {e[2] for e in events if e[0] == "compile"}
+    assert compiled and compiled <= _annotations(), compiled - _annotations()
+
+
+def _annotations() -> set:
+    import dataclasses
+    from trainer.config import Config
+    sections = [f.default_factory for f in dataclasses.fields(Config)]
+    return {f.type for cls in [Config, *sections] for f in dataclasses.fields(cls)}
+
+
+def test_no_code_loading_calls_in_the_source():
+    """What would run code from a file: pickle, eval/exec, unsafe YAML loaders, numpy pickles."""
+    bad = re.compile(r"\bimport pickle\b|\bpickle\.|cloudpickle|(?<![.\w])(?<!def )(eval|exec)\(|yaml\.(unsafe_)?load\(|"
+                     r"UnsafeLoader|FullLoader|allow_pickle\s*=\s*True|marshal\.")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for d in ("trainer", "models", "meshes") for p in (ROOT / d).rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert hits == [], hits
+    assert bad.search("x = pickle.loads(b)") and bad.search("eval(s)") and not bad.search("batches.eval(i)")
+    assert not bad.search("    def eval(self, i):")
