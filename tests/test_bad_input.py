@@ -1,8 +1,11 @@
-"""Every bad input gets one line naming the problem and the fix, a non-zero exit, no traceback."""
+"""Every bad input gets one line naming the problem and the fix, a non-zero exit, no traceback, and
+leaves the files already in run.dir byte for byte as they were."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainer.cli import main
@@ -34,26 +37,112 @@ CASES = {
     "wrong-type": (["train.steps=many"], "'train.steps'"),
     "missing-data": (["data.source=/nonexistent/corpus.txt"], "does not exist"),
     "zero-stage-range": (["train.zero_stage=4"], "outside 0..3"),
+    "mesh-preset-unknown": (["mesh.preset=nope"], "unknown mesh preset 'nope'; choose one of"),
+    # config
+    "yaml-python-tag": (["{F}/evil.yaml"], "meshtrain reads plain YAML only (no Python tags)"),
+    "override-python-tag": (['train.seed=!!python/object/apply:os.system ["true"]'], "could not determine a constructor"),
+    "yaml-syntax": (["{F}/broken.yaml"], "is not valid YAML"),
+    "yaml-not-a-mapping": (["{F}/list.yaml"], "must hold a mapping of sections"),
+    "config-file-missing": (["{F}/missing.yaml"], "does not exist; give the path of a YAML file"),
+    "override-without-key": (["=5"], "has no key; write key=value"),
+    "option-not-key-value": (["--steps", "5"], "unknown option '--steps'; give YAML files and key=value pairs"),
+    "model-preset-unknown": (["model.preset=huge"], "model.preset='huge' is unknown"),
+    "grad-sync-unknown": (["train.grad_sync=nccl"], "train.grad_sync='nccl' is unknown"),
+    "log-every-zero": (["run.log_every=0"], "run.log_every=0 must be > 0"),
+    "profile-steps-form": (["train.profile_steps=5"], "is not A:B"),
+    "on-nan-unknown": (["train.on_nan=ignore"], "train.on_nan='ignore' is unknown; choose one of skip, rollback, stop"),
+    "max-bad-steps-zero": (["train.max_bad_steps=0"], "train.max_bad_steps=0 must be >= 1"),
+    "spike-factor-below-one": (["train.spike_factor=0.5"], "must be 0 (off) or > 1"),
+    "inject-nan-form": (["train.inject_nan_at=5:2"], "is not STEP or A:B"),
+    "checkpoint-every-negative": (["checkpoint.every=-1"], "must be >= 0; fix the negative value"),
+    # data files
+    "bin-odd-bytes": (["data.source={F}/odd.bin"], "not a whole number of uint16 tokens"),
+    "bin-dtype-unknown": (["data.source={F}/tokens.bin", "data.bin_dtype=int8"], "data.bin_dtype='int8' is unknown"),
+    "bin-ids-above-vocab": (["data.source={F}/tokens.bin"], "token ids up to 299 but model.vocab_size=256"),
+    "text-shorter-than-seq-len": (["data.source={F}/short.txt"], "too few for model.seq_len=32"),
+    "empty-folder": (["data.source={F}/emptydir"], "is empty (no tokens to train on)"),
+    "empty-file": (["data.source={F}/empty.txt"], "is empty (no tokens to train on)"),
+    # checkpoints
+    "resume-other-shapes": (["model.d_ff=256"], "parameter 'layers.w_down' has shape (2, 128, 64) there but (2, 256, 64)"),
+}
+# Other commands (full argv); {RUN} is the populated run.dir.
+COMMANDS = {
+    "unknown-command": (["bogus"], "argument command: invalid choice: 'bogus'"),
+    "flag-missing": (["export", "--run", "{RUN}"], "export: the following arguments are required: --out"),
+    "flag-wrong-type": (["generate", "--run", "{RUN}", "--tokens", "many"], "argument --tokens: invalid int value"),
+    "export-step-missing": (["export", "--run", "{RUN}", "--step", "5", "--out", "{F}/x"], "existing steps: 2"),
+    "export-corrupt-step": (["export", "--run", "{F}/corrupt", "--step", "2", "--out", "{F}/y"],
+                            "is incomplete or corrupt"),
+    "generate-tokens-zero": (["generate", "--run", "{RUN}", "--tokens", "0"], "--tokens"),
+    "generate-no-checkpoints": (["generate", "--run", "{F}/emptydir"], "give the run.dir of"),
+    "inspect-no-checkpoints": (["inspect", "--run", "{F}/emptydir"], "has no complete checkpoints"),
+    "init-from-nothing": (["train", *BASE, "run.dir={F}/fresh", "model.init_from={F}/emptydir"],
+                          "is neither an export (meshtrain export --out) nor a run.dir with checkpoints"),
+    "run-dir-is-a-file": (["train", *BASE, "run.dir={F}/short.txt"], "is not writable"),
 }
 
 
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad files to point at, and a run.dir as a run leaves it: config, metrics, TensorBoard, a checkpoint."""
+    import shutil
+    from trainer.checkpoint import Checkpointer
+    from trainer.config import load_config, to_yaml
+    from trainer.metrics import MetricsWriter
+    from trainer.state import init_state, make_setup
+    f = tmp_path_factory.mktemp("bad")
+    (f / "evil.yaml").write_text(f'train:\n  steps: !!python/object/apply:os.system ["touch {f}/pwned"]\n')
+    (f / "broken.yaml").write_text("train: [1, 2\n")
+    (f / "list.yaml").write_text("- train.steps=3\n")
+    (f / "odd.bin").write_bytes(b"abc")
+    np.arange(300, dtype=np.uint16).tofile(f / "tokens.bin")
+    (f / "short.txt").write_text("too short")
+    (f / "empty.txt").write_text("")
+    (f / "emptydir").mkdir()
+    run = f / "run"
+    s = make_setup(load_config(BASE + [f"run.dir={run}"]))
+    c = Checkpointer(s, run)
+    c.save(2, init_state(s))
+    c.close()
+    (run / "config.yaml").write_text(to_yaml(s.cfg))
+    w = MetricsWriter(run)
+    for step in (1, 2):
+        w.write({"step": step, "loss": 5.5 - step / 10})
+    w.close()
+    shutil.copytree(run, f / "corrupt")
+    for data in (f / "corrupt" / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
+        data.write_bytes(bytes(b ^ 0x5A for b in data.read_bytes()))  # every byte of every array file
+    return f
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _check(argv, expected, files, capsys):
+    argv = [a.replace("{F}", str(files)).replace("{RUN}", str(files / "run")) for a in argv]
+    before = {d: _snapshot(files / d) for d in ("run", "corrupt")}
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    lines = err.splitlines()
+    assert code == 2, (code, err)
+    assert lines and lines[-1].startswith("meshtrain: error:"), err  # the error: one line, the last
+    assert all(ln.startswith("meshtrain model ") for ln in lines[:-1]), err  # before it at most the run header
+    assert expected.replace("{F}", str(files)) in lines[-1], err
+    assert "Traceback" not in err and not (files / "pwned").exists()
+    for d, snap in before.items():
+        assert _snapshot(files / d) == snap, f"{argv} changed {d}/"
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_one_line_error(name, tmp_path, capsys):
+def test_bad_input_one_line_error(name, files, capsys):
     args, expected = CASES[name]
-    code = main(["train", *BASE, f"run.dir={tmp_path / 'run'}", *args])
-    err = capsys.readouterr().err.strip()
-    assert code != 0
-    assert err.startswith("meshtrain: error:") and len(err.splitlines()) == 1, err
-    assert expected in err, err
-    assert "Traceback" not in err
+    _check(["train", *BASE, "data.source=synthetic", "run.dir={RUN}", *args], expected, files, capsys)
 
 
-def test_empty_corpus(tmp_path, capsys):
-    empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
-    code = main(["train", *BASE, f"run.dir={tmp_path / 'run'}", f"data.source={empty}"])
-    err = capsys.readouterr().err.strip()
-    assert code != 0 and "is empty" in err and len(err.splitlines()) == 1
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_bad_command_one_line_error(name, files, capsys):
+    _check(*COMMANDS[name], files, capsys)
 
 
 def test_cli_process_exit_code_and_no_traceback(tmp_path):

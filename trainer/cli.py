@@ -17,6 +17,14 @@ Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
 """
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line UserErrors (not usage text and exit 2 from inside argparse)."""
+
+    def error(self, message):
+        sub = self.prog.removeprefix("meshtrain").strip()
+        raise UserError(f"{sub + ': ' if sub else ''}{message}; see {self.prog} --help")
+
+
 def _train(args: list[str]) -> int:
     from trainer.config import all_keys, load_config
     from trainer.distributed import initialize
@@ -46,7 +54,7 @@ def _simulate(args: list[str]) -> int:
 
 
 def _inspect(args: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtrain inspect", description="List a run's checkpoints (step, size, "
+    p = ArgParser(prog="meshtrain inspect", description="List a run's checkpoints (step, size, "
                                 "time, mesh, ZeRO stage) and the parameters' shapes and shardings.")
     p.add_argument("--run", required=True, help="the run.dir (or an export)")
     ns = p.parse_args(args)
@@ -57,7 +65,7 @@ def _inspect(args: list[str]) -> int:
 
 def _export(args: list[str]) -> int:
     from trainer.ckpt_tools import EXPORT_DTYPES, export
-    p = argparse.ArgumentParser(prog="meshtrain export", description="Write a checkpoint's parameters only "
+    p = ArgParser(prog="meshtrain export", description="Write a checkpoint's parameters only "
                                 "(start a new run from them with model.init_from=OUT).")
     p.add_argument("--run", required=True, help="the run.dir")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
@@ -70,7 +78,7 @@ def _export(args: list[str]) -> int:
 
 
 def _plot(args: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtrain plot", description="Plot loss, eval loss, tokens/s and MFU "
+    p = ArgParser(prog="meshtrain plot", description="Plot loss, eval loss, tokens/s and MFU "
                                 "of one or more runs, overlaid.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run.dir of each run (holds metrics.jsonl)")
     p.add_argument("--out", default="plot.png", help="image to write (default: plot.png)")
@@ -82,7 +90,7 @@ def _plot(args: list[str]) -> int:
 
 
 def _generate(args: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="meshtrain generate", description="Sample text from a run's newest "
+    p = ArgParser(prog="meshtrain generate", description="Sample text from a run's newest "
                                 "checkpoint (KV-cache decoding), streamed to stdout.")
     p.add_argument("--run", required=True, help="the run.dir (or an export)")
     p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
@@ -109,17 +117,16 @@ COMMANDS = {"train": _train, "plan": _plan,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="meshtrain", description="Train transformers on a device mesh.")
+    parser = ArgParser(prog="meshtrain", description="Train transformers on a device mesh.")
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="configs and key=value overrides")
     if not argv:
         argv = ["train"]
-    ns = parser.parse_args(argv[:1])
     try:
-        return COMMANDS[ns.command](argv[1:])
+        return COMMANDS[parser.parse_args(argv[:1]).command](argv[1:])
     except UserError as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)
         return 130
