@@ -126,6 +126,7 @@ def test_resume_is_bit_exact_after_kill9(tmp_path, env, run_a):
     assert len(b) == 20 and b == run_a, f"logged up to {written} before the kill"
 
 
+@pytest.mark.slow  # three more process starts (~15 s of CPU); the kill -9 resume above runs by default
 def test_kill9_during_async_saves_resumes_from_complete_checkpoints(tmp_path, env, tiny, capsys):
     """kill -9 at 3 random moments while a save is being written; each resume must start from the
     newest complete checkpoint, checksums passing (the last one is resumed in-process)."""
