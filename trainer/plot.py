@@ -38,7 +38,7 @@ def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("meshtrain plot needs matplotlib; install the plot extra: pip install -e '.[plot]'") from None
+        raise UserError("meshtrain plot needs matplotlib; install it: pip install matplotlib") from None
     if not run_dirs:
         raise UserError("give at least one RUN_DIR: meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png")
     runs = [(str(d), read_metrics(d)) for d in run_dirs]
