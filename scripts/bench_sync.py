@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-OPS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute")
 
 
 def parse():
@@ -44,7 +43,7 @@ def main():
     from trainer import sync
     from trainer.config import load_config
     from trainer.data import Batches, load_corpus
-    from trainer.hlo import collective_stats
+    from trainer.plan_hlo import collective_bytes
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 
@@ -57,7 +56,8 @@ def main():
         with jax.set_mesh(s.mesh):
             step = jit_train_step(s).lower(state, batch).compile()
         text = step.as_text()
-        colls = ", ".join(f"{op} {n}x {b / 1e3:,.1f} kB" for op in OPS for n, b in [collective_stats(text, op)] if n)
+        colls = ", ".join(f"{kind} over {'+'.join(axes)} {b / 1e3:,.1f} kB"
+                          for (kind, axes), b in collective_bytes(text, dict(s.mesh.shape)).items() if b >= 1e3)
         # the all-reduce of a replicated gradient alone, outside the step
         dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
         specs = jax.tree.map(lambda sh, lg: s.layout.compute_spec(sh.shape, lg), s.param_shapes, s.logical)
@@ -84,7 +84,7 @@ def main():
     for mode, r in runs.items():
         print(f"{mode:10s} step {statistics.median(r['t']) * 1e3:8.1f} ms ({min(r['t']) * 1e3:.1f}) | "
               f"gradient all-reduce alone {statistics.median(r['t_sync']) * 1e3:7.2f} ms "
-              f"({min(r['t_sync']) * 1e3:.2f}) | per step: {r['colls'] or 'no collectives'}")
+              f"({min(r['t_sync']) * 1e3:.2f}) | sent per device per step: {r['colls'] or 'nothing'}")
 
 
 if __name__ == "__main__":

@@ -169,9 +169,11 @@ def test_ring_bf16_trains_like_auto():
 
 
 def _permutes(overrides):
-    """(collective-permutes executed, bytes each device sends) per step, from the compiled HLO."""
-    from trainer.hlo import collective_stats
-    return collective_stats(compiled(overrides)[2], "collective-permute")
+    """(collective-permute ops, bytes each device sends per step, loop trips included), from the HLO."""
+    from trainer.plan_hlo import collective_ops
+    s, _, text = compiled(overrides)
+    sent = [b for kind, _, b, _ in collective_ops(text, dict(s.mesh.shape)) if kind == "collective-permute"]
+    return len(sent), sum(sent)
 
 
 def _grad_bytes(s):
@@ -203,7 +205,7 @@ def test_ring_bf16_halves_wire_bytes():
 
 
 def test_accumulation_syncs_once_per_step():
-    """ZeRO-0 with 2 microbatches runs the same permutes as with 1: the ring runs after accumulation."""
+    """ZeRO-0 with 2 microbatches sends the same bytes as with 1: the ring runs after accumulation."""
     one = _permutes(_config("8,1,1", kind="ring"))
     two = _permutes(_config("8,1,1", kind="ring", micro=2))
     assert one == two and one[0] == 2 * (8 - 1), (one, two)
@@ -212,7 +214,7 @@ def test_accumulation_syncs_once_per_step():
 def test_hlo_counts_loop_bodies_per_trip():
     """The HLO reader multiplies ops in a loop body by its trip count (else the test above proves nothing)."""
     from meshes import build_mesh
-    from trainer.hlo import collective_stats
+    from trainer.plan_hlo import collective_ops
     mesh = build_mesh(8, 1, 1)
     perm = [(i, (i + 1) % 8) for i in range(8)]
 
@@ -222,4 +224,4 @@ def test_hlo_counts_loop_bodies_per_trip():
                               check_vma=False))
     with jax.set_mesh(mesh):
         text = f.lower(np.zeros((8, 100), np.float32)).compile().as_text()
-    assert collective_stats(text) == (5, 5 * 100 * 4)
+    assert [op[:3] for op in collective_ops(text, dict(mesh.shape))] == [("collective-permute", ("data",), 5 * 100 * 4)]
