@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,15 @@ class ModelConfig:
     # Circular pipeline repeats V: layer weights are stored (V, L/V, ...) so that sharding the
     # second axis over `stage` gives stage s the blocks s, s+S, ... (row-major = logical order).
     pipeline_repeats: int = 1
+    # Run the layers as one lax.scan (one compiled layer: compile time independent of depth) or
+    # unrolled (no loop: faster steps, see docs/performance.md). None: unroll up to 8 layers
+    # when there is no remat, else scan.
+    scan_layers: bool | None = None
+    # auto | manual | xla | cudnn | jax (models/attention.py); auto = jax.nn's on GPU, manual elsewhere
+    attention: str = "auto"
+    # manual attention: queries in blocks of this many positions, each against the keys up to
+    # its last position (skips most of the masked half); 0 = one block
+    attention_block: int = 128
 
     @property
     def head_dim(self) -> int:

@@ -17,7 +17,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import attention
 from models.config import ModelConfig
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -103,13 +105,18 @@ def rope_tables(T: int, E: int, theta: float):
 
 
 def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
-    """Rotate pairs (first half, second half) of head_dim by position-dependent angles."""
-    T = x_BTNE.shape[1]
-    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[None, :, None, :]
-    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[None, :, None, :]
-    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNE.dtype)
+    """Rotate pairs (first half, second half) of head_dim by position-dependent angles.
+
+    Written as x * cos + swap(x) * (-sin, +sin) with swap = reversing the two halves: one
+    elementwise loop, where splitting and concatenating the halves ran as separate, slow
+    concatenate fusions on XLA:CPU (forward and backward)."""
+    B, T, N, E = x_BTNE.shape
+    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, None, :]  # (T, 1, 1, E/2)
+    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, None, :]
+    sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]  # (2, 1): first half gets -x2 sin
+    x = x_BTNE.astype(jnp.float32).reshape(B, T, N, 2, E // 2)
+    out = x * cos + x[..., ::-1, :] * (sign * sin)
+    return out.reshape(B, T, N, E).astype(x_BTNE.dtype)
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain):
@@ -120,8 +127,45 @@ def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_const
     """
     p = jax.tree.map(lambda w: w.astype(x_BTD.dtype), p)
     q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain)
-    o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True)
+    o_BTHE = attention(q_BTHE, k_BTKE, v_BTKE, c.attention, c.attention_block)
     return attn_out_mlp(c, p, x_BTD, o_BTHE, constrain)
+
+
+@jax.custom_vjp
+def projections(h_ND, weights):
+    """[h @ w for w in weights] for same-shaped weights (D, ...), with one backward for all.
+
+    The forward runs one matmul per weight. The backward stacks the output gradients on a new
+    axis after N, (N, n, ...), and runs two matmuls in all: dh = G W^T over (n, ...) at once,
+    and dW = h^T G with an n-times wider output, where XLA:CPU's h^T G with a narrow output
+    runs at half its matmul rate. (A new axis rather than a concatenation keeps a
+    tensor-parallel split of the last dims where it is.)"""
+    return [jnp.einsum("nd,d...->n...", h_ND, w) for w in weights]
+
+
+def project(h_ND, weights):
+    """`projections`, with outputs named for the `dots` remat policy."""
+    return [checkpoint_name(o, "projection") for o in projections(h_ND, tuple(weights))]
+
+
+def _projections_fwd(h_ND, weights):
+    return projections(h_ND, weights), (h_ND, weights)
+
+
+def _projections_bwd(res, gs):
+    h_ND, weights = res
+    if len(weights) == 1:
+        g, w = gs[0], weights[0]
+        dw = jnp.einsum("nd,n...->d...", h_ND, g)
+        return jnp.einsum("n...,d...->nd", g, w), (dw,)
+    g = jnp.stack(gs, axis=1)  # (N, n, ...)
+    w = jnp.stack(weights, axis=1)  # (D, n, ...)
+    dh = jnp.einsum("nc...,dc...->nd", g, w)
+    dw = jnp.einsum("nd,nc...->dc...", h_ND, g)
+    return dh, tuple(dw[:, i] for i in range(len(weights)))
+
+
+projections.defvjp(_projections_fwd, _projections_bwd)
 
 
 def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0):
@@ -129,39 +173,58 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
     B, T, D = x_BTD.shape
     H, K, E = c.n_heads, c.n_kv_heads, c.head_dim
     h_ND = rms_norm(x_BTD, p["attn_norm"], c.norm_eps).reshape(B * T, D)
-    q_BTHE = jnp.einsum("nd,dhe->nhe", h_ND, p["wq"]).reshape(B, T, H, E)
-    k_BTKE = jnp.einsum("nd,dke->nke", h_ND, p["wk"]).reshape(B, T, K, E)
-    v_BTKE = jnp.einsum("nd,dke->nke", h_ND, p["wv"]).reshape(B, T, K, E)
+    if H == K:
+        q_NHE, k_NKE, v_NKE = project(h_ND, (p["wq"], p["wk"], p["wv"]))
+    else:
+        (q_NHE,) = project(h_ND, (p["wq"],))
+        k_NKE, v_NKE = project(h_ND, (p["wk"], p["wv"]))
+    q_BTHE, k_BTKE, v_BTKE = (a.reshape(B, T, -1, E) for a in (q_NHE, k_NKE, v_NKE))
     q_BTHE = constrain(apply_rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
     k_BTKE = constrain(apply_rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
+
+
+def _silu(x):
+    """x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no exp and no division, which
+    XLA:CPU runs as a slow pair of loops (the same function, exactly, in real arithmetic)."""
+    return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
 
 
 def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain):
     """The layer after attention: output projection and SwiGLU MLP, each added to the residual."""
     B, T, D = x_BTD.shape
     o_NHE = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B * T, c.n_heads, c.head_dim)
-    x_BTD = x_BTD + jnp.einsum("nhe,hed->nd", o_NHE, p["wo"]).reshape(B, T, D)
+    H, E = c.n_heads, c.head_dim
+    (o_ND,) = project(o_NHE.reshape(B * T, H * E), (p["wo"].reshape(H * E, D),))
+    x_BTD = x_BTD + o_ND.reshape(B, T, D)
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     h_ND = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps).reshape(B * T, D)
-    a_NF = jax.nn.silu(h_ND @ p["w_gate"]) * (h_ND @ p["w_up"])
+    gate_NF, up_NF = project(h_ND, (p["w_gate"], p["w_up"]))
+    a_NF = _silu(gate_NF) * up_NF
     a_NF = constrain(a_NF, ("batch", "mlp"))
-    x_BTD = x_BTD + jnp.einsum("nf,fd->nd", a_NF, p["w_down"]).reshape(B, T, D)
+    (down_ND,) = project(a_NF, (p["w_down"],))
+    x_BTD = x_BTD + down_ND.reshape(B, T, D)
     return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # projection outputs: plain dots, or `projections` outputs (a custom_vjp, opaque to the
+    # dots policy, so they are named); attention is recomputed
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("projection")),
 }
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
                 gather: Callable[[dict], dict] = _identity, remat: str | None = None):
-    """Run a stack of layers (leading axis = layers) with one scanned, optionally remat'd layer.
+    """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled
+    (c.scan_layers).
 
     `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
-    it runs inside the scan body, so ZeRO-3 all-gathers one layer at a time.
+    it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
+    time.
     """
     remat = c.remat if remat is None else remat
     if c.pipeline_repeats > 1 and layers["wq"].ndim == 5:  # (V, L/V, ...) storage -> (L, ...)
@@ -171,9 +234,24 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     def body(x, p):
         return layer(c, gather(p), x, rope, constrain), None
 
+    L = jax.tree.leaves(layers)[0].shape[0]
+    # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
+    # seen to merge a recomputed ZeRO-3 all-gather with the forward one (memory not freed).
+    scan = c.scan_layers or (c.scan_layers is None and (L > 8 or remat != "none"))
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, layers)
+        # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
+        # pass (remat undone); inside one it cannot, and the barrier only costs.
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)
+    if scan:
+        x_BTD, _ = jax.lax.scan(body, x_BTD, layers)
+        return x_BTD
+    # Unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop:
+    # residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
+    # lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
+    # full-size gradients summed together).
+    per_layer = jax.tree.map(lambda w: [p[0] for p in jax.lax.split(w, [1] * L)], layers)
+    for i in range(L):
+        x_BTD, _ = body(x_BTD, jax.tree.map(lambda parts: parts[i], per_layer, is_leaf=lambda v: isinstance(v, list)))
     return x_BTD
 
 

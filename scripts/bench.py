@@ -84,7 +84,12 @@ def main():
     tokens = t.batch_size * s.model.seq_len
     fpt = flops_per_token(s.model)
 
-    rates = {"float32": measure_matmul_rate(jnp.float32, 2048, 5), "bfloat16": measure_matmul_rate(jnp.bfloat16, 2048, 5)}
+    def best_rates():
+        # the best of two sizes: on this CPU 1024^3 runs a few % faster than 2048^3
+        return {"float32": max(measure_matmul_rate(jnp.float32, n, 5) for n in (1024, 2048)),
+                "bfloat16": max(measure_matmul_rate(jnp.bfloat16, n, 5) for n in (1024, 2048))}
+
+    rates = best_rates()
     with jax.set_mesh(s.mesh):
         dt, _ = time_steps(jit_train_step(s), init_state(s), batch, a.steps)
     ref_dt = None
@@ -92,7 +97,7 @@ def main():
         step, tx = reference_step(s)
         params = jax.device_put(init_state(s)["params"])
         ref_dt, _ = time_steps(step, (params, tx.init(params)), batch, a.steps)
-    rates2 = {"float32": measure_matmul_rate(jnp.float32, 2048, 5), "bfloat16": measure_matmul_rate(jnp.bfloat16, 2048, 5)}
+    rates2 = best_rates()
     rate = {k: max(rates[k], rates2[k]) for k in rates}  # best of before/after: less noise
     flops_s = fpt * tokens / dt
     on_cpu = jax.devices()[0].platform == "cpu"
@@ -100,7 +105,7 @@ def main():
     mesh = "x".join(str(v) for v in s.mesh.shape.values())
     print(f"config: {s.model} mesh(data,stage,model)={mesh} zero={t.zero_stage} sync={t.grad_sync} "
           f"dtype={s.dtype.name} batch={t.batch_size} microbatches={t.microbatches}")
-    print(f"matmul rate (2048^3, this process): float32 {rate['float32'] / 1e9:.1f} GFLOP/s, "
+    print(f"matmul rate (best of 1024^3 and 2048^3, before and after, this process): float32 {rate['float32'] / 1e9:.1f} GFLOP/s, "
           f"bfloat16 {rate['bfloat16'] / 1e9:.1f} GFLOP/s" + (" per device" if not on_cpu else " (whole CPU)"))
     print(f"step time (median of {a.steps}): {dt * 1e3:.1f} ms | tokens/s {tokens / dt:,.0f} | "
           f"model TFLOP/s {flops_s / 1e12:.4f} ({fpt / 1e6:.2f} MFLOP/token)")

@@ -7,16 +7,56 @@ built-in corpus) once per train.sync mode on `--devices` simulated CPU devices (
 and prints each run's held-out loss, its gap to the synchronous run, and the bytes each device
 sends on the data axis per step (a ring all-reduce of the float32 parameters or gradients:
 2(K-1)/K x their size, every H steps instead of every step).
+
+Each run is a `meshtrain train` process that checkpoints every 50 steps. Simulated devices are
+threads, and on an overloaded host XLA:CPU has hung in a collective (7 of 8 threads in the
+rendezvous, the others never arriving). A watchdog kills a run that logs nothing for --stall
+seconds (and the rendezvous timeout is lowered so that a stuck collective aborts), and the run
+is restarted: it resumes from its newest checkpoint, and since the batch of a step is a
+pure function of (seed, step) the result is the uninterrupted run's. Restarts are reported.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run(mode: str, a, env) -> tuple[float, int, float]:
+    """(eval loss, restarts, seconds) of one training run."""
+    run_dir = Path(a.out) / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    over = [f"mesh.data={a.devices}", "run.progress=false", "run.log_every=10", f"run.dir={run_dir}",
+            "checkpoint.every=50", f"train.sync={mode}", f"train.sync_every={1 if mode == 'every_step' else a.h}"]
+    t0 = time.perf_counter()
+    metrics = run_dir / "metrics.jsonl"
+    for attempt in range(a.retries + 1):
+        p = subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *a.args, *over], cwd=ROOT, env=env)
+        last, size = time.monotonic(), -1
+        while p.poll() is None:  # watchdog: no new metrics line for a.stall seconds = hung
+            time.sleep(2)
+            now_size = metrics.stat().st_size if metrics.exists() else 0
+            if now_size != size:
+                last, size = time.monotonic(), now_size
+            elif time.monotonic() - last > a.stall:
+                print(f"{mode}: no progress for {a.stall}s; killing the run", file=sys.stderr)
+                p.kill()
+        if p.wait() == 0:
+            break
+        print(f"{mode}: the run exited abnormally; resuming from its newest checkpoint", file=sys.stderr)
+    else:
+        sys.exit(f"{mode}: failed {a.retries + 1} times")
+    evals = [r["eval_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in r]
+    return evals[-1], attempt, time.perf_counter() - t0
 
 
 def main():
@@ -25,40 +65,34 @@ def main():
     ap.add_argument("--h", type=int, default=8, help="train.sync_every for the local modes")
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (= mesh.data)")
     ap.add_argument("--modes", default="every_step,local_sgd,diloco")
+    ap.add_argument("--retries", type=int, default=5)
+    ap.add_argument("--stall", type=float, default=240, help="seconds without a new metrics line that count as a hang")
     ap.add_argument("--out", default="runs/local_sgd", help="parent of the runs' run.dir")
     a = ap.parse_args()
-    # Simulated devices are threads; on a busy host one can reach a collective long after the
-    # others, past XLA:CPU's default 40 s rendezvous timeout, which aborts the process.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
-                               " --xla_cpu_collective_call_terminate_timeout_seconds=1200").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    # One program at a time: with asynchronous dispatch an eval program and a train step can be in
-    # flight together, and on an overloaded host their collectives have deadlocked XLA:CPU's threads.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
     from models import param_count
-    from trainer import load_config, train
+    from trainer import load_config
     from trainer.config import model_config
     from trainer.localsgd import data_bytes_per_step
 
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"
+        " --xla_cpu_collective_call_terminate_timeout_seconds=180").strip())
+    cfg = load_config(a.args)
+    # Evaluate once, after the last step (the figure compared).
+    a.args = a.args + [f"train.eval_every={cfg.train.steps}"]
     results = {}
     for mode in a.modes.split(","):
-        over = [f"mesh.data={a.devices}", "run.progress=false", "run.log_every=50", f"run.dir={a.out}/{mode}",
-                f"train.sync={mode}", f"train.sync_every={1 if mode == 'every_step' else a.h}"]
-        cfg = load_config(a.args + over)
-        t0 = time.perf_counter()
-        r = train(cfg)
-        k = jax.device_count()
-        sent = data_bytes_per_step(cfg, 4 * param_count(model_config(cfg)), k)
-        results[mode] = (r.eval_loss, sent, time.perf_counter() - t0)
-    base, base_sent, _ = results.get("every_step", (None, None, None))
+        loss, restarts, wall = run(mode, a, env)
+        c = load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"])
+        results[mode] = (loss, data_bytes_per_step(c, 4 * param_count(model_config(c)), a.devices), restarts, wall)
+    base = results.get("every_step")
     tokens = cfg.train.steps * cfg.train.batch_size * model_config(cfg).seq_len
     print(f"\n{tokens:,} tokens per run on {a.devices} replicas; H={a.h}")
-    for mode, (loss, sent, wall) in results.items():
-        gap = f"{100 * (loss / base - 1):+.2f}% vs synchronous" if base else ""
-        fewer = f", {base_sent / sent:.0f}x less" if base_sent and sent else ""
+    for mode, (loss, sent, restarts, wall) in results.items():
+        gap = f"{100 * (loss / base[0] - 1):+.2f}% vs synchronous" if base else ""
+        fewer = f" ({base[1] / sent:.0f}x less)" if base and sent else ""
         print(f"{mode:10s} eval loss {loss:.4f} {gap} | data-axis bytes/device/step {sent / 1e6:.2f} MB{fewer} "
-              f"| {wall:.0f}s")
+              f"| {wall:.0f}s, {restarts} restart(s)")
 
 
 if __name__ == "__main__":

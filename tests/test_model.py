@@ -79,3 +79,59 @@ def test_every_preset_builds_abstractly(preset):
     assert jax.tree.structure(shapes) == jax.tree.structure(logical, is_leaf=lambda x: isinstance(x, tuple))
     if preset == "7b":
         assert 6.5e9 < n < 7.0e9  # Llama-2-7B: 6.74B parameters
+
+
+# ----------------------------------------------------------------------------- fast paths (docs/performance.md)
+
+def _loss_and_grads(c, p, batch, **kw):
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch, **kw)))(p)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+def test_fast_paths_match_the_reference_layer(kv_heads):
+    """Unrolled layers, the hand-written attention backward (blocked and not) and the
+    projections' shared backward give the loss and gradients of the plain formulation:
+    scanned layers, jax.nn.dot_product_attention, autodiff."""
+    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    c_ref, p = _tiny_params(n_kv_heads=kv_heads, scan_layers=True, attention="xla")
+    ref = _loss_and_grads(c_ref, p, batch)
+    for kw in (dict(scan_layers=False, attention="manual", attention_block=0),
+               dict(scan_layers=False, attention="manual", attention_block=8),
+               dict(scan_layers=True, attention="manual", attention_block=16)):
+        c = from_preset("tiny", n_kv_heads=kv_heads, **kw)
+        got = _loss_and_grads(c, p, batch)
+        assert abs(float(got[0]) - float(ref[0])) < 1e-6, kw
+        assert max_rel(got[1], ref[1]) < 1e-5, kw
+
+
+def test_blocked_attention_matches_jax_attention_with_odd_shapes():
+    from models.attention import causal_attention
+    ks = jax.random.split(jax.random.key(1), 4)
+    B, T, H, K, E = 2, 48, 6, 3, 16
+    q = jax.random.normal(ks[0], (B, T, H, E))
+    k, v = jax.random.normal(ks[1], (B, T, K, E)), jax.random.normal(ks[2], (B, T, K, E))
+    w = jax.random.normal(ks[3], (B, T, H, E))
+    for block in (0, 16, 24, 48, 20):  # 20 does not divide 48: one block
+        f = lambda q, k, v: (causal_attention(q, k, v, block) * w).sum()  # noqa: E731
+        g = lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True) * w).sum()  # noqa: E731
+        np.testing.assert_allclose(f(q, k, v), g(q, k, v), rtol=1e-5)
+        assert max_rel(jax.grad(f, argnums=(0, 1, 2))(q, k, v), jax.grad(g, argnums=(0, 1, 2))(q, k, v)) < 1e-5
+
+
+def test_dots_remat_saves_projection_outputs_and_full_saves_none():
+    """The `dots` policy must see the projections (a custom_vjp) as saveable matmul outputs,
+    or it would silently recompute the whole layer like `full`."""
+    from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
+    from models.transformer import REMAT, layer, rope_tables
+    c, p = _tiny_params()
+    lp = jax.tree.map(lambda w: w[0], p["layers"])
+    x = jnp.ones((2, 32, c.d_model))
+    rope = rope_tables(32, c.head_dim, c.rope_theta)
+
+    def named(policy):
+        f = jax.checkpoint(lambda lp, x: layer(c, lp, x, rope).sum(), policy=REMAT[policy])
+        return [r for r in saved_residuals(f, lp, x) if "projection" in r[1]]
+
+    # q, k, v, attention out, gate, up: six (B*T, ...) projection outputs per layer
+    assert len(named("dots")) >= 5 and all(r[0].shape[0] == 64 for r in named("dots"))
+    assert named("full") == []

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from meshes import load_preset, resolve_shape, MeshError
 from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
+from models.config import ATTENTION_IMPLS
 from trainer import guard
 from trainer.errors import UserError
 from trainer.profiling import parse_steps
@@ -39,6 +40,9 @@ class ModelSection:
     seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
     remat: str = "none"  # none | full | dots
+    scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
+    attention: str = "auto"  # auto | manual | xla | cudnn | jax (models/attention.py)
+    attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
     init_from: Optional[str] = None  # parameters from `meshtrain export` for a new run
 
 
@@ -261,6 +265,8 @@ def model_config(cfg: Config) -> ModelConfig:
         raise UserError(f"model.preset='{m.preset}' is unknown; choose one of {', '.join(PRESETS)}")
     if m.remat not in REMAT_POLICIES:
         raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
+    if m.attention not in ATTENTION_IMPLS:
+        raise UserError(f"model.attention='{m.attention}' is unknown; choose one of {', '.join(ATTENTION_IMPLS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
     return from_preset(m.preset, pipeline_repeats=cfg.train.pipeline_repeats, **over)
 

@@ -102,14 +102,17 @@ def _embed_bytes(mc: ModelConfig, st: Strategy) -> float:
 
 
 def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
-    """Megatron activation all-reduces: XLA reduces the q/k/v and gate/up input gradients separately."""
+    """Megatron activation all-reduces. The backward's input gradient of the column-parallel
+    projections is one all-reduce per `models.transformer.projections` group: q/k/v together
+    (q apart from k/v with grouped-query attention) and gate/up together."""
     tp, m = st.model, st.microbatches
     ar = _ring("all-reduce", tp)
     act = n * mc.d_model * a
     layers = mc.n_layers // st.stage
-    # forward: after wo and w_down; backward: q, k, v and gate, up apart; full remat recomputes the
+    # forward: after wo and w_down; backward: the projection groups; full remat recomputes the
     # first (the layer's output is not needed again); `dots` saves the projection outputs instead
-    per_layer = 2 + 5 + (1 if st.remat == "full" else 0)
+    groups = (1 if mc.n_heads == mc.n_kv_heads else 2) + 1
+    per_layer = 2 + groups + (1 if st.remat == "full" else 0)
     out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
@@ -168,7 +171,8 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
                                  _ring("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
     if tp > 1:
         ar = _ring("all-reduce", tp)
-        per_tick = 2 * body + (2 * body - 1) + 5 * body  # forward, recompute (not the last), backward
+        groups = (1 if mc.n_heads == mc.n_kv_heads else 2) + 1  # backward: one per projection group
+        per_tick = 2 * body + (2 * body - 1) + groups * body  # forward, recompute (not the last), backward
         out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
                          ticks * per_tick * ar * act, ticks * per_tick),
                 Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",

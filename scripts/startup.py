@@ -1,0 +1,69 @@
+"""Start-up time: from launching `meshtrain train` to its first finished step, compile included.
+
+  python scripts/startup.py [--runs 3] [--devices N] [key=value ...]
+
+Default config: the bench config (4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 256,
+batch 4, float32, 1 device). Each run is a fresh process with a cold compilation cache and a new
+run.dir; the clock starts just before the process is spawned and stops when metrics.jsonl gets
+its step-1 line (run.log_every=1: step 1's loss is fetched from the device, so the step has
+finished). The trainer's own "init+compile" figure is printed next to it, and the rest is
+Python and library imports, config, mesh and corpus loading.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=1024",
+         "model.vocab_size=256", "model.seq_len=256", "train.batch_size=4", "train.dtype=float32", "mesh.data=1"]
+
+
+def one_run(args, devices) -> tuple[float, float | None]:
+    with tempfile.TemporaryDirectory() as d:
+        metrics = Path(d) / "run" / "metrics.jsonl"
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        if devices:
+            env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        cmd = [sys.executable, "-m", "trainer.cli", "train", *BENCH, *args, f"run.dir={d}/run", "train.steps=2",
+               "run.log_every=1", "run.progress=false"]
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = None
+        while first is None and p.poll() is None:
+            if metrics.exists() and '"step": 1' in metrics.read_text():
+                first = time.perf_counter() - t0
+            else:
+                time.sleep(0.005)
+        out = p.communicate()[0]
+        if p.returncode != 0 or first is None:
+            sys.exit(f"the training run failed:\n{out}")
+        m = re.search(r"init\+compile ([\d.]+)s", out)
+        return first, float(m.group(1)) if m else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("args", nargs="*", help="key=value overrides on top of the bench config")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
+    a = ap.parse_args()
+    firsts = []
+    for i in range(a.runs):
+        first, compile_s = one_run(a.args, a.devices)
+        firsts.append(first)
+        print(f"run {i + 1}: first step finished {first:.2f}s after launch (trainer's init+compile {compile_s}s)")
+    print(f"start-up to first finished step: median {statistics.median(firsts):.2f}s of {a.runs} runs "
+          f"(min {min(firsts):.2f}s, max {max(firsts):.2f}s)")
+
+
+if __name__ == "__main__":
+    main()
