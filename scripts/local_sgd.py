@@ -86,12 +86,20 @@ def main():
         c = load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"])
         results[mode] = (loss, data_bytes_per_step(c, 4 * param_count(model_config(c)), a.devices), restarts, wall)
     base = results.get("every_step")
-    tokens = cfg.train.steps * cfg.train.batch_size * model_config(cfg).seq_len
-    print(f"\n{tokens:,} tokens per run on {a.devices} replicas; H={a.h}")
+    steps, warm = cfg.train.steps, min(cfg.train.sync_warmup, cfg.train.steps)
+    tokens = steps * cfg.train.batch_size * model_config(cfg).seq_len
+    print(f"\n{tokens:,} tokens per run on {a.devices} replicas; H={a.h}"
+          + (f"; the local modes average every step up to step {warm} (train.sync_warmup)" if warm else ""))
     for mode, (loss, sent, restarts, wall) in results.items():
         gap = f"{100 * (loss / base[0] - 1):+.2f}% vs synchronous" if base else ""
         fewer = f" ({base[1] / sent:.0f}x less)" if base and sent else ""
-        print(f"{mode:10s} eval loss {loss:.4f} {gap} | data-axis bytes/device/step {sent / 1e6:.2f} MB{fewer} "
+        # whole run: the warm-up steps send a parameter all-reduce each (the synchronous step's bytes)
+        every = data_bytes_per_step(load_config(a.args + ["train.sync=every_step"]), 4 * param_count(model_config(cfg)), a.devices)
+        total = sent * steps if mode == "every_step" else every * warm + sent * (steps - warm)
+        whole = f" | whole run {total / 1e9:.2f} GB" + (f" ({every * steps / total:.1f}x less)"
+                                                        if mode != "every_step" else "")
+        print(f"{mode:10s} eval loss {loss:.4f} {gap} | data-axis bytes/device/step {sent / 1e6:.2f} MB{fewer}"
+              + (" after the warm-up" if warm and mode != "every_step" else "") + f"{whole} "
               f"| {wall:.0f}s, {restarts} restart(s)")
 
 

@@ -25,6 +25,19 @@ def test_diloco_h1_outer_lr1_no_momentum_equals_every_step_sync():
     assert ref_losses[-1] < ref_losses[0]
 
 
+def test_sync_warmup_averages_every_step_then_every_h():
+    """With train.sync_warmup=2 and H=8, DiLoCo (outer lr 1, no momentum, linear updates) is
+    synchronous SGD for steps 1-2; step 3 is local, so the replicas differ after it."""
+    ref_params = run_steps(LINEAR, steps=2)[1]
+    warm = LINEAR + ["train.sync=diloco", "train.sync_every=8", "train.sync_warmup=2", "train.outer_lr=1",
+                     "train.outer_momentum=0"]
+    params2, state2 = run_steps(warm, steps=2)[1::2]
+    for p in _replicas(params2) + [jax.tree.map(np.asarray, state2["outer"]["params"])]:
+        assert max_rel(p, ref_params) < 1e-6
+    reps = _replicas(run_steps(warm, steps=3)[1])
+    assert max_rel(reps[1], reps[0]) > 1e-4  # step 3 was taken apart, on different rows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra,same", [(["train.sync=local_sgd", "train.sync_every=1"], True),
                                         (["train.optimizer=adamw", "train.grad_clip=1"] + DILOCO_1, False)])

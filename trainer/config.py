@@ -75,6 +75,7 @@ class TrainSection:
     optimizer: str = "adamw"  # adamw | sgd (momentum b1, linear in the gradient)
     sync: str = "every_step"  # every_step | local_sgd | diloco (trainer/localsgd.py)
     sync_every: int = 1  # H: optimizer steps each replica takes on its own between syncs
+    sync_warmup: int = 0  # local_sgd/diloco: average the replicas after every step up to this step first
     outer_lr: float = 0.7  # diloco: Nesterov step on the replicas' mean parameter delta
     outer_momentum: float = 0.9
     dtype: Optional[str] = None  # float32 | bfloat16; default: bfloat16 on GPU/TPU, float32 on CPU
@@ -323,6 +324,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (t.optimizer in OPTIMIZERS, f"train.optimizer='{t.optimizer}' is unknown; choose adamw or sgd"),
         (t.sync in SYNC_MODES, f"train.sync='{t.sync}' is unknown; choose one of {', '.join(SYNC_MODES)}"),
         (t.sync_every >= 1, f"train.sync_every={t.sync_every} must be >= 1 (optimizer steps between syncs)"),
+        (t.sync_warmup >= 0, f"train.sync_warmup={t.sync_warmup} must be >= 0 (steps synced every step first)"),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         (math.prod(shape) == n_devices, "mesh size mismatch"),

@@ -17,6 +17,8 @@ With an optimizer linear in the gradient (train.optimizer=sgd, train.grad_clip=0
 synchronous training: the replicas' mean update is the update of the mean gradient (DiLoCo with
 outer lr 1 and no momentum too). AdamW's update is not linear in the gradient, so there H=1 differs.
 Evaluation uses the replicas' mean: at multiples of H, the synced model itself.
+train.sync_warmup=W averages after every step up to step W first (post-local SGD): local steps
+from a random start drift apart fastest, and DiLoCo itself was run from a trained start.
 """
 from __future__ import annotations
 
@@ -75,6 +77,16 @@ def _sync(t, carry):
     return new, {"params": new, "momentum": mom}
 
 
+def _warm_sync(t, carry):
+    """During train.sync_warmup: plain averaging after every step (post-local SGD, Lin et al.
+    2020); DiLoCo's outer parameters follow the mean and its momentum stays zero."""
+    p, outer = carry
+    mean = jax.tree.map(lambda x: jax.lax.pmean(x, "data"), p)
+    if t.sync == "local_sgd":
+        return mean, outer
+    return mean, {"params": mean, "momentum": outer["momentum"]}
+
+
 def train_step(s, state: dict, batch):
     """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
     t = s.cfg.train
@@ -96,8 +108,12 @@ def train_step(s, state: dict, batch):
         updates, o = s.tx.update(g, o, p)
         p = optax.apply_updates(p, updates)
         step = st["step"] + 1
-        p, outer = jax.lax.cond(step % t.sync_every == 0, functools.partial(_sync, t), lambda c: c,
-                                (p, st.get("outer", {})))
+        carry = (p, st.get("outer", {}))
+        sync = lambda c: jax.lax.cond(step % t.sync_every == 0, functools.partial(_sync, t), lambda c: c, c)  # noqa: E731
+        if t.sync_warmup:
+            p, outer = jax.lax.cond(step <= t.sync_warmup, functools.partial(_warm_sync, t), sync, carry)
+        else:
+            p, outer = sync(carry)
         new = {**st, "step": step, "params": jax.tree.map(lambda x: x[None], p),
                "opt_state": jax.tree.map(lambda x: x[None], o)}
         if "outer" in st:
@@ -129,6 +145,7 @@ def jit_eval_step(s):
 
 
 def data_bytes_per_step(cfg, param_bytes: float, replicas: int) -> float:
-    """Bytes one device sends on the data axis per step: a ring all-reduce every H steps (1 if synchronous)."""
+    """Bytes one device sends on the data axis per step after train.sync_warmup: a ring all-reduce
+    every H steps (1 if synchronous)."""
     h = cfg.train.sync_every if enabled(cfg) else 1
     return 2 * (replicas - 1) / replicas * param_bytes / h
