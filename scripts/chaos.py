@@ -85,9 +85,9 @@ def interrupted_run(run: Path, args: list[str], env: dict, kills: int, rng: rand
         if done % 2 == 0:  # a kill while Orbax writes the next checkpoint
             ok = wait(lambda: progress() and saving(run), p, timeout)
             time.sleep(rng.uniform(0, 0.01))
-        else:  # a kill at a random moment: mid-step, mid-log, mid-save
-            ok = wait(progress, p, timeout)
-            time.sleep(rng.uniform(0, 1.0))
+        else:  # a kill at a random moment: mid-step, mid-log, mid-save (soon: a fast run may
+            ok = wait(progress, p, timeout)  # have only a few steps left to interrupt)
+            time.sleep(rng.uniform(0, 0.05))
         if not ok or p.poll() is not None:
             break  # it finished first: no steps left to interrupt
         during_save += saving(run)
