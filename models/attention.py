@@ -109,12 +109,21 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128):
 
 
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128):
-    """Causal attention by implementation: "manual" (above), "xla" or "cudnn" (jax.nn's), or
-    "auto": jax.nn.dot_product_attention on GPU (cuDNN's fused kernel where it applies), the
-    manual one elsewhere."""
+    """Causal attention by implementation: "manual" (above), "xla" or "cudnn"
+    (jax.nn.dot_product_attention's), or "auto": on GPU cuDNN's fused kernel for bfloat16/float16
+    where jax accepts it (else XLA's), the manual one elsewhere. (jax.nn's own default,
+    implementation=None, is XLA's: it does not pick cuDNN.)"""
     if impl == "auto":
-        impl = "jax" if jax.devices()[0].platform == "gpu" else "manual"
+        if jax.devices()[0].platform != "gpu":
+            impl = "manual"
+        else:
+            if q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
+                try:
+                    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
+                                                        implementation="cudnn")
+                except Exception:  # noqa: BLE001 - shape, dtype or cuDNN version it does not take
+                    pass
+            impl = "xla"
     if impl == "manual":
         return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
-    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
-                                        implementation=None if impl == "jax" else impl)
+    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=impl)

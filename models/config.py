@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn", "jax")
+ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ModelConfig:
     # unrolled (no loop: faster steps, see docs/performance.md). None: unroll up to 8 layers
     # when there is no remat, else scan.
     scan_layers: bool | None = None
-    # auto | manual | xla | cudnn | jax (models/attention.py); auto = jax.nn's on GPU, manual elsewhere
+    # auto | manual | xla | cudnn (models/attention.py); auto = cuDNN's (bf16) or XLA's on GPU, manual elsewhere
     attention: str = "auto"
     # manual attention: queries in blocks of this many positions, each against the keys up to
     # its last position (skips most of the masked half); 0 = one block

@@ -15,6 +15,7 @@ BASE = ["model.preset=tiny", "train.steps=1", "run.progress=false"]
 CASES = {
     "mesh-product": (["mesh.data=3"], "has 3 devices but 8 are available"),
     "two-minus-one": (["mesh.data=-1", "mesh.model=-1"], "set at most one axis to -1"),
+    "attention-impl": (["model.attention=flash"], "model.attention='flash' is unknown; choose one of auto, manual"),
     "heads-vs-model": (["mesh.data=1", "mesh.model=8", "model.n_heads=4", "model.n_kv_heads=4"],
                        "model.n_heads=4 is not divisible by mesh.model=8"),
     "kv-heads-vs-model": (["mesh.data=1", "mesh.model=8"], "model.n_kv_heads=4 is not divisible by mesh.model=8"),

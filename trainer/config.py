@@ -41,7 +41,7 @@ class ModelSection:
     tie_embeddings: Optional[bool] = None
     remat: str = "none"  # none | full | dots
     scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
-    attention: str = "auto"  # auto | manual | xla | cudnn | jax (models/attention.py)
+    attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
     init_from: Optional[str] = None  # parameters from `meshtrain export` for a new run
 
