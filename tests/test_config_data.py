@@ -63,9 +63,9 @@ def test_train_api_writes_run_files(tmp_path):
     assert (run / "config.yaml").exists()
     assert load_config([str(run / "config.yaml")]) == cfg  # the written config resolves to the same
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert "goodput" in lines[-1] and lines[-1]["step"] == 4  # last: the run's goodput breakdown
-    lines = lines[:-1]
-    assert [l["step"] for l in lines] == [2, 4]
+    goodput = [json.loads(l) for l in (run / "goodput.jsonl").read_text().splitlines()]
+    assert len(goodput) == 1 and goodput[0]["step"] == 4 and "goodput" in goodput[0]  # one line per session
+    assert [l["step"] for l in lines] == [2, 4] and all("loss" in l for l in lines)  # steps only
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"):
         assert key in lines[0]
     assert lines[0]["mfu"] is not None and 0 < lines[0]["mfu"] < 1

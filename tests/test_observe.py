@@ -77,6 +77,7 @@ def traced_run(tmp_path_factory):
         mp.setattr(Batches, "iterate", _slow_iterate(Batches.iterate))
         result = train(cfg, jax.devices()[:2], Console(file=out, width=200))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines += [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
     return run_dir, result, lines, out.getvalue()
 
 

@@ -182,7 +182,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     ckpt.save(done, state)
                 ckpt.close()  # waits for the save in flight, still inside the signal handlers
             goodput = gp.record()
-            writer.write({"step": done, **goodput})
+            writer.write_goodput({"step": done, **goodput})
     finally:
         profiler.stop()
         writer.close()

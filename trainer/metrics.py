@@ -77,6 +77,7 @@ class MetricsWriter:
             tmp.write_text("".join(keep))
             os.replace(tmp, path)
         self.file = open(path, "a", buffering=1)
+        self.goodput_path = run_dir / "goodput.jsonl"
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
 
@@ -88,6 +89,17 @@ class MetricsWriter:
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):  # a skipped NaN step stays in the jsonl
                 self.tb.add_scalar(k, v, step)
+
+    def write_goodput(self, record: dict):
+        """One line per training session in goodput.jsonl (a resumed run adds one), and the same
+        scalars in TensorBoard; metrics.jsonl keeps only step and eval records."""
+        if not self.enabled:
+            return
+        with open(self.goodput_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, record["step"])
 
     def close(self):
         if self.enabled:
