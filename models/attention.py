@@ -113,17 +113,15 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128):
     (jax.nn.dot_product_attention's), or "auto": on GPU cuDNN's fused kernel for bfloat16/float16
     where jax accepts it (else XLA's), the manual one elsewhere. (jax.nn's own default,
     implementation=None, is XLA's: it does not pick cuDNN.)"""
-    if impl == "auto":
-        if jax.devices()[0].platform != "gpu":
-            impl = "manual"
-        else:
-            if q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
-                try:
-                    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
-                                                        implementation="cudnn")
-                except Exception:  # noqa: BLE001 - shape, dtype or cuDNN version it does not take
-                    pass
-            impl = "xla"
+    if impl == "auto" and jax.devices()[0].platform != "gpu":
+        impl = "manual"
+    elif impl == "auto":
+        if q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
+            try:
+                return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+            except Exception:  # noqa: BLE001 - shape, dtype or cuDNN version it does not take
+                pass
+        impl = "xla"
     if impl == "manual":
         return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
     return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=impl)

@@ -193,9 +193,9 @@ def _silu(x):
 def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain):
     """The layer after attention: output projection and SwiGLU MLP, each added to the residual."""
     B, T, D = x_BTD.shape
-    o_NHE = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B * T, c.n_heads, c.head_dim)
-    H, E = c.n_heads, c.head_dim
-    (o_ND,) = project(o_NHE.reshape(B * T, H * E), (p["wo"].reshape(H * E, D),))
+    HE = c.n_heads * c.head_dim
+    o_NX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B * T, HE)
+    (o_ND,) = project(o_NX, (p["wo"].reshape(HE, D),))
     x_BTD = x_BTD + o_ND.reshape(B, T, D)
     x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
     h_ND = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps).reshape(B * T, D)
@@ -249,9 +249,10 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
     # lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
     # full-size gradients summed together).
-    per_layer = jax.tree.map(lambda w: [p[0] for p in jax.lax.split(w, [1] * L)], layers)
+    leaves, tree = jax.tree.flatten(layers)
+    parts = [jax.lax.split(w, [1] * L) for w in leaves]
     for i in range(L):
-        x_BTD, _ = body(x_BTD, jax.tree.map(lambda parts: parts[i], per_layer, is_leaf=lambda v: isinstance(v, list)))
+        x_BTD, _ = body(x_BTD, tree.unflatten([ps[i][0] for ps in parts]))
     return x_BTD
 
 

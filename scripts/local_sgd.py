@@ -80,11 +80,14 @@ def main():
     cfg = load_config(a.args)
     # Evaluate once, after the last step (the figure compared).
     a.args = a.args + [f"train.eval_every={cfg.train.steps}"]
+    param_bytes = 4 * param_count(model_config(cfg))
+    sent_by = lambda mode: data_bytes_per_step(  # noqa: E731 - bytes per device per step of a mode
+        load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"]), param_bytes, a.devices)
+    every = sent_by("every_step")
     results = {}
     for mode in a.modes.split(","):
         loss, restarts, wall = run(mode, a, env)
-        c = load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"])
-        results[mode] = (loss, data_bytes_per_step(c, 4 * param_count(model_config(c)), a.devices), restarts, wall)
+        results[mode] = (loss, sent_by(mode), restarts, wall)
     base = results.get("every_step")
     steps, warm = cfg.train.steps, min(cfg.train.sync_warmup, cfg.train.steps)
     tokens = steps * cfg.train.batch_size * model_config(cfg).seq_len
@@ -94,7 +97,6 @@ def main():
         gap = f"{100 * (loss / base[0] - 1):+.2f}% vs synchronous" if base else ""
         fewer = f" ({base[1] / sent:.0f}x less)" if base and sent else ""
         # whole run: the warm-up steps send a parameter all-reduce each (the synchronous step's bytes)
-        every = data_bytes_per_step(load_config(a.args + ["train.sync=every_step"]), 4 * param_count(model_config(cfg)), a.devices)
         total = sent * steps if mode == "every_step" else every * warm + sent * (steps - warm)
         whole = f" | whole run {total / 1e9:.2f} GB" + (f" ({every * steps / total:.1f}x less)"
                                                         if mode != "every_step" else "")

@@ -25,8 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BENCH = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=1024",
-         "model.vocab_size=256", "model.seq_len=256", "train.batch_size=4", "train.dtype=float32", "mesh.data=1"]
+BENCH = [str(Path(__file__).with_name("bench.yaml"))]  # docs/performance.md
 
 
 def hlo_index(text: str) -> dict:
@@ -41,6 +40,20 @@ def hlo_index(text: str) -> dict:
         operands = [shapes.get(a.strip().lstrip("%"), "?") for a in args.split(",")[:3] if a.strip()]
         out[name] = (shape, operands, re.sub(r"^jit\([^)]*\)/", "", on.group(1)) if on else "")
     return out
+
+
+def kind(name: str, origin: str) -> str:
+    """A rough class of an op, from its HLO name and the JAX op it came from."""
+    if "dot_general" in origin or name.startswith("dot"):
+        attention = any(t in origin for t in ("BNTS", "BTNH", "bkgts", "bkgte", "bkse"))
+        return "attention matmuls" if attention else "other matmuls"
+    if name.startswith("wrapped_broadcast"):
+        return "zero-fills"
+    if "dynamic" in name:
+        return "dynamic slices/updates"
+    if name.startswith("copy") or "transpose" in name or "concatenate" in name or name.startswith("slice"):
+        return "copies/transposes/slices"
+    return "other"
 
 
 def main():
@@ -81,10 +94,13 @@ def main():
         if e.get("ph") == "X" and e.get("name") in index and not e["name"].startswith("while"):
             total[e["name"]] += e["dur"] / 1e3 / a.steps
             count[e["name"]] += 1
-    is_dot = {n: "dot_general" in index[n][2] or n.startswith("dot") for n in total}
-    dots = sum(t for n, t in total.items() if is_dot[n])
-    rest = sum(t for n, t in total.items() if not is_dot[n])
-    print(f"per step: matmuls {dots:.1f} ms, everything else {rest:.1f} ms ({len(total)} distinct ops)")
+    kinds = collections.Counter()
+    for n, t in total.items():
+        kinds[kind(n, index[n][2])] += t
+    dots = kinds["attention matmuls"] + kinds["other matmuls"]
+    print(f"per step: matmuls {dots:.1f} ms, everything else {sum(kinds.values()) - dots:.1f} ms "
+          f"({len(total)} distinct ops)")
+    print("  " + " | ".join(f"{k} {t:.1f}" for k, t in kinds.most_common()))
     print(f"{'ms/step':>8s} {'calls':>5s}  {'op':28s} {'result':22s} {'operands':44s} from")
     for n, t in total.most_common(a.top):
         shape, operands, origin = index[n]

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=1024",
-         "model.vocab_size=256", "model.seq_len=256", "train.batch_size=4", "train.dtype=float32", "mesh.data=1"]
+BENCH = [str(Path(__file__).with_name("bench.yaml"))]  # docs/performance.md
 
 
 def one_run(args, devices) -> tuple[float, float | None]:

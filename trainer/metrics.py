@@ -85,10 +85,12 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
-        step = record["step"]
+        self._scalars(record)
+
+    def _scalars(self, record: dict):
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):  # a skipped NaN step stays in the jsonl
-                self.tb.add_scalar(k, v, step)
+                self.tb.add_scalar(k, v, record["step"])
 
     def write_goodput(self, record: dict):
         """One line per training session in goodput.jsonl (a resumed run adds one), and the same
@@ -97,9 +99,7 @@ class MetricsWriter:
             return
         with open(self.goodput_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(k, v, record["step"])
+        self._scalars(record)
 
     def close(self):
         if self.enabled:
