@@ -1,12 +1,15 @@
 """Local SGD / DiLoCo with H local steps vs synchronous training: eval loss after the same tokens.
 
-  python scripts/local_sgd.py [--h 8] [--devices 8] [--modes every_step,local_sgd,diloco] [key=value ...]
+  python scripts/local_sgd.py [--h 8] [--devices 8] [--replicas R] [--modes every_step,local_sgd,diloco]
+                              [key=value ...]
 
 Trains the same config (default: the `small` model, 200 steps of 32 x 128 tokens on the
-built-in corpus) once per train.sync mode on `--devices` simulated CPU devices (mesh.data = all),
-and prints each run's held-out loss, its gap to the synchronous run, and the bytes each device
-sends on the data axis per step (a ring all-reduce of the float32 parameters or gradients:
-2(K-1)/K x their size, every H steps instead of every step).
+built-in corpus) once per train.sync mode on `--devices` simulated CPU devices: mesh.data = R
+replicas (all devices unless --replicas), each splitting its model over devices / R devices
+(mesh.model; DiLoCo's "islands" of devices). It prints each run's held-out loss, its gap to the
+synchronous run, and the bytes each device sends on the data axis per step (a ring all-reduce of
+the float32 parameters or gradients: 2(R-1)/R x a device's share, every H steps instead of every
+step).
 
 Each run is a `meshtrain train` process that checkpoints every 50 steps. Simulated devices are
 threads, and on an overloaded host XLA:CPU has hung in a collective (7 of 8 threads in the
@@ -34,7 +37,8 @@ def run(mode: str, a, env) -> tuple[float, int, float]:
     """(eval loss, restarts, seconds) of one training run."""
     run_dir = Path(a.out) / mode
     shutil.rmtree(run_dir, ignore_errors=True)
-    over = [f"mesh.data={a.devices}", "run.progress=false", "run.log_every=10", f"run.dir={run_dir}",
+    over = [f"mesh.data={a.replicas}", f"mesh.model={a.devices // a.replicas}", "run.progress=false",
+            "run.log_every=10", f"run.dir={run_dir}",
             "checkpoint.every=50", f"train.sync={mode}", f"train.sync_every={1 if mode == 'every_step' else a.h}"]
     t0 = time.perf_counter()
     metrics = run_dir / "metrics.jsonl"
@@ -64,11 +68,15 @@ def main():
     ap.add_argument("args", nargs="*", help="configs and key=value overrides for every run")
     ap.add_argument("--h", type=int, default=8, help="train.sync_every for the local modes")
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (= mesh.data)")
+    ap.add_argument("--replicas", type=int, help="mesh.data (default: --devices); mesh.model = devices / replicas")
     ap.add_argument("--modes", default="every_step,local_sgd,diloco")
     ap.add_argument("--retries", type=int, default=5)
     ap.add_argument("--stall", type=float, default=240, help="seconds without a new metrics line that count as a hang")
     ap.add_argument("--out", default="runs/local_sgd", help="parent of the runs' run.dir")
     a = ap.parse_args()
+    a.replicas = a.replicas or a.devices
+    if a.replicas < 1 or a.devices % a.replicas:
+        sys.exit(f"--replicas {a.replicas} must divide --devices {a.devices}")
     from models import param_count
     from trainer import load_config
     from trainer.config import model_config
@@ -80,9 +88,9 @@ def main():
     cfg = load_config(a.args)
     # Evaluate once, after the last step (the figure compared).
     a.args = a.args + [f"train.eval_every={cfg.train.steps}"]
-    param_bytes = 4 * param_count(model_config(cfg))
+    param_bytes = 4 * param_count(model_config(cfg)) / (a.devices // a.replicas)  # one device's share
     sent_by = lambda mode: data_bytes_per_step(  # noqa: E731 - bytes per device per step of a mode
-        load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"]), param_bytes, a.devices)
+        load_config(a.args + [f"train.sync={mode}", f"train.sync_every={a.h}"]), param_bytes, a.replicas)
     every = sent_by("every_step")
     results = {}
     for mode in a.modes.split(","):
@@ -91,7 +99,7 @@ def main():
     base = results.get("every_step")
     steps, warm = cfg.train.steps, min(cfg.train.sync_warmup, cfg.train.steps)
     tokens = steps * cfg.train.batch_size * model_config(cfg).seq_len
-    print(f"\n{tokens:,} tokens per run on {a.devices} replicas; H={a.h}"
+    print(f"\n{tokens:,} tokens per run on {a.replicas} replicas of {a.devices // a.replicas} device(s); H={a.h}"
           + (f"; the local modes average every step up to step {warm} (train.sync_warmup)" if warm else ""))
     for mode, (loss, sent, restarts, wall) in results.items():
         gap = f"{100 * (loss / base[0] - 1):+.2f}% vs synchronous" if base else ""
