@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Dense peak FLOP/s per chip from vendor datasheets: (bfloat16, float32).
 # float32 on GPUs counts the TF32 tensor-core rate, which XLA uses for f32 matmuls by default.
@@ -25,14 +26,17 @@ PEAKS = {
 def measure_matmul_rate(dtype=jnp.float32, n: int = 1024, reps: int = 8, device=None) -> float:
     """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
     device = device or jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
-    a = jax.device_put(jnp.ones((n, n), dtype), device)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+    # its own one-device mesh: callable inside a training loop's jax.set_mesh(...) too
+    one = jax.sharding.Mesh(np.array([device]), ("one",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(one):
+        a = jax.device_put(jnp.ones((n, n), dtype), device)
+        f = jax.jit(lambda x, y: x @ y)
         f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            f(a, a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
 
 
