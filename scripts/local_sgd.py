@@ -67,7 +67,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("args", nargs="*", help="configs and key=value overrides for every run")
     ap.add_argument("--h", type=int, default=8, help="train.sync_every for the local modes")
-    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (= mesh.data)")
+    ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices (= mesh.data x mesh.model)")
     ap.add_argument("--replicas", type=int, help="mesh.data (default: --devices); mesh.model = devices / replicas")
     ap.add_argument("--modes", default="every_step,local_sgd,diloco")
     ap.add_argument("--retries", type=int, default=5)

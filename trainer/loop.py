@@ -20,7 +20,7 @@ from trainer.data import Batches, load_corpus
 from trainer.errors import UserError
 from trainer.goodput import Goodput, summary
 from trainer.guard import Feed, Guard
-from trainer.metrics import MetricsWriter, device_peak, peak_devices
+from trainer.metrics import MetricsWriter, device_peak, peak_devices, remeasured_peak
 from trainer.preempt import StopRequest
 from trainer.profiling import StepProfiler
 from trainer.state import Setup, init_state, make_setup
@@ -106,9 +106,6 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     compile_s = time.perf_counter() - t0
     gp.add("compile", compile_s)
     peak, peak_src = device_peak(s.dtype)
-    # A measured (CPU) peak reads low if another process loads the host at that moment, and nothing
-    # reads it high: it is measured again at each evaluation and the highest rate so far is used.
-    remeasure = peak_src.startswith("measured")
     n_peak = peak_devices(s.mesh)
     tokens_per_step = t.batch_size * s.model.seq_len
     fpt, hfpt = flops_per_token(s.model), hardware_flops_per_token(s.model)
@@ -149,7 +146,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     if evaluating:
                         with gp.span("eval"):
                             eval_loss = evaluate(s, eval_fn, state["params"], batches)
-                            peak = max(peak, device_peak(s.dtype)[0]) if remeasure else peak
+                            peak = remeasured_peak(peak, s.dtype)  # CPU: keep the highest rate seen
                         rec["eval_loss"] = eval_loss
                         last_t = time.perf_counter()  # eval time is not step time
                     writer.write(rec)
@@ -163,7 +160,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                 elif evaluating:
                     with gp.span("eval"):
                         eval_loss = evaluate(s, eval_fn, state["params"], batches)
-                        peak = max(peak, device_peak(s.dtype)[0]) if remeasure else peak
+                        peak = remeasured_peak(peak, s.dtype)  # CPU: keep the highest rate seen
                     writer.write({"step": done, "eval_loss": eval_loss})
                     history.append({"step": done, "eval_loss": eval_loss})
                 if (logging or ckpt.due(done)) and (trip := guard.tripped(m if logging else metrics)):
