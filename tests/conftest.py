@@ -5,6 +5,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -16,6 +17,19 @@ TINY = ["model.preset=tiny", "train.batch_size=16", "train.warmup_steps=1", "tra
         "train.steps=3", "run.progress=false"]
 
 
+# Scale-sensitive settings for equivalence tests: AdamW with clipping is nearly invariant to a constant
+# gradient scale (a missing 1/k or 1/m would pass), plain SGD without clipping is not.
+SGD = ["train.optimizer=sgd", "train.grad_clip=0"]
+
+
+class Run(NamedTuple):
+    losses: np.ndarray
+    params: dict
+    setup: object
+    state: dict
+    grad_norms: np.ndarray
+
+
 @functools.lru_cache(maxsize=None)
 def corpus(source="builtin"):
     from trainer.data import load_corpus
@@ -23,7 +37,7 @@ def corpus(source="builtin"):
 
 
 def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
-    """Train `steps` steps in-process; return (losses, params as numpy, setup, state).
+    """Train `steps` steps in-process; return Run(losses, params as numpy, setup, state, grad norms).
 
     n_devices defaults to the mesh's product when every axis is given, else 8.
     """
@@ -39,23 +53,25 @@ def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
     state = init_state(s)
     step = jit_train_step(s)
     b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
-    losses = []
+    losses, norms = [], []
     with jax.set_mesh(s.mesh):
         for i in range(steps):
             state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
             losses.append(float(m["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state["params"]), s, state
+            norms.append(float(m["grad_norm"]))
+    return Run(np.array(losses), jax.tree.map(np.asarray, state["params"]), s, state, np.array(norms))
 
 
 def single_device(overrides, steps=3):
-    """The 1-device reference run for the same model/train settings."""
+    """The 1-device reference run for the same model/train settings: (losses, params, grad norms)."""
     keep = [o for o in overrides if not o.startswith(("mesh.", "train.zero_stage", "train.grad_sync"))]
     return _single(tuple(keep), steps)
 
 
 @functools.lru_cache(maxsize=None)
 def _single(overrides, steps):
-    return run_steps(list(overrides) + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"], 1, steps)[:2]
+    r = run_steps(list(overrides) + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"], 1, steps)
+    return r.losses, r.params, r.grad_norms
 
 
 def max_rel(a_tree, b_tree):

@@ -17,8 +17,8 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("name,overrides", LAYOUTS, ids=[f"{n}-{'-'.join(o[1:])}" for n, o in LAYOUTS])
 def test_layout_matches_single_device(name, overrides):
-    ref_losses, ref_params = single_device(overrides)
-    losses, params, s, _ = run_steps(overrides)
+    ref_losses, ref_params, _ = single_device(overrides)
+    losses, params, s, _, _ = run_steps(overrides)
     assert tuple(s.mesh.shape.values()) == tuple(int(x) for x in name.split(","))
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() < 1e-5, (losses, ref_losses)
     assert max_rel(params, ref_params) < 1e-5
@@ -27,7 +27,7 @@ def test_layout_matches_single_device(name, overrides):
 
 def test_zero2_with_accumulation_matches_single_device():
     over = ["mesh.data=8", "train.zero_stage=2", "train.microbatches=2"]
-    ref_losses, ref_params = single_device(over)
-    losses, params, _, _ = run_steps(over)
+    ref_losses, ref_params, _ = single_device(over)
+    losses, params, _, _, _ = run_steps(over)
     assert abs(losses - ref_losses).max() / abs(ref_losses).max() < 1e-5
     assert max_rel(params, ref_params) < 1e-5

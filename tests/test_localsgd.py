@@ -17,8 +17,8 @@ def _replicas(params):
 
 
 def test_diloco_h1_outer_lr1_no_momentum_equals_every_step_sync():
-    ref_losses, ref_params, _, _ = run_steps(LINEAR)
-    losses, params, _, state = run_steps(LINEAR + DILOCO_1)
+    ref_losses, ref_params, _, _, _ = run_steps(LINEAR)
+    losses, params, _, state, _ = run_steps(LINEAR + DILOCO_1)
     assert np.array_equal(losses, ref_losses)  # step 1 sees identical replicas; later steps the same params
     for p in _replicas(params) + [jax.tree.map(np.asarray, state["outer"]["params"])]:
         assert max_rel(p, ref_params) < 1e-6  # float32 rounding of mean vs sum order

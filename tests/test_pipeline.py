@@ -23,8 +23,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("name,overrides", LAYOUTS, ids=["-".join(o[1:]) for _, o in LAYOUTS])
 def test_pipeline_matches_single_device(name, overrides):
     over = EIGHT + overrides
-    ref_losses, ref_params = single_device(over)
-    losses, params, s, _ = run_steps(over)
+    ref_losses, ref_params, _ = single_device(over)
+    losses, params, s, _, _ = run_steps(over)
     assert tuple(s.mesh.shape.values()) == tuple(int(x) for x in name.split(","))
     assert np.abs(losses - ref_losses).max() / np.abs(ref_losses).max() < 1e-5, (losses, ref_losses)
     assert max_rel(params, ref_params) < 1e-5
