@@ -2,6 +2,8 @@
 import json
 import math
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -200,3 +202,41 @@ def test_cli_verify_prints_xla_beside_the_prediction(capsys):
     assert rows["parameters + optimizer + gradients"][0] == pytest.approx(rows["parameters + optimizer + gradients"][1],
                                                                           rel=0.05)
     assert rows["collectives, total"][0] == pytest.approx(rows["collectives, total"][1], rel=0.05)
+
+
+TOO_BIG = ["model.preset=7b", "plan.device=h100-80g", "train.zero_stage=0", "model.remat=full", "train.batch_size=1"]
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_plan_json_of_a_layout_that_does_not_fit_has_the_plan_and_the_shortfall():
+    p = subprocess.run([sys.executable, "-m", "trainer.cli", "plan", *TOO_BIG, "mesh.data=1", "--json"],
+                       capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    doc = json.loads(p.stdout)
+    _one_error_line(p.stderr)
+    assert p.returncode == 2 and doc["fits"] is False and doc["hbm_bytes"] == 80e9
+    terms = ["params_bytes", "grads_bytes", "opt_state_bytes", "activations_bytes", "buffers_bytes"]
+    assert doc["over_bytes"] == pytest.approx(sum(doc[k] for k in terms) - 80e9)
+    # fp32 parameters + gradients + two Adam moments, unsharded, alone need 16 bytes a parameter
+    assert doc["over_bytes"] >= 16 * doc["params"] - 80e9 > 0
+
+
+def test_plan_search_where_nothing_fits_shows_the_closest_layout_and_its_shortfall(capsys):
+    code = main(["plan", *TOO_BIG, "--search", "--devices", "1", "--json"])
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    err = _one_error_line(cap.err)
+    assert code == 2 and doc["fit"] == 0 and doc["plans"] == []
+    best = doc["smallest"]
+    assert best["fits"] is False and best["over_bytes"] == pytest.approx(best["total_bytes"] - 80e9)
+    assert best["over_bytes"] >= 16 * best["params"] - 80e9 > 0
+    assert f"{best['over_bytes'] / 1e9:.1f} GB more than" in err
+    code = main(["plan", *TOO_BIG, "--search", "--devices", "1"])  # the human form: the plan, then the error
+    cap = capsys.readouterr()
+    _one_error_line(cap.err)
+    assert code == 2 and f"DOES NOT FIT, {best['over_bytes'] / 1e9:.2f} GB over" in cap.out
+    assert "memory per device" in cap.out and "roofline step time" in cap.out

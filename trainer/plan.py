@@ -58,6 +58,11 @@ class Plan:
         return self.total_bytes <= self.device.hbm
 
     @property
+    def over_bytes(self) -> float:
+        """Bytes per device beyond the device's memory (0 when it fits)."""
+        return max(0.0, self.total_bytes - self.device.hbm)
+
+    @property
     def step_s(self) -> float:
         """Roofline step time, no overlap assumed: compute / (1 - bubble) + every transfer."""
         return self.compute_s / (1 - self.bubble) + sum(self.comm_s.values())

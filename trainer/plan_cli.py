@@ -121,11 +121,17 @@ def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
     from trainer.plan_search import search, why
     ranked = search(mc, cfg.train, n, device, hosts, dtype)
     if ns.json:
-        print(json.dumps({"tried": ranked.tried, "fit": len(ranked.plans),
-                          "plans": [dict(report.as_json(p), why=why(p, ranked.plans[0], i))
-                                    for i, p in enumerate(ranked.plans[:ns.top])]}, indent=1))
+        doc = {"tried": ranked.tried, "fit": len(ranked.plans),
+               "plans": [dict(report.as_json(p), why=why(p, ranked.plans[0], i))
+                         for i, p in enumerate(ranked.plans[:ns.top])]}
+        if not ranked.plans and ranked.smallest is not None:  # how far off the closest layout is
+            doc["smallest"] = report.as_json(ranked.smallest)
+        print(json.dumps(doc, indent=1))
     elif ranked.plans:
         print(report.search_text(ranked, ns.top, why))
+    elif ranked.smallest is not None:
+        print(f"nothing of {ranked.tried} layouts fits; the one needing the least memory:")
+        print(report.text(ranked.smallest))
     if not ranked.plans:
         if ranked.smallest is None:
             raise UserError(f"no layout of {mc.n_layers} layers, {mc.n_heads} heads and batch {cfg.train.batch_size} "

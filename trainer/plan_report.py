@@ -53,7 +53,7 @@ def as_json(p: Plan) -> dict:
                    "grad_sync": st.grad_sync},
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
         "params": param_count(p.model), "hbm_bytes": p.device.hbm,
-        **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits,
+        **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits, "over_bytes": p.over_bytes,
         "comm_bytes": p.comm_bytes,
         "comm_bytes_by_axis": {a: p.axis_bytes(a) for a in sorted({t.axis for t in p.transfers})},
         "transfers": [{"axis": t.axis, "kind": t.kind, "what": t.what, "bytes": t.bytes, "count": t.count}
@@ -70,7 +70,7 @@ def text(p: Plan) -> str:
             "memory per device"]
     for key, name in TERMS.items():
         rows.append(f"  {name:<30}{size(getattr(p, key)):>12}")
-    verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else "DOES NOT FIT"
+    verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else f"DOES NOT FIT, {size(p.over_bytes)} over"
     rows += [f"  {'total':<30}{size(p.total_bytes):>12}  of {size(p.device.hbm)} ({p.device.name}): {verdict}",
              "", "communication per step and device (bus bytes)",
              f"  {'axis':<18}{'link':<12}{'kind':<20}{'bytes':>10}  what"]
