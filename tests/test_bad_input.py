@@ -155,3 +155,11 @@ def test_cli_process_exit_code_and_no_traceback(tmp_path):
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert lines == ["meshtrain: error: unknown config key 'train.zero_stag' (command line); "
                      "did you mean 'train.zero_stage'?"], p.stderr
+
+
+def test_data_too_small_to_hold_out_an_eval_part(files, capsys):
+    (files / "fifty.txt").write_bytes(bytes(range(50)))  # 47 bytes train, 3 held out: too few to evaluate on
+    _check(["train", *BASE, "run.dir={RUN}", "data.source={F}/fifty.txt"],
+           "data.source '{F}/fifty.txt' has 50 bytes, too few for model.seq_len=32 to both train and hold out an "
+           "eval part (34 bytes each); use at least 68 bytes of data, a shorter model.seq_len, or train.eval_every=0",
+           files, capsys)

@@ -71,3 +71,43 @@ def test_train_api_writes_run_files(tmp_path):
     assert lines[0]["mfu"] is not None and 0 < lines[0]["mfu"] < 1
     assert "eval_loss" in lines[-1] and result.eval_loss == lines[-1]["eval_loss"]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _offsets(rows: np.ndarray, data: bytes) -> set:
+    """The file offsets every row covers; random bytes make each (T+1)-byte window occur once."""
+    covered = set()
+    for row in rows:
+        w = bytes(row.astype(np.uint8))
+        at = data.find(w)
+        assert at >= 0 and data.find(w, at + 1) < 0, "a window not found once in the file"
+        covered.update(range(at, at + len(w)))
+    return covered
+
+
+@pytest.mark.parametrize("layout", ["one-file-folder", "small-file"])
+def test_eval_reads_only_bytes_no_training_batch_reads(layout, tmp_path):
+    from trainer.data import load_corpus
+    data = np.random.default_rng(0).integers(0, 256, 600, dtype=np.uint8).tobytes()  # 5% = 30 < one window
+    path = tmp_path / "only.txt"
+    if layout == "one-file-folder":
+        path = tmp_path / "folder" / "only.txt"
+        path.parent.mkdir()
+    path.write_bytes(data)
+    b = Batches(load_corpus(str(path.parent if layout == "one-file-folder" else path)), 0, 8, 32, 256)
+    train = set().union(*(_offsets(b.train(s), data) for s in range(300)))
+    held = set().union(*(_offsets(b.eval(i), data) for i in range(8)))
+    assert held and train.isdisjoint(held), sorted(train & held)[:5]
+    assert min(held) == 600 - 34 and len(train) > 500  # the tail, one window + 1 (5% is less); the rest trains
+
+
+def test_too_little_data_for_train_and_eval_is_refused_unless_nothing_evaluates(tmp_path):
+    from trainer.data import load_corpus
+    from trainer.errors import UserError
+    (tmp_path / "small.txt").write_bytes(bytes(range(50)))
+    c = load_corpus(str(tmp_path / "small.txt"))
+    with pytest.raises(UserError, match=r"has 50 bytes, too few for model.seq_len=32 .* at least 68 bytes"):
+        Batches(c, 0, 8, 32, 256)
+    b = Batches(c, 0, 8, 32, 256, evaluates=False)  # train.eval_every=0: it trains and never evaluates
+    assert b.train(0).shape == (8, 33)
+    with pytest.raises(ValueError):
+        b.eval(0)

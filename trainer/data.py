@@ -6,6 +6,9 @@ Sources:
   synthetic  uniform random tokens (for benchmarks; nothing to learn).
   PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
              uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
+Evaluation never reads training tokens: where the held-out part is shorter than one eval window
+(a one-file folder, a small file), the last heldout_fraction of the tokens, at least one window,
+is held out instead, or the data is refused as too small.
 
 Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each
 process builds only its own rows. Nothing depends on what came before, so a resumed or
@@ -15,6 +18,7 @@ which fits a step-indexed source, and it starts at any step).
 """
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -33,6 +37,9 @@ class Corpus:
     heldout: np.ndarray
     vocab: int  # smallest vocab_size that covers the tokens
     synthetic: bool = False
+    whole: np.ndarray | None = None  # train + heldout in one array (they are its two ends)
+    source: str = ""
+    heldout_fraction: float = 0.05
 
 
 def stdlib_files() -> list[Path]:
@@ -47,16 +54,23 @@ def _split_files(files: list[Path], root: Path, frac: float):
         (held if h < frac * 10_000 else train).append(p)
     if not held and len(files) > 1:  # tiny folders: hold out the last file
         held, train = train[-1:], train[:-1]
+    if not train:  # a lone file that hashed to held-out: train on it, Batches holds out its tail
+        train, held = held, []
     return train, held
 
 
-def _read(files: list[Path]) -> np.ndarray:
-    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+def _files(train: list[Path], held: list[Path]) -> Corpus:
+    """The training files' bytes, then the held-out files', in one array."""
+    parts = [p.read_bytes() for p in train + held]
+    k = sum(len(b) for b in parts[:len(train)])
+    data = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    return Corpus(data[:k], data[k:], 256, whole=data)
 
 
 def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "uint16") -> Corpus:
     try:
-        return _load(source, heldout_fraction, bin_dtype)
+        c = _load(source, heldout_fraction, bin_dtype)
+        return dataclasses.replace(c, source=source, heldout_fraction=heldout_fraction)
     except OSError as e:  # unreadable file, a folder with a dangling link, ...
         raise UserError(f"data.source '{source}' cannot be read ({e.strerror or e}: {e.filename or source}); "
                         "give a readable file or folder") from None
@@ -68,16 +82,14 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
     if source == "builtin":
         files = stdlib_files()
         root = Path(sysconfig.get_paths()["stdlib"])
-        tr, he = _split_files(files, root, heldout_fraction)
-        return _check(Corpus(_read(tr), _read(he), 256), source)
+        return _check(_files(*_split_files(files, root, heldout_fraction)), source)
     path = Path(source)
     if not path.exists():
         raise UserError(f"data.source '{source}' does not exist; give an existing file or folder, "
                         "or use data.source=builtin")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        tr, he = _split_files(files, path, heldout_fraction)
-        return _check(Corpus(_read(tr), _read(he), 256), source)
+        return _check(_files(*_split_files(files, path, heldout_fraction)), source)
     if path.suffix == ".bin":
         if bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
@@ -88,10 +100,10 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         toks = np.memmap(path, dtype=bin_dtype, mode="r") if path.stat().st_size else np.zeros(0, bin_dtype)
         cut = int(len(toks) * (1 - heldout_fraction))
         vocab = int(toks.max()) + 1 if len(toks) else 0
-        return _check(Corpus(toks[:cut], toks[cut:], vocab), source)
+        return _check(Corpus(toks[:cut], toks[cut:], vocab, whole=toks), source)
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     cut = int(len(data) * (1 - heldout_fraction))
-    return _check(Corpus(data[:cut], data[cut:], 256), source)
+    return _check(Corpus(data[:cut], data[cut:], 256, whole=data), source)
 
 
 def _check(c: Corpus, source: str) -> Corpus:
@@ -101,12 +113,25 @@ def _check(c: Corpus, source: str) -> Corpus:
     return c
 
 
+def _hold_out_tail(c: Corpus, seq_len: int) -> Corpus:
+    """Split train + held-out again by position: the last heldout_fraction, at least one eval window."""
+    whole = c.whole if c.whole is not None else np.concatenate([c.train, c.heldout])
+    n, need = len(whole), seq_len + 2  # a window is T+1 tokens and its start is drawn from [0, len-T-1)
+    held = max(n - int(n * (1 - c.heldout_fraction)), need)
+    if n - held < need:
+        unit = "bytes" if whole.dtype == np.uint8 else "tokens"
+        raise UserError(f"data.source '{c.source}' has {n} {unit}, too few for model.seq_len={seq_len} to both train "
+                        f"and hold out an eval part ({need} {unit} each); use at least {2 * need} {unit} of data, "
+                        "a shorter model.seq_len, or train.eval_every=0")
+    return dataclasses.replace(c, train=whole[:n - held], heldout=whole[n - held:], whole=whole)
+
+
 class Batches:
     """The global batch of any step, and this process's rows of it."""
 
     def __init__(self, corpus: Corpus, seed: int, batch_size: int, seq_len: int, vocab_size: int,
-                 process_index: int = 0, process_count: int = 1):
-        self.c, self.seed, self.B, self.T, self.V = corpus, seed, batch_size, seq_len, vocab_size
+                 process_index: int = 0, process_count: int = 1, evaluates: bool = True):
+        self.seed, self.B, self.T, self.V = seed, batch_size, seq_len, vocab_size
         if batch_size % process_count:
             raise UserError(f"train.batch_size={batch_size} is not divisible by the {process_count} processes; "
                             f"use a multiple of {process_count}")
@@ -116,9 +141,12 @@ class Batches:
             if corpus.vocab > vocab_size:
                 raise UserError(f"the data has token ids up to {corpus.vocab - 1} but model.vocab_size={vocab_size}; "
                                 f"set model.vocab_size >= {corpus.vocab}")
+            if evaluates and len(corpus.heldout) <= seq_len + 1:
+                corpus = _hold_out_tail(corpus, seq_len)
             if len(corpus.train) <= seq_len + 1:
                 raise UserError(f"the training data has {len(corpus.train)} tokens, too few for "
                                 f"model.seq_len={seq_len}; use more data or a shorter seq_len")
+        self.c = corpus
 
     def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> np.ndarray:
         rng = np.random.default_rng(seed_words)
@@ -143,8 +171,10 @@ class Batches:
             self.rows = saved
 
     def eval(self, i: int) -> np.ndarray:
-        src = self.c.heldout if len(self.c.heldout) > self.T + 1 else self.c.train
-        return self._rows(src, [self.seed, i, _EVAL], self.B)
+        """This process's rows of eval batch i, drawn from the held-out tokens only."""
+        if not self.c.synthetic and len(self.c.heldout) <= self.T + 1:
+            raise ValueError("no held-out part to evaluate on: build Batches with evaluates=True")
+        return self._rows(self.c.heldout, [self.seed, i, _EVAL], self.B)
 
     def iterate(self, start: int, stop: int, prefetch: int = 4, offset: int = 0):
         """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread; step s

@@ -88,7 +88,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     t = cfg.train
     corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
     batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
-                      *distributed.process_rows(s.batch_sharding(), t.batch_size))
+                      *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0)
     console.print(f"[bold]meshtrain[/] {describe(s)}")
     if jax.process_count() > 1:
         console.print(distributed.describe(s.mesh, batches.rows, t.batch_size))
