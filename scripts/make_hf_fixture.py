@@ -1,0 +1,83 @@
+"""Build the tiny Hugging Face Llama fixtures under tests/fixtures/hf/ (needs torch + transformers).
+
+Neither is a meshtrain dependency: install them once in a separate venv and run
+    python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
+Each fixture folder holds what `save_pretrained` wrote, plus `reference.npz`: fixed token ids,
+transformers' float32 logits for them, and its greedy continuation of a prompt. The tests read
+only these files (safetensors + numpy), never transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, attention_bias=False, mlp_bias=False, hidden_act="silu",
+            bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+FIXTURES = {
+    # grouped-query attention (4 query heads, 2 kv heads), untied head, float32, one file
+    "gqa_untied_f32": dict(cfg=dict(num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                                    rope_theta=10000.0), dtype=torch.float32, shard=None),
+    # tied embeddings, Llama 3.x rope scaling, saved as bfloat16
+    "tied_llama3_bf16": dict(cfg=dict(num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                      rope_theta=500000.0,
+                                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0, original_max_position_embeddings=64)),
+                             dtype=torch.bfloat16, shard=None),
+    # a save sharded into two safetensors files with model.safetensors.index.json
+    "sharded_f32": dict(cfg=dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                                 rope_theta=10000.0, num_hidden_layers=3), dtype=torch.float32, shard="400KB"),
+}
+
+
+def build(name: str, spec: dict, out: Path, seed: int):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**BASE, **spec["cfg"]})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms too, so that a missing or swapped norm weight shows in the logits
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model = model.to(spec["dtype"])
+    d = out / name
+    shutil.rmtree(d, ignore_errors=True)
+    kw = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
+    model.save_pretrained(d, safe_serialization=True, **kw)
+    # the reference: float32 logits of the saved weights (bf16 values upcast exactly)
+    ref = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
+    prompt = tokens[:1, :6]
+    with torch.no_grad():
+        logits = ref(tokens).logits.numpy().astype(np.float32)
+        greedy = ref.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[:, prompt.shape[1]:].numpy()
+    np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits,
+                        prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32))
+    files = sorted(p.name for p in d.iterdir())
+    print(f"{name}: {files}, {sum(p.stat().st_size for p in d.iterdir()) / 1e3:.0f} kB")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (name, spec) in enumerate(FIXTURES.items()):
+        build(name, spec, out, seed=1234 + i)
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    (out / "versions.json").write_text(json.dumps(versions, indent=1) + "\n")
+    print(versions)
+
+
+if __name__ == "__main__":
+    main()
