@@ -33,18 +33,26 @@ RULES: dict[str, str | None] = {
     "layers": "stage",
     "repeats": None,  # circular pipeline repeats: every stage holds a block of each
 }
+# Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the
+# dimension is replicated over it (fewer kv heads than `model`: every model rank keeps the kv heads and
+# uses the one its query heads share, as Megatron-LM and MaxText do).
+SHARED_WHEN_SMALLER = ("kv_heads",)
 # The dimension ZeRO shards over `data`, in order of preference (FSDP shards `embed`).
 # `layers` is never chosen: the layer scan slices it, and `stage` may already split it.
 ZERO_PREFERENCE = ("embed", "mlp", "vocab", "head_dim", "heads", "kv_heads")
 
 
-def logical_to_spec(logical: tuple[str | None, ...], rules: dict = RULES) -> P:
-    """PartitionSpec for a tuple of logical axis names."""
+def logical_to_spec(logical: tuple[str | None, ...], rules: dict = RULES, shape=None, mesh=None) -> P:
+    """PartitionSpec for logical axis names (with `shape` and `mesh`: SHARED_WHEN_SMALLER applied)."""
     out = []
-    for name in logical:
+    for i, name in enumerate(logical):
         if name is not None and name not in rules:
             raise KeyError(f"logical axis '{name}' has no rule in meshes.rules.RULES")
-        out.append(None if name is None else rules[name])
+        entry = None if name is None else rules[name]
+        if entry is not None and shape is not None and name in SHARED_WHEN_SMALLER \
+                and shape[i] < _axis_size(mesh, entry):
+            entry = None
+        out.append(entry)
     return P(*out)
 
 
@@ -60,7 +68,7 @@ def zero_dim(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh
     k = mesh.shape["data"]
     if k == 1:
         return None
-    base = logical_to_spec(logical)
+    base = logical_to_spec(logical, RULES, shape, mesh)
     order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
                    key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
     for i in order:
@@ -92,11 +100,12 @@ class Layout:
 
     def compute_spec(self, shape, logical) -> P:
         """Spec a weight has when it is used (no ZeRO split)."""
-        return _add_data(logical_to_spec(logical), None, len(shape))
+        return _add_data(logical_to_spec(logical, RULES, shape, self.mesh), None, len(shape))
 
     def sharded_spec(self, shape, logical) -> P:
         """Spec with the ZeRO `data` split added."""
-        return _add_data(logical_to_spec(logical), zero_dim(shape, logical, self.mesh), len(shape))
+        return _add_data(logical_to_spec(logical, RULES, shape, self.mesh), zero_dim(shape, logical, self.mesh),
+                         len(shape))
 
     def param_spec(self, shape, logical) -> P:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 3 else self.compute_spec(shape, logical)
@@ -130,7 +139,7 @@ def constrainer(mesh: Mesh | None, rules: dict = RULES):
         return lambda x, logical: x
 
     def constrain(x, logical):
-        return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, rules))
+        return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, rules, x.shape, mesh))
     return constrain
 
 

@@ -20,9 +20,12 @@ Scores, softmax and L are float32 whatever the input dtype.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
 
 
 def _group(q_BTHE, K):
@@ -108,20 +111,36 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128):
     return _ungroup(o)
 
 
-def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128):
-    """Causal attention by implementation: "manual" (above), "xla" or "cudnn"
-    (jax.nn.dot_product_attention's), or "auto": on GPU cuDNN's fused kernel for bfloat16/float16
-    where jax accepts it (else XLA's), the manual one elsewhere. (jax.nn's own default,
-    implementation=None, is XLA's: it does not pick cuDNN.)"""
-    if impl == "auto" and jax.devices()[0].platform != "gpu":
-        impl = "manual"
-    elif impl == "auto":
-        if q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
-            try:
-                return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
-            except Exception:  # noqa: BLE001 - shape, dtype or cuDNN version it does not take
-                pass
-        impl = "xla"
-    if impl == "manual":
+def select(impl: str, dtype, platform: str) -> str:
+    """The implementation `attention` runs for `impl` on a jax platform name ("cpu", "gpu", "tpu")."""
+    # auto: cuDNN's fused kernel on GPU for bfloat16/float16; the manual kernel only on CPU, whose
+    # algebra and blocking are tuned for XLA:CPU; elsewhere (TPU) jax.nn's XLA attention, which XLA fuses
+    if impl != "auto":
+        return impl
+    if platform == "cpu":
+        return "manual"
+    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "xla"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str):
+    """Log once per reason that cuDNN's attention was not used (traced once per layer and shape)."""
+    log.warning("attention: cuDNN's fused kernel refused these inputs or is missing (%s); using XLA's", reason)
+
+
+def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None):
+    """Causal attention by implementation: "manual" (above), "xla", "cudnn" or "auto" (`select`)."""
+    # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
+    # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
+    chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform)
+    if chosen == "manual":
         return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
-    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=impl)
+    if chosen == "cudnn" and impl == "auto":
+        try:
+            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError) as e:  # shape, dtype, GPU or cuDNN version
+            _warn_fallback(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            chosen = "xla"
+    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=chosen)

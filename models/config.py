@@ -39,11 +39,16 @@ class ModelConfig:
     # unrolled (no loop: faster steps, see docs/performance.md). None: unroll up to 8 layers
     # when there is no remat, else scan.
     scan_layers: bool | None = None
-    # auto | manual | xla | cudnn (models/attention.py); auto = cuDNN's (bf16) or XLA's on GPU, manual elsewhere
+    # auto | manual | xla | cudnn (models/attention.py); auto = cuDNN's (bf16) or XLA's on GPU,
+    # manual on CPU, XLA's on TPU
     attention: str = "auto"
     # manual attention: queries in blocks of this many positions, each against the keys up to
     # its last position (skips most of the masked half); 0 = one block
     attention_block: int = 128
+    # Set by the trainer when there are fewer kv heads than tensor-parallel ranks (their weights are
+    # replicated): k and v are repeated this many times before attention, so that each rank holds
+    # the kv head of its query heads, split like them (cuDNN's kernel takes q, k, v split alike only).
+    kv_repeat: int = 1
 
     @property
     def head_dim(self) -> int:

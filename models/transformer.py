@@ -127,6 +127,9 @@ def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_const
     """
     p = jax.tree.map(lambda w: w.astype(x_BTD.dtype), p)
     q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain)
+    if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
+        k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
+                          for a in (k_BTKE, v_BTKE))
     o_BTHE = attention(q_BTHE, k_BTKE, v_BTKE, c.attention, c.attention_block)
     return attn_out_mlp(c, p, x_BTD, o_BTHE, constrain)
 

@@ -89,7 +89,7 @@ def run_setting(log, remat, batch, a):
         compiled = step.lower(state, jax.device_put(host[0], sharding)).compile()
         hlo = compiled.as_text()
         impl = s.model.attention if s.model.attention != "auto" else (
-            "xla" if jax.devices()[0].platform == "gpu" else "manual")
+            "manual" if jax.devices()[0].platform == "cpu" else "xla")
         attention = "cudnn" if "cudnn$fmha" in hlo or "__cudnn" in hlo else impl
         compile_s = time.perf_counter() - t0
         nxt = jax.device_put(host[0], sharding)

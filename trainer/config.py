@@ -299,10 +299,16 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (mc.n_heads % mc.n_kv_heads == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={mc.n_kv_heads}; pick n_kv_heads dividing n_heads"),
     ]
-    for name in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    for name in ("n_heads", "d_ff", "vocab_size"):
         v = getattr(mc, name)
         checks.append((v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; "
                                        f"pick a mesh.model that divides {v} or change model.{name}"))
+    # fewer kv heads than model ranks: each kv head is replicated over the ranks that share it
+    kv = mc.n_kv_heads
+    checks.append((kv % model == 0 or model % kv == 0,
+                   f"model.n_kv_heads={kv} and mesh.model={model} must divide one another (kv heads are split over "
+                   f"model, or each replicated over model/n_kv_heads ranks); use a mesh.model that divides {kv} or "
+                   f"is a multiple of it, or change model.n_kv_heads"))
     checks += [
         (t.batch_size % (data * t.microbatches) == 0,
          f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "

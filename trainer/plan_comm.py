@@ -11,6 +11,8 @@ a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from models import ModelConfig
 from trainer.plan_memory import Leaf, leaves
 from trainer.plan_types import Strategy, Transfer
@@ -111,14 +113,38 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     layers = mc.n_layers // st.stage
     # forward: after wo and w_down; backward: the projection groups; full remat recomputes the
     # first (the layer's output is not needed again); `dots` saves the projection outputs instead
-    groups = (1 if mc.n_heads == mc.n_kv_heads else 2) + 1
-    per_layer = 2 + groups + (1 if st.remat == "full" else 0)
+    per_layer = 2 + _groups(mc, tp) + (1 if st.remat == "full" else 0)
     out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
+    out += [dataclasses.replace(t, bytes=m * layers * t.bytes, count=m * layers * t.count)
+            for t in _shared_kv_transfers(mc, tp, n, a)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
     out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
                         m * ar * (2 * act + 3 * n * 4), 4 * m))
     return out
+
+
+def _groups(mc: ModelConfig, tp: int) -> int:
+    """Backward all-reduces of a layer's input gradient, one per projection group with split weights:
+    q/k/v together (q apart from k/v with grouped-query attention; k/v not at all when they are
+    replicated over `model`), and gate/up."""
+    if mc.n_kv_heads < tp:
+        return 2
+    return (1 if mc.n_heads == mc.n_kv_heads else 2) + 1
+
+
+def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Transfer]:
+    """One layer's backward with fewer kv heads than `model` (k/v replicated over it): each rank's
+    dK and dV for its kv head are summed over the g = tp/K ranks sharing it, then gathered over the K
+    heads, so that the replicated k/v projections get their whole gradient."""
+    K = mc.n_kv_heads
+    if K >= tp:
+        return []
+    g, head = tp // K, n * mc.head_dim * a  # one kv head's dK (or dV) on one device
+    return [Transfer("model", "all-reduce", "dK, dV summed over the ranks sharing a kv head",
+                     2 * _ring("all-reduce", g) * head, 1),
+            Transfer("model", "all-gather", "dK, dV gathered over the kv heads",
+                     2 * _ring("all-gather", K) * K * head, 2)]
 
 
 def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
@@ -171,10 +197,12 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
                                  _ring("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
     if tp > 1:
         ar = _ring("all-reduce", tp)
-        groups = (1 if mc.n_heads == mc.n_kv_heads else 2) + 1  # backward: one per projection group
-        per_tick = 2 * body + (2 * body - 1) + groups * body  # forward, recompute (not the last), backward
+        # forward, recompute (not the last), backward: one per projection group
+        per_tick = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
         out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
-                         ticks * per_tick * ar * act, ticks * per_tick),
-                Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
-                         ar * (2 * whole + m * n * 4), 3)]
+                         ticks * per_tick * ar * act, ticks * per_tick)]
+        out += [dataclasses.replace(t, bytes=ticks * body * t.bytes, count=ticks * body * t.count)
+                for t in _shared_kv_transfers(mc, tp, n, a)]
+        out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
+                            ar * (2 * whole + m * n * 4), 3))
     return out

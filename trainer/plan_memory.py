@@ -107,7 +107,7 @@ class _Shard(ModelConfig):
 
 def _shard(mc: ModelConfig, tp: int) -> _Shard:
     fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(ModelConfig)}
-    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads // tp, d_ff=mc.d_ff // tp,
+    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=max(mc.n_kv_heads // tp, 1), d_ff=mc.d_ff // tp,
                   vocab_size=mc.vocab_size // tp, remat="none")
     return _Shard(**fields, shard_head_dim=mc.head_dim)
 

@@ -16,9 +16,10 @@ def _divisors(n: int) -> list[int]:
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
     """(data, stage, model) x ZeRO x microbatches x remat that the trainer accepts on n_devices."""
-    widths = (mc.n_heads, mc.n_kv_heads, mc.d_ff, mc.vocab_size)
+    widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for model in _divisors(n_devices):
-        if any(w % model for w in widths):
+        # fewer kv heads than model ranks are replicated over the ranks that share one
+        if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
         for stage in _divisors(n_devices // model):
             v = repeats if stage > 1 else 1

@@ -54,6 +54,8 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     except MeshError as e:
         raise UserError(str(e)) from None
     mc = model_config(cfg)
+    if mc.n_kv_heads < model:  # kv heads replicated over `model`: each rank takes the one it needs
+        mc = dataclasses.replace(mc, kv_repeat=model // mc.n_kv_heads)
     layout = Layout(mesh, cfg.train.zero_stage)
     tx, schedule = make_optimizer(cfg.train)
     pshapes, logical = abstract_model(mc, cfg.train.seed)
