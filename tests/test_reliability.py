@@ -192,3 +192,59 @@ def test_no_code_loading_calls_in_the_source():
     assert hits == [], hits
     assert bad.search("x = pickle.loads(b)") and bad.search("eval(s)") and not bad.search("batches.eval(i)")
     assert not bad.search("    def eval(self, i):")
+
+
+@pytest.fixture(scope="module")
+def skip_run(tmp_path_factory):
+    """6 logged steps, data position 2 NaN (skipped), evaluations at 2, 4, 6; the peak measurement counted."""
+    import inspect
+    from io import StringIO
+
+    from rich.console import Console
+
+    from trainer import metrics
+    from trainer.config import load_config
+    from trainer.loop import train
+    calls, measure = [], metrics.measure_matmul_rate
+
+    def counted(*args, **kw):
+        bound = inspect.signature(measure).bind(*args, **kw)
+        bound.apply_defaults()
+        calls.append(bound.arguments)
+        return measure(*args, **kw)
+    cfg = load_config(TINY + ["train.steps=6", "train.warmup_steps=3", "train.inject_nan_at=2", "train.on_nan=skip",
+                              "train.eval_every=2", "train.eval_batches=1", "run.log_every=1",
+                              f"run.dir={tmp_path_factory.mktemp('skip')}"])
+    out = StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(metrics, "measure_matmul_rate", counted)
+        result = train(cfg, console=Console(file=out, width=400))
+    return cfg, result, calls, out.getvalue()
+
+
+def test_logged_lr_is_the_schedule_at_the_optimizer_count(skip_run):
+    import math
+    cfg, result, _, _ = skip_run
+    t = cfg.train
+    peak, end, warmup, total = t.lr, t.lr * t.min_lr_ratio, 3, 6
+
+    def schedule(count):  # linear warmup from 0, then cosine to lr * min_lr_ratio at train.steps
+        if count < warmup:
+            return peak * count / warmup
+        return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (count - warmup) / (total - warmup)))
+    recs = {r["step"]: r for r in result.history if "loss" in r}
+    assert sorted(recs) == list(range(1, 7)) and np.isnan(recs[2]["loss"]) and recs[2]["skipped"] == 1
+    # step 2's update was skipped: the optimizer has taken step - 2 updates before step 3, 4, ...
+    counts = {1: 0, 2: 1, 3: 1, 4: 2, 5: 3, 6: 4}
+    got = [recs[s]["lr"] for s in range(1, 7)]
+    want = [schedule(counts[s]) for s in range(1, 7)]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
+def test_cpu_peak_measured_once_before_training_and_named(skip_run):
+    _, result, calls, out = skip_run
+    assert len([r for r in result.history if "eval_loss" in r]) == 3  # evaluations ran, none measured again
+    assert len(calls) == 1, calls
+    m = re.search(r"peak [\d.]+ TFLOP/s x 1 \(measured: float32 (\d+)\^3 matmul, best of (\d+)", out)
+    assert m, out[:2000]
+    assert (int(m.group(1)), int(m.group(2))) == (calls[0]["n"], calls[0]["reps"]), (m.group(0), calls)

@@ -90,6 +90,7 @@ class TrainSection:
     spike_factor: float = 0.0  # skip a step whose loss > factor x the running median; 0 = off
     spike_window: int = 32  # losses in that running median
     inject_nan_at: str = ""  # STEP or A:B: NaN loss at those data positions (drills and tests)
+    step_timeout_s: float = 300.0  # a step running past max(this, 20 x median) exits 4 (trainer/watchdog.py); 0: off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +333,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
          "compiler-inserted); use train.grad_sync=auto"),
         (t.optimizer in OPTIMIZERS, f"train.optimizer='{t.optimizer}' is unknown; choose adamw or sgd"),
         (t.sync in SYNC_MODES, f"train.sync='{t.sync}' is unknown; choose one of {', '.join(SYNC_MODES)}"),
+        (t.step_timeout_s >= 0, f"train.step_timeout_s={t.step_timeout_s} must be >= 0 (seconds; 0 = no step watchdog)"),
         (t.sync_every >= 1, f"train.sync_every={t.sync_every} must be >= 1 (optimizer steps between syncs)"),
         (t.sync_warmup >= 0, f"train.sync_warmup={t.sync_warmup} must be >= 0 (steps synced every step first)"),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
+from trainer.optim import schedule_count
 
 
 def enabled(cfg) -> bool:
@@ -98,6 +99,7 @@ def train_step(s, state: dict, batch):
 
     def local(st, rows):
         p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
+        lr = s.schedule(schedule_count(o))  # the rate this update uses
         m = t.microbatches
         if m == 1:
             loss, g = vg(p, rows)
@@ -123,7 +125,7 @@ def train_step(s, state: dict, batch):
             new["outer"] = outer
         # Two scalars per step for the log: the only data-axis traffic between syncs.
         loss, grad_norm = jax.lax.pmean((loss, grad_norm), "data")
-        return new, {"loss": loss, "grad_norm": grad_norm, "lr": s.schedule(st["step"])}
+        return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
     specs = jax.tree.map(lambda sh: P("data") if sh.spec[:1] == ("data",) else P(), s.shardings)
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(specs, P("data")), out_specs=(specs, P()),

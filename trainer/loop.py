@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from trainer.data import Batches, load_corpus
 from trainer.errors import UserError
 from trainer.goodput import Goodput, summary
 from trainer.guard import Feed, Guard
-from trainer.metrics import MetricsWriter, device_peak, peak_devices, remeasured_peak
+from trainer.metrics import MetricsWriter, device_peak, peak_devices
 from trainer.preempt import StopRequest
 from trainer.profiling import StepProfiler
 from trainer.state import Setup, init_state, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
+from trainer.watchdog import StepWatchdog
 
 
 @dataclasses.dataclass
@@ -115,6 +117,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     writer = MetricsWriter(run_dir, enabled=main, resume_step=start)
     history, eval_loss, preempted, done = [], None, False, start
     profiler = StepProfiler(t.profile_steps, run_dir / "tensorboard")  # TensorBoard's profile tab reads it there
+    watchdog = StepWatchdog(t.step_timeout_s)
     progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[info]}"), console=console, disable=not cfg.run.progress)
     try:
@@ -126,9 +129,11 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     batch = to_global(s, rows)
                 done = step + 1
                 profiler.before(done)
+                watchdog.begin(done)  # before dispatch: on CPU the call itself may run the step
                 with gp.span("compute"):
                     with profiler.annotate(done):
                         state, metrics = compiled(state, batch)
+                    watchdog.watch(done, metrics)  # a waiter thread blocks on it, not this one
                     profiler.after(done, (state, metrics))
                 logging = done % cfg.run.log_every == 0 or done == t.steps
                 evaluating = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
@@ -146,7 +151,6 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     if evaluating:
                         with gp.span("eval"):
                             eval_loss = evaluate(s, eval_fn, state["params"], batches)
-                            peak = remeasured_peak(peak, s.dtype)  # CPU: keep the highest rate seen
                         rec["eval_loss"] = eval_loss
                         last_t = time.perf_counter()  # eval time is not step time
                     writer.write(rec)
@@ -160,7 +164,6 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                 elif evaluating:
                     with gp.span("eval"):
                         eval_loss = evaluate(s, eval_fn, state["params"], batches)
-                        peak = remeasured_peak(peak, s.dtype)  # CPU: keep the highest rate seen
                     writer.write({"step": done, "eval_loss": eval_loss})
                     history.append({"step": done, "eval_loss": eval_loss})
                 if (logging or ckpt.due(done)) and (trip := guard.tripped(m if logging else metrics)):
@@ -186,6 +189,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
             goodput = gp.record()
             writer.write_goodput({"step": done, **goodput})
     finally:
+        watchdog.close(sys.exc_info()[1])  # an error with peers gone must not hang the exit
         profiler.stop()
         writer.close()
         ckpt.close()

@@ -23,7 +23,10 @@ PEAKS = {
 }
 
 
-def measure_matmul_rate(dtype=jnp.float32, n: int = 1024, reps: int = 8, device=None) -> float:
+PEAK_N, PEAK_REPS = 1024, 8  # the CPU peak: an n x n x n matmul, the fastest of reps runs
+
+
+def measure_matmul_rate(dtype=jnp.float32, n: int = PEAK_N, reps: int = PEAK_REPS, device=None) -> float:
     """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
     device = device or jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
     # its own one-device mesh: callable inside a training loop's jax.set_mesh(...) too
@@ -44,23 +47,15 @@ def device_peak(dtype) -> tuple[float | None, str]:
     """Peak FLOP/s of one device for `dtype`, and where the figure comes from."""
     dev = jax.local_devices()[0]
     if dev.platform == "cpu":
-        rate = measure_matmul_rate(dtype)
-        # Simulated CPU devices share the host's cores: the process-wide rate is the peak.
-        return rate, f"measured {jnp.dtype(dtype).name} matmul rate on this CPU"
+        # Measured once, before training: inside the loop it would compete with the steps and be
+        # counted as eval time. Simulated CPU devices share the host's cores: the process-wide rate is the peak.
+        rate = measure_matmul_rate(dtype, PEAK_N, PEAK_REPS)
+        return rate, f"measured: {jnp.dtype(dtype).name} {PEAK_N}^3 matmul, best of {PEAK_REPS}, on this CPU"
     kind = dev.device_kind.lower()
     for key, (bf16, f32) in PEAKS.items():
         if key in kind:
             return (bf16 if jnp.dtype(dtype) == jnp.bfloat16 else f32), f"datasheet peak for {dev.device_kind}"
     return None, f"unknown peak for {dev.device_kind}"
-
-
-def remeasured_peak(peak: float | None, dtype) -> float | None:
-    """`peak` again after a new look: on CPU, where it is a measured rate, the higher of it and a
-    new measurement (another process loading the host only makes a measurement low, never high);
-    a datasheet peak as it is."""
-    if peak is None or jax.local_devices()[0].platform != "cpu":
-        return peak
-    return max(peak, measure_matmul_rate(dtype))
 
 
 def peak_devices(mesh) -> int:

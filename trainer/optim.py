@@ -24,3 +24,12 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
         update = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
     clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
     return optax.chain(clip, update), schedule
+
+
+def schedule_count(opt_state):
+    """The optimizer's own step count, at which the schedule gives this update's learning rate (a step
+    the guard skipped did not advance it, so it lags the train state's step)."""
+    found = [x.count for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+             if isinstance(x, optax.ScaleByScheduleState)]
+    assert len(found) == 1, f"expected one scheduled learning rate in the optimizer state, found {len(found)}"
+    return found[0]
