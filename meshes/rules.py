@@ -31,7 +31,6 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "layers": "stage",
-    "repeats": None,  # circular pipeline repeats: every stage holds a block of each
 }
 # The dimension ZeRO shards over `data`, in order of preference (FSDP shards `embed`).
 # `layers` is never chosen: the layer scan slices it, and `stage` may already split it.
