@@ -31,7 +31,6 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "layers": "stage",
-    "repeats": None,  # circular pipeline repeats: every stage holds a block of each
 }
 # Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the
 # dimension is replicated over it (fewer kv heads than `model`: every model rank keeps the kv heads and

@@ -32,9 +32,6 @@ class ModelConfig:
     norm_eps: float = 1e-5
     remat: str = "none"
     init_std: float = 0.02
-    # Circular pipeline repeats V: layer weights are stored (V, L/V, ...) so that sharding the
-    # second axis over `stage` gives stage s the blocks s, s+S, ... (row-major = logical order).
-    pipeline_repeats: int = 1
     # Run the layers as one lax.scan (one compiled layer: compile time independent of depth) or
     # unrolled (no loop: faster steps, see docs/performance.md). None: unroll up to 8 layers
     # when there is no remat, else scan.

@@ -41,13 +41,10 @@ class Stack(nnx.Module):
         normal = nnx.initializers.normal(c.init_std)
         out_init = nnx.initializers.normal(c.init_std / (2 * L) ** 0.5)  # GPT-2 residual scaling
 
-        V = c.pipeline_repeats
-
+        # (L, ...) whatever the parallel layout or pipeline schedule, so that any checkpoint
+        # restores onto any of them; a schedule that needs another order re-lays them out itself
         def param(init, shape, axes):
-            w = init(rngs.params(), shape, jnp.float32)
-            if V > 1:  # (L, ...) -> (V, L/V, ...): same values, same logical order
-                return nnx.Param(w.reshape((V, L // V) + shape[1:]), logical_axes=("repeats",) + axes)
-            return nnx.Param(w, logical_axes=axes)
+            return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
 
         ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
         self.attn_norm = param(ones, (L, D), ("layers", "embed"))
@@ -230,8 +227,6 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     time.
     """
     remat = c.remat if remat is None else remat
-    if c.pipeline_repeats > 1 and layers["wq"].ndim == 5:  # (V, L/V, ...) storage -> (L, ...)
-        layers = jax.tree.map(lambda w: w.reshape((-1,) + w.shape[2:]), layers)
     rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta)
 
     def body(x, p):

@@ -273,7 +273,7 @@ def model_config(cfg: Config) -> ModelConfig:
     if m.attention not in ATTENTION_IMPLS:
         raise UserError(f"model.attention='{m.attention}' is unknown; choose one of {', '.join(ATTENTION_IMPLS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
-    return from_preset(m.preset, pipeline_repeats=cfg.train.pipeline_repeats, **over)
+    return from_preset(m.preset, **over)
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:

@@ -1,9 +1,11 @@
 """Pipeline parallelism over `stage`: GPipe with microbatches, and the circular (interleaved) schedule.
 
-Stage s owns layer blocks s, s+S, s+2S, ... (V blocks of L/(S*V) layers; V = 1 is plain GPipe
-with L/S consecutive layers). The stacked layer weights are stored as (V, L/V, ...) when V > 1,
-whose row-major order is the logical layer order, so sharding the second axis over `stage` gives
-exactly the circular assignment with an ordinary NamedSharding.
+Stage s runs layer blocks s, s+S, s+2S, ... (V blocks of L/(S*V) layers; V = 1 is plain GPipe
+with L/S consecutive layers). The layer weights (and their optimizer state) are stored (L, ...)
+whatever the schedule, sharded over `stage` in contiguous slices of L/S layers, so a checkpoint
+restores onto any mesh and V. With V > 1 the step re-lays the stage's slice out into its circular
+blocks (`circular_blocks`) once per step, before the schedule; the gradients go back the same
+way.
 
 The schedule is one `lax.scan` over M*V + S - 1 ticks inside a shard_map that is manual over
 `stage` only (data and tensor parallelism stay with the compiler). At tick t stage s works on
@@ -49,12 +51,62 @@ def describe(stages: int, microbatches: int, repeats: int) -> str:
             f"{100 * bubble_fraction(stages, microbatches, repeats):.1f}%")
 
 
+def circular_moves(stages: int, repeats: int) -> dict:
+    """{(shift, j): [(src, dst, src_row, dst_row), ...]}: the block moves from the stored placement
+    to the circular one, grouped so that in a group every stage sends and receives at most once.
+
+    Block b (layers [b*L/(S*V), (b+1)*L/(S*V))) is stored on stage b // V, row b % V, and runs on
+    stage b % S, row b // S. A group is the j-th block each stage sends `shift` stages on.
+    """
+    S, V = stages, repeats
+    groups, sent = {}, {}
+    for b in range(S * V):
+        src, dst, r_src, r_dst = b // V, b % S, b % V, b // S
+        k = (dst - src) % S
+        j = sent[src, k] = sent.get((src, k), -1) + 1
+        groups.setdefault((k, j), []).append((src, dst, r_src, r_dst))
+    return groups
+
+
+def _move_blocks(w, stages: int, groups: dict):
+    """Rows of w (V, ...) moved between stages as `groups` says, one ppermute per group."""
+    V, s = w.shape[0], jax.lax.axis_index("stage")
+    # a spare row V takes the write of a stage that receives nothing in a group: `out` is never read
+    # (reading it made XLA keep copies: 3.5 slices of scratch instead of 2 for S=4, V=2)
+    out = jnp.zeros((V + 1,) + w.shape[1:], w.dtype)
+    for (k, _), moves in sorted(groups.items()):
+        src_row, dst_row = [0] * stages, [V] * stages
+        for src, dst, r_src, r_dst in moves:
+            src_row[src], dst_row[dst] = r_src, r_dst
+        blk = jax.lax.dynamic_index_in_dim(w, jnp.array(src_row)[s], 0, keepdims=False)
+        if k:
+            blk = jax.lax.ppermute(blk, "stage", [(src, dst) for src, dst, _, _ in moves])
+        out = jax.lax.dynamic_update_index_in_dim(out, blk, jnp.array(dst_row)[s], 0)
+    return out[:V]
+
+
+def circular_blocks(w, stages: int, repeats: int):
+    """This stage's stored slice (L/S, ...) -> its circular blocks (V, L/(S*V), ...); inside a
+    shard_map manual over `stage`.
+
+    No sharding of the (L, ...) axis gives a stage the strided blocks s, s+S, ... (a sharding
+    tiles an axis into one contiguous slice per device), and storing them in that order would tie
+    the checkpoint to V. So the blocks move here, once per step and not per tick: each stage
+    sends only the blocks it stores but does not run (S=2, V=2: half of them, S=4, V=2: 3/4; their
+    gradients come back by the transposed ppermutes), block by block: memory stays O(L/S), about
+    two more copies of the stage's layers (the circular ones and their gradient). (Resharding
+    `reshape(V, L/V, ...)` by a sharding constraint instead lets XLA choose: an all-to-all where S or V divides the other, but an all-gather of the whole stack,
+    O(L) per device, otherwise, e.g. S=2, V=3.)
+    """
+    w = w.reshape((repeats, w.shape[0] // repeats) + w.shape[1:])
+    return _move_blocks(w, stages, circular_moves(stages, repeats))
+
+
 def pipeline_layers(c, layers, x_MBTD, mesh, repeats: int = 1):
-    """Run microbatched activations (M, b, T, D) through the layer stack, pipelined over `stage`."""
+    """Run microbatched activations (M, b, T, D) through the (L, ...) layer stack, pipelined over `stage`."""
     S, M, V = mesh.shape["stage"], x_MBTD.shape[0], repeats
     rules = without_axes(RULES, {"stage"})
     constrain = constrainer(mesh, rules)
-    layer_spec = P("stage") if V == 1 else P(None, "stage")
 
     def stage_body(blocks, v, h):
         """This stage's layers of repeat v applied to h; rematerialised in the backward pass."""
@@ -67,6 +119,8 @@ def pipeline_layers(c, layers, x_MBTD, mesh, repeats: int = 1):
     def local(blocks, x):
         if V == 1:
             blocks = jax.tree.map(lambda w: w[None], blocks)
+        else:
+            blocks = jax.tree.map(lambda w: circular_blocks(w, S, V), blocks)
         s = jax.lax.axis_index("stage")
         ring = [(j, (j + 1) % S) for j in range(S)]
 
@@ -91,7 +145,7 @@ def pipeline_layers(c, layers, x_MBTD, mesh, repeats: int = 1):
         (_, _, out), _ = jax.lax.scan(tick, carry, jnp.arange(num_ticks(S, M, V)))
         return out[None]
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(layer_spec, P()), out_specs=P("stage"),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P("stage"),
                        axis_names={"stage"}, check_vma=False)
     return fn(layers, x_MBTD)[S - 1]
 
@@ -103,6 +157,6 @@ def pipeline_loss(s, params, batch):
     tokens, targets = batch[:, :-1], batch[:, 1:]
     x = embed(c, params, tokens, s.dtype, constrain)
     x_MBTD = jax.lax.with_sharding_constraint(split_microbatches(x, m), P(None, "data"))
-    y = pipeline_layers(c, params["layers"], x_MBTD, s.mesh, c.pipeline_repeats)
+    y = pipeline_layers(c, params["layers"], x_MBTD, s.mesh, s.cfg.train.pipeline_repeats)
     logits = head(c, params, y.reshape((-1,) + y.shape[2:]), constrain)
     return cross_entropy(logits, split_microbatches(targets, m).reshape(logits.shape[:2]))

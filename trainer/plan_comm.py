@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig
+from trainer.pipeline import circular_moves
 from trainer.plan_memory import Leaf, leaves
 from trainer.plan_types import Strategy, Transfer
 
@@ -162,6 +163,13 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
            Transfer("stage", "collective-permute", "last stage's output picked (and its gradient)", 2 * whole / S, 2),
            Transfer("stage", "all-reduce", "pipeline output shared over stage (and its gradient)",
                     2 * _ring("all-reduce", S) * whole, 2)]
+    if st.repeats > 1:  # pipeline.circular_blocks: each stage's stored layers to its blocks, gradients back
+        groups = [g for g in circular_moves(S, st.repeats) if g[0]]
+        moved = sum(b // st.repeats != b % S for b in range(S * st.repeats)) / (S * st.repeats)
+        stored = sum(x.bytes / (k if zero >= 3 and x.zero else 1) for x in ls if x.layers)
+        out.append(Transfer("stage", "collective-permute",
+                            "layer weights to their circular blocks (and gradients back)", 2 * moved * stored,
+                            2 * len(groups)))
     if k > 1:
         ar, ag = _ring("all-reduce", k), _ring("all-gather", k)
         layer = sum(x.bytes for x in ls if x.layers) / st.repeats

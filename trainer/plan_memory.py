@@ -175,7 +175,10 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
     zero3 = st.zero >= 3 and st.data > 1
     if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
-        return (top + lay / st.repeats) if zero3 else 0.0
+        # circular schedule: the stage's layers re-laid out in circular order, and their gradient
+        stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
+        circ = 2 * stored if st.repeats > 1 else 0.0
+        return circ + ((top + lay / st.repeats) if zero3 else 0.0)
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
