@@ -106,9 +106,9 @@ def test_checkpoint_meta_records_the_data_position_past_a_rollback(drill):
     ref = Path(drill["workdir"]) / "ref"
     offsets = {r["step"]: r.get("data_offset", 0) for r in _records(ref).values()}  # the metrics' own account
     assert offsets[8] == 0 and offsets[STEPS] == 2  # the rollback at step 10 to step 8 skipped 2 batches
-    for step in (8, 10, STEPS):
+    for step in (STEPS, 10, 8):
         rng = ckpt.read_meta(ref, step)["rng"]
-        assert rng["data_step"] == step + offsets[step] and rng["data_offset"] == offsets[step], (step, rng)
+        assert rng["data_step"] == step + offsets[step] and rng.get("data_offset") == offsets[step], (step, rng)
 
 
 def test_stop_exits_3_naming_the_step(drill, tmp_path):
