@@ -107,7 +107,8 @@ def compare(ref: Path, run: Path, steps: int) -> dict:
     """Bitwise state, loss curve and step coverage of `run` against `ref`."""
     import numpy as np
     import jax
-    from trainer.checkpoint import load_params, read_meta
+    from trainer.checkpoint import read_meta
+    from trainer.params_io import load_params
     loss = {d: [(r["step"], r["loss"]) for r in records(d) if "loss" in r] for d in (ref, run)}
     once = [s for s, _ in loss[run]] == list(range(1, steps + 1))
     same_curve = loss[run] == loss[ref]

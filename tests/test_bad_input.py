@@ -57,6 +57,7 @@ CASES = {
     "spike-factor-below-one": (["train.spike_factor=0.5"], "must be 0 (off) or > 1"),
     "inject-nan-form": (["train.inject_nan_at=5:2"], "is not STEP or A:B"),
     "checkpoint-every-negative": (["checkpoint.every=-1"], "must be >= 0; fix the negative value"),
+    "on-unreadable-unknown": (["checkpoint.on_unreadable=ignore"], "checkpoint.on_unreadable='ignore' is unknown"),
     # data files
     "bin-odd-bytes": (["data.source={F}/odd.bin"], "not a whole number of uint16 tokens"),
     "bin-dtype-unknown": (["data.source={F}/tokens.bin", "data.bin_dtype=int8"], "data.bin_dtype='int8' is unknown"),

@@ -1,8 +1,10 @@
 """Checkpoints: bit-exact resume after SIGTERM and kill -9, reshard on restore, atomicity, corruption."""
 import dataclasses
+import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -11,13 +13,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+import tensorstore
 from conftest import TINY
 
 from trainer import checkpoint as ckpt
 from trainer.cli import main
 from trainer.config import load_config, model_config
-from trainer.errors import UserError
+from trainer.errors import CheckpointUnreadable, UserError
 from trainer.state import init_state, make_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,22 +184,181 @@ def _equal(a, b) -> bool:
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip-byte"])
-def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, capsys, damage):
-    run, s, states = _saved_run(tmp_path, tiny)
-    files = sorted((run / "checkpoints" / "2").rglob("*"), key=lambda f: f.stat().st_size if f.is_file() else 0)
+def _damage(step_dir: Path, how: str = "flip-byte"):
+    files = sorted(step_dir.rglob("*"), key=lambda f: f.stat().st_size if f.is_file() else 0)
     big = files[-1]  # the array data
     data = bytearray(big.read_bytes())
-    if damage == "truncate":
+    if how == "truncate":
         big.write_bytes(data[: len(data) // 2])
+    elif how == "delete":
+        big.unlink()
     else:  # silent corruption: Orbax reads it without error, the checksum catches it
         data[len(data) // 3] ^= 0x10
         big.write_bytes(bytes(data))
+
+
+def _files(run: Path) -> dict:
+    """Every file under checkpoints/ by name, with its bytes: what 'left where it was' means."""
+    d = run / "checkpoints"
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "delete"])
+def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, capsys, damage):
+    run, s, states = _saved_run(tmp_path, tiny)
+    _damage(run / "checkpoints" / "2", damage)
     state, step = ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
     err = capsys.readouterr().err
     assert step == 1 and _equal(state, states[1])
     assert f"checkpoint {run}/checkpoints/2 is incomplete or corrupt" in err and "falling back to step 1" in err
     assert ckpt.list_steps(run) == [1] and list((run / "checkpoints").glob("2.corrupt-*"))
+
+
+# Failures that say nothing about the checkpoint's bytes, raised from inside Orbax's restore: where
+# (every array's tensorstore.open, or the metadata JSON's read), the exception, what the message must say.
+NOT_DAMAGE = {
+    "host-oom": ("arrays", lambda: MemoryError(), "MemoryError"),
+    "eio": ("arrays", lambda: OSError(errno.EIO, "Input/output error"), "Input/output error"),
+    "disk-full": ("arrays", lambda: OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    "device-oom": ("arrays", lambda: RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                                  "67108864 bytes."), "RESOURCE_EXHAUSTED: Out of memory"),
+    "permission": ("meta", lambda: PermissionError(errno.EACCES, "Permission denied"), "Permission denied"),
+}
+
+
+def _inject(monkeypatch, where: str, make, step_dir: str = "/checkpoints/"):
+    """Raise make() where Orbax opens an array (or reads the metadata JSON) of a path containing step_dir."""
+    real_open, real_json = tensorstore.open, ocp.JsonCheckpointHandler.restore
+
+    def fake_open(spec, *a, **k):
+        if step_dir in str(spec.to_json() if hasattr(spec, "to_json") else spec):
+            raise make()
+        return real_open(spec, *a, **k)
+
+    def fake_json(self, directory, *a, **k):
+        if step_dir in f"{directory}/" and Path(directory).name == "meta":
+            raise make()
+        return real_json(self, directory, *a, **k)
+
+    if where == "arrays":
+        monkeypatch.setattr(tensorstore, "open", fake_open)
+    else:
+        monkeypatch.setattr(ocp.JsonCheckpointHandler, "restore", fake_json)
+
+
+@pytest.mark.parametrize("case", list(NOT_DAMAGE))
+def test_restore_failure_that_is_not_damage_stops_and_moves_nothing(tmp_path, tiny, capsys, monkeypatch, case):
+    where, make, cause = NOT_DAMAGE[case]
+    run, _, _ = _saved_run(tmp_path, tiny)
+    before = _files(run)
+    _inject(monkeypatch, where, make)
+    code = main(["train", *TINY, "mesh.data=8", f"run.dir={run}"])
+    err = capsys.readouterr().err.strip()
+    assert code == CheckpointUnreadable.exit_code == 4, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"meshtrain: error: checkpoint {run}/checkpoints/2 could not be restored (") and \
+        cause in last and "no checkpoint was moved or skipped" in last, err
+    assert "Traceback" not in err and "corrupt" not in err and "falling back" not in err, err
+    assert _files(run) == before and ckpt.list_steps(run) == [1, 2]
+
+
+def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, capsys, monkeypatch):
+    run, s, _ = _saved_run(tmp_path, tiny)
+    _damage(run / "checkpoints" / "2")
+    before = _files(run)
+    _inject(monkeypatch, "arrays", lambda: OSError(errno.EIO, "Input/output error"), "/checkpoints/1/")
+    with pytest.raises(CheckpointUnreadable) as e:
+        ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
+    assert str(e.value).startswith(f"checkpoint {run}/checkpoints/1 could not be restored (OSError: [Errno 5]"), e.value
+    assert "checkpoints/2 is incomplete or corrupt" in capsys.readouterr().err
+    assert _files(run) == before  # the damaged step 2 is only moved aside once an older one restores
+
+
+def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, capsys):
+    run, s, _ = _saved_run(tmp_path, tiny)
+    for st in (1, 2):
+        _damage(run / "checkpoints" / str(st))
+    before = _files(run)
+    with pytest.raises(UserError) as e:
+        ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
+    msg = str(e.value)
+    assert "none of its 2 checkpoint(s) can be restored" in msg and "checkpoint.on_unreadable=fresh" in msg, msg
+    for st in (2, 1):
+        assert re.search(f"{re.escape(str(run))}/checkpoints/{st}: '[\\w.]+' does not match its checksum", msg), msg
+    assert "\n" not in msg, msg
+    assert _files(run) == before
+    capsys.readouterr()
+    fresh = dataclasses.replace(s, cfg=load_config(TINY + ["mesh.data=8", "checkpoint.on_unreadable=fresh"]))
+    assert ckpt.Checkpointer(fresh, run).restore_or_init(lambda: "new") == ("new", 0)
+    err = capsys.readouterr().err
+    assert "none of its checkpoints can be restored" in err and "starts again from step 0" in err, err
+    aside = sorted(p.name.split(".")[0] for p in (run / "checkpoints").glob("*.corrupt-*"))
+    assert ckpt.list_steps(run) == [] and aside == ["1", "2"]
+
+
+# Two processes restore a run's checkpoints (8,1,1) with a fault on process 1 only, at step 2: an I/O
+# error opening its arrays (FAULT=eio) or a shard failing its checksum (FAULT=damage).
+AGREE = """
+import errno, os, sys
+from trainer.config import load_config
+from trainer.distributed import initialize
+cfg = load_config(sys.argv[2:])
+initialize(cfg.dist)
+import jax, tensorstore
+from trainer import checkpoint
+from trainer.errors import UserError
+from trainer.state import make_setup
+if jax.process_index() == 1 and os.environ["FAULT"] == "eio":
+    real_open = tensorstore.open
+    def fake_open(spec, *a, **k):
+        if "/checkpoints/2/" in str(spec.to_json() if hasattr(spec, "to_json") else spec):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(spec, *a, **k)
+    tensorstore.open = fake_open
+if jax.process_index() == 1 and os.environ["FAULT"] == "damage":
+    real_verify, calls = checkpoint.verify, []
+    def fake_verify(tree, leaves):
+        calls.append(1)
+        if len(calls) == 1:
+            raise checkpoint.CorruptCheckpoint("a shard read by process 1 does not match its checksum")
+        return real_verify(tree, leaves)
+    checkpoint.verify = fake_verify
+c = checkpoint.Checkpointer(make_setup(cfg), cfg.run.dir)
+try:
+    state, step = c.restore_or_init(lambda: sys.exit("started fresh"))
+except UserError as e:
+    print("ERROR", e, flush=True)
+    sys.exit(e.exit_code)
+c.close()
+print("RESTORED", step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["eio", "damage"])
+def test_processes_take_the_same_decision(tmp_path, tiny, fault):
+    """An I/O error on one process stops all of them, moving nothing; damage seen by one process makes
+    all of them fall back to the same older checkpoint."""
+    run, _, _ = _saved_run(tmp_path, tiny)
+    before = _files(run)
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MESHTRAIN=f"{sys.executable} {script}", GRACE_S="10", FAULT=fault)
+    p = subprocess.Popen([str(ROOT / "scripts" / "launch_local.sh"), "2", "4", *TINY, "mesh.data=8", f"run.dir={run}"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out = p.communicate(timeout=150)[0]  # ~10 s; a process left waiting in a collective never returns
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"the processes did not finish: {p.communicate()[0][-3000:]}")
+    if fault == "eio":
+        assert p.returncode == 4, out
+        assert f"[1] ERROR checkpoint {run}/checkpoints/2 could not be restored (OSError: [Errno 5] " in out, out
+        assert f"[0] ERROR checkpoint {run}/checkpoints/2 could not be restored on another process" in out, out
+        assert _files(run) == before
+    else:
+        assert p.returncode == 0 and "[0] RESTORED 1" in out and "[1] RESTORED 1" in out, out
+        assert ckpt.list_steps(run) == [1] and len(list((run / "checkpoints").glob("2.corrupt-*"))) == 1
 
 
 def test_reshard_restore_is_bitwise_and_training_continues(tmp_path, tiny):

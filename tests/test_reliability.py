@@ -101,6 +101,16 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
     assert abs(moved - recs[9]["loss"]) < 1e-5 * abs(moved) < abs(replayed - recs[9]["loss"]), (moved, replayed)
 
 
+def test_checkpoint_meta_records_the_data_position_past_a_rollback(drill):
+    """Step s trains on the batch at s + offset: a checkpoint records where the next batch comes from."""
+    ref = Path(drill["workdir"]) / "ref"
+    offsets = {r["step"]: r.get("data_offset", 0) for r in _records(ref).values()}  # the metrics' own account
+    assert offsets[8] == 0 and offsets[STEPS] == 2  # the rollback at step 10 to step 8 skipped 2 batches
+    for step in (STEPS, 10, 8):
+        rng = ckpt.read_meta(ref, step)["rng"]
+        assert rng["data_step"] == step + offsets[step] and rng.get("data_offset") == offsets[step], (step, rng)
+
+
 def test_stop_exits_3_naming_the_step(drill, tmp_path):
     run = tmp_path / "stop"
     env = chaos.child_env(1, Path(drill["workdir"]) / "jax-cache")  # the drill's compiled step

@@ -3,12 +3,15 @@
 A run keeps `run.dir/checkpoints/<step>/` with two Orbax items:
   state  the train state {step, params, opt_state, guard}, every array written shard by shard;
   meta   JSON: the resolved config, the mesh and ZeRO stage it was saved from, the RNG
-         (the seed: batches are a pure function of (seed, step), so the step is the data
-         position), and every leaf's shape, dtype, sharding and a checksum of its bits.
+         (batches are a pure function of (seed, position) and step s reads position
+         s + the guard's data offset: rng.data_step is the next batch's position), and every
+         leaf's shape, dtype, sharding and a checksum of its bits.
 Orbax writes each save into a temporary directory and renames it into place when complete,
 so a killed save never shows up as a step. Restores read each device's shards straight into
 the target shardings (any mesh, ZeRO stage or device count) and check every leaf against its
-checksum; a checkpoint that fails is reported, moved aside and the previous one is used.
+checksum. Only evidence of damage (a checksum mismatch; a missing, short or undecodable file)
+makes a checkpoint corrupt: it is reported and the previous one is used. Any other failure
+(memory, I/O, permissions, anything unrecognised) stops the run and moves nothing.
 """
 from __future__ import annotations
 
@@ -25,16 +28,18 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from trainer import guard
+from trainer.ckpt_evidence import evidence, short as _short
 from trainer.config import Config, load_config
-from trainer.errors import UserError
+from trainer.errors import CheckpointUnreadable, UserError
 from trainer.preempt import any_process
 
 FORMAT = 1
 SUBDIR = "checkpoints"
+ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable: when run.dir has checkpoints and none restores
 
 
 class CorruptCheckpoint(Exception):
-    """A checkpoint that cannot be read back as it was written."""
+    """Evidence that a checkpoint is damaged: it cannot be read back as it was written."""
 
 
 def _warn(msg: str):
@@ -99,8 +104,48 @@ def check_shapes(leaves: dict, target, where: str, prefix: str = ""):
                             "use the model settings it was saved with (meshtrain inspect shows them) or a new run.dir")
 
 
-def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+def _classified(d: Path, fn: Callable, step: int):
+    """fn(step), a failure turned into CorruptCheckpoint where the directory shows damage, else into
+    CheckpointUnreadable (a UserError: one line, nothing moved)."""
+    try:
+        return fn(step)
+    except (CorruptCheckpoint, UserError):
+        raise
+    except Exception as e:  # noqa: BLE001 - classified below: damage, or a failure to report as it is
+        ev = evidence(e, d / str(step))
+        if ev is not None:
+            raise CorruptCheckpoint(ev) from None
+        raise CheckpointUnreadable(
+            f"checkpoint {d / str(step)} could not be restored ({_short(e)}); that is no evidence of damage, "
+            "so no checkpoint was moved or skipped: fix the cause (memory, disk space, permissions, storage) "
+            "and run again") from None
+
+
+class _Failed:
+    """A handler's exception, returned from its restore rather than raised (see _returning)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _returning(handler):
+    """handler, its restore returning its exception as _Failed: raised there, it would skip the collective
+    barrier that ends Orbax's restore on this process and leave the other processes waiting in it."""
+    def restore(*args, **kwargs):
+        try:
+            return type(handler).restore(handler, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - raised again by _item once past the barrier
+            return _Failed(e)
+    handler.restore = restore  # on the instance: Orbax finds a handler's arguments by its class
+    return handler
+
+
+def _item(restored, name: str):
+    """An item of Orbax's restore result, its handler's exception raised again."""
+    got = restored[name]
+    if isinstance(got, _Failed):
+        raise got.error
+    return got
 
 
 def _manager(ckpt_dir: Path, cfg: Config | None = None) -> ocp.CheckpointManager:
@@ -113,7 +158,8 @@ def _manager(ckpt_dir: Path, cfg: Config | None = None) -> ocp.CheckpointManager
                                             cleanup_tmp_directories=True, enable_async_checkpointing=True)
     # No zstd: float32 weights and moments shrink by ~8% for ~4x the background write's CPU time,
     # which on a CPU host slows the training steps it overlaps (scripts/ckpt_stall.py).
-    handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {"state": _returning(ocp.PyTreeCheckpointHandler(use_compression=False)),
+                "meta": _returning(ocp.JsonCheckpointHandler())}
     return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts, item_handlers=handlers)
 
 
@@ -124,10 +170,7 @@ def list_steps(run_dir) -> list[int]:
 
 
 def _read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
-    try:
-        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as e:  # noqa: BLE001 - any failure to read means the checkpoint is unusable
-        raise CorruptCheckpoint(f"its metadata cannot be read ({_short(e)})") from None
+    meta = _item(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())), "meta")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "leaves" not in meta:
         raise CorruptCheckpoint("its metadata is not a meshtrain checkpoint's")
     return meta
@@ -135,7 +178,8 @@ def _read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 def read_meta(run_dir, step: int) -> dict:
     """The metadata JSON of one checkpoint (config, mesh, ZeRO stage, leaves)."""
-    return _read_meta(_manager(Path(run_dir) / SUBDIR), step)
+    d = Path(run_dir) / SUBDIR
+    return _classified(d, lambda st: _read_meta(_manager(d), st), step)
 
 
 def config_of(meta: dict) -> Config:
@@ -160,39 +204,57 @@ def _restore(mngr, step: int, target, partial: bool = False):
     """Read `target`'s leaves (ShapeDtypeStructs with shardings) of a checkpoint's state."""
     item = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                   partial_restore=partial)
+    return _item(mngr.restore(step, args=ocp.args.Composite(state=item)), "state")
+
+
+def _agreed(d: Path, step: int, fn: Callable):
+    """(fn(step), None) where it works on every process, else (None, CorruptCheckpoint) on every process
+    if any found damage; CheckpointUnreadable on every process if any failed otherwise. Every process
+    runs each stage and agrees before the next: a checksum is a collective, which a process that
+    left early would leave the others waiting in."""
+    result = error = None
     try:
-        return mngr.restore(step, args=ocp.args.Composite(state=item))["state"]
-    except Exception as e:  # noqa: BLE001 - unreadable data means a partial or corrupt checkpoint
-        raise CorruptCheckpoint(f"its arrays cannot be read ({_short(e)})") from None
+        result = _classified(d, fn, step)
+    except (CorruptCheckpoint, CheckpointUnreadable) as e:
+        error = e
+    if any_process(isinstance(error, CheckpointUnreadable)):
+        raise error if isinstance(error, CheckpointUnreadable) else CheckpointUnreadable(
+            f"checkpoint {d / str(step)} could not be restored on another process (its log says why); "
+            "no checkpoint was moved or skipped")
+    if any_process(error is not None):
+        return None, error or CorruptCheckpoint("damaged on another process")
+    return result, None
 
 
-def _choose(mngr: ocp.CheckpointManager, where: str, attempt: Callable, step: int | None,
+def _choose(mngr: ocp.CheckpointManager, where: str, read: Callable, check: Callable, step: int | None,
             on_corrupt: Callable | None = None):
-    """attempt(step) on `step`, or on the newest checkpoint that passes, falling back with a warning."""
-    steps = sorted(mngr.all_steps(), reverse=True)
+    """(step, check(step, read(step)), []) on `step`, or on the newest checkpoint that is not damaged,
+    falling back past damaged ones with a warning (on_corrupt(step) for each once one passes);
+    (None, None, [(step, why), ...]) if none passes. Any other failure raises at once on every process
+    and leaves every checkpoint in place."""
+    d, steps = Path(mngr.directory), sorted(mngr.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
             have = ", ".join(map(str, sorted(steps))) or "none"
             raise UserError(f"{where} has no checkpoint at step {step}; existing steps: {have}")
         try:
-            return step, attempt(step)
+            return step, _classified(d, lambda st: check(st, read(st)), step), []
         except CorruptCheckpoint as e:
-            raise UserError(f"checkpoint {Path(mngr.directory) / str(step)} is incomplete or corrupt ({e}); "
+            raise UserError(f"checkpoint {d / str(step)} is incomplete or corrupt ({e}); "
                             "choose another --step") from None
+    damaged = []
     for i, st in enumerate(steps):
-        error = None
-        try:
-            result = attempt(st)
-        except CorruptCheckpoint as e:
-            error = e
-        if not any_process(error is not None):  # all processes take the same checkpoint
-            return st, result
+        got, error = _agreed(d, st, read)
+        if error is None:
+            result, error = _agreed(d, st, lambda st_: check(st_, got))
+        if error is None:
+            for bad, _ in damaged if on_corrupt else ():
+                on_corrupt(bad)
+            return st, result, []
         nxt = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "no earlier checkpoint is left"
-        _warn(f"checkpoint {Path(mngr.directory) / str(st)} is incomplete or corrupt "
-              f"({error or 'on another process'}); {nxt}")
-        if on_corrupt:
-            on_corrupt(st)
-    return None, None
+        _warn(f"checkpoint {d / str(st)} is incomplete or corrupt ({error}); {nxt}")
+        damaged.append((st, str(error)))
+    return None, None, damaged
 
 
 class Checkpointer:
@@ -203,6 +265,9 @@ class Checkpointer:
         if c.every < 0 or c.keep < 0 or c.keep_every < 0:
             raise UserError(f"checkpoint.every={c.every}, keep={c.keep}, keep_every={c.keep_every} must be >= 0; "
                             "fix the negative value")
+        if c.on_unreadable not in ON_UNREADABLE:
+            raise UserError(f"checkpoint.on_unreadable='{c.on_unreadable}' is unknown; choose stop (the default) "
+                            "or fresh (start again from step 0 when no checkpoint of run.dir can be restored)")
         self.s, self.log = s, log or (lambda m: print(m, file=sys.stderr))
         self.dir = Path(run_dir) / SUBDIR
         self.mngr = _manager(self.dir, s.cfg)
@@ -217,28 +282,32 @@ class Checkpointer:
         if step in self.mngr.all_steps():
             return
         s = self.s
+        offset = int(jax.device_get(state["guard"]["offset"]))  # rollbacks moved the data this far ahead
         meta = {"format": FORMAT, "step": step, "saved_at": time.time(),
                 "config": config_dict(s.cfg),
                 "mesh": dict(s.mesh.shape), "zero_stage": s.cfg.train.zero_stage, "devices": s.mesh.size,
                 "processes": jax.process_count(), "platform": s.mesh.devices.flat[0].platform,
-                "rng": {"seed": s.cfg.train.seed, "data_step": step},
+                "rng": {"seed": s.cfg.train.seed, "data_step": step + offset, "data_offset": offset},
                 "leaves": describe_leaves(state)}
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
                        force=True)
 
     def restore_or_init(self, init: Callable[[], dict]) -> tuple[dict, int]:
-        """The state of the newest valid checkpoint, else from `model.init_from`, else init(); and its step."""
+        """The state of the newest valid checkpoint, else from `model.init_from`, else init(); and its step.
+        Checkpoints that exist but are all damaged stop the run unless checkpoint.on_unreadable=fresh."""
         s, where = self.s, f"run.dir checkpoints {self.dir}"
         target = _abstract(s.shapes, s.shardings)
 
-        def attempt(step):
+        def read(step):
             meta = _read_meta(self.mngr, step)
             check_shapes(meta["leaves"], target, f"checkpoint {self.dir / str(step)}")
-            state = _restore(self.mngr, step, target)
-            verify(state, meta["leaves"])
-            return state, meta
+            return _restore(self.mngr, step, target), meta
 
-        step, found = _choose(self.mngr, where, attempt, None, self._quarantine)
+        def check(step, got):
+            verify(got[0], got[1]["leaves"])
+            return got
+
+        step, found, damaged = _choose(self.mngr, where, read, check, None, self._quarantine)
         if found is not None:
             state, meta = found
             left = "" if step < s.cfg.train.steps else \
@@ -246,7 +315,18 @@ class Checkpointer:
             self.log(f"resumed from {self.dir / str(step)} (saved on mesh {_mesh_str(meta['mesh'])} "
                      f"ZeRO-{meta['zero_stage']}){_changes(meta['config'], s.cfg)}{left}")
             return state, step
+        if damaged:
+            listing = "; ".join(f"{self.dir / str(st)}: {why}" for st, why in damaged)
+            if s.cfg.checkpoint.on_unreadable != "fresh":
+                raise UserError(f"{where}: none of its {len(damaged)} checkpoint(s) can be restored ({listing}); "
+                                "all are left in place: restore them from a copy, move them away, or set "
+                                "checkpoint.on_unreadable=fresh to start again from step 0")
+            for st, _ in damaged:
+                self._quarantine(st)
+            _warn(f"{where}: none of its checkpoints can be restored ({listing}); checkpoint.on_unreadable=fresh: "
+                  "they were moved aside (<step>.corrupt-<time>) and the run starts again from step 0")
         if s.cfg.model.init_from:
+            from trainer.params_io import init_params
             params = init_params(s, s.cfg.model.init_from)
             self.log(f"parameters from {s.cfg.model.init_from}")
             return state_from_params(s, params), 0
@@ -298,115 +378,9 @@ def state_from_params(s, params) -> dict:
         return jax.jit(make, out_shardings=s.shardings)(params)
 
 
-# ----------------------------------------------------------------------------- parameters only
-
-EXPORT_META = "meta.json"
-
-
-def is_export(path) -> bool:
-    return (Path(path) / EXPORT_META).is_file() and (Path(path) / "params").is_dir()
-
-
-def _shape_tree(cfg: Config):
-    from trainer.config import model_config
-    from trainer.state import abstract_model
-    return abstract_model(model_config(cfg))
-
-
-def param_shardings(cfg: Config, shardings=None, devices=None):
-    """`shardings` as a tree for cfg's parameters: a tree as is, one Sharding for every leaf, or None:
-    split over all local devices, each weight over one dimension where it divides (FSDP-style)."""
-    shapes, logical = _shape_tree(cfg)
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda _: shardings, shapes)
-    if shardings is not None:
-        return shardings
-    from meshes import Layout, build_mesh
-    return Layout(build_mesh(-1, 1, 1, devices=devices), 3).tree("param", shapes, logical)
-
-
-def _params_target(leaves: dict, shardings):
-    """Abstract parameter tree with the saved shapes and dtypes, placed on `shardings`."""
-    is_sh = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    names = ["params." + n for n in leaf_names(jax.tree.map(lambda _: 0, shardings, is_leaf=is_sh))]
-    for n in names:
-        if n not in leaves:
-            raise UserError(f"the checkpoint has no parameter '{n.removeprefix('params.')}'; pass shardings "
-                            "for the parameters it holds (meshtrain inspect lists them)")
-    flat = [jax.ShapeDtypeStruct(tuple(leaves[n]["shape"]), jnp.dtype(leaves[n]["dtype"]), sharding=sh)
-            for n, sh in zip(names, jax.tree.leaves(shardings, is_leaf=is_sh))]
-    return jax.tree.unflatten(jax.tree.structure(shardings, is_leaf=is_sh), flat)
-
-
-def _read_export(path: Path) -> dict:
-    import json
-    try:
-        return json.loads((path / EXPORT_META).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"export {path} has an unreadable {EXPORT_META} ({_short(e)}); export it again") from None
-
-
-def _load_export(path: Path, shardings, target=None):
-    """(params, Config, step) of an export."""
-    meta = _read_export(path)
-    cfg = config_of(meta)
-    if target is not None:
-        check_shapes(meta["leaves"], target, f"exported parameters {path}", "params.")
-    item = _params_target(meta["leaves"], param_shardings(cfg, shardings))
-    try:
-        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), item)
-        verify({"params": params}, meta["leaves"])
-    except Exception as e:  # noqa: BLE001 - unreadable or failing its checksums
-        raise UserError(f"exported parameters {path} are incomplete or corrupt ({_short(e)}); "
-                        "export them again") from None
-    return params, cfg, meta["step"]
-
-
-def load_params(run_dir, step: int | None = None, shardings=None):
-    """(params, Config) of a run's checkpoint (the newest valid one by default) or of an export, read
-    straight into `shardings` (a tree, one Sharding for every leaf, or None: split over local devices)."""
-    return load_params_at(run_dir, step, shardings)[:2]
-
-
-def load_params_at(run_dir, step: int | None = None, shardings=None):
-    """load_params, plus the step the parameters come from."""
-    path = Path(run_dir)
-    if is_export(path):
-        return _load_export(path, shardings)
-    if not (path / SUBDIR).is_dir():
-        raise UserError(f"'{run_dir}' holds no checkpoints ({path / SUBDIR} is missing) and is not an export; "
-                        "give the run.dir of a run that saved checkpoints")
-    mngr = _manager(path / SUBDIR)
-
-    def attempt(st):
-        meta = _read_meta(mngr, st)
-        cfg = config_of(meta)
-        item = {"params": _params_target(meta["leaves"], param_shardings(cfg, shardings))}
-        got = _restore(mngr, st, item, partial=True)
-        verify(got, meta["leaves"])
-        return got["params"], cfg
-
-    step, found = _choose(mngr, f"run '{run_dir}'", attempt, step)
-    if found is None:
-        raise UserError(f"run '{run_dir}' has no complete checkpoint; train it to write one")
-    return found + (step,)
-
-
-def init_params(s, path) -> dict:
-    """Parameters for `model.init_from`: an export (or a run's checkpoint) read into the run's
-    parameter shardings and cast to the train state's dtype."""
-    p, target = Path(path), s.shapes["params"]
-    if is_export(p):
-        params = _load_export(p, s.shardings["params"], target)[0]
-    elif list_steps(p):
-        step = list_steps(p)[-1]
-        check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
-                     "params.")
-        params, _ = load_params(p, None, s.shardings["params"])
-    else:
-        raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
-                        "with checkpoints; give one of those")
-    cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target),
-                   out_shardings=s.shardings["params"])
-    with jax.set_mesh(s.mesh):
-        return cast(params)
+def __getattr__(name):
+    """The parameters-only API (trainer.params_io), still importable from here as it used to be."""
+    if name in ("load_params", "load_params_at", "init_params", "is_export", "param_shardings", "EXPORT_META"):
+        from trainer import params_io
+        return getattr(params_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -98,6 +98,7 @@ class CheckpointSection:
     every: int = 0  # steps; 0 = only at the end (and on preemption)
     keep: int = 3  # newest checkpoints kept; 0 = all
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this for good; 0 = none
+    on_unreadable: str = "stop"  # stop | fresh: when run.dir has checkpoints and none can be restored
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,8 @@ checkpoint saves):
 On a trip the host applies train.on_nan: skip warns and goes on; stop exits (TrainingStopped,
 naming the step); rollback restores the newest checkpoint c and adds (trip - c) to the offset, so
 step c+1 trains on the batch after the bad streak. The offset is saved in the state, so a resume
-replays exactly what an uninterrupted run does, rollbacks included.
+replays exactly what an uninterrupted run does, rollbacks included; a checkpoint's meta records the
+data position it implies (rng.data_step = step + offset, and rng.data_offset).
 """
 from __future__ import annotations
 

@@ -1,0 +1,131 @@
+"""Parameters only: `meshtrain export` directories and a run's checkpoints read as parameters
+(`load_params`, `model.init_from`), straight into the shardings asked for."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from trainer.checkpoint import (SUBDIR, _choose, _manager, _read_meta, _restore, check_shapes, config_of, leaf_names,
+                                list_steps, read_meta, verify)
+from trainer.ckpt_evidence import short as _short
+from trainer.config import Config
+from trainer.errors import UserError
+
+EXPORT_META = "meta.json"
+
+
+def is_export(path) -> bool:
+    return (Path(path) / EXPORT_META).is_file() and (Path(path) / "params").is_dir()
+
+
+def _shape_tree(cfg: Config):
+    from trainer.config import model_config
+    from trainer.state import abstract_model
+    return abstract_model(model_config(cfg))
+
+
+def param_shardings(cfg: Config, shardings=None, devices=None):
+    """`shardings` as a tree for cfg's parameters: a tree as is, one Sharding for every leaf, or None:
+    split over all local devices, each weight over one dimension where it divides (FSDP-style)."""
+    shapes, logical = _shape_tree(cfg)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda _: shardings, shapes)
+    if shardings is not None:
+        return shardings
+    from meshes import Layout, build_mesh
+    return Layout(build_mesh(-1, 1, 1, devices=devices), 3).tree("param", shapes, logical)
+
+
+def _params_target(leaves: dict, shardings):
+    """Abstract parameter tree with the saved shapes and dtypes, placed on `shardings`."""
+    is_sh = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    names = ["params." + n for n in leaf_names(jax.tree.map(lambda _: 0, shardings, is_leaf=is_sh))]
+    for n in names:
+        if n not in leaves:
+            raise UserError(f"the checkpoint has no parameter '{n.removeprefix('params.')}'; pass shardings "
+                            "for the parameters it holds (meshtrain inspect lists them)")
+    flat = [jax.ShapeDtypeStruct(tuple(leaves[n]["shape"]), jnp.dtype(leaves[n]["dtype"]), sharding=sh)
+            for n, sh in zip(names, jax.tree.leaves(shardings, is_leaf=is_sh))]
+    return jax.tree.unflatten(jax.tree.structure(shardings, is_leaf=is_sh), flat)
+
+
+def _read_export(path: Path) -> dict:
+    try:
+        return json.loads((path / EXPORT_META).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"export {path} has an unreadable {EXPORT_META} ({_short(e)}); export it again") from None
+
+
+def _load_export(path: Path, shardings, target=None):
+    """(params, Config, step) of an export."""
+    meta = _read_export(path)
+    cfg = config_of(meta)
+    if target is not None:
+        check_shapes(meta["leaves"], target, f"exported parameters {path}", "params.")
+    item = _params_target(meta["leaves"], param_shardings(cfg, shardings))
+    try:
+        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), item)
+        verify({"params": params}, meta["leaves"])
+    except Exception as e:  # noqa: BLE001 - unreadable or failing its checksums
+        raise UserError(f"exported parameters {path} are incomplete or corrupt ({_short(e)}); "
+                        "export them again") from None
+    return params, cfg, meta["step"]
+
+
+def load_params(run_dir, step: int | None = None, shardings=None):
+    """(params, Config) of a run's checkpoint (the newest valid one by default) or of an export, read
+    straight into `shardings` (a tree, one Sharding for every leaf, or None: split over local devices)."""
+    return load_params_at(run_dir, step, shardings)[:2]
+
+
+def load_params_at(run_dir, step: int | None = None, shardings=None):
+    """load_params, plus the step the parameters come from."""
+    path = Path(run_dir)
+    if is_export(path):
+        return _load_export(path, shardings)
+    if not (path / SUBDIR).is_dir():
+        raise UserError(f"'{run_dir}' holds no checkpoints ({path / SUBDIR} is missing) and is not an export; "
+                        "give the run.dir of a run that saved checkpoints")
+    mngr = _manager(path / SUBDIR)
+
+    def read(st):
+        meta = _read_meta(mngr, st)
+        cfg = config_of(meta)
+        item = {"params": _params_target(meta["leaves"], param_shardings(cfg, shardings))}
+        return _restore(mngr, st, item, partial=True), meta, cfg
+
+    def check(st, got):
+        verify(got[0], got[1]["leaves"])
+        return got[0]["params"], got[2]
+
+    step, found, damaged = _choose(mngr, f"run '{run_dir}'", read, check, step)
+    if damaged:
+        raise UserError(f"run '{run_dir}': none of its checkpoints can be read ("
+                        + "; ".join(f"step {st}: {why}" for st, why in damaged) + ")")
+    if found is None:
+        raise UserError(f"run '{run_dir}' has no complete checkpoint; train it to write one")
+    return found + (step,)
+
+
+def init_params(s, path) -> dict:
+    """Parameters for `model.init_from`: an export (or a run's checkpoint) read into the run's
+    parameter shardings and cast to the train state's dtype."""
+    p, target = Path(path), s.shapes["params"]
+    if is_export(p):
+        params = _load_export(p, s.shardings["params"], target)[0]
+    elif list_steps(p):
+        step = list_steps(p)[-1]
+        check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
+                     "params.")
+        params, _ = load_params(p, None, s.shardings["params"])
+    else:
+        raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
+                        "with checkpoints; give one of those")
+    cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target),
+                   out_shardings=s.shardings["params"])
+    with jax.set_mesh(s.mesh):
+        return cast(params)
