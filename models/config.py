@@ -16,6 +16,7 @@ import dataclasses
 
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn")
+KERNELS = ("auto", "reference", "fast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelConfig:
     # manual attention: queries in blocks of this many positions, each against the keys up to
     # its last position (skips most of the masked half); 0 = one block
     attention_block: int = 128
+    # auto | reference | fast: the plain math of models/transformer.py or models/fast_cpu.py's
+    # XLA:CPU fast paths (equal results); auto = fast on CPU, reference elsewhere
+    kernels: str = "auto"
     # Set by the trainer when there are fewer kv heads than tensor-parallel ranks (their weights are
     # replicated): k and v are repeated this many times before attention, so that each rank holds
     # the kv head of its query heads, split like them (cuDNN's kernel takes q, k, v split alike only).

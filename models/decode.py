@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.transformer import attn_out_mlp, embed, head, qkv, rope_tables
+from models.transformer import attn_out_mlp, embed, head, kernels_for, qkv, rope_tables
 
 
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
@@ -33,17 +33,18 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
     T, S = tokens_BT.shape[1], cache["k"].shape[2]
     rope = rope_tables(S, c.head_dim, c.rope_theta)
+    kernels = kernels_for(c)
     # query at pos + t sees cache slots 0..pos + t (its own key is written first)
     mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
 
     def body(x_BTD, xs):
         p, k_BSKE, v_BSKE = xs
         p = jax.tree.map(lambda w: w.astype(dtype), p)
-        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=pos)
+        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=pos, kernels=kernels)
         k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
         o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
-        return attn_out_mlp(c, p, x_BTD, o_BTHE), (k_BSKE, v_BSKE)
+        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BSKE, v_BSKE)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(params["layers"]), cache["k"], cache["v"]))

@@ -9,16 +9,22 @@ functions over a dict of arrays, so the trainer can jit, shard_map, pipeline and
 it without going through the module. Layers are stacked on a leading `layers` axis and
 run by one `lax.scan` (one compiled layer). The model never names a mesh axis: it calls
 `constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
+
+The math below is the plain reference: einsum projections with autodiff, jax.nn.silu, rotate-half
+RoPE, jax.nn attention. `kernels_for` swaps in models/fast_cpu.py's equal but faster forms of
+the projections, SiLU, RoPE and attention on XLA:CPU (model.kernels: auto | reference | fast).
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
 
@@ -102,115 +108,89 @@ def rope_tables(T: int, E: int, theta: float):
 
 
 def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
-    """Rotate pairs (first half, second half) of head_dim by position-dependent angles.
-
-    Written as x * cos + swap(x) * (-sin, +sin) with swap = reversing the two halves: one
-    elementwise loop, where splitting and concatenating the halves ran as separate, slow
-    concatenate fusions on XLA:CPU (forward and backward)."""
-    B, T, N, E = x_BTNE.shape
-    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, None, :]  # (T, 1, 1, E/2)
-    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, None, :]
-    sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]  # (2, 1): first half gets -x2 sin
-    x = x_BTNE.astype(jnp.float32).reshape(B, T, N, 2, E // 2)
-    out = x * cos + x[..., ::-1, :] * (sign * sin)
-    return out.reshape(B, T, N, E).astype(x_BTNE.dtype)
+    """Rotate pairs (first half, second half) of head_dim by the angles of positions offset.. (rotate-half)."""
+    T = x_BTNE.shape[1]
+    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, :]  # (T, 1, E/2)
+    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, :]
+    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNE.dtype)
 
 
-def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain):
-    """One decoder layer on weights `p` (no leading layers axis).
+def project(x_BTD, weights):
+    """[x @ w for w in weights], w of shape (D, ...); outputs named for the `dots` remat policy."""
+    return [checkpoint_name(jnp.einsum("btd,d...->bt...", x_BTD, w), "projection") for w in weights]
 
-    Projections run on the tokens flattened to N = B*T rows: XLA:CPU runs a 2-D matmul and its
-    weight gradient about 1.5x faster than the same einsum with two batch-like dims.
-    """
+
+class Kernels(NamedTuple):
+    """The layer's swappable pieces: the plain ones above or models/fast_cpu.py's, and the attention."""
+    name: str  # "reference" or "fast"
+    project: Callable  # (x (B, T, D), weights (D, ...) of the same shape) -> [x @ w]
+    silu: Callable
+    rope: Callable  # apply_rope's signature
+    attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E)) -> causal attention (B, T, H, E)
+
+
+def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
+    """The kernels for c.kernels on a jax platform: `auto` = the fast paths on CPU, the plain ones elsewhere."""
+    platform = platform or jax.devices()[0].platform
+    fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
+    # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
+    # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
+    attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
+                             cpu_fast=fast)
+    if fast:
+        return Kernels("fast", fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope, attn)
+    return Kernels("reference", project, jax.nn.silu, apply_rope, attn)
+
+
+def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
+          kernels: Kernels | None = None):
+    """One decoder layer on weights `p` (no leading layers axis)."""
+    kn = kernels or kernels_for(c)
     p = jax.tree.map(lambda w: w.astype(x_BTD.dtype), p)
-    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain)
+    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain, kernels=kn)
     if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
                           for a in (k_BTKE, v_BTKE))
-    o_BTHE = attention(q_BTHE, k_BTKE, v_BTKE, c.attention, c.attention_block)
-    return attn_out_mlp(c, p, x_BTD, o_BTHE, constrain)
+    o_BTHE = kn.attention(q_BTHE, k_BTKE, v_BTKE)
+    return attn_out_mlp(c, p, x_BTD, o_BTHE, constrain, kn)
 
 
-@jax.custom_vjp
-def projections(h_ND, weights):
-    """[h @ w for w in weights] for same-shaped weights (D, ...), with one backward for all.
-
-    The forward runs one matmul per weight. The backward stacks the output gradients on a new
-    axis after N, (N, n, ...), and runs two matmuls in all: dh = G W^T over (n, ...) at once,
-    and dW = h^T G with an n-times wider output, where XLA:CPU's h^T G with a narrow output
-    runs at half its matmul rate. (A new axis rather than a concatenation keeps a
-    tensor-parallel split of the last dims where it is.)"""
-    return [jnp.einsum("nd,d...->n...", h_ND, w) for w in weights]
-
-
-def project(h_ND, weights):
-    """`projections`, with outputs named for the `dots` remat policy."""
-    return [checkpoint_name(o, "projection") for o in projections(h_ND, tuple(weights))]
-
-
-def _projections_fwd(h_ND, weights):
-    return projections(h_ND, weights), (h_ND, weights)
-
-
-def _projections_bwd(res, gs):
-    h_ND, weights = res
-    if len(weights) == 1:
-        g, w = gs[0], weights[0]
-        dw = jnp.einsum("nd,n...->d...", h_ND, g)
-        return jnp.einsum("n...,d...->nd", g, w), (dw,)
-    g = jnp.stack(gs, axis=1)  # (N, n, ...)
-    w = jnp.stack(weights, axis=1)  # (D, n, ...)
-    dh = jnp.einsum("nc...,dc...->nd", g, w)
-    dw = jnp.einsum("nd,nc...->dc...", h_ND, g)
-    return dh, tuple(dw[:, i] for i in range(len(weights)))
-
-
-projections.defvjp(_projections_fwd, _projections_bwd)
-
-
-def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0):
+def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0,
+        kernels: Kernels | None = None):
     """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ..."""
-    B, T, D = x_BTD.shape
-    H, K, E = c.n_heads, c.n_kv_heads, c.head_dim
-    h_ND = rms_norm(x_BTD, p["attn_norm"], c.norm_eps).reshape(B * T, D)
-    if H == K:
-        q_NHE, k_NKE, v_NKE = project(h_ND, (p["wq"], p["wk"], p["wv"]))
+    kn = kernels or kernels_for(c)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
+    # same-shaped weights in one call: the fast path shares their backward
+    if c.n_heads == c.n_kv_heads:
+        q_BTHE, k_BTKE, v_BTKE = kn.project(h_BTD, (p["wq"], p["wk"], p["wv"]))
     else:
-        (q_NHE,) = project(h_ND, (p["wq"],))
-        k_NKE, v_NKE = project(h_ND, (p["wk"], p["wv"]))
-    q_BTHE, k_BTKE, v_BTKE = (a.reshape(B, T, -1, E) for a in (q_NHE, k_NKE, v_NKE))
-    q_BTHE = constrain(apply_rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
-    k_BTKE = constrain(apply_rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
+        (q_BTHE,) = kn.project(h_BTD, (p["wq"],))
+        k_BTKE, v_BTKE = kn.project(h_BTD, (p["wk"], p["wv"]))
+    q_BTHE = constrain(kn.rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
+    k_BTKE = constrain(kn.rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
 
 
-def _silu(x):
-    """x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no exp and no division, which
-    XLA:CPU runs as a slow pair of loops (the same function, exactly, in real arithmetic)."""
-    return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
-
-
-def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain):
+def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain,
+                 kernels: Kernels | None = None):
     """The layer after attention: output projection and SwiGLU MLP, each added to the residual."""
+    kn = kernels or kernels_for(c)
     B, T, D = x_BTD.shape
     HE = c.n_heads * c.head_dim
-    o_NX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B * T, HE)
-    (o_ND,) = project(o_NX, (p["wo"].reshape(HE, D),))
-    x_BTD = x_BTD + o_ND.reshape(B, T, D)
-    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-    h_ND = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps).reshape(B * T, D)
-    gate_NF, up_NF = project(h_ND, (p["w_gate"], p["w_up"]))
-    a_NF = _silu(gate_NF) * up_NF
-    a_NF = constrain(a_NF, ("batch", "mlp"))
-    (down_ND,) = project(a_NF, (p["w_down"],))
-    x_BTD = x_BTD + down_ND.reshape(B, T, D)
-    return constrain(x_BTD, ("batch", "seq", "embed"))
-
+    o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)
+    (o_BTD,) = kn.project(o_BTX, (p["wo"].reshape(HE, D),))
+    x_BTD = constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
+    gate_BTF, up_BTF = kn.project(h_BTD, (p["w_gate"], p["w_up"]))
+    a_BTF = constrain(kn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+    (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
+    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    # projection outputs: plain dots, or `projections` outputs (a custom_vjp, opaque to the
-    # dots policy, so they are named); attention is recomputed
+    # projection outputs: plain dots, or the fast path's `projections` outputs (a custom_vjp,
+    # opaque to the dots policy, so they are named); attention is recomputed
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("projection")),
@@ -228,9 +208,10 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     """
     remat = c.remat if remat is None else remat
     rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta)
+    kernels = kernels_for(c)
 
     def body(x, p):
-        return layer(c, gather(p), x, rope, constrain), None
+        return layer(c, gather(p), x, rope, constrain, kernels), None
 
     L = jax.tree.leaves(layers)[0].shape[0]
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been

@@ -17,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from meshes import load_preset, resolve_shape, MeshError
 from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
-from models.config import ATTENTION_IMPLS
+from models.config import ATTENTION_IMPLS, KERNELS
 from trainer import guard
 from trainer.errors import UserError
 from trainer.profiling import parse_steps
@@ -43,6 +43,7 @@ class ModelSection:
     scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
     attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
+    kernels: str = "auto"  # auto | reference | fast: plain math or XLA:CPU fast paths (models/fast_cpu.py)
     init_from: Optional[str] = None  # parameters from `meshtrain export` for a new run
 
 
@@ -273,6 +274,8 @@ def model_config(cfg: Config) -> ModelConfig:
         raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
     if m.attention not in ATTENTION_IMPLS:
         raise UserError(f"model.attention='{m.attention}' is unknown; choose one of {', '.join(ATTENTION_IMPLS)}")
+    if m.kernels not in KERNELS:
+        raise UserError(f"model.kernels='{m.kernels}' is unknown; choose one of {', '.join(KERNELS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
     return from_preset(m.preset, **over)
 

@@ -1,0 +1,186 @@
+"""XLA:CPU fast paths: drop-in replacements for the plain functions of models/transformer.py.
+
+Each equals its plain counterpart in exact arithmetic (tests/test_fast_paths.py checks forward
+and gradients in float32); each is here because XLA:CPU runs the plain form measurably slower
+(docs/performance.md). `models.transformer.kernels_for` picks them: by default on CPU only.
+
+  project            shared backward for same-shaped projections (custom VJP)
+  silu               x * sigmoid(x) through tanh
+  apply_rope         rotate-half without splitting and concatenating the halves
+  causal_attention   attention with a hand-written, FlashAttention-style backward (below)
+
+causal_attention(q, k, v) equals jax.nn.dot_product_attention(q, k, v, is_causal=True) for
+q (B, T, H, E) and k, v (B, T, K, E) with H a multiple of K. What differs is what is kept for the
+backward pass and how it is computed:
+
+  forward   S = Q K^T / sqrt(E), masked;  m = rowmax S;  P~ = exp(S - m);  l = rowsum P~
+            O = (P~ V) / l  (normalised after the product: T x E divides instead of T x T)
+            saved: Q, K, V, O and the log-sum-exp L = m + log l  (no T x T array)
+  backward  P = exp(S - L) from a recomputed S;  dV = P^T dO;  dP = dO V^T
+            D = rowsum(dO * O)  (T x E work, not T x T: rowsum(P * dP) = rowsum(dO * O))
+            dS = P * (dP - D);  dQ = dS K / sqrt(E);  dK = dS^T Q / sqrt(E)
+
+With autodiff through the plain softmax, XLA:CPU stores the T x T probabilities of every layer,
+zero-fills and slices them through the layer loop, and runs the softmax backward as several
+T x T passes; here the backward has one recomputed QK^T and two T x T elementwise passes.
+Queries are grouped by their kv head, (B, K, G, T, E), so K/V are never repeated for GQA.
+Scores, softmax and L are float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# ----------------------------------------------------------------------------- projections
+
+
+@jax.custom_vjp
+def projections(h_ND, weights):
+    """[h @ w for w in weights] for same-shaped weights (D, ...), with one backward for all.
+
+    The forward runs one matmul per weight. The backward stacks the output gradients on a new
+    axis after N, (N, n, ...), and runs two matmuls in all: dh = G W^T over (n, ...) at once,
+    and dW = h^T G with an n-times wider output, where XLA:CPU's h^T G with a narrow output
+    runs at half its matmul rate. (A new axis rather than a concatenation keeps a
+    tensor-parallel split of the last dims where it is.) Under tensor parallelism the group's
+    input gradient is also one all-reduce instead of one per weight (docs/plan.md)."""
+    return [jnp.einsum("nd,d...->n...", h_ND, w) for w in weights]
+
+
+def _projections_fwd(h_ND, weights):
+    return projections(h_ND, weights), (h_ND, weights)
+
+
+def _projections_bwd(res, gs):
+    h_ND, weights = res
+    if len(weights) == 1:
+        g, w = gs[0], weights[0]
+        dw = jnp.einsum("nd,n...->d...", h_ND, g)
+        return jnp.einsum("n...,d...->nd", g, w), (dw,)
+    g = jnp.stack(gs, axis=1)  # (N, n, ...)
+    w = jnp.stack(weights, axis=1)  # (D, n, ...)
+    dh = jnp.einsum("nc...,dc...->nd", g, w)
+    dw = jnp.einsum("nd,nc...->dc...", h_ND, g)
+    return dh, tuple(dw[:, i] for i in range(len(weights)))
+
+
+projections.defvjp(_projections_fwd, _projections_bwd)
+
+
+def project(x_BTD, weights):
+    """[x @ w for w in weights] (w of shape (D, ...)) through `projections`, on the tokens
+    flattened to N = B*T rows: XLA:CPU runs a 2-D matmul and its weight gradient about 1.5x
+    faster than the same einsum with two batch-like dims. Outputs are named "projection":
+    a custom_vjp is opaque to the `dots` remat policy, which would otherwise not save them."""
+    lead, D = x_BTD.shape[:-1], x_BTD.shape[-1]
+    outs = projections(x_BTD.reshape(-1, D), tuple(weights))
+    return [checkpoint_name(o, "projection").reshape(lead + o.shape[1:]) for o in outs]
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+def silu(x):
+    """x * sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2: no exp and no division, which
+    XLA:CPU runs as a slow pair of loops."""
+    return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
+
+
+def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
+    """Rotate pairs (first half, second half) of head_dim, as x * cos + swap(x) * (-sin, +sin)
+    with swap = reversing the two halves: one elementwise loop, where splitting and
+    concatenating the halves ran as separate, slow concatenate fusions (forward and backward)."""
+    B, T, N, E = x_BTNE.shape
+    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, None, :]  # (T, 1, 1, E/2)
+    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, None, :]
+    sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]  # (2, 1): first half gets -x2 sin
+    x = x_BTNE.astype(jnp.float32).reshape(B, T, N, 2, E // 2)
+    out = x * cos + x[..., ::-1, :] * (sign * sin)
+    return out.reshape(B, T, N, E).astype(x_BTNE.dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _group(q_BTHE, K):
+    B, T, H, E = q_BTHE.shape
+    return q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)  # (B, K, G, T, E)
+
+
+def _ungroup(x_BKGTE):
+    B, K, G, T, E = x_BKGTE.shape
+    return x_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, E)
+
+
+def _kv(x_BSKE):
+    return x_BSKE.transpose(0, 2, 1, 3)  # (B, K, S, E)
+
+
+def _scores(q, k, scale, offset):
+    """Scaled scores (B, K, G, Tq, S) in float32 of queries at positions offset.. against keys
+    0..S-1; keys after a query's position are at -inf (only the last Tq keys can be)."""
+    s = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    Tq, S = s.shape[-2:]
+    causal = (jnp.arange(Tq)[:, None] + offset) >= jnp.arange(S)[None, :]
+    return jnp.where(causal, s, -jnp.inf)
+
+
+def _blocks(T, block):
+    """Query blocks (start, stop): block i needs keys 0..stop-1 only (the causal saving)."""
+    if block <= 0 or T % block or T <= block:
+        return [(0, T)]
+    return [(a, a + block) for a in range(0, T, block)]
+
+
+def _forward(q, k, v, scale, block):
+    outs, lses = [], []
+    for a, b in _blocks(q.shape[3], block):
+        s = _scores(q[:, :, :, a:b], k[:, :, :b], scale, a)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v[:, :, :b],
+                       preferred_element_type=jnp.float32) / l
+        outs.append(o.astype(q.dtype))
+        lses.append((m + jnp.log(l))[..., 0])
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)  # noqa: E731
+    return cat(outs), cat(lses)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, scale, block):
+    return _forward(q, k, v, scale, block)[0]
+
+
+def _attention_fwd(q, k, v, scale, block):
+    o, lse = _forward(q, k, v, scale, block)
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(scale, block, res, do):
+    q, k, v, o, lse = res
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for a, b in _blocks(q.shape[3], block):
+        qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, :b], v[:, :, :b]
+        p = jnp.exp(_scores(qa, kb, scale, a) - lse[..., a:b, None])
+        dv_b = jnp.einsum("bkgts,bkgte->bkse", p.astype(do.dtype), doa, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgte,bkse->bkgts", doa, vb, preferred_element_type=jnp.float32)
+        ds = (p * (dp - d[..., a:b, :]) * scale).astype(q.dtype)
+        dqs.append(jnp.einsum("bkgts,bkse->bkgte", ds, kb, preferred_element_type=jnp.float32))
+        dk_b = jnp.einsum("bkgts,bkgte->bkse", ds, qa, preferred_element_type=jnp.float32)
+        pad = ((0, 0), (0, 0), (0, k.shape[2] - b), (0, 0))  # keys past b get nothing from this block
+        dk, dv = dk + jnp.pad(dk_b, pad), dv + jnp.pad(dv_b, pad)
+    dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128):
+    """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring."""
+    K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
+    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block)
+    return _ungroup(o)
