@@ -19,7 +19,9 @@ def _replicas(params):
 def test_diloco_h1_outer_lr1_no_momentum_equals_every_step_sync():
     ref_losses, ref_params, _, _, _ = run_steps(LINEAR)
     losses, params, _, state, _ = run_steps(LINEAR + DILOCO_1)
-    assert np.array_equal(losses, ref_losses)  # step 1 sees identical replicas; later steps the same params
+    # Same parameters at every step, but two different programs: XLA may order the float32 sums differently
+    # (an AVX2 CPU gave 4.80161238 vs 4.8016119 at step 3), so equal to rounding, not bit for bit.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for p in _replicas(params) + [jax.tree.map(np.asarray, state["outer"]["params"])]:
         assert max_rel(p, ref_params) < 1e-6  # float32 rounding of mean vs sum order
     assert ref_losses[-1] < ref_losses[0]
@@ -82,6 +84,7 @@ def test_replicas_train_apart_and_all_reduce_parameters_only_every_h_steps():
             state, _ = step(state, batch(i))
             reps = _replicas(jax.tree.map(np.asarray, state["params"]))
             spread = max(max_rel(r, reps[0]) for r in reps[1:])
+            # after a sync every replica holds the one all-reduced result: bit for bit the same
             assert (spread == 0) if i % 2 else (i == 0 or spread > 1e-4), (i, spread)
 
 
