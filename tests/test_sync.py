@@ -166,8 +166,9 @@ def test_matches_auto(mesh, zero, kind):
     assert max_rel(ref[1], _initial_state(tuple(SGD))["params"]) > 1e-3  # the runs moved: not two no-ops agreeing
 
 
+@pytest.mark.slow  # 2 x 50 steps; ring_bf16's rounding is bounded by test_ring_bf16_error_within_documented_bound
 def test_ring_bf16_trains_like_auto():
-    """After 50 steps ring_bf16's loss is within 1% of auto's."""
+    """After 50 AdamW steps ring_bf16's loss is within 1% of auto's."""
     ref = trained(_config("8,1,1", opt=ADAMW), 50)[0]
     losses = trained(_config("8,1,1", kind="ring_bf16", opt=ADAMW), 50)[0]
     assert ref[-1] < 0.8 * ref[0]  # it learned
@@ -205,7 +206,7 @@ def test_ring_wire_bytes(mesh, zero, factor):
 
 def test_ring_bf16_halves_wire_bytes():
     _, ring = _permutes(_config("8,1,1", kind="ring"))
-    n, bf16 = _permutes(_config("8,1,1", kind="ring_bf16", opt=ADAMW))  # the optimizer sends nothing
+    n, bf16 = _permutes(_config("8,1,1", kind="ring_bf16"))
     assert abs(bf16 - ring / 2) <= 0.01 * ring / 2, (bf16, ring)
     assert n == 2 * (8 - 1)
 
