@@ -55,7 +55,7 @@ def test_flop_convention_matches_xla():
     leaves out; the rest of the gap is elementwise work (norms, RoPE, softmax, SiLU, loss) the
     convention does not count. So: convention + masked half <= XLA < 1.05 x that."""
     c = from_preset("tiny", remat="none")
-    xla = _xla_flops_per_token(c, _unrolled_loss)
+    xla = _xla_unrolled(c)
     masked_half = 6 * c.n_layers * c.seq_len * c.n_heads * c.head_dim
     executed = flops_per_token(c) + masked_half
     assert executed <= xla < 1.05 * executed, (xla, executed)
@@ -66,11 +66,15 @@ def test_flop_convention_matches_xla():
 
 
 @functools.lru_cache(maxsize=None)
+def _xla_unrolled(c) -> float:
+    return _xla_flops_per_token(c, _unrolled_loss)
+
+
 def _xla_recomputed(c) -> tuple[float, float]:
     """(FLOPs per token XLA executes in addition under c.remat, i.e. the recomputation; XLA's FLOPs
     per token of the whole step)."""
-    step = _xla_flops_per_token(c, _unrolled_loss)
-    return step - _xla_flops_per_token(dataclasses.replace(c, remat="none"), _unrolled_loss), step
+    step = _xla_unrolled(c)
+    return step - _xla_unrolled(dataclasses.replace(c, remat="none")), step
 
 
 def _recompute_gap(c, hfu_over_mfu: float) -> float:
