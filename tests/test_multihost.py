@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, corpus, run_steps
+from conftest import SGD, TINY, corpus, run_steps
 
 from trainer import distributed
 from trainer.checkpoint import Checkpointer, checksums, list_steps, read_meta
@@ -28,7 +28,8 @@ from trainer.state import make_setup
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch_local.sh"
 STEPS = 20
-RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=0", "run.log_every=1", "data.source=synthetic"]
+# SGD without clipping: a gradient scale wrong across processes shows in losses and grad norms
+RUN = TINY + SGD + [f"train.steps={STEPS}", "train.eval_every=0", "run.log_every=1", "data.source=synthetic"]
 FSDP = ["mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.zero_stage=3"]
 HYBRID = ["mesh.preset=cpu-8-2x2x2", "mesh.dcn_stage=2"]  # stage across the 2 processes, model inside one
 
@@ -79,9 +80,10 @@ def run(env, procs, devices, *args, timeout=300) -> str:
     return out
 
 
-def losses(run_dir) -> dict[int, float]:
+def losses(run_dir, key="loss") -> dict[int, float]:
+    """step -> `key` (loss or grad_norm) from a run's metrics.jsonl."""
     recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+    return {r["step"]: r[key] for r in recs if key in r}
 
 
 def rel(a, b) -> float:
@@ -104,8 +106,9 @@ def _child(launcher: subprocess.Popen, index: int) -> int:
 
 @pytest.fixture(scope="module")
 def ref_fsdp():
-    """Losses of 1 process x 8 devices, (8,1,1) ZeRO-3."""
-    return run_steps(RUN + FSDP, steps=STEPS, source="synthetic")[0]
+    """Losses and grad norms of 1 process x 8 devices, (8,1,1) ZeRO-3."""
+    r = run_steps(RUN + FSDP, steps=STEPS, source="synthetic")
+    return r.losses, r.grad_norms
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +133,12 @@ def fsdp_run(env, tmp_path_factory):
 
 
 def test_same_losses_zero3(fsdp_run, ref_fsdp):
-    got = losses(fsdp_run.dir)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert rel([got[i] for i in range(1, 6)], ref_fsdp[:5]) < 1e-5
-    print(f"ZeRO-3 2x4 vs 1x8: max relative loss difference {rel([got[i] for i in range(1, STEPS + 1)], ref_fsdp):.2e}")
-    assert rel([got[i] for i in range(1, STEPS + 1)], ref_fsdp) < 1e-5
+    for key, ref in zip(("loss", "grad_norm"), ref_fsdp):
+        got = losses(fsdp_run.dir, key)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        assert rel([got[i] for i in range(1, 6)], ref[:5]) < 1e-5, key
+        print(f"ZeRO-3 2x4 vs 1x8: max relative {key} difference {rel([got[i] for i in range(1, STEPS + 1)], ref):.2e}")
+        assert rel([got[i] for i in range(1, STEPS + 1)], ref) < 1e-5, key
     # process 0 alone writes metrics and TensorBoard: one record per step, one event file per launch
     lines = (fsdp_run.dir / "metrics.jsonl").read_text().splitlines()
     assert len([ln for ln in lines if '"loss"' in ln]) == STEPS
@@ -158,12 +162,13 @@ def test_dead_process_then_resume(fsdp_run):
 
 
 def test_same_losses_2x2x2_hybrid(env, tmp_path):
-    ref = run_steps(RUN + HYBRID[:1] + ["train.steps=5"], steps=5, source="synthetic")[0]
+    ref = run_steps(RUN + HYBRID[:1] + ["train.steps=5"], steps=5, source="synthetic")
     d = tmp_path / "run"
     log = run(env, 2, 4, *RUN, *HYBRID, "train.steps=5", f"run.dir={d}")
-    got = losses(d)
-    print(f"(2,2,2) dcn_stage=2 2x4 vs 1x8: max relative loss difference {rel([got[i] for i in range(1, 6)], ref):.2e}")
-    assert rel([got[i] for i in range(1, 6)], ref) < 1e-5
+    for key, want in (("loss", ref.losses), ("grad_norm", ref.grad_norms)):
+        got = losses(d, key)
+        print(f"(2,2,2) dcn_stage=2 2x4 vs 1x8: max relative {key} difference {rel([got[i] for i in range(1, 6)], want):.2e}")
+        assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
     # mesh.dcn_stage=2: stage i lives on process i; data and model stay inside a process, so both need all rows
     for i in range(2):
         assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} model 0-1 | batch rows 0:16 of 16" in log

@@ -1,4 +1,5 @@
 """The FLOP convention against XLA, goodput, step lines and MFU, profiler traces, plots, `meshtrain generate`."""
+import dataclasses
 import functools
 import gzip
 import io
@@ -14,22 +15,28 @@ import pytest
 from rich.console import Console
 
 from conftest import TINY
-from models import flops_per_token, from_preset, loss_fn
-from models.transformer import cross_entropy, embed, head, layer, rope_tables
+from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
+from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables
 from trainer import UserError, load_config, train
 from trainer.data import Batches
+from trainer.metrics import MetricsWriter
 from trainer.profiling import parse_steps
 from trainer.state import abstract_model
 
 DATA_DELAY_S = 0.05
+WRITE_DELAY_S = 0.05  # each metrics line written: time outside every measured part, so "other"
 
 
 def _unrolled_loss(c, params, batch_BT1):
-    """loss_fn with the layer scan written out: XLA's cost analysis counts a while body once."""
+    """loss_fn with the layer scan written out (XLA's cost analysis counts a while body once), each
+    layer remat'd as c.remat says (prevent_cse: XLA must not merge the recomputation away)."""
     x = embed(c, params, batch_BT1[:, :-1], jnp.float32)
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta)
+    f = functools.partial(layer, c, rope=rope)
+    if c.remat != "none":
+        f = jax.checkpoint(f, policy=REMAT[c.remat], prevent_cse=True)
     for i in range(c.n_layers):
-        x = layer(c, jax.tree.map(lambda w: w[i], params["layers"]), x, rope)
+        x = f(jax.tree.map(lambda w: w[i], params["layers"]), x)
     return cross_entropy(head(c, params, x), batch_BT1[:, 1:])
 
 
@@ -48,7 +55,7 @@ def test_flop_convention_matches_xla():
     leaves out; the rest of the gap is elementwise work (norms, RoPE, softmax, SiLU, loss) the
     convention does not count. So: convention + masked half <= XLA < 1.05 x that."""
     c = from_preset("tiny", remat="none")
-    xla = _xla_flops_per_token(c, _unrolled_loss)
+    xla = _xla_unrolled(c)
     masked_half = 6 * c.n_layers * c.seq_len * c.n_heads * c.head_dim
     executed = flops_per_token(c) + masked_half
     assert executed <= xla < 1.05 * executed, (xla, executed)
@@ -56,6 +63,38 @@ def test_flop_convention_matches_xla():
     one = from_preset("tiny", remat="none", n_layers=1)
     scan = _xla_flops_per_token(one, lambda c, p, b: loss_fn(c, p, b))
     assert abs(scan - _xla_flops_per_token(one, _unrolled_loss)) <= 1e-3 * scan
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_unrolled(c) -> float:
+    return _xla_flops_per_token(c, _unrolled_loss)
+
+
+def _xla_recomputed(c) -> tuple[float, float]:
+    """(FLOPs per token XLA executes in addition under c.remat, i.e. the recomputation; XLA's FLOPs
+    per token of the whole step)."""
+    step = _xla_unrolled(c)
+    return step - _xla_unrolled(dataclasses.replace(c, remat="none")), step
+
+
+def _recompute_gap(c, hfu_over_mfu: float) -> float:
+    """How far hfu's count of recomputed FLOPs (hfu/mfu - 1, times the model FLOPs) falls short of XLA's
+    recomputation less the masked half of the recomputed attention (the convention counts causal attention
+    only), in units of the whole step's FLOPs. Elementwise work (norms, RoPE, softmax, SiLU) the convention
+    does not count makes it a little positive."""
+    recomputed, step = _xla_recomputed(c)
+    masked = 0 if c.remat == "none" else 2 * c.n_layers * c.seq_len * c.n_heads * c.head_dim
+    return (recomputed - masked - (hfu_over_mfu - 1) * flops_per_token(c)) / step
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", pytest.param("full", marks=pytest.mark.xfail(
+    strict=True, reason="the convention counts the layer's last projection (w_down) again; the backward "
+                        "pass does not need its output, so it is not recomputed"))])
+def test_recomputed_flops_match_xla(remat):
+    """hfu counts what the backward pass recomputes: XLA's count, up to elementwise work under 2% of the step."""
+    c = from_preset("tiny", remat=remat)
+    gap = _recompute_gap(c, hardware_flops_per_token(c) / flops_per_token(c))
+    assert 0 <= gap < 0.02, gap
 
 
 def _slow_iterate(iterate):
@@ -66,28 +105,43 @@ def _slow_iterate(iterate):
     return slowed
 
 
+def _slow_write(write):
+    def slowed(self, record):
+        time.sleep(WRITE_DELAY_S)
+        return write(self, record)
+    return slowed
+
+
 @pytest.fixture(scope="module")
 def traced_run(tmp_path_factory):
-    """4 tiny steps on 2 devices with a 2:3 trace, every step logged, every batch held back DATA_DELAY_S."""
+    """4 tiny steps (remat=dots) on 2 devices with a 2:3 trace, every step logged, every batch held back
+    DATA_DELAY_S and every metrics line WRITE_DELAY_S; the wall time of train() measured around it."""
     run_dir = tmp_path_factory.mktemp("traced")
     cfg = load_config(TINY + ["train.steps=4", "mesh.data=2", "run.log_every=1", "train.eval_every=2",
-                              "train.eval_batches=1", "train.profile_steps=2:3", f"run.dir={run_dir}"])
+                              "train.eval_batches=1", "train.profile_steps=2:3", "model.remat=dots",
+                              f"run.dir={run_dir}"])
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Batches, "iterate", _slow_iterate(Batches.iterate))
+        mp.setattr(MetricsWriter, "write", _slow_write(MetricsWriter.write))
+        t0 = time.perf_counter()
         result = train(cfg, jax.devices()[:2], Console(file=out, width=200))
+        wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines += [json.loads(x) for x in (run_dir / "goodput.jsonl").read_text().splitlines()]
-    return run_dir, result, lines, out.getvalue()
+    return run_dir, result, lines, out.getvalue(), wall
 
 
 def test_goodput_breakdown(traced_run):
-    run_dir, result, lines, console = traced_run
+    run_dir, result, lines, console, wall = traced_run
     g = lines[-1]
     assert g == {"step": 4, **result.goodput}
     parts = [g[f"time_{k}_s"] for k in ("compile", "compute", "data", "checkpoint", "eval", "other")]
-    assert min(parts) >= 0 and abs(sum(parts) - g["time_total_s"]) < 1e-6 * g["time_total_s"]
+    assert min(parts) >= 0
+    # against clocks outside the accounting: the parts cover train()'s wall time, less its closing lines
+    assert wall - 2.0 < sum(parts) <= wall, (sum(parts), wall)
     assert g["time_data_s"] >= 4 * DATA_DELAY_S  # the held-back batches are counted as data wait
+    assert g["time_other_s"] >= 4 * WRITE_DELAY_S  # 4 metrics lines written outside every measured part
     assert g["time_compile_s"] > 0 and g["time_compute_s"] > 0 and g["time_eval_s"] > 0
     assert g["time_checkpoint_s"] > 0  # the final save
     assert g["goodput"] == pytest.approx(g["time_compute_s"] / g["time_total_s"])
@@ -95,11 +149,12 @@ def test_goodput_breakdown(traced_run):
 
 
 def test_step_lines_show_metrics_and_mfu(traced_run):
-    run_dir, result, lines, console = traced_run
+    run_dir, result, lines, console, _ = traced_run
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
-        assert 0 < r["mfu"] < 1 and r["hfu"] == r["mfu"]  # remat off: nothing recomputed
+        assert 0 < r["mfu"] < r["hfu"] < 1
+        assert 0 <= _recompute_gap(result.setup.model, r["hfu"] / r["mfu"]) < 0.02  # remat=dots: XLA's recomputation
         assert r["tokens_per_sec"] == pytest.approx(16 * 32 / r["step_time_s"])
         line = re.search(rf"step {r['step']}/4 \| loss ([\d.]+) \| grad norm ([\d.]+) \| lr (\S+) \| "
                          rf"([\d,]+) tok/s \| MFU ([\d.]+)%", console)

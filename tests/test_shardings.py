@@ -1,4 +1,5 @@
 """Where the state lives: per-device shard shapes, collectives in the HLO, memory per device."""
+import functools
 import re
 
 import jax
@@ -11,8 +12,10 @@ from trainer.state import init_state, make_setup
 from trainer.step import jit_train_step
 
 
-def _setup(overrides):
-    s = make_setup(load_config(TINY + overrides))
+@functools.lru_cache(maxsize=None)
+def _setup(overrides: tuple):
+    """(setup, initial state) of a layout, shared by the tests below (none changes them)."""
+    s = make_setup(load_config(TINY + list(overrides)))
     return s, init_state(s)
 
 
@@ -29,26 +32,26 @@ def _adam(opt_state):
 
 
 def test_zero1_optimizer_state_is_one_eighth():
-    s, st = _setup(["mesh.data=8", "train.zero_stage=1"])
+    s, st = _setup(("mesh.data=8", "train.zero_stage=1"))
     for tree in _adam(st["opt_state"]):
         assert all(_fraction(x) == 1 / 8 for x in jax.tree.leaves(tree))
     assert all(_fraction(x) == 1.0 for x in jax.tree.leaves(st["params"]))  # params replicated
 
 
 def test_zero3_parameters_are_one_eighth():
-    s, st = _setup(["mesh.data=8", "train.zero_stage=3"])
+    s, st = _setup(("mesh.data=8", "train.zero_stage=3"))
     assert all(_fraction(x) == 1 / 8 for x in jax.tree.leaves(st["params"]))
     for tree in _adam(st["opt_state"]):
         assert all(_fraction(x) == 1 / 8 for x in jax.tree.leaves(tree))
 
 
 def test_zero0_everything_replicated():
-    s, st = _setup(["mesh.data=8", "train.zero_stage=0"])
+    s, st = _setup(("mesh.data=8", "train.zero_stage=0"))
     assert all(_fraction(x) == 1.0 for x in jax.tree.leaves(st))
 
 
 def test_tensor_parallel_megatron_split():
-    s, st = _setup(["mesh.data=4", "mesh.model=2"])
+    s, st = _setup(("mesh.data=4", "mesh.model=2"))
     p = {k: v.addressable_shards[0].data.shape for k, v in st["params"]["layers"].items()}
     full = {k: v.shape for k, v in st["params"]["layers"].items()}
     L, D, H, E = full["wq"]
@@ -63,7 +66,9 @@ def test_tensor_parallel_megatron_split():
     assert st["params"]["embed"].addressable_shards[0].data.shape == (V // 2, D)  # vocab split
 
 
-def _compiled(overrides):
+@functools.lru_cache(maxsize=None)
+def _compiled(overrides: tuple):
+    """The compiled train step of a layout: one compile per layout, shared by the tests below."""
     s, st = _setup(overrides)
     batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32,
                                  sharding=s.batch_sharding())
@@ -73,16 +78,16 @@ def _compiled(overrides):
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_zero23_gradients_are_reduce_scattered(zero):
-    hlo = _compiled(["mesh.data=8", f"train.zero_stage={zero}"]).as_text()
+    hlo = _compiled(("mesh.data=8", f"train.zero_stage={zero}")).as_text()
     assert re.search(r"reduce-scatter\(", hlo), "no reduce-scatter in the compiled step"
 
 
 def test_zero0_gradients_are_all_reduced_not_scattered():
-    hlo = _compiled(["mesh.data=8", "train.zero_stage=0"]).as_text()
+    hlo = _compiled(("mesh.data=8", "train.zero_stage=0")).as_text()
     assert re.search(r"all-reduce(-start)?\(", hlo) and not re.search(r"reduce-scatter\(", hlo)
 
 
 def test_argument_bytes_fall_with_zero_stage():
-    arg = {z: _compiled(["mesh.data=8", f"train.zero_stage={z}"]).memory_analysis().argument_size_in_bytes
+    arg = {z: _compiled(("mesh.data=8", f"train.zero_stage={z}")).memory_analysis().argument_size_in_bytes
            for z in (0, 1, 3)}
     assert arg[0] > arg[1] > arg[3], arg

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import TINY, corpus, max_rel
+from conftest import SGD, TINY, corpus, max_rel
+from test_layouts import mismatches
 
 BASE = TINY + ["train.steps=50"]  # one schedule for every run; equivalence is read after 3 steps
+ADAMW = ("train.optimizer=adamw",)  # TINY's default, with clipping: for ring_bf16's 50-step training
 MESHES = {"8,1,1": ("mesh.data=8",), "4,1,2": ("mesh.data=4", "mesh.model=2")}
 
 
@@ -100,11 +102,15 @@ def test_ring_bf16_error_within_documented_bound():
 # ----------------------------------------------------------------------------- whole train steps
 
 @functools.lru_cache(maxsize=None)
-def _initial_state():
-    """The initial train state on the host: the same values whatever the layout."""
+def _initial_state(opt: tuple):
+    """The initial train state on the host for optimizer settings `opt`: the same values whatever the layout."""
     from trainer.config import load_config
     from trainer.state import init_state, make_setup
-    return jax.tree.map(np.asarray, init_state(make_setup(load_config(BASE + ["mesh.data=8"]))))
+    return jax.tree.map(np.asarray, init_state(make_setup(load_config(BASE + ["mesh.data=8", *opt]))))
+
+
+def _opt(overrides: tuple) -> tuple:
+    return tuple(o for o in overrides if o.startswith(("train.optimizer", "train.grad_clip")))
 
 
 def _batches(s):
@@ -120,7 +126,7 @@ def compiled(overrides: tuple):
     from trainer.state import make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(BASE + list(overrides)))
-    state = jax.device_put(_initial_state(), s.shardings)
+    state = jax.device_put(_initial_state(_opt(overrides)), s.shardings)
     with jax.set_mesh(s.mesh):
         c = jit_train_step(s).lower(state, jax.device_put(_batches(s).global_train(0), s.batch_sharding())).compile()
     return s, c, c.as_text()
@@ -128,20 +134,22 @@ def compiled(overrides: tuple):
 
 @functools.lru_cache(maxsize=None)
 def trained(overrides: tuple, steps: int = 3):
-    """(losses, parameters after 3 steps) of `steps` steps from the shared initial state."""
+    """(losses, parameters after 3 steps, grad norms) of `steps` steps from the shared initial state."""
     s, c, _ = compiled(overrides)
-    state, b, losses = jax.device_put(_initial_state(), s.shardings), _batches(s), []
+    state, b, losses, norms = jax.device_put(_initial_state(_opt(overrides)), s.shardings), _batches(s), [], []
     with jax.set_mesh(s.mesh):
         for i in range(steps):
             state, m = c(state, jax.device_put(b.global_train(i), s.batch_sharding()))
             losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
             if i == 2:
                 params = jax.tree.map(np.asarray, state["params"])
-    return np.array(losses), params
+    return np.array(losses), params, np.array(norms)
 
 
-def _config(mesh, zero=0, kind="auto", micro=1):
-    return MESHES[mesh] + (f"train.zero_stage={zero}", f"train.grad_sync={kind}", f"train.microbatches={micro}")
+def _config(mesh, zero=0, kind="auto", micro=1, opt=tuple(SGD)):
+    """SGD without clipping by default: it sees a wrong gradient scale (tests/test_layouts.py)."""
+    return MESHES[mesh] + (f"train.zero_stage={zero}", f"train.grad_sync={kind}", f"train.microbatches={micro}") + opt
 
 
 FAST = {("8,1,1", 0, "ring"), ("8,1,1", 2, "ring"), ("4,1,2", 3, "ring")}
@@ -151,19 +159,18 @@ CASES = [pytest.param(m, z, k, id=f"{m}-zero{z}-{k}", marks=() if (m, z, k) in F
 
 @pytest.mark.parametrize("mesh,zero,kind", CASES)
 def test_matches_auto(mesh, zero, kind):
-    """Parameters after 3 steps equal auto's at ZeRO-0 on the same mesh (the compiler's own all-reduce;
-    auto at ZeRO 2/3 is itself the psum shard_map) within 1e-6 relative."""
-    ref_losses, ref = trained(_config(mesh))
-    losses, params = trained(_config(mesh, zero, kind))
-    assert max_rel(params, ref) < 1e-6
-    assert np.abs(losses - ref_losses).max() < 1e-6 * np.abs(ref_losses).max()
-    assert max_rel(params, _initial_state()["params"]) > 1e-3  # the runs moved: not two no-ops agreeing
+    """Losses, grad norms and parameters after 3 SGD steps equal auto's at ZeRO-0 on the same mesh (the
+    compiler's own all-reduce; auto at ZeRO 2/3 is itself the psum shard_map) within 1e-6 relative."""
+    ref = trained(_config(mesh))
+    assert mismatches(*trained(_config(mesh, zero, kind)), ref, rtol=1e-6) == []
+    assert max_rel(ref[1], _initial_state(tuple(SGD))["params"]) > 1e-3  # the runs moved: not two no-ops agreeing
 
 
+@pytest.mark.slow  # 2 x 50 steps; ring_bf16's rounding is bounded by test_ring_bf16_error_within_documented_bound
 def test_ring_bf16_trains_like_auto():
-    """After 50 steps ring_bf16's loss is within 1% of auto's."""
-    ref, _ = trained(_config("8,1,1"), 50)
-    losses, _ = trained(_config("8,1,1", kind="ring_bf16"), 50)
+    """After 50 AdamW steps ring_bf16's loss is within 1% of auto's."""
+    ref = trained(_config("8,1,1", opt=ADAMW), 50)[0]
+    losses = trained(_config("8,1,1", kind="ring_bf16", opt=ADAMW), 50)[0]
     assert ref[-1] < 0.8 * ref[0]  # it learned
     assert abs(losses[-1] - ref[-1]) < 0.01 * ref[-1], (losses[-1], ref[-1])
 
