@@ -106,10 +106,12 @@ def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
 def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
     """FLOPs executed per token, counting remat's recomputed forward (same convention).
 
-    full: the whole layer forward runs again; dots: projection outputs are saved, but the
-    attention score/value products (batched dots) are recomputed.
+    full: the layer forward runs again, except its last projection (w_down), whose output the
+    backward pass does not need; dots: projection outputs are saved, but the attention
+    score/value products (batched dots) are recomputed.
     """
     t = seq_len or c.seq_len
     attn_fwd = 2 * c.n_layers * t * c.n_heads * c.head_dim
-    extra = {"none": 0, "full": 2 * c.n_layers * layer_matmul_params(c) + attn_fwd, "dots": attn_fwd}[c.remat]
+    full = 2 * c.n_layers * (layer_matmul_params(c) - c.d_model * c.d_ff) + attn_fwd
+    extra = {"none": 0, "full": full, "dots": attn_fwd}[c.remat]
     return flops_per_token(c, seq_len) + extra
