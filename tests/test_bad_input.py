@@ -89,9 +89,9 @@ COMMANDS = {
 def files(tmp_path_factory):
     """Bad files to point at, and a run.dir as a run leaves it: config, metrics, TensorBoard, a checkpoint."""
     import shutil
-    from trainer.checkpoint import Checkpointer
+    from trainer.ckpt.checkpoint import Checkpointer
     from trainer.config import load_config, to_yaml
-    from trainer.metrics import MetricsWriter
+    from trainer.observe.metrics import MetricsWriter
     from trainer.state import init_state, make_setup
     f = tmp_path_factory.mktemp("bad")
     (f / "evil.yaml").write_text(f'train:\n  steps: !!python/object/apply:os.system ["touch {f}/pwned"]\n')

@@ -18,7 +18,7 @@ import pytest
 import tensorstore
 from conftest import TINY
 
-from trainer import checkpoint as ckpt
+from trainer.ckpt import checkpoint as ckpt
 from trainer.cli import main
 from trainer.config import load_config, model_config
 from trainer.errors import CheckpointUnreadable, UserError
@@ -305,7 +305,7 @@ from trainer.distributed import initialize
 cfg = load_config(sys.argv[2:])
 initialize(cfg.dist)
 import jax, tensorstore
-from trainer import checkpoint
+from trainer.ckpt import checkpoint
 from trainer.errors import UserError
 from trainer.state import make_setup
 if jax.process_index() == 1 and os.environ["FAULT"] == "eio":
@@ -437,7 +437,7 @@ def test_export_inspect_and_init_from(tmp_path, tiny, capsys):
 
 
 def test_second_sigint_aborts_at_once(tmp_path):
-    code = ("import os, signal, time\nfrom trainer.preempt import StopRequest\n"
+    code = ("import os, signal, time\nfrom trainer.ckpt.preempt import StopRequest\n"
             "with StopRequest() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    assert s.agreed(), 'first SIGINT asks to stop'\n"

@@ -11,11 +11,11 @@ import pytest
 
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.config import load_config, model_config
-from trainer.plan import estimate, strategy_of
-from trainer.plan_devices import get_device
-from trainer.plan_hlo import collective_ops
-from trainer.plan_memory import leaf_bytes
-from trainer.plan_verify import measure
+from trainer.plan.core import estimate, strategy_of
+from trainer.plan.devices import get_device
+from trainer.plan.hlo import collective_ops
+from trainer.plan.memory import leaf_bytes
+from trainer.plan.verify import measure
 
 KV2 = ["model.n_kv_heads=2"]  # tiny: 8 query heads, head_dim 8
 LAYOUTS = {
@@ -88,7 +88,7 @@ def test_collectives_match_the_planner_and_gather_no_activations(over):
 def test_kv_heads_must_divide_model_or_the_reverse():
     from trainer.config import validate
     from trainer.errors import UserError
-    from trainer.plan_search import strategies
+    from trainer.plan.search import strategies
     assert validate(load_config(TINY + KV2 + ["mesh.data=1", "mesh.model=8"]), 8) == (1, 1, 8)
     bad = TINY + ["mesh.data=2", "mesh.model=4", "model.d_model=96", "model.n_heads=12", "model.n_kv_heads=6"]
     with pytest.raises(UserError, match="model.n_kv_heads=6 and mesh.model=4 must divide one another"):

@@ -19,7 +19,7 @@ import pytest
 from conftest import SGD, TINY, corpus, run_steps
 
 from trainer import distributed
-from trainer.checkpoint import Checkpointer, checksums, list_steps, read_meta
+from trainer.ckpt.checkpoint import Checkpointer, checksums, list_steps, read_meta
 from trainer.config import load_config
 from trainer.data import Batches
 from trainer.errors import UserError
@@ -41,7 +41,7 @@ from trainer.distributed import initialize
 cfg = load_config(sys.argv[2:])
 initialize(cfg.dist)
 import jax
-from trainer.checkpoint import Checkpointer, checksums
+from trainer.ckpt.checkpoint import Checkpointer, checksums
 from trainer.state import make_setup
 s = make_setup(cfg)
 ckpt = Checkpointer(s, cfg.run.dir)

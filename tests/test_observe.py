@@ -19,8 +19,8 @@ from models import flops_per_token, from_preset, hardware_flops_per_token, loss_
 from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables
 from trainer import UserError, load_config, train
 from trainer.data import Batches
-from trainer.metrics import MetricsWriter
-from trainer.profiling import parse_steps
+from trainer.observe.metrics import MetricsWriter
+from trainer.observe.profiling import parse_steps
 from trainer.state import abstract_model
 
 DATA_DELAY_S = 0.05
@@ -87,9 +87,7 @@ def _recompute_gap(c, hfu_over_mfu: float) -> float:
     return (recomputed - masked - (hfu_over_mfu - 1) * flops_per_token(c)) / step
 
 
-@pytest.mark.parametrize("remat", ["none", "dots", pytest.param("full", marks=pytest.mark.xfail(
-    strict=True, reason="the convention counts the layer's last projection (w_down) again; the backward "
-                        "pass does not need its output, so it is not recomputed"))])
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_recomputed_flops_match_xla(remat):
     """hfu counts what the backward pass recomputes: XLA's count, up to elementwise work under 2% of the step."""
     c = from_preset("tiny", remat=remat)
@@ -189,7 +187,7 @@ def _color_pixels(img, rgb):
 
 def test_plot_overlays_two_runs(traced_run, tmp_path):
     import matplotlib.image
-    from trainer.plot import plot_runs
+    from trainer.observe.plot import plot_runs
     other = tmp_path / "other"
     other.mkdir()
     recs = [{"step": s, "loss": 6.0 - s, "tokens_per_sec": 900.0 + s, "mfu": None} for s in (1, 2, 3, 4)]
@@ -209,7 +207,7 @@ def test_plot_overlays_two_runs(traced_run, tmp_path):
 
 
 def test_plot_bad_input(tmp_path):
-    from trainer.plot import plot_runs
+    from trainer.observe.plot import plot_runs
     with pytest.raises(UserError, match="no metrics.jsonl"):
         plot_runs([str(tmp_path)], str(tmp_path / "x.png"))
 

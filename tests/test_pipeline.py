@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import SGD, TINY, max_rel, run_steps, single_device
-from trainer.checkpoint import Checkpointer, list_steps
+from trainer.ckpt.checkpoint import Checkpointer, list_steps
 from trainer.config import load_config
 from trainer.pipeline import bubble_fraction, describe, num_ticks
 from trainer.state import init_state, make_setup

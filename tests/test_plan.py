@@ -13,11 +13,11 @@ from conftest import TINY
 from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
-from trainer.plan import estimate, links, strategy_of
-from trainer.plan_devices import get_device
-from trainer.plan_hlo import collective_bytes
-from trainer.plan_report import by_axis
-from trainer.plan_verify import measure
+from trainer.plan.core import estimate, links, strategy_of
+from trainer.plan.devices import get_device
+from trainer.plan.hlo import collective_bytes
+from trainer.plan.report import by_axis
+from trainer.plan.verify import measure
 
 DOCS = Path(__file__).parent.parent / "docs" / "plan.md"
 H100 = get_device("h100-80g")  # bytes do not depend on the device; its table needs no measuring

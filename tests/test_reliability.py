@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from conftest import TINY, corpus
 
-from trainer import checkpoint as ckpt
+from trainer.ckpt import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "labs"))
 import chaos  # noqa: E402
 
 # The drill: data positions 9 and 10 are poisoned; two bad steps in a row roll back.
@@ -212,7 +212,7 @@ def skip_run(tmp_path_factory):
 
     from rich.console import Console
 
-    from trainer import metrics
+    from trainer.observe import metrics
     from trainer.config import load_config
     from trainer.loop import train
     calls, measure = [], metrics.measure_matmul_rate

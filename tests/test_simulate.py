@@ -6,7 +6,7 @@ import pytest
 from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
-from trainer.simulate import HARDWARE, point, ring_allreduce, simulate
+from trainer.plan.simulate import HARDWARE, point, ring_allreduce, simulate
 
 BASE = ["model.preset=1b", "mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.batch_size=64",
         "sim.max_devices=64", "sim.steps=16"]
@@ -22,7 +22,7 @@ def test_ring_traffic_is_what_the_compiled_ring_sends(k):
 
     from meshes import build_mesh
     from trainer import sync
-    from trainer.plan_hlo import collective_ops
+    from trainer.plan.hlo import collective_ops
     mesh, n = build_mesh(k, 1, 8 // k), 8 * 1000  # floats per device
     r = sync.make("ring", "data", k)
     f = jax.shard_map(lambda x: r.all_reduce_tree({"g": x}, {"g": 0}, {"g": P()})["g"], mesh=mesh,

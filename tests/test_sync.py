@@ -177,7 +177,7 @@ def test_ring_bf16_trains_like_auto():
 
 def _permutes(overrides):
     """(collective-permute ops, bytes each device sends per step, loop trips included), from the HLO."""
-    from trainer.plan_hlo import collective_ops
+    from trainer.plan.hlo import collective_ops
     s, _, text = compiled(overrides)
     sent = [b for kind, _, b, _ in collective_ops(text, dict(s.mesh.shape)) if kind == "collective-permute"]
     return len(sent), sum(sent)
@@ -221,7 +221,7 @@ def test_accumulation_syncs_once_per_step():
 def test_hlo_counts_loop_bodies_per_trip():
     """The HLO reader multiplies ops in a loop body by its trip count (else the test above proves nothing)."""
     from meshes import build_mesh
-    from trainer.plan_hlo import collective_ops
+    from trainer.plan.hlo import collective_ops
     mesh = build_mesh(8, 1, 1)
     perm = [(i, (i + 1) % 8) for i in range(8)]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from trainer import checkpoint as ckpt
+from trainer.ckpt import checkpoint as ckpt
 from trainer.watchdog import EXIT_CODE, FACTOR, StepWatchdog
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ def _train(args: list[str]) -> int:
 
 def _simulate(args: list[str]) -> int:
     from trainer.config import all_keys, load_config
-    from trainer.simulate import plot, simulate
+    from trainer.plan.simulate import plot, simulate
     if args and args[0] in ("-h", "--help"):
         print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
               "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot.\n\n"
@@ -58,13 +58,13 @@ def _inspect(args: list[str]) -> int:
                                 "time, mesh, ZeRO stage) and the parameters' shapes and shardings.")
     p.add_argument("--run", required=True, help="the run.dir (or an export)")
     ns = p.parse_args(args)
-    from trainer.ckpt_tools import inspect_run
+    from trainer.ckpt.tools import inspect_run
     print(inspect_run(ns.run))
     return 0
 
 
 def _export(args: list[str]) -> int:
-    from trainer.ckpt_tools import EXPORT_DTYPES, export
+    from trainer.ckpt.tools import EXPORT_DTYPES, export
     p = ArgParser(prog="meshtrain export", description="Write a checkpoint's parameters only "
                                 "(start a new run from them with model.init_from=OUT).")
     p.add_argument("--run", required=True, help="the run.dir")
@@ -83,7 +83,7 @@ def _plot(args: list[str]) -> int:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run.dir of each run (holds metrics.jsonl)")
     p.add_argument("--out", default="plot.png", help="image to write (default: plot.png)")
     ns = p.parse_args(args)
-    from trainer.plot import plot_runs
+    from trainer.observe.plot import plot_runs
     plot_runs(ns.runs, ns.out)
     print(f"plot: {ns.out}")
     return 0
@@ -106,7 +106,7 @@ def _generate(args: list[str]) -> int:
 
 
 def _plan(args: list[str]) -> int:
-    from trainer.plan_cli import main as plan
+    from trainer.plan.cli import main as plan
     return plan(args)
 
 

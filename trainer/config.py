@@ -20,7 +20,7 @@ from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.config import ATTENTION_IMPLS, KERNELS
 from trainer import guard
 from trainer.errors import UserError
-from trainer.profiling import parse_steps
+from trainer.observe.profiling import parse_steps
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
@@ -66,7 +66,7 @@ class TrainSection:
     grad_sync: str = "auto"  # auto | psum | ring | ring_bf16
     pipeline_repeats: int = 1  # V: circular pipeline schedule when > 1 (needs mesh.stage > 1)
     seed: int = 0
-    # The small model's 200-step default run, batch 32 (eval loss, scripts/local_sgd.py --modes every_step):
+    # The small model's 200-step default run, batch 32 (eval loss, scripts/labs/local_sgd.py --modes every_step):
     # lr 1.5e-3 / warmup 60: 1.5465; 1e-3 / 60: 1.5659; 3e-3 / 60: 1.5778; 6e-3 / 60: 1.7517;
     # 3e-3 / 100: 1.5654; 1.5e-3 / 20: 1.5799; 3e-3 / 20: 1.7504.
     lr: float = 1.5e-3
@@ -129,7 +129,7 @@ class DistSection:
 
 @dataclasses.dataclass(frozen=True)
 class SimSection:
-    """The machine `meshtrain simulate` models (trainer/simulate.py); training ignores it."""
+    """The machine `meshtrain simulate` models (trainer/plan/simulate.py); training ignores it."""
     hardware: str = "h100"  # a100 | h100 | v5p: peak FLOP/s, link bandwidths and latencies
     devices: Optional[int] = None  # cluster size when a mesh axis is -1
     devices_per_node: Optional[int] = None  # override; on TPU the chips of one ICI slice
@@ -149,7 +149,7 @@ class SimSection:
 
 @dataclasses.dataclass(frozen=True)
 class PlanSection:
-    """The device `meshtrain plan` plans for (trainer/plan_devices.py); training ignores it."""
+    """The device `meshtrain plan` plans for (trainer/plan/devices.py); training ignores it."""
     device: str = "auto"  # auto (this machine's) | h100-80g | h200 | a100-80g | tpu-v5p | tpu-v5e | tpu-v4 | cpu
     hbm_gb: Optional[float] = None  # override the device's memory, in GB
 

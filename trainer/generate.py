@@ -28,7 +28,7 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
     import jax
     from models.decode import generate
     from trainer.config import model_config
-    from trainer.params_io import load_params
+    from trainer.ckpt.params import load_params
     out = out or sys.stdout
     # one local device holds the weights whatever mesh saved them; decoding is one sequence
     params, cfg = load_params(run_dir, step, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))

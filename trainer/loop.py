@@ -15,15 +15,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from models import flops_per_token, hardware_flops_per_token, param_count
 from trainer import pipeline
 from trainer import distributed
-from trainer.checkpoint import Checkpointer
+from trainer.ckpt.checkpoint import Checkpointer
 from trainer.config import Config, to_yaml
 from trainer.data import Batches, load_corpus
 from trainer.errors import UserError
-from trainer.goodput import Goodput, summary
+from trainer.observe.goodput import Goodput, summary
 from trainer.guard import Feed, Guard
-from trainer.metrics import MetricsWriter, device_peak, peak_devices
-from trainer.preempt import StopRequest
-from trainer.profiling import StepProfiler
+from trainer.observe.metrics import MetricsWriter, device_peak, peak_devices
+from trainer.ckpt.preempt import StopRequest
+from trainer.observe.profiling import StepProfiler
 from trainer.state import Setup, init_state, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
 from trainer.watchdog import StepWatchdog
@@ -37,7 +37,7 @@ class Result:
     eval_loss: float | None
     start_step: int = 0  # the step it resumed from (0: a fresh run)
     preempted: bool = False  # stopped early by SIGTERM/SIGINT, after saving a checkpoint
-    goodput: dict | None = None  # seconds per part of the run (trainer/goodput.py)
+    goodput: dict | None = None  # seconds per part of the run (trainer/observe/goodput.py)
 
 
 def prepare_run_dir(path: str) -> Path:

@@ -1,10 +1,10 @@
 """Steady-state step time, tokens/s and model FLOP/s for any config and mesh, against the
 matmul rates measured in the same process, and against a minimal hand-written jitted step.
 
-  python scripts/bench.py [CONFIG.yaml ...] [key=value ...] [--steps N] [--devices N] [--no-reference]
+  python scripts/bench/bench.py [CONFIG.yaml ...] [key=value ...] [--steps N] [--devices N] [--no-reference]
 
 Example (the issue-2 figure):
-  python scripts/bench.py model.d_model=256 model.n_layers=4 model.n_heads=4 model.n_kv_heads=4 \
+  python scripts/bench/bench.py model.d_model=256 model.n_layers=4 model.n_heads=4 model.n_kv_heads=4 \
       model.d_ff=1024 model.vocab_size=256 model.seq_len=256 train.batch_size=4 train.dtype=float32 mesh.data=1
 
 --devices N simulates N CPU devices (sets XLA_FLAGS before jax is imported).
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def parse():
@@ -72,7 +72,7 @@ def main():
     from models import flops_per_token
     from trainer.config import load_config
     from trainer.data import Batches, load_corpus
-    from trainer.metrics import measure_matmul_rate
+    from trainer.observe.metrics import measure_matmul_rate
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

@@ -1,6 +1,6 @@
 """Interleaved A/B of train-step variants in one process: the variants see the same host load.
 
-  python scripts/bench_ab.py "VARIANT A overrides" "VARIANT B overrides" ... [--rounds 6] [--devices N]
+  python scripts/bench/bench_ab.py "VARIANT A overrides" "VARIANT B overrides" ... [--rounds 6] [--devices N]
 
 Each quoted argument is one variant: key=value overrides on top of the bench config of
 docs/performance.md (4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 256, float32,
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 BENCH = [str(Path(__file__).with_name("bench.yaml"))]  # docs/performance.md
 
@@ -36,7 +36,7 @@ def main():
     from models import flops_per_token
     from trainer.config import load_config
     from trainer.data import Batches, load_corpus
-    from trainer.metrics import measure_matmul_rate
+    from trainer.observe.metrics import measure_matmul_rate
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

@@ -1,6 +1,6 @@
 """Hogwild! lab: lock-free asynchronous SGD vs a locked version vs synchronous minibatch SGD.
 
-  python scripts/hogwild.py [--workers 2] [--epochs 6] [--n 120000] [--d 200000] [--nnz 10]
+  python scripts/labs/hogwild.py [--workers 2] [--epochs 6] [--n 120000] [--d 200000] [--nnz 10]
                             [--out runs/hogwild.png]
 
 The problem: L2-regularised logistic regression on generated sparse data (n samples, d

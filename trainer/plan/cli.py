@@ -62,8 +62,8 @@ def main(args: list[str]) -> int:
         # simulated CPU devices; read when jax starts its backend (if it already has, _verify says so)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from trainer.plan import estimate, strategy_of
-    from trainer.plan_devices import get_device
+    from trainer.plan.core import estimate, strategy_of
+    from trainer.plan.devices import get_device
     device = get_device(_local_device() if cfg.plan.device == "auto" else cfg.plan.device, cfg.plan.hbm_gb)
     hosts = ns.hosts or -(-n // device.node)
     if hosts < 1 or n % hosts:
@@ -77,7 +77,7 @@ def main(args: list[str]) -> int:
     if ns.verify:
         out["verify"] = _verify(cfg, n, device, hosts, mc, compute_dtype(cfg, "cpu"))
     _print(out, ns.json)
-    from trainer.plan_report import overflow
+    from trainer.plan.report import overflow
     problem = overflow(plan)
     if problem:
         print(f"meshtrain: error: {problem}", file=sys.stderr)
@@ -87,8 +87,8 @@ def main(args: list[str]) -> int:
 
 def _verify(cfg, n, device, hosts, mc, dtype):
     import jax
-    from trainer.plan import estimate, strategy_of
-    from trainer.plan_verify import measure
+    from trainer.plan.core import estimate, strategy_of
+    from trainer.plan.verify import measure
     if jax.devices()[0].platform != "cpu" or jax.device_count() < n:
         raise UserError(f"--verify needs {n} simulated CPU devices but this process has {jax.device_count()} "
                         f"{jax.devices()[0].platform} device(s); run it in a fresh process with JAX_PLATFORMS=cpu")
@@ -97,7 +97,7 @@ def _verify(cfg, n, device, hosts, mc, dtype):
 
 
 def _print(out: dict, as_json: bool):
-    from trainer import plan_report as report
+    from trainer.plan import report
     plan = out["plan"]
     if as_json:
         doc = report.as_json(plan)
@@ -117,8 +117,8 @@ def _print(out: dict, as_json: bool):
 
 
 def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
-    from trainer import plan_report as report
-    from trainer.plan_search import search, why
+    from trainer.plan import report
+    from trainer.plan.search import search, why
     ranked = search(mc, cfg.train, n, device, hosts, dtype)
     if ns.json:
         doc = {"tried": ranked.tried, "fit": len(ranked.plans),

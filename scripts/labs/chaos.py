@@ -3,8 +3,8 @@ checkpoint is being written), resume it each time, then compare it with an unint
 the same config: final train state bitwise, the loss of every step, and metrics.jsonl holding
 every step exactly once.
 
-    python scripts/chaos.py --kills 10                       # tiny model, 8 simulated CPU devices
-    python scripts/chaos.py --kills 3 train.zero_stage=3     # extra key=value pairs override the config
+    python scripts/labs/chaos.py --kills 10                       # tiny model, 8 simulated CPU devices
+    python scripts/labs/chaos.py --kills 3 train.zero_stage=3     # extra key=value pairs override the config
 
 Exit 0 if the interrupted run equals the uninterrupted one, 1 if not. Children share one persistent
 compilation cache, so only the first one compiles.
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the comparison reads checkpoints with trainer.checkpoint
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the comparison reads checkpoints with trainer.ckpt.checkpoint
 CONFIG = ["model.preset=tiny", "train.batch_size=16", "train.warmup_steps=2", "train.lr=1e-2",
           "train.eval_every=0", "run.log_every=1", "run.progress=false", "data.source=synthetic",
           "checkpoint.every=2", "checkpoint.keep=2"]
@@ -107,8 +107,8 @@ def compare(ref: Path, run: Path, steps: int) -> dict:
     """Bitwise state, loss curve and step coverage of `run` against `ref`."""
     import numpy as np
     import jax
-    from trainer.checkpoint import read_meta
-    from trainer.params_io import load_params
+    from trainer.ckpt.checkpoint import read_meta
+    from trainer.ckpt.params import load_params
     loss = {d: [(r["step"], r["loss"]) for r in records(d) if "loss" in r] for d in (ref, run)}
     once = [s for s, _ in loss[run]] == list(range(1, steps + 1))
     same_curve = loss[run] == loss[ref]

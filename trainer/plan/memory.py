@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshes import AXES, Layout
 from models import ModelConfig
-from trainer.plan_types import Strategy
+from trainer.plan.types import Strategy
 
 
 @functools.lru_cache(maxsize=64)

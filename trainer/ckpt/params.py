@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from trainer.checkpoint import (SUBDIR, _choose, _manager, _read_meta, _restore, check_shapes, config_of, leaf_names,
+from trainer.ckpt.checkpoint import (SUBDIR, _choose, _manager, _read_meta, _restore, check_shapes, config_of, leaf_names,
                                 list_steps, read_meta, verify)
-from trainer.ckpt_evidence import short as _short
+from trainer.ckpt.evidence import short as _short
 from trainer.config import Config
 from trainer.errors import UserError
 

@@ -72,7 +72,7 @@ DEVICES = {
 def _cpu() -> Device:
     """This host, measured now: simulated CPU devices share its cores, memory and memory bus."""
     import numpy as np
-    from trainer.metrics import measure_matmul_rate
+    from trainer.observe.metrics import measure_matmul_rate
     import jax.numpy as jnp
     f32, bf16 = measure_matmul_rate(jnp.float32), measure_matmul_rate(jnp.bfloat16)
     a = np.ones(1 << 24, np.float32)

@@ -2,7 +2,7 @@
 
 Bus bytes are what one device sends with ring algorithms: all-reduce 2(K-1)/K x S, all-gather,
 reduce-scatter and all-to-all (K-1)/K x S (S the unsharded array), a pipeline hop S. These rules
-follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan_hlo.py reads the same
+follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan/hlo.py reads the same
 quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
 more than the textbook, the rule says so.
 
@@ -15,8 +15,8 @@ import dataclasses
 
 from models import ModelConfig
 from trainer.pipeline import circular_moves
-from trainer.plan_memory import Leaf, leaves
-from trainer.plan_types import Strategy, Transfer
+from trainer.plan.memory import Leaf, leaves
+from trainer.plan.types import Strategy, Transfer
 
 
 def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[Transfer]:

@@ -1,10 +1,10 @@
 """Step time of each train.grad_sync mode, interleaved in one process so that all see the same load,
 with the collectives each compiled step runs and the time of the gradient sync alone.
 
-  python scripts/bench_sync.py [CONFIG.yaml ...] [key=value ...] [--devices N] [--rounds R] [--modes auto,ring]
+  python scripts/bench/bench_sync.py [CONFIG.yaml ...] [key=value ...] [--devices N] [--rounds R] [--modes auto,ring]
 
 Example (8 simulated CPU devices):
-  python scripts/bench_sync.py model.preset=tiny mesh.data=8 --devices 8
+  python scripts/bench/bench_sync.py model.preset=tiny mesh.data=8 --devices 8
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def parse():
@@ -43,7 +43,7 @@ def main():
     from trainer import sync
     from trainer.config import load_config
     from trainer.data import Batches, load_corpus
-    from trainer.plan_hlo import collective_bytes
+    from trainer.plan.hlo import collective_bytes
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

@@ -1,7 +1,7 @@
 """The whole GPU check in one run: matmul rate, HBM bandwidth, and MFU of the 1B model.
 
-  python scripts/gpu_bench.py [--settings none:8,dots:16,full:32] [--steps 30] [--log FILE] [key=value ...]
-  python scripts/gpu_bench.py --smoke      # any machine: tiny model, a few steps (checks the script)
+  python scripts/bench/gpu_bench.py [--settings none:8,dots:16,full:32] [--steps 30] [--log FILE] [key=value ...]
+  python scripts/bench/gpu_bench.py --smoke      # any machine: tiny model, a few steps (checks the script)
 
 1. Measures the bfloat16 matmul rate (8192^3, best of 10) and the HBM copy bandwidth (a 4 GiB
    array copied: bytes read + written over time), in this process.
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
@@ -123,7 +123,7 @@ def main():
         a.steps = min(a.steps, 8)
     import jax
     import jax.numpy as jnp
-    from trainer.metrics import PEAKS, measure_matmul_rate
+    from trainer.observe.metrics import PEAKS, measure_matmul_rate
 
     log = Log(a.log)
     dev = jax.devices()[0]

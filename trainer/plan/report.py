@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from models import param_count
-from trainer.plan import Plan
+from trainer.plan.core import Plan
 
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}

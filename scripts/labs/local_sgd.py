@@ -1,6 +1,6 @@
 """Local SGD / DiLoCo with H local steps vs synchronous training: eval loss after the same tokens.
 
-  python scripts/local_sgd.py [--h 8] [--devices 8] [--replicas R] [--modes every_step,local_sgd,diloco]
+  python scripts/labs/local_sgd.py [--h 8] [--devices 8] [--replicas R] [--modes every_step,local_sgd,diloco]
                               [key=value ...]
 
 Trains the same config (default: the `small` model, 200 steps of 32 x 128 tokens on the
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,12 +1,12 @@
 """Per-op time of the compiled train step on CPU: where a step's milliseconds go.
 
-  python scripts/profile_ops.py [key=value ...] [--devices N] [--steps 3] [--top 30]
+  python scripts/bench/profile_ops.py [key=value ...] [--devices N] [--steps 3] [--top 30]
 
 Runs the step under jax.profiler with XLA:CPU's per-thunk trace events on
 (--xla_cpu_enable_xprof_traceme), reads the Perfetto trace, joins every event with its HLO
 instruction (shape, operands, the JAX op it came from) and prints the slowest ops per step and
 the split between matmuls (dot fusions) and everything else. Tracing slows small ops, so the
-total is above the untraced step time (scripts/bench.py); use it for where time goes, and
+total is above the untraced step time (scripts/bench/bench.py); use it for where time goes, and
 bench.py for how long a step takes. With several simulated devices, times add up over devices.
 Default config: the bench config of docs/performance.md.
 """
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 BENCH = [str(Path(__file__).with_name("bench.yaml"))]  # docs/performance.md
 

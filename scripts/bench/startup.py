@@ -1,6 +1,6 @@
 """Start-up time: from launching `meshtrain train` to its first finished step, compile included.
 
-  python scripts/startup.py [--runs 3] [--devices N] [key=value ...]
+  python scripts/bench/startup.py [--runs 3] [--devices N] [key=value ...]
 
 Default config: the bench config (4 layers, d_model 256, 4 heads, d_ff 1024, vocab 256, seq 256,
 batch 4, float32, 1 device). Each run is a fresh process with a cold compilation cache and a new
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = [str(Path(__file__).with_name("bench.yaml"))]  # docs/performance.md
 
 

@@ -1,8 +1,8 @@
 """`meshtrain plan`: per-device memory, communication and roofline step time of one layout.
 
 Nothing is allocated and no device is needed (plan 256 devices on a laptop): memory comes from
-trainer/plan_memory.py, collectives from trainer/plan_comm.py, device figures from
-trainer/plan_devices.py. The roofline assumes no overlap: step time = compute at peak / (1 - bubble)
+trainer/plan/memory.py, collectives from trainer/plan/comm.py, device figures from
+trainer/plan/devices.py. The roofline assumes no overlap: step time = compute at peak / (1 - bubble)
 + every collective's bus bytes / the bandwidth of the link its mesh axis crosses.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
-from trainer.plan_comm import transfers
-from trainer.plan_devices import Device
-from trainer.plan_memory import activation_bytes, buffer_bytes, state_bytes
-from trainer.plan_types import Strategy, Transfer
+from trainer.plan.comm import transfers
+from trainer.plan.devices import Device
+from trainer.plan.memory import activation_bytes, buffer_bytes, state_bytes
+from trainer.plan.types import Strategy, Transfer
 
 __all__ = ["Plan", "Strategy", "Transfer", "estimate", "links", "strategy_of"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig
-from trainer.plan import Plan, Strategy, estimate
+from trainer.plan.core import Plan, Strategy, estimate
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")

@@ -28,10 +28,10 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from trainer import guard
-from trainer.ckpt_evidence import evidence, short as _short
+from trainer.ckpt.evidence import evidence, short as _short
 from trainer.config import Config, load_config
 from trainer.errors import CheckpointUnreadable, UserError
-from trainer.preempt import any_process
+from trainer.ckpt.preempt import any_process
 
 FORMAT = 1
 SUBDIR = "checkpoints"
@@ -157,7 +157,7 @@ def _manager(ckpt_dir: Path, cfg: Config | None = None) -> ocp.CheckpointManager
         opts = ocp.CheckpointManagerOptions(max_to_keep=c.keep or None, keep_period=c.keep_every or None,
                                             cleanup_tmp_directories=True, enable_async_checkpointing=True)
     # No zstd: float32 weights and moments shrink by ~8% for ~4x the background write's CPU time,
-    # which on a CPU host slows the training steps it overlaps (scripts/ckpt_stall.py).
+    # which on a CPU host slows the training steps it overlaps (scripts/bench/ckpt_stall.py).
     handlers = {"state": _returning(ocp.PyTreeCheckpointHandler(use_compression=False)),
                 "meta": _returning(ocp.JsonCheckpointHandler())}
     return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts, item_handlers=handlers)
@@ -326,7 +326,7 @@ class Checkpointer:
             _warn(f"{where}: none of its checkpoints can be restored ({listing}); checkpoint.on_unreadable=fresh: "
                   "they were moved aside (<step>.corrupt-<time>) and the run starts again from step 0")
         if s.cfg.model.init_from:
-            from trainer.params_io import init_params
+            from trainer.ckpt.params import init_params
             params = init_params(s, s.cfg.model.init_from)
             self.log(f"parameters from {s.cfg.model.init_from}")
             return state_from_params(s, params), 0
@@ -379,8 +379,8 @@ def state_from_params(s, params) -> dict:
 
 
 def __getattr__(name):
-    """The parameters-only API (trainer.params_io), still importable from here as it used to be."""
+    """The parameters-only API (trainer.ckpt.params), still importable from here as it used to be."""
     if name in ("load_params", "load_params_at", "init_params", "is_export", "param_shardings", "EXPORT_META"):
-        from trainer import params_io
+        from trainer.ckpt import params as params_io
         return getattr(params_io, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Nothing runs: the train step is lowered with abstract inputs and compiled for the simulated
 CPU devices; `memory_analysis()` gives the bytes of its arguments (parameters, optimizer state,
 step and batch) and a second compile of the gradient function gives the gradients' bytes as the
-implementation holds them. The HLO gives every collective's bytes (trainer/plan_hlo.py).
+implementation holds them. The HLO gives every collective's bytes (trainer/plan/hlo.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import functools
 import jax
 import numpy as np
 
-from trainer.plan_hlo import collective_bytes
+from trainer.plan.hlo import collective_bytes
 
 # About 3x faster compiles. The partitioned HLO, hence every collective and argument size, is the
 # same as a default compile; without the fusion emitters XLA:CPU's scratch differs by < 0.1%.

@@ -1,6 +1,6 @@
 """How much an asynchronous checkpoint save slows training: step time during a save vs a normal step.
 
-  python scripts/ckpt_stall.py [key=value ...]
+  python scripts/bench/ckpt_stall.py [key=value ...]
 
 Trains a model whose train state (parameters + AdamW moments) is at least 200 MB. Five times:
 three normal steps, then a save through the trainer's Checkpointer and every step until it is
@@ -14,11 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.ckpt.checkpoint import Checkpointer  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.data import Batches, load_corpus  # noqa: E402
 from trainer.state import init_state, make_setup  # noqa: E402

@@ -1,0 +1,50 @@
+"""The package layout: dependencies point one way (meshes <- models <- trainer), files stay short."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("meshes", "models", "trainer")
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level project modules a file imports (absolute imports only: the project uses no others)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+def _files(pkg):
+    return sorted((ROOT / pkg).rglob("*.py"))
+
+
+@pytest.mark.parametrize("pkg,forbidden", [("meshes", ("models", "trainer")), ("models", ("trainer",))])
+def test_dependencies_point_one_way(pkg, forbidden):
+    bad = [(str(f.relative_to(ROOT)), m) for f in _files(pkg) for m in _imports(f) if m.split(".")[0] in forbidden]
+    assert not bad, bad
+
+
+def test_training_path_does_not_import_the_planner():
+    """plan/ (planner, simulator) is for `meshtrain plan`/`simulate`; training runs without it."""
+    core = [ROOT / "trainer" / n for n in ("state.py", "step.py", "loop.py", "pipeline.py", "sync.py", "data.py")]
+    bad = [(f.name, m) for f in core for m in _imports(f) if m.startswith("trainer.plan")]
+    assert not bad, bad
+
+
+def test_importing_models_does_not_import_trainer():
+    code = "import sys, models, meshes; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_file_over_400_lines(pkg):
+    long = {str(f.relative_to(ROOT)): n for f in _files(pkg) if (n := len(f.read_text().splitlines())) > 400}
+    assert not long, long

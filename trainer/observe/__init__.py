@@ -1,0 +1,1 @@
+"""Watching a run: metrics lines, MFU, goodput, profiler traces and plots."""
