@@ -1,7 +1,10 @@
 """The package layout: dependencies point one way (meshes <- models <- trainer), files stay short."""
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,41 @@ def test_importing_models_does_not_import_trainer():
 def test_no_file_over_400_lines(pkg):
     long = {str(f.relative_to(ROOT)): n for f in _files(pkg) if (n := len(f.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def _code(path: Path) -> str:
+    """A file's code without its strings and comments (where prose may quote a formula)."""
+    text = path.read_text()
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    spans = [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
+             for t in tokenize.generate_tokens(io.StringIO(text).readline)
+             if t.type in (tokenize.STRING, tokenize.COMMENT)]
+    for a, b in reversed(spans):
+        text = text[:a] + '""' + text[b:]
+    return text
+
+
+# A fact's pattern in code -> the one file allowed to hold it.
+FACTS = {
+    "a device's datasheet peak (H100 989, A100 312, v5p 459, ... TFLOP/s)":
+        (r"\b(989|494|312|156|459|197|275)(\.0)?\s*(e12|\*\s*1e12)", "trainer/plan/devices.py"),
+    "a link bandwidth in GB/s": (r"\b(450|300|600|200)\s*\*\s*GB\b", "trainer/plan/devices.py"),
+    "the ring all-reduce's 2(K-1)": (r"\b2\s*\*\s*\(\s*[\w.]+\s*-\s*1\s*\)", "trainer/collectives.py"),
+    "the ring's (K-1)/K": (r"\(\s*(\w+)\s*-\s*1\s*\)\s*/\s*\1\b", "trainer/collectives.py"),
+    "the Transfer type (bytes a device sends per collective, and their time)":
+        (r"\bclass\s+Transfer\b", "trainer/plan/types.py"),
+    "the pipeline's ticks M*V + S - 1": (r"\*\s*[\w.]*repeats\s*\+\s*([\w.]*stages?|S)\s*-\s*1", "trainer/pipeline.py"),
+    "the bubble (S-1)/(M*V + S-1)": (r"\(\s*([\w.]*stages?|s|S)\s*-\s*1\s*\)\s*/\s*(\(|num_ticks|[\w.]*v\b)",
+                                     "trainer/pipeline.py"),
+}
+
+
+@pytest.mark.parametrize("fact", FACTS)
+def test_each_fact_is_written_once(fact):
+    """Hardware figures, collective costs and the bubble are defined in one file and imported elsewhere."""
+    pattern, home = FACTS[fact]
+    files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
+    where = sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, _code(f))})
+    assert where == [home], where

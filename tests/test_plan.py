@@ -181,7 +181,7 @@ def test_layout_that_cannot_fit_says_by_how_much_and_why(capsys):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["plan.device=h100"], "did you mean 'h100-80g'"),
+    (["plan.device=h100-8"], "did you mean 'h100-80g'"),
     (["plan.hbm_gb=-1", "plan.device=h200"], "plan.hbm_gb=-1.0 must be > 0"),
     (["--devices", "8", "--hosts", "3", "plan.device=h100-80g"], "--hosts 3 must divide --devices 8"),
     (["--bogus"], "unknown option '--bogus'"),
@@ -240,3 +240,28 @@ def test_plan_search_where_nothing_fits_shows_the_closest_layout_and_its_shortfa
     _one_error_line(cap.err)
     assert code == 2 and f"DOES NOT FIT, {best['over_bytes'] / 1e9:.2f} GB over" in cap.out
     assert "memory per device" in cap.out and "roofline step time" in cap.out
+
+
+def test_plan_simulate_and_mfu_read_the_one_device_table(monkeypatch):
+    """A figure changed in trainer/plan/devices.py reaches `plan`, `simulate` and the training MFU alike."""
+    import dataclasses
+    import types
+
+    import jax
+
+    from trainer.observe import metrics
+    from trainer.plan import devices
+    from trainer.plan.cli import _local_device
+    from trainer.plan.simulate import hardware
+    row = dataclasses.replace(devices.DEVICES["h100-80g"], peak_bf16=123e12, fast_bw=7e9)
+    monkeypatch.setitem(devices.DEVICES, "h100-80g", row)
+    assert get_device("h100-80g") is row and get_device("h100") is row  # the short name simulate used
+    sim = hardware(load_config(["sim.hardware=h100"]))
+    assert (sim.peak_bf16, sim.fast_bw, sim.node) == (123e12, 7e9, 8)
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(jax, "local_devices", lambda: [gpu])
+    monkeypatch.setattr(jax, "devices", lambda: [gpu])
+    assert metrics.device_peak("bfloat16")[0] == 123e12
+    assert _local_device() == "h100-80g"
+    for kind, name in (("TPU v5 lite", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v5p", "tpu-v5p"), ("TPU v4", "tpu-v4")):
+        assert devices.from_kind(kind).name == name

@@ -6,7 +6,8 @@ import pytest
 from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
-from trainer.plan.simulate import HARDWARE, point, ring_allreduce, simulate
+from trainer.plan.devices import get_device
+from trainer.plan.simulate import point, ring_allreduce, simulate
 
 BASE = ["model.preset=1b", "mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.batch_size=64",
         "sim.max_devices=64", "sim.steps=16"]
@@ -32,31 +33,31 @@ def test_ring_traffic_is_what_the_compiled_ring_sends(k):
     sent = [b for kind, _, b, _ in collective_ops(text, dict(mesh.shape)) if kind == "collective-permute"]
     bw, lat = 25e9, 1e-5
     sim = ring_allreduce(4 * n, k, bw, lat)
-    assert sim.bytes_per_device == pytest.approx(sum(sent), rel=1e-12)
+    assert sim.bytes == pytest.approx(sum(sent), rel=1e-12)
     assert sim.seconds == pytest.approx(sum(lat + b / bw for b in sent), rel=1e-12)  # one latency a hop
 
 
 def test_ring_traffic_by_hand():
     """3 GB over 4 devices: 6 hops of 0.75 GB; at 25 GB/s and 10 us a hop, 6 x 30.01 ms. One device: nothing."""
     r = ring_allreduce(3.0e9, 4, 25e9, 1e-5)
-    assert (r.bytes_per_device, r.seconds) == (pytest.approx(4.5e9, rel=1e-12), pytest.approx(0.18006, rel=1e-12))
+    assert (r.bytes, r.seconds) == (pytest.approx(4.5e9, rel=1e-12), pytest.approx(0.18006, rel=1e-12))
     one = ring_allreduce(3.0e9, 1, 25e9, 1e-5)
-    assert (one.bytes_per_device, one.seconds) == (0, 0)
+    assert (one.bytes, one.seconds) == (0, 0)
 
 
 def test_data_axis_traffic_of_a_step_inside_and_across_nodes():
     cfg = load_config(BASE + ["mesh.data=4", "mesh.model=2", "sim.hardware=a100"])
-    mc, hw = model_config(cfg), HARDWARE["a100"]
+    mc, hw = model_config(cfg), get_device("a100")
     grad = param_count(mc) / 2 * 4  # float32 gradient of one model-parallel slice
     inside = point(cfg, mc, hw, (4, 1, 2), 4)  # 4 replicas x 2 fill one node of 8: one NVLink ring
-    assert inside.data_comm.bytes_per_device == pytest.approx(2 * 3 / 4 * grad, rel=1e-12)
+    assert inside.data_comm.bytes == pytest.approx(2 * 3 / 4 * grad, rel=1e-12)
     across = point(cfg, mc, hw, (4, 1, 2), 16)  # 4 nodes x 4 members: ring of 4 inside, of 4 shards between
-    assert across.data_comm.bytes_per_device == pytest.approx(2 * 3 / 4 * grad + 2 * 3 / 4 * grad / 4, rel=1e-12)
+    assert across.data_comm.bytes == pytest.approx(2 * 3 / 4 * grad + 2 * 3 / 4 * grad / 4, rel=1e-12)
     assert across.data_comm.seconds == pytest.approx(
-        ring_allreduce(grad, 4, hw.intra_bw, hw.intra_lat).seconds
-        + ring_allreduce(grad / 4, 4, hw.inter_bw, hw.inter_lat).seconds, rel=1e-12)
+        ring_allreduce(grad, 4, hw.fast_bw, hw.fast_lat).seconds
+        + ring_allreduce(grad / 4, 4, hw.net_bw, hw.net_lat).seconds, rel=1e-12)
     z3 = point(load_config(BASE + ["train.zero_stage=3"]), mc, hw, (8, 1, 1), 8)
-    assert z3.data_comm.bytes_per_device == pytest.approx(1.5 * 2 * 7 / 8 * param_count(mc) * 4, rel=1e-12)
+    assert z3.data_comm.bytes == pytest.approx(1.5 * 2 * 7 / 8 * param_count(mc) * 4, rel=1e-12)
 
 
 def test_bubble_share_is_s_minus_1_over_m_plus_s_minus_1():

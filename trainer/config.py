@@ -130,7 +130,7 @@ class DistSection:
 @dataclasses.dataclass(frozen=True)
 class SimSection:
     """The machine `meshtrain simulate` models (trainer/plan/simulate.py); training ignores it."""
-    hardware: str = "h100"  # a100 | h100 | v5p: peak FLOP/s, link bandwidths and latencies
+    hardware: str = "h100"  # a row of trainer/plan/devices.py (plan.device's names): peak, links, latencies
     devices: Optional[int] = None  # cluster size when a mesh axis is -1
     devices_per_node: Optional[int] = None  # override; on TPU the chips of one ICI slice
     intra_bw: Optional[float] = None  # override: GB/s a device sends inside a node

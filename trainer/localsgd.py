@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
+from trainer.collectives import bus_factor
 from trainer.optim import schedule_count
 
 
@@ -153,4 +154,4 @@ def data_bytes_per_step(cfg, param_bytes: float, replicas: int) -> float:
     """Bytes one device sends on the data axis per step after train.sync_warmup: a ring all-reduce
     every H steps (1 if synchronous)."""
     h = cfg.train.sync_every if enabled(cfg) else 1
-    return 2 * (replicas - 1) / replicas * param_bytes / h
+    return bus_factor("all-reduce", replicas) * param_bytes / h

@@ -44,6 +44,11 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / num_ticks(stages, microbatches, repeats)
 
 
+def bubble_overhead(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle time per unit of busy time: (S-1) / (M*V) = bubble / (1 - bubble)."""
+    return (stages - 1) / (microbatches * repeats)
+
+
 def describe(stages: int, microbatches: int, repeats: int) -> str:
     kind = "GPipe" if repeats == 1 else f"circular x{repeats}"
     return (f"pipeline {kind}: {stages} stages, {microbatches} microbatches, "

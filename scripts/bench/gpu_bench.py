@@ -123,7 +123,8 @@ def main():
         a.steps = min(a.steps, 8)
     import jax
     import jax.numpy as jnp
-    from trainer.observe.metrics import PEAKS, measure_matmul_rate
+    from trainer.observe.metrics import measure_matmul_rate
+    from trainer.plan.devices import from_kind
 
     log = Log(a.log)
     dev = jax.devices()[0]
@@ -131,8 +132,8 @@ def main():
     n, nbytes = (1024, 2**26) if a.smoke else (8192, 2**32)
     rate = measure_matmul_rate(jnp.bfloat16, n, 10)
     bw = copy_bandwidth(jax, jnp, nbytes)
-    kind = dev.device_kind.lower()
-    peak = next((bf16 for k, (bf16, _) in PEAKS.items() if k in kind), None)
+    row = from_kind(dev.device_kind)
+    peak = row.peak_bf16 if row else None
     log(f"bf16 matmul {n}^3: {rate / 1e12:.1f} TFLOP/s"
         + (f" ({rate / peak:.0%} of the {peak / 1e12:.0f} TFLOP/s datasheet peak)" if peak else "")
         + f" | HBM copy ({nbytes / 2**30:.2f} GiB): {bw / 1e9:.0f} GB/s")

@@ -11,18 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Dense peak FLOP/s per chip from vendor datasheets: (bfloat16, float32).
-# float32 on GPUs counts the TF32 tensor-core rate, which XLA uses for f32 matmuls by default.
-PEAKS = {
-    "h200": (989e12, 494e12),   # NVIDIA H200 SXM datasheet
-    "h100": (989e12, 494e12),   # NVIDIA H100 SXM datasheet
-    "a100": (312e12, 156e12),   # NVIDIA A100 datasheet
-    "tpu v5p": (459e12, 459e12),  # Cloud TPU v5p docs (bf16)
-    "tpu v5 lite": (197e12, 197e12),  # v5e
-    "tpu v4": (275e12, 275e12),
-}
-
-
 PEAK_N, PEAK_REPS = 1024, 8  # the CPU peak: an n x n x n matmul, the fastest of reps runs
 
 
@@ -51,11 +39,13 @@ def device_peak(dtype) -> tuple[float | None, str]:
         # counted as eval time. Simulated CPU devices share the host's cores: the process-wide rate is the peak.
         rate = measure_matmul_rate(dtype, PEAK_N, PEAK_REPS)
         return rate, f"measured: {jnp.dtype(dtype).name} {PEAK_N}^3 matmul, best of {PEAK_REPS}, on this CPU"
-    kind = dev.device_kind.lower()
-    for key, (bf16, f32) in PEAKS.items():
-        if key in kind:
-            return (bf16 if jnp.dtype(dtype) == jnp.bfloat16 else f32), f"datasheet peak for {dev.device_kind}"
-    return None, f"unknown peak for {dev.device_kind}"
+    # the one device table (datasheet figures with their sources); imported here only, so that
+    # training on CPU never loads the planner's package
+    from trainer.plan.devices import from_kind
+    row = from_kind(dev.device_kind)
+    if row is None:
+        return None, f"unknown peak for {dev.device_kind}"
+    return row.peak(jnp.dtype(dtype).name), f"datasheet peak for {dev.device_kind} ({row.source['peak']})"
 
 
 def peak_devices(mesh) -> int:

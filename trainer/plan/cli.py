@@ -11,12 +11,10 @@ from trainer.errors import UserError
 
 DESCRIPTION = """Per-device memory, communication per mesh axis and roofline step time of a layout,
 from shapes alone: nothing is allocated and the planned devices need not exist. plan.device
-(h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, cpu; default: this machine's) and
+(h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, cpu, or the short h100, a100, v5p, v5e,
+v4; default: this machine's) and
 plan.hbm_gb choose the device. --verify compiles the real step for simulated CPU devices and
 prints XLA's numbers beside the prediction; --search ranks every layout for --devices N."""
-# Device kinds jax reports -> the plan's device table (the longer names first: 'tpu v5 lite' is v5e).
-KINDS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"), ("tpu v5 lite", "tpu-v5e"),
-         ("tpu v5e", "tpu-v5e"), ("tpu v5", "tpu-v5p"), ("tpu v4", "tpu-v4"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _local_device() -> str:
     import jax
-    kind = jax.devices()[0].device_kind.lower()
-    return next((name for key, name in KINDS if key in kind), "cpu")
+    from trainer.plan.devices import from_kind
+    row = from_kind(jax.devices()[0].device_kind)
+    return row.name if row else "cpu"
 
 
 def _n_devices(cfg, ns) -> int:

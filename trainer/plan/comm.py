@@ -1,7 +1,7 @@
 """Bus bytes per device of every collective in one step, per mesh axis, as XLA emits them.
 
-Bus bytes are what one device sends with ring algorithms: all-reduce 2(K-1)/K x S, all-gather,
-reduce-scatter and all-to-all (K-1)/K x S (S the unsharded array), a pipeline hop S. These rules
+Bus bytes are what one device sends with ring algorithms (trainer/collectives.py: all-reduce
+2(K-1)/K x S, the others (K-1)/K x S, S the unsharded array), a pipeline hop S. These rules
 follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan/hlo.py reads the same
 quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
 more than the textbook, the rule says so.
@@ -11,10 +11,9 @@ a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from models import ModelConfig
-from trainer.pipeline import circular_moves
+from trainer.collectives import bus_factor
+from trainer.pipeline import circular_moves, num_ticks
 from trainer.plan.memory import Leaf, leaves
 from trainer.plan.types import Strategy, Transfer
 
@@ -31,10 +30,6 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
     return [t for t in out if t.bytes > 0]
 
 
-def _ring(kind: str, k: int) -> float:
-    return 2 * (k - 1) / k if kind == "all-reduce" else (k - 1) / k
-
-
 def manual_sync(st: Strategy) -> bool:
     """Whether step.py reduces gradients explicitly in a shard_map (else the compiler inserts it)."""
     return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2)
@@ -42,7 +37,7 @@ def manual_sync(st: Strategy) -> bool:
 
 def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
     k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
-    ar, ag = _ring("all-reduce", k), _ring("all-gather", k)
+    ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
@@ -63,7 +58,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
             out += [Transfer("data", "reduce-scatter", "gradient reduce-scatter, every microbatch",
                              m * ag * whole(lambda x: x.zero) * wire, m),
                     Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
-                             m * _ring("all-gather", tp) * over_model(lambda x: x.zero), m),
+                             m * bus_factor("all-gather", tp) * over_model(lambda x: x.zero), m),
                     Transfer("data", "all-reduce", "all-reduce of leaves too small to shard",
                              m * ar * sum(x.bytes for x in ls if not x.zero), m)]
         else:
@@ -76,7 +71,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
                              + (", again in backward)" if again > 1 else ")"),
                              ag * (whole(top) + m * again * whole(lay)), 1 + m * again),
                     Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
-                             _ring("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k,
+                             bus_factor("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k,
                              1 + m * again)]
     else:
         embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
@@ -86,7 +81,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
             if tp > 1:
                 grads -= embed
                 out.append(Transfer("data,model", "all-reduce", "tied head gradient",
-                                    _ring("all-reduce", k * tp) * embed, 1))
+                                    bus_factor("all-reduce", k * tp) * embed, 1))
         else:
             grads += embed  # the lookup's and the head's embedding gradients are reduced apart
         # the accumulation loop reduces every microbatch
@@ -109,7 +104,7 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     projections is one all-reduce per `models.transformer.projections` group: q/k/v together
     (q apart from k/v with grouped-query attention) and gate/up together."""
     tp, m = st.model, st.microbatches
-    ar = _ring("all-reduce", tp)
+    ar = bus_factor("all-reduce", tp)
     act = n * mc.d_model * a
     layers = mc.n_layers // st.stage
     # forward: after wo and w_down; backward: the projection groups; full remat recomputes the
@@ -117,8 +112,7 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     per_layer = 2 + _groups(mc, tp) + (1 if st.remat == "full" else 0)
     out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
-    out += [dataclasses.replace(t, bytes=m * layers * t.bytes, count=m * layers * t.count)
-            for t in _shared_kv_transfers(mc, tp, n, a)]
+    out += [t.times(m * layers) for t in _shared_kv_transfers(mc, tp, n, a)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
     out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
                         m * ar * (2 * act + 3 * n * 4), 4 * m))
@@ -143,9 +137,9 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
         return []
     g, head = tp // K, n * mc.head_dim * a  # one kv head's dK (or dV) on one device
     return [Transfer("model", "all-reduce", "dK, dV summed over the ranks sharing a kv head",
-                     2 * _ring("all-reduce", g) * head, 1),
+                     2 * bus_factor("all-reduce", g) * head, 1),
             Transfer("model", "all-gather", "dK, dV gathered over the kv heads",
-                     2 * _ring("all-gather", K) * K * head, 2)]
+                     2 * bus_factor("all-gather", K) * K * head, 2)]
 
 
 def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
@@ -155,14 +149,14 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
     inside every tick of the schedule, not once per step.
     """
     k, S, tp, m, zero = st.data, st.stage, st.model, st.microbatches, st.zero
-    ticks, body = m * st.repeats + S - 1, mc.n_layers // (S * st.repeats)
+    ticks, body = num_ticks(S, m, st.repeats), mc.n_layers // (S * st.repeats)
     act = n * mc.d_model * a
     whole = m * act  # the local batch's residual stream, before and after the schedule
     out = [Transfer("stage", "collective-permute", "pipeline hops (activations forward, gradients back)",
                     2 * ticks * act, 2 * ticks),
            Transfer("stage", "collective-permute", "last stage's output picked (and its gradient)", 2 * whole / S, 2),
            Transfer("stage", "all-reduce", "pipeline output shared over stage (and its gradient)",
-                    2 * _ring("all-reduce", S) * whole, 2)]
+                    2 * bus_factor("all-reduce", S) * whole, 2)]
     if st.repeats > 1:  # pipeline.circular_blocks: each stage's stored layers to its blocks, gradients back
         groups = [g for g in circular_moves(S, st.repeats) if g[0]]
         moved = sum(b // st.repeats != b % S for b in range(S * st.repeats)) / (S * st.repeats)
@@ -171,7 +165,7 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
                             "layer weights to their circular blocks (and gradients back)", 2 * moved * stored,
                             2 * len(groups)))
     if k > 1:
-        ar, ag = _ring("all-reduce", k), _ring("all-gather", k)
+        ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
         layer = sum(x.bytes for x in ls if x.layers) / st.repeats
         out += [Transfer("data", "all-reduce", "layer gradients all-reduced every tick", ticks * ar * layer, ticks),
                 Transfer("data", "all-to-all", "microbatches split and merged over data", 2 * ag * whole, 2)]
@@ -181,11 +175,11 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
             out.append(Transfer("data", "all-reduce", "embedding and head gradients", ar * (top + embed), 1))
         else:  # the lookup's gradient rows go all-to-all; the head's, in ZeRO shards, over data and stage
             out += [Transfer("data,stage", "all-reduce", "head gradient shards",
-                             _ring("all-reduce", k * S) * embed / k, 1),
+                             bus_factor("all-reduce", k * S) * embed / k, 1),
                     Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * m * n * mc.d_model * 4, 1),
                     Transfer("data,stage", "collective-permute", "head gradient moved to its stage", embed / k, 1),
                     Transfer("stage", "all-reduce", "head gradient summed over stage",
-                             _ring("all-reduce", S) * embed / k, 1)]
+                             bus_factor("all-reduce", S) * embed / k, 1)]
         zeroed = sum(x.bytes for x in ls if x.zero)
         if zero in (1, 2):
             out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
@@ -202,15 +196,14 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
                         Transfer("data,stage", "collective-permute", "ZeRO-3 head weights moved to their stage",
                                  embed / S, 1),
                         Transfer("stage", "all-gather", "ZeRO-3 embedding gathered over stage",
-                                 _ring("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
+                                 bus_factor("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
     if tp > 1:
-        ar = _ring("all-reduce", tp)
+        ar = bus_factor("all-reduce", tp)
         # forward, recompute (not the last), backward: one per projection group
         per_tick = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
         out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
                          ticks * per_tick * ar * act, ticks * per_tick)]
-        out += [dataclasses.replace(t, bytes=ticks * body * t.bytes, count=ticks * body * t.count)
-                for t in _shared_kv_transfers(mc, tp, n, a)]
+        out += [t.times(ticks * body) for t in _shared_kv_transfers(mc, tp, n, a)]
         out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
                             ar * (2 * whole + m * n * 4), 3))
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
+from trainer.pipeline import bubble_fraction
 from trainer.plan.comm import transfers
 from trainer.plan.devices import Device
 from trainer.plan.memory import activation_bytes, buffer_bytes, state_bytes
@@ -96,7 +97,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     acts = activation_bytes(mc, st, batch, dtype)
     bufs = buffer_bytes(mc, train, st)
     moves = tuple(transfers(mc, train, st, batch, a))
-    bubble = (st.stage - 1) / (st.microbatches * st.repeats + st.stage - 1)
+    bubble = bubble_fraction(st.stage, st.microbatches, st.repeats)
     tokens = batch * mc.seq_len
     flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
     flops = hardware_flops_per_token(flop_mc) * tokens / st.devices

@@ -1,9 +1,8 @@
 """Collective bytes in compiled HLO text: per mesh axis, per device, with loop trip counts.
 
 Bytes follow the bus-bytes convention the planner predicts in (what one device sends with
-ring algorithms): all-reduce 2(K-1)/K x S, all-gather and reduce-scatter (K-1)/K x S
-(S = the full, unsharded array), all-to-all (K-1)/K x S, collective-permute S per sending
-device (averaged over all devices).
+ring algorithms, trainer/collectives.py; S = the full, unsharded array), collective-permute S
+per sending device (averaged over all devices).
 """
 from __future__ import annotations
 
@@ -11,6 +10,8 @@ import collections
 import re
 
 import numpy as np
+
+from trainer.collectives import bus_factor
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -133,6 +134,5 @@ def collective_ops(text: str, mesh_shape: dict[str, int]) -> list[tuple[str, tup
             if k == 1:
                 continue
             full = size * k if kind == "reduce-scatter" else size
-            factor = 2 * (k - 1) / k if kind == "all-reduce" else (k - 1) / k
-            out.append((kind, _axes_of(groups, mesh_shape), mult[name] * full * factor, line))
+            out.append((kind, _axes_of(groups, mesh_shape), mult[name] * full * bus_factor(kind, k), line))
     return out

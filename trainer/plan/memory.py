@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshes import AXES, Layout
 from models import ModelConfig
+from trainer.pipeline import num_ticks
 from trainer.plan.types import Strategy
 
 
@@ -162,7 +163,7 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> f
         return saved + recompute + _saved(mc, st.model, dtype, "head", b)
     # pipeline: stage bodies are rematerialised, so a stage keeps its input of every tick, plus the
     # schedule's input and output buffers; embedding and head run on all microbatches at once
-    ticks = st.microbatches * st.repeats + st.stage - 1
+    ticks = num_ticks(st.stage, st.microbatches, st.repeats)
     body = mc.n_layers // (st.stage * st.repeats)
     return ((ticks + 3 * st.microbatches) * n + body * _saved(mc, st.model, dtype, "none", b)
             + _saved(mc, st.model, dtype, "head", b * st.microbatches))

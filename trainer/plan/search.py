@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig
+from trainer.pipeline import bubble_overhead
 from trainer.plan.core import Plan, Strategy, estimate
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -53,7 +54,8 @@ def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: st
 
 def parts(p: Plan) -> dict:
     """Seconds of one step by cause: compute, bubble, and each mesh axis's communication."""
-    out = {"compute": p.compute_s, "bubble": p.compute_s * p.bubble / (1 - p.bubble)}
+    st = p.strategy
+    out = {"compute": p.compute_s, "bubble": p.compute_s * bubble_overhead(st.stage, st.microbatches, st.repeats)}
     for axis, s in p.comm_s.items():
         link = "network" if any(p.links[a] == "net" for a in axis.split(",")) else "fast links"
         out[f"{axis} comm ({link})"] = s

@@ -12,8 +12,8 @@ Per step and device:
   pipeline  one activation send forward and one gradient send back per microbatch.
   data      the gradient ring all-reduce (ZeRO-3: all-gather twice + reduce-scatter = 1.5x),
             sim.overlap x compute of it hidden behind the backward pass.
-A ring all-reduce of S bytes over K devices takes 2(K-1) steps; in each every device sends S/K
-bytes to its neighbour, so each sends 2(K-1)/K x S; a step costs latency + S/K / bandwidth. Groups
+A ring all-reduce of S bytes over K devices takes 2(K-1) steps of S/K bytes, each costing latency +
+S/K / bandwidth (trainer/collectives.py); the devices' figures are trainer/plan/devices.py's. Groups
 that span nodes all-reduce hierarchically: rings inside nodes, then a ring of shards between them.
 Training modes: sync waits for the slowest device every step; local-SGD(H) lets replicas run H
 steps apart, then waits once and all-reduces the parameters; async never waits (each replica
@@ -30,63 +30,39 @@ import numpy as np
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token, param_count
 from trainer.config import Config, model_config, validate
+from trainer.collectives import bus_factor, ring_seconds
 from trainer.errors import UserError
+from trainer.pipeline import bubble_overhead
+from trainer.plan.devices import GB, Device, get_device
+from trainer.plan.types import Transfer
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    peak: float  # dense bf16 FLOP/s per device (datasheet)
-    node: int  # devices joined by the fast links
-    intra_bw: float  # bytes/s one device sends on the fast links
-    intra_lat: float  # seconds per hop
-    inter_bw: float  # bytes/s one device sends on the network
-    inter_lat: float
-
-
-GB = 1e9
-HARDWARE = {
-    # DGX A100: NVLink3 600 GB/s bidirectional per GPU; 8 x 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU)
-    "a100": Hardware(312e12, 8, 300 * GB, 3e-6, 25 * GB, 10e-6),
-    # DGX H100: NVLink4 900 GB/s bidirectional per GPU; 8 x 400 Gb/s NDR InfiniBand per node
-    "h100": Hardware(989e12, 8, 450 * GB, 3e-6, 50 * GB, 10e-6),
-    # Cloud TPU v5p: ICI 1200 GB/s bidirectional per chip over 6 torus links (a ring uses 2: 200 GB/s
-    # out), DCN 50 Gb/s per chip; a "node" is an ICI slice, set sim.devices_per_node to its chips
-    "v5p": Hardware(459e12, 4096, 200 * GB, 2e-6, 6.25 * GB, 25e-6),
-}
 STRAGGLERS = ("none", "lognormal", "slow")
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    bytes_per_device: float
-    seconds: float
 
 
 def ring_allreduce(size: float, k: int, bw: float, lat: float) -> Transfer:
     """Reduce-scatter (K-1 steps) then all-gather (K-1 steps) of `size` bytes around K devices."""
-    if k <= 1:
-        return Transfer(0.0, 0.0)
-    steps, chunk = 2 * (k - 1), size / k
-    return Transfer(steps * chunk, steps * (lat + chunk / bw))
+    return Transfer("data", "all-reduce", "ring all-reduce", bus_factor("all-reduce", k) * size,
+                    seconds=ring_seconds("all-reduce", size, k, bw, lat))
 
 
-def hop(hw: Hardware, k: int, stride: int) -> tuple[float, float]:
+def hop(hw: Device, k: int, stride: int) -> tuple[float, float]:
     """(bandwidth, latency) of the links of a group of k devices `stride` apart in mesh order."""
     if stride * k <= hw.node:
-        return hw.intra_bw, hw.intra_lat
-    return hw.inter_bw, hw.inter_lat
+        return hw.fast_bw, hw.fast_lat
+    return hw.net_bw, hw.net_lat
 
 
-def group_allreduce(hw: Hardware, size: float, k: int, stride: int) -> Transfer:
+def group_allreduce(hw: Device, size: float, k: int, stride: int) -> Transfer:
     """All-reduce over k devices `stride` apart: one ring inside a node; across n nodes with c
     members each, hierarchical (NCCL / XLA multi-slice): a ring inside each node, a ring of the
     nodes' 1/c shards between nodes (each member drives its own NIC), then the gather inside."""
     c = max(1, min(k, hw.node // stride))
     if c >= k:
-        return ring_allreduce(size, k, hw.intra_bw, hw.intra_lat)
-    inside = ring_allreduce(size, c, hw.intra_bw, hw.intra_lat)
-    across = ring_allreduce(size / c, k // c, hw.inter_bw, hw.inter_lat)
-    return Transfer(inside.bytes_per_device + across.bytes_per_device, inside.seconds + across.seconds)
+        return ring_allreduce(size, k, hw.fast_bw, hw.fast_lat)
+    inside = ring_allreduce(size, c, hw.fast_bw, hw.fast_lat)
+    across = ring_allreduce(size / c, k // c, hw.net_bw, hw.net_lat)
+    return dataclasses.replace(inside, bytes=inside.bytes + across.bytes, seconds=inside.seconds + across.seconds)
 
 
 @dataclasses.dataclass
@@ -107,17 +83,16 @@ class Point:
     async_comm: float
 
 
-def hardware(cfg: Config) -> Hardware:
+def hardware(cfg: Config) -> Device:
+    """The simulated device: its row of the device table, with the sim.* overrides."""
     sim = cfg.sim
-    if sim.hardware not in HARDWARE:
-        raise UserError(f"sim.hardware='{sim.hardware}' is unknown; choose one of {', '.join(HARDWARE)}")
-    hw = HARDWARE[sim.hardware]
-    over = {"node": sim.devices_per_node, "intra_bw": sim.intra_bw and sim.intra_bw * GB,
-            "inter_bw": sim.inter_bw and sim.inter_bw * GB}
+    hw = get_device(sim.hardware, key="sim.hardware")
+    over = {"node": sim.devices_per_node, "fast_bw": sim.intra_bw and sim.intra_bw * GB,
+            "net_bw": sim.inter_bw and sim.inter_bw * GB}
     return dataclasses.replace(hw, **{k: v for k, v in over.items() if v})
 
 
-def point(cfg: Config, mc: ModelConfig, hw: Hardware, shape: tuple[int, int, int], data: int) -> Point:
+def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int], data: int) -> Point:
     """Nominal costs of one training step with `data` replicas of the config's (stage, model) block."""
     t, sim = cfg.train, cfg.sim
     d0, s, m = shape
@@ -125,9 +100,9 @@ def point(cfg: Config, mc: ModelConfig, hw: Hardware, shape: tuple[int, int, int
     k, mb = data * s * m, t.microbatches
     tokens = rows * data * mc.seq_len
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
-    compute = hw_flops / (k * hw.peak * sim.efficiency)
+    compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
     v = getattr(t, "pipeline_repeats", 1)
-    bubble = (s - 1) / v * compute / mb
+    bubble = compute * bubble_overhead(s, mb, v)
     act_bytes = 4 if t.dtype == "float32" else 2
     act = rows / mb * mc.seq_len * mc.d_model * act_bytes  # one microbatch's activations
     per_layer = 6 if mc.remat == "full" else 4
@@ -137,7 +112,7 @@ def point(cfg: Config, mc: ModelConfig, hw: Hardware, shape: tuple[int, int, int
     grad = param_count(mc) / (s * m) * 4  # float32 gradients, this device's (stage, model) slice
     plain = ring = group_allreduce(hw, grad, data, s * m)
     if t.zero_stage >= 3:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
-        ring = Transfer(1.5 * ring.bytes_per_device, 1.5 * ring.seconds)
+        ring = dataclasses.replace(ring.times(1.5), kind="all-gather x2, reduce-scatter", count=3)
     exposed = max(0.0, ring.seconds - sim.overlap * compute)
     bw, lat = hop(hw, data, s * m)
     push_pull = 2 * grad / bw + 2 * lat if data > 1 else 0.0
@@ -206,7 +181,7 @@ def simulate(cfg: Config, out=print) -> list[dict]:
     h = max(getattr(cfg.train, "sync_every", 8), 2)  # local SGD's H; 1 would be synchronous
     rng = np.random.default_rng(cfg.sim.seed)
     out(f"model {param_count(mc) / 1e9:.3g}B params | mesh (data, stage, model)={shape} | {cfg.sim.hardware}: "
-        f"{hw.peak / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.intra_bw / GB:.0f} | {hw.inter_bw / GB:.3g} GB/s "
+        f"{hw.peak_bf16 / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.fast_bw / GB:.0f} | {hw.net_bw / GB:.3g} GB/s "
         f"in | between nodes | efficiency {cfg.sim.efficiency:.2f}, overlap {cfg.sim.overlap:.2f}, "
         f"stragglers {cfg.sim.straggler}")
     out(f"{'K':>6} {'data':>5} {'batch':>6} | {'MFU':>5} {'HFU':>5} {'goodput':>7} {'lost: straggle':>14} "
@@ -215,17 +190,17 @@ def simulate(cfg: Config, out=print) -> list[dict]:
     for data in cluster_sizes(shape, cfg.sim.max_devices):
         p = point(cfg, mc, hw, shape, data)
         t = step_times(cfg, p, h, rng)
-        mfu = {mode: p.model_flops / (t[mode] * p.devices * hw.peak) for mode in ("sync", "local", "async")}
+        mfu = {mode: p.model_flops / (t[mode] * p.devices * hw.peak_bf16) for mode in ("sync", "local", "async")}
         comm = p.tensor + p.pipeline + p.data_exposed
         lost = {"stragglers": t["straggle"] / t["sync"], "communication": comm / t["sync"],
                 "bubble": p.bubble / t["sync"]}
         row = {"devices": p.devices, "data": data, "batch": p.batch, "mfu": mfu,
-               "hfu": p.hw_flops / (t["sync"] * p.devices * hw.peak), "goodput": p.compute / t["sync"],
-               "lost": lost, "dp_bytes": p.data_comm.bytes_per_device,
-               "local_bytes": p.param_sync.bytes_per_device / h, "step_s": t, "H": h,
+               "hfu": p.hw_flops / (t["sync"] * p.devices * hw.peak_bf16), "goodput": p.compute / t["sync"],
+               "lost": lost, "dp_bytes": p.data_comm.bytes,
+               "local_bytes": p.param_sync.bytes / h, "step_s": t, "H": h,
                "own": data == shape[0]}
         rows.append(row)
-        gb, gb_local = p.data_comm.bytes_per_device / GB, p.param_sync.bytes_per_device / GB
+        gb, gb_local = p.data_comm.bytes / GB, p.param_sync.bytes / GB
         out(f"{p.devices:>6} {data:>5} {p.batch:>6} | {mfu['sync']:>5.1%} {row['hfu']:>5.1%} {row['goodput']:>7.1%} "
             f"{lost['stragglers']:>14.1%} {lost['communication']:>5.1%} {lost['bubble']:>6.1%} | "
             f"{mfu['local']:>10.1%} {mfu['async']:>5.1%} | {gb:.3g}, {gb_local / h:.3g}" + ("  <- config" if row["own"] else ""))

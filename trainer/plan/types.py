@@ -28,9 +28,14 @@ class Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """Bytes one device sends per step for one kind of collective over one mesh axis."""
+    """Bytes one device sends per step for one kind of collective over one mesh axis (and, timed, its seconds)."""
     axis: str
     kind: str  # all-reduce | all-gather | reduce-scatter | collective-permute (HLO op names)
     what: str
     bytes: float
-    count: int  # collectives per step
+    count: float = 1  # collectives per step
+    seconds: float = 0.0  # where a model of the links has timed it (the simulator)
+
+    def times(self, n: float) -> "Transfer":
+        """The same traffic n times over."""
+        return dataclasses.replace(self, bytes=n * self.bytes, count=n * self.count, seconds=n * self.seconds)
