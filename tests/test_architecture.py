@@ -89,3 +89,30 @@ def test_each_fact_is_written_once(fact):
     files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
     where = sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, _code(f))})
     assert where == [home], where
+
+
+def _stderr_prints(path: Path) -> list[int]:
+    """Lines of `print(..., file=sys.stderr)` (or `file=stderr`) and `sys.stderr.write(...)` calls in a file."""
+    def is_stderr(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "stderr") or \
+            (isinstance(node, ast.Name) and node.id == "stderr")
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "print" and any(k.arg == "file" and is_stderr(k.value)
+                                                               for k in node.keywords):
+            hits.append(node.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "write" and is_stderr(f.value):
+            hits.append(node.lineno)
+    return hits
+
+
+def test_library_code_logs_instead_of_printing_to_stderr():
+    """Diagnostics go through `logging` (the CLI sets up its handler); only trainer/cli.py prints its one-line errors."""
+    allowed = {ROOT / "trainer" / "cli.py"}
+    bad = {str(f.relative_to(ROOT)): lines for pkg in PACKAGES for f in _files(pkg)
+           if f not in allowed and (lines := _stderr_prints(f))}
+    assert not bad, bad
+    assert _stderr_prints(ROOT / "trainer" / "cli.py"), "the check finds nothing: it no longer sees the CLI's prints"

@@ -2,6 +2,7 @@
 import dataclasses
 import errno
 import json
+import logging
 import os
 import random
 import re
@@ -25,6 +26,12 @@ from trainer.errors import CheckpointUnreadable, UserError
 from trainer.state import init_state, make_setup
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def warnings(caplog) -> str:
+    """The checkpoint module's warnings, logged (library code leaves the handlers to the CLI or the caller)."""
+    return "\n".join(r.getMessage() for r in caplog.records
+                     if r.name == "trainer.ckpt.checkpoint" and r.levelno == logging.WARNING)
 # Subprocess runs: synthetic data (no corpus to read), a metrics line every step, 20 steps.
 RUN = ["model.preset=tiny", "train.batch_size=16", "train.warmup_steps=2", "train.lr=1e-2", "train.steps=20",
        "train.eval_every=0", "run.log_every=1", "run.progress=false", "data.source=synthetic", "mesh.data=8"]
@@ -131,7 +138,7 @@ def test_resume_is_bit_exact_after_kill9(tmp_path, env, run_a):
 
 
 @pytest.mark.slow  # three more process starts (~15 s of CPU); the kill -9 resume above runs by default
-def test_kill9_during_async_saves_resumes_from_complete_checkpoints(tmp_path, env, tiny, capsys):
+def test_kill9_during_async_saves_resumes_from_complete_checkpoints(tmp_path, env, tiny, caplog):
     """kill -9 at 3 random moments while a save is being written; each resume must start from the
     newest complete checkpoint, checksums passing (the last one is resumed in-process)."""
     run, rng, partial, newest = tmp_path / "k", random.Random(0), 0, None
@@ -152,7 +159,7 @@ def test_kill9_during_async_saves_resumes_from_complete_checkpoints(tmp_path, en
         if kill < 2:
             p = start(run, env, "checkpoint.every=1")
     _, step = ckpt.Checkpointer(tiny[0], run).restore_or_init(lambda: pytest.fail("no checkpoint"))
-    assert step == newest and "incomplete or corrupt" not in log_of(run) + capsys.readouterr().err
+    assert step == newest and "incomplete or corrupt" not in log_of(run) + warnings(caplog)
     assert partial >= 1, "no kill landed while a save was being written"
 
 
@@ -204,11 +211,11 @@ def _files(run: Path) -> dict:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-byte", "delete"])
-def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, capsys, damage):
+def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, caplog, damage):
     run, s, states = _saved_run(tmp_path, tiny)
     _damage(run / "checkpoints" / "2", damage)
     state, step = ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
-    err = capsys.readouterr().err
+    err = warnings(caplog)
     assert step == 1 and _equal(state, states[1])
     assert f"checkpoint {run}/checkpoints/2 is incomplete or corrupt" in err and "falling back to step 1" in err
     assert ckpt.list_steps(run) == [1] and list((run / "checkpoints").glob("2.corrupt-*"))
@@ -262,7 +269,7 @@ def test_restore_failure_that_is_not_damage_stops_and_moves_nothing(tmp_path, ti
     assert _files(run) == before and ckpt.list_steps(run) == [1, 2]
 
 
-def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, capsys, monkeypatch):
+def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, caplog, monkeypatch):
     run, s, _ = _saved_run(tmp_path, tiny)
     _damage(run / "checkpoints" / "2")
     before = _files(run)
@@ -270,11 +277,11 @@ def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, capsys, monk
     with pytest.raises(CheckpointUnreadable) as e:
         ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
     assert str(e.value).startswith(f"checkpoint {run}/checkpoints/1 could not be restored (OSError: [Errno 5]"), e.value
-    assert "checkpoints/2 is incomplete or corrupt" in capsys.readouterr().err
+    assert "checkpoints/2 is incomplete or corrupt" in warnings(caplog)
     assert _files(run) == before  # the damaged step 2 is only moved aside once an older one restores
 
 
-def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, capsys):
+def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, caplog):
     run, s, _ = _saved_run(tmp_path, tiny)
     for st in (1, 2):
         _damage(run / "checkpoints" / str(st))
@@ -287,10 +294,10 @@ def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, 
         assert re.search(f"{re.escape(str(run))}/checkpoints/{st}: '[\\w.]+' does not match its checksum", msg), msg
     assert "\n" not in msg, msg
     assert _files(run) == before
-    capsys.readouterr()
+    caplog.clear()
     fresh = dataclasses.replace(s, cfg=load_config(TINY + ["mesh.data=8", "checkpoint.on_unreadable=fresh"]))
     assert ckpt.Checkpointer(fresh, run).restore_or_init(lambda: "new") == ("new", 0)
-    err = capsys.readouterr().err
+    err = warnings(caplog)
     assert "none of its checkpoints can be restored" in err and "starts again from step 0" in err, err
     aside = sorted(p.name.split(".")[0] for p in (run / "checkpoints").glob("*.corrupt-*"))
     assert ckpt.list_steps(run) == [] and aside == ["1", "2"]
@@ -302,6 +309,8 @@ AGREE = """
 import errno, os, sys
 from trainer.config import load_config
 from trainer.distributed import initialize
+from trainer.logs import configure
+configure()  # as `meshtrain` does
 cfg = load_config(sys.argv[2:])
 initialize(cfg.dist)
 import jax, tensorstore
@@ -358,6 +367,10 @@ def test_processes_take_the_same_decision(tmp_path, tiny, fault):
         assert _files(run) == before
     else:
         assert p.returncode == 0 and "[0] RESTORED 1" in out and "[1] RESTORED 1" in out, out
+        # both processes warn, each line through logging with its process index
+        for i, why in ((0, "damaged on another process"), (1, "a shard read by process 1 does not match its checksum")):
+            assert f"[{i}] meshtrain: process {i}: warning: checkpoint {run}/checkpoints/2 is incomplete or corrupt " \
+                   f"({why}); falling back to step 1" in out, out
         assert ckpt.list_steps(run) == [1] and len(list((run / "checkpoints").glob("2.corrupt-*"))) == 1
 
 

@@ -125,6 +125,19 @@ def test_stop_exits_3_naming_the_step(drill, tmp_path):
     assert ckpt.list_steps(run) == [2, 4, 6, 8]  # the state after the bad streak is never saved
 
 
+def test_cli_prints_library_warnings_through_logging(tmp_path, capsys, caplog):
+    """The guard's warning is a `logging` record; `meshtrain` prints it on stderr as 'meshtrain: warning: ...'."""
+    from trainer.cli import main
+    code = main(["train", *TINY, "mesh.data=8", "train.inject_nan_at=2", "train.on_nan=skip", "train.max_bad_steps=1",
+                 "train.eval_every=0", "run.log_every=1", "data.source=synthetic", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    want = ("1 consecutive bad steps (non-finite loss or gradient norm) up to step 2; their updates were skipped "
+            "(train.on_nan=skip)")
+    assert code == 0 and [ln for ln in err.splitlines() if "warning" in ln] == [f"meshtrain: warning: {want}"], err
+    logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("trainer")]
+    assert logged == [("trainer.guard", "WARNING", want)], logged
+
+
 class _Audit:
     """Records audit events (pickle.find_class: an unpickler resolving a global; exec/compile: code run)."""
     events: list = []

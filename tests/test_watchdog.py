@@ -42,7 +42,7 @@ class _Steps:
         return self.f(self.x, np.float32(seconds))
 
 
-def test_watchdog_fires_on_a_step_that_does_not_finish_after_the_scaled_limit():
+def test_watchdog_fires_on_a_step_that_does_not_finish_after_the_scaled_limit(caplog):
     steps, fired = _Steps(), []
     exited = threading.Event()
 
@@ -70,6 +70,9 @@ def test_watchdog_fires_on_a_step_that_does_not_finish_after_the_scaled_limit():
         assert exited.wait(30)
         code, when = fired[0]
         assert code == EXIT_CODE and 0.1 * FACTOR <= when - t0 < 0.2 * FACTOR + 1, when - t0
+        said = [r for r in caplog.records if r.name == "trainer.watchdog"]  # logged before the exit
+        assert len(said) == 1 and said[0].levelname == "ERROR" and said[0].getMessage().startswith(
+            "step 6 did not finish after "), [r.getMessage() for r in said]
     finally:
         wd.close()
         steps.release.set()

@@ -6,6 +6,7 @@ import os
 import sys
 
 from trainer.errors import UserError
+from trainer.logs import configure as configure_logging
 
 USAGE = """meshtrain train [CONFIG.yaml ...] [key=value ...]
 
@@ -117,6 +118,7 @@ COMMANDS = {"train": _train, "plan": _plan,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    configure_logging()  # library warnings on stderr; the library itself configures no logging
     parser = ArgParser(prog="meshtrain", description="Train transformers on a device mesh.")
     parser.add_argument("command", choices=sorted(COMMANDS), help="what to do")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="configs and key=value overrides")

@@ -8,6 +8,7 @@ tasks, a multi-host TPU slice), and runs as one process everywhere else.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 
@@ -15,8 +16,10 @@ import jax
 import numpy as np
 
 from trainer.errors import UserError
+from trainer.logs import last_words
 
 CLUSTERS = ("auto", "none", "slurm", "ompi", "gcetpu", "gketpu", "mpi4py")
+log = logging.getLogger(__name__)
 
 
 def _tasks(env, key: str) -> int:
@@ -99,7 +102,7 @@ def initialize(d) -> bool:
         pass
     who = f"process {kw['process_id']} of {kw['num_processes']}" if "process_id" in kw else "this process"
     where = kw.get("coordinator_address", f"the coordinator of the {method} cluster")
-    joined = _watchdog(d.timeout_s, f"meshtrain: error: {who} waited dist.timeout_s={d.timeout_s}s at {where} and "
+    joined = _watchdog(d.timeout_s, f"{who} waited dist.timeout_s={d.timeout_s}s at {where} and "
                        "not every process joined; start all of them with the same dist.coordinator (process ids "
                        "0..N-1), or raise dist.timeout_s")
     try:
@@ -118,12 +121,12 @@ def initialize(d) -> bool:
 
 
 def _watchdog(seconds: float, message: str) -> threading.Event:
-    """An event to set within `seconds`, or else `message` on stderr and exit status 2."""
+    """An event to set within `seconds`, or else `message` logged as an error and exit status 2."""
     done = threading.Event()  # the wait for peers runs in C++ with the GIL released: this thread runs meanwhile
 
     def watch():
         if not done.wait(seconds):
-            os.write(2, (message + "\n").encode())
+            last_words(log, message)
             os._exit(2)
 
     threading.Thread(target=watch, name="meshtrain-join-watchdog", daemon=True).start()

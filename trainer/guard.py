@@ -18,6 +18,7 @@ data position it implies (rng.data_step = step + offset, and rng.data_offset).
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -28,6 +29,7 @@ from trainer.errors import TrainingStopped, UserError
 
 POLICIES = ("skip", "rollback", "stop")
 MAX_ROLLBACKS = 3  # in a row to the same checkpoint: the steps, not the data, are bad
+log = logging.getLogger(__name__)
 
 
 def inject_range(spec) -> tuple[int, int] | None:
@@ -113,9 +115,9 @@ class Feed:
 class Guard:
     """The host side: reads the device counters at sync points and applies train.on_nan."""
 
-    def __init__(self, s, ckpt, state: dict, init, log):
+    def __init__(self, s, ckpt, state: dict, init):
         t = s.cfg.train
-        self.s, self.ckpt, self.init, self.log = s, ckpt, init, log
+        self.s, self.ckpt, self.init = s, ckpt, init
         self.policy, self.max_bad = t.on_nan, t.max_bad_steps
         g = jax.device_get({k: state["guard"][k] for k in ("offset", "trip")})
         self.offset, self.seen_trip = int(g["offset"]), int(g["trip"])
@@ -138,8 +140,8 @@ class Guard:
             return 0
         self.seen_trip = trip
         if self.policy == "skip":
-            self.log(f"meshtrain: warning: {self.max_bad} consecutive bad steps ({self.what}) up to step {trip}; "
-                     "their updates were skipped (train.on_nan=skip)")
+            log.warning(f"{self.max_bad} consecutive bad steps ({self.what}) up to step {trip}; "
+                        "their updates were skipped (train.on_nan=skip)")
             return 0
         return trip
 
@@ -168,7 +170,7 @@ class Guard:
         with jax.set_mesh(self.s.mesh):
             state = {**state, "guard": self._set(state["guard"], np.int32(self.offset))}
         self.seen_trip = 0
-        self.log(f"meshtrain: warning: {self.max_bad} consecutive bad steps ({self.what}, steps {first}..{trip}); "
-                 f"rolled back to step {back}, data offset now {self.offset} (step {back + 1} trains on the "
-                 f"batch after step {trip})")
+        log.warning(f"{self.max_bad} consecutive bad steps ({self.what}, steps {first}..{trip}); "
+                    f"rolled back to step {back}, data offset now {self.offset} (step {back + 1} trains on the "
+                    f"batch after step {trip})")
         return state, back

@@ -98,7 +98,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     t0 = time.perf_counter()
     ckpt = Checkpointer(s, run_dir, log=console.print)
     state, start = ckpt.restore_or_init(lambda: init_state(s))
-    guard = Guard(s, ckpt, state, lambda: init_state(s), console.print)
+    guard = Guard(s, ckpt, state, lambda: init_state(s))
     feed = Feed(batches, start, t.steps, guard.offset)
     if main:  # only now: a command that fails on its input leaves run.dir as it was
         (run_dir / "config.yaml").write_text(to_yaml(cfg))

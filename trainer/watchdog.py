@@ -13,6 +13,7 @@ intact: Orbax writes a save in flight to a temporary folder and renames it only 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import statistics
@@ -22,10 +23,12 @@ import time
 import jax
 
 from trainer.errors import UserError
+from trainer.logs import last_words
 
 FACTOR = 20  # x the median step time: a slow step, a busy host or an async save stays far below it
 WINDOW = 100  # recent step times in the median
 EXIT_CODE = 4  # distinct from UserError (2) and TrainingStopped (3): "restart me"
+log = logging.getLogger(__name__)
 
 
 class StepWatchdog:
@@ -74,9 +77,9 @@ class StepWatchdog:
     def _deadline(self, error: BaseException, limit: float):
         time.sleep(limit)  # a daemon thread: it runs on during atexit, where jax.distributed waits for peers
         why = (str(error).strip().splitlines() or [""])[0][:300]
-        os.write(2, (f"meshtrain: error: training stopped on {type(error).__name__}: {why}; still not exited "
-                     f"{limit:.0f}s later (waiting for a process that is gone): exiting so that the run restarts "
-                     "from its newest checkpoint (rerun the same command)\n").encode())
+        last_words(log, f"training stopped on {type(error).__name__}: {why}; still not exited {limit:.0f}s later "
+                        "(waiting for a process that is gone): exiting so that the run restarts from its newest "
+                        "checkpoint (rerun the same command)")
         self._exit(EXIT_CODE)
 
     def _running(self) -> tuple[int, float] | None:
@@ -113,9 +116,9 @@ class StepWatchdog:
         with self._lock:
             times = list(self._times)
         median = f"{statistics.median(times):.3g}s over {len(times)} steps" if times else "none finished yet"
-        msg = (f"meshtrain: error: step {step} did not finish after {waited:.0f}s (limit {limit:.0f}s = "
+        msg = (f"step {step} did not finish after {waited:.0f}s (limit {limit:.0f}s = "
                f"max(train.step_timeout_s={self.floor:g}, {FACTOR} x median step time: {median})); a collective "
                "is waiting for a dead process or a device is stuck: exiting so that the run restarts from its "
                "newest checkpoint (rerun the same command)")
-        os.write(2, (msg + "\n").encode())  # the main thread is stuck: no console, no logging handlers
+        last_words(log, msg)  # the main thread is stuck in XLA, holding none of logging's locks
         self._exit(EXIT_CODE)

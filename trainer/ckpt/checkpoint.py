@@ -16,8 +16,8 @@ makes a checkpoint corrupt: it is reported and the previous one is used. Any oth
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,6 +36,7 @@ from trainer.ckpt.preempt import any_process
 FORMAT = 1
 SUBDIR = "checkpoints"
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable: when run.dir has checkpoints and none restores
+log = logging.getLogger(__name__)
 
 
 class CorruptCheckpoint(Exception):
@@ -43,7 +44,7 @@ class CorruptCheckpoint(Exception):
 
 
 def _warn(msg: str):
-    print(f"meshtrain: warning: {msg}", file=sys.stderr, flush=True)
+    log.warning(msg)
 
 
 def leaf_names(tree) -> list[str]:
@@ -268,7 +269,7 @@ class Checkpointer:
         if c.on_unreadable not in ON_UNREADABLE:
             raise UserError(f"checkpoint.on_unreadable='{c.on_unreadable}' is unknown; choose stop (the default) "
                             "or fresh (start again from step 0 when no checkpoint of run.dir can be restored)")
-        self.s, self.log = s, log or (lambda m: print(m, file=sys.stderr))
+        self.s, self.log = s, log or logging.getLogger(__name__).info
         self.dir = Path(run_dir) / SUBDIR
         self.mngr = _manager(self.dir, s.cfg)
         self._open = True

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
-import sys
 
 from trainer.errors import UserError
 
@@ -79,7 +79,7 @@ def main(args: list[str]) -> int:
     from trainer.plan.report import overflow
     problem = overflow(plan)
     if problem:
-        print(f"meshtrain: error: {problem}", file=sys.stderr)
+        logging.getLogger(__name__).error(problem)
         return 2
     return 0
 
@@ -135,6 +135,6 @@ def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
         if ranked.smallest is None:
             raise UserError(f"no layout of {mc.n_layers} layers, {mc.n_heads} heads and batch {cfg.train.batch_size} "
                             f"splits over {n} devices; change --devices or train.batch_size")
-        print(f"meshtrain: error: nothing fits; the smallest: {report.overflow(ranked.smallest)}", file=sys.stderr)
+        logging.getLogger(__name__).error(f"nothing fits; the smallest: {report.overflow(ranked.smallest)}")
         return 2
     return 0
