@@ -37,8 +37,8 @@ def prepared(tmp_path_factory):
     assert main(["prepare", str(docs), "--out", str(out), "--train-tokenizer", "300", "--heldout", str(HELDOUT),
                  "--no-progress"]) == 0
     run = tmp / "run"
-    assert main(["train", f"data.source={out}", *TINY, "train.eval_every=3", "train.eval_batches=1",
-                 f"run.dir={run}"]) == 0
+    assert main(["train", f"data.source={out}", *TINY, "train.steps=2", "train.batch_size=8", "train.eval_every=1",
+                 "train.eval_batches=1", f"run.dir={run}"]) == 0
     return docs, out, run
 
 
@@ -128,8 +128,8 @@ def test_training_logs_eval_bpb(prepared):
     n_bytes = sum((docs / n).stat().st_size for n in held)
     n_toks = sum(len(tok.encode((docs / n).read_text()).ids) + 1 for n in held)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    ev = [r for r in recs if "eval_loss" in r]
-    assert ev and all(r["eval_bpb"] == pytest.approx(r["eval_loss"] / math.log(2) * n_toks / n_bytes) for r in ev)
+    ev = [r for r in recs if "eval_loss" in r]  # step 1: an eval-only line; step 2: the logged last step
+    assert len(ev) == 2 and all(r["eval_bpb"] == pytest.approx(r["eval_loss"] / math.log(2) * n_toks / n_bytes) for r in ev)
     cfg = (run / "config.yaml").read_text()
     assert "vocab_size: 300" in cfg and f"tokenizer: {out.parent / 'tokenizer.json'}" in cfg
 
@@ -149,11 +149,11 @@ def test_generate_decodes_with_the_runs_tokenizer(prepared, capsys):
     _, out, run = prepared
     tok = Tokenizer.from_file(str(out.parent / "tokenizer.json"))
     capsys.readouterr()
-    assert main(["generate", "--run", str(run), "--prompt", "doc1_", "--tokens", "10", "--temperature", "0"]) == 0
+    assert main(["generate", "--run", str(run), "--prompt", "doc1_", "--tokens", "6", "--temperature", "0"]) == 0
     text = capsys.readouterr().out
     params, cfg = load_params(str(run), None, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     ids = tok.encode("doc1_").ids
-    new = [int(t[0]) for t in generate(model_config(cfg), params, np.array([ids], np.int32), 10)]
+    new = [int(t[0]) for t in generate(model_config(cfg), params, np.array([ids], np.int32), 6)]
     assert text == "doc1_" + tok.decode(new, skip_special_tokens=False) + "\n"
 
 
