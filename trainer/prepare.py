@@ -165,8 +165,9 @@ def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, coun
 
 def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for d in train + held:
-        h.update(f"{d.name}\0{d.size}\0{sha256_file(d.path)}\0{d in held}\n".encode())
+    for part, docs in (("train", train), ("heldout", held)):
+        for d in docs:
+            h.update(f"{part}\0{d.name}\0{d.size}\0{sha256_file(d.path)}\n".encode())
     return h.hexdigest()
 
 
