@@ -195,15 +195,17 @@ def test_plot_overlays_two_runs(traced_run, tmp_path):
     (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 5, "lo')
     out = tmp_path / "runs.png"
     shown = plot_runs([str(traced_run[0]), str(other)], str(out))
-    assert shown == {"loss": 2, "eval_loss": 2, "tokens_per_sec": 2, "mfu": 1}
+    assert shown == {"loss": 2, "eval_loss": 2, "eval_bpb": 1, "tokens_per_sec": 2, "mfu": 1}
     img = matplotlib.image.imread(out)
-    assert img.shape[:2] == (700, 1100)
-    h, w = img.shape[0] // 2, img.shape[1] // 2
-    quads = {"eval_loss": img[:h, w:], "tokens_per_sec": img[h:, :w], "mfu": img[h:, w:]}
+    assert img.shape[:2] == (700, 1500)
+    h, w, m = img.shape[0] // 2, img.shape[1] // 3, 20  # m: a panel's lines may end a little past its third
+    quads = {"eval_loss": img[:h, w + m:2 * w], "eval_bpb": img[:h, 2 * w + m:], "tokens_per_sec": img[h:, :w],
+             "mfu": img[h:, w + m:2 * w]}
     blue, orange = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1: run 1 and run 2
     for name in ("eval_loss", "tokens_per_sec"):
         assert _color_pixels(quads[name], blue) > 20 and _color_pixels(quads[name], orange) > 20, name
-    assert _color_pixels(quads["mfu"], blue) > 20 and _color_pixels(quads["mfu"], orange) == 0
+    for name in ("mfu", "eval_bpb"):  # the second run logged no MFU and predates eval_bpb
+        assert _color_pixels(quads[name], blue) > 20 and _color_pixels(quads[name], orange) == 0, name
 
 
 def test_plot_bad_input(tmp_path):

@@ -79,7 +79,7 @@ def _export(args: list[str]) -> int:
 
 
 def _plot(args: list[str]) -> int:
-    p = ArgParser(prog="meshtrain plot", description="Plot loss, eval loss, tokens/s and MFU "
+    p = ArgParser(prog="meshtrain plot", description="Plot loss, eval loss, eval bits/byte, tokens/s and MFU "
                                 "of one or more runs, overlaid.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run.dir of each run (holds metrics.jsonl)")
     p.add_argument("--out", default="plot.png", help="image to write (default: plot.png)")
@@ -106,6 +106,23 @@ def _generate(args: list[str]) -> int:
     return 0
 
 
+def _prepare(args: list[str]) -> int:
+    p = ArgParser(prog="meshtrain prepare", description="Tokenize text files, folders or builtin into a token "
+                  ".bin (train documents, then held-out ones) and its JSON sidecar; train with data.source=OUT.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, or builtin")
+    p.add_argument("--out", required=True, help="the .bin to write (its sidecar: OUT.json)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--tokenizer", help="a Hugging Face tokenizer.json, or a folder holding one")
+    how.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
+                     help="train a byte-level BPE of this many tokens on the train documents first")
+    p.add_argument("--heldout", type=float, default=0.05, help="share of documents held out (default: 0.05)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ns = p.parse_args(args)
+    from trainer.prepare import prepare
+    prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress)
+    return 0
+
+
 def _plan(args: list[str]) -> int:
     from trainer.plan.cli import main as plan
     return plan(args)
@@ -113,7 +130,7 @@ def _plan(args: list[str]) -> int:
 
 COMMANDS = {"train": _train, "plan": _plan,
             "inspect": _inspect, "export": _export, "simulate": _simulate, "plot": _plot,
-            "generate": _generate}
+            "generate": _generate, "prepare": _prepare}
 
 
 def main(argv: list[str] | None = None) -> int:

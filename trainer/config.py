@@ -114,6 +114,7 @@ class DataSection:
     source: str = "builtin"  # builtin | synthetic | path to a text file, folder, or token .bin
     heldout_fraction: float = 0.05
     bin_dtype: str = "uint16"  # token .bin element type: uint16 | uint32
+    tokenizer: Optional[str] = None  # tokenizer.json of a .bin's tokens; filled from its sidecar (docs/data.md)
 
 
 @dataclasses.dataclass(frozen=True)

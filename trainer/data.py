@@ -6,6 +6,8 @@ Sources:
   synthetic  uniform random tokens (for benchmarks; nothing to learn).
   PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
              uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
+             A .bin from `meshtrain prepare` has a sidecar DATA.bin.json (trainer/prepare.py) that
+             gives its dtype, vocabulary, tokenizer and held-out documents' token range instead.
 Evaluation never reads training tokens: where the held-out part is shorter than one eval window
 (a one-file folder, a small file), the last heldout_fraction of the tokens, at least one window,
 is held out instead, or the data is refused as too small.
@@ -19,6 +21,8 @@ which fits a step-indexed source, and it starts at any step).
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -40,6 +44,46 @@ class Corpus:
     whole: np.ndarray | None = None  # train + heldout in one array (they are its two ends)
     source: str = ""
     heldout_fraction: float = 0.05
+    bytes_per_token: float | None = None  # source bytes per token where known: eval_bpb
+    prepared: bool = False  # from `meshtrain prepare` (vocab is the tokenizer's)
+
+
+def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
+    return loss_nats / math.log(2) / bytes_per_token
+
+
+def sidecar_path(bin_path) -> Path:
+    return Path(str(bin_path) + ".json")
+
+
+def read_sidecar(bin_path) -> dict | None:
+    """The JSON sidecar `meshtrain prepare` wrote beside a token .bin, or None for a bare .bin."""
+    side = sidecar_path(bin_path)
+    if not side.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text())
+        meta["dtype"], meta["vocab_size"], meta["heldout_range"][0]  # noqa: B018 (the keys used below)
+        return meta
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"'{side}' is not a readable `meshtrain prepare` sidecar ({type(e).__name__}: {e}); "
+                        f"run meshtrain prepare again or remove it to read {bin_path} as a bare token file") from None
+
+
+def tokenizer_of(bin_path, meta: dict) -> str:
+    """The sidecar's tokenizer path, as a path from here (it is stored relative to the sidecar)."""
+    p = Path(meta["tokenizer"]["path"])
+    return str(p if p.is_absolute() else Path(bin_path).parent / p)
+
+
+def resolve_config(cfg):
+    """cfg with data.tokenizer, data.bin_dtype and (if unset) model.vocab_size from a prepared .bin's sidecar."""
+    from trainer.config import replace
+    if not cfg.data.source.endswith(".bin") or not (meta := read_sidecar(cfg.data.source)):
+        return cfg
+    model = {} if cfg.model.vocab_size is not None else {"vocab_size": int(meta["vocab_size"])}
+    return replace(cfg, data={"tokenizer": tokenizer_of(cfg.data.source, meta), "bin_dtype": meta["dtype"]},
+                   model=model)
 
 
 def stdlib_files() -> list[Path]:
@@ -64,7 +108,7 @@ def _files(train: list[Path], held: list[Path]) -> Corpus:
     parts = [p.read_bytes() for p in train + held]
     k = sum(len(b) for b in parts[:len(train)])
     data = np.frombuffer(b"".join(parts), dtype=np.uint8)
-    return Corpus(data[:k], data[k:], 256, whole=data)
+    return Corpus(data[:k], data[k:], 256, whole=data, bytes_per_token=1.0)
 
 
 def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "uint16") -> Corpus:
@@ -90,6 +134,12 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return _check(_files(*_split_files(files, path, heldout_fraction)), source)
+    if path.suffix == ".bin" and (meta := read_sidecar(path)):
+        toks = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else np.zeros(0, meta["dtype"])
+        cut = int(meta["heldout_range"][0])
+        bpt = meta.get("heldout_bytes_per_token") or meta.get("bytes_per_token")
+        return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks, bytes_per_token=bpt,
+                             prepared=True), source)
     if path.suffix == ".bin":
         if bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
@@ -103,7 +153,7 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         return _check(Corpus(toks[:cut], toks[cut:], vocab, whole=toks), source)
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     cut = int(len(data) * (1 - heldout_fraction))
-    return _check(Corpus(data[:cut], data[cut:], 256, whole=data), source)
+    return _check(Corpus(data[:cut], data[cut:], 256, whole=data, bytes_per_token=1.0), source)
 
 
 def _check(c: Corpus, source: str) -> Corpus:
@@ -138,6 +188,10 @@ class Batches:
         rows = batch_size // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
         if not corpus.synthetic:
+            if corpus.vocab > vocab_size and corpus.prepared:
+                raise UserError(f"the tokenizer of data.source '{corpus.source}' has {corpus.vocab} tokens but "
+                                f"model.vocab_size={vocab_size}; set model.vocab_size >= {corpus.vocab}, or leave "
+                                "it unset to take the vocabulary from the data's sidecar")
             if corpus.vocab > vocab_size:
                 raise UserError(f"the data has token ids up to {corpus.vocab - 1} but model.vocab_size={vocab_size}; "
                                 f"set model.vocab_size >= {corpus.vocab}")

@@ -17,7 +17,7 @@ from trainer import pipeline
 from trainer import distributed
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.config import Config, to_yaml
-from trainer.data import Batches, load_corpus
+from trainer.data import Batches, bits_per_byte, load_corpus, resolve_config
 from trainer.errors import UserError
 from trainer.observe.goodput import Goodput, summary
 from trainer.guard import Feed, Guard
@@ -85,12 +85,14 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     console = console or Console(stderr=True, soft_wrap=True)
     distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
     main = jax.process_index() == 0
+    cfg = resolve_config(cfg)  # a prepared .bin's sidecar: tokenizer, dtype, vocab_size
     run_dir = prepare_run_dir(cfg.run.dir)
     s = make_setup(cfg, devices)
     t = cfg.train
     corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
     batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
                       *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0)
+    bpt = batches.c.bytes_per_token
     console.print(f"[bold]meshtrain[/] {describe(s)}")
     if jax.process_count() > 1:
         console.print(distributed.describe(s.mesh, batches.rows, t.batch_size))
@@ -152,6 +154,8 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                         with gp.span("eval"):
                             eval_loss = evaluate(s, eval_fn, state["params"], batches)
                         rec["eval_loss"] = eval_loss
+                        if bpt:
+                            rec["eval_bpb"] = bits_per_byte(eval_loss, bpt)
                         last_t = time.perf_counter()  # eval time is not step time
                     writer.write(rec)
                     history.append(rec)
@@ -164,8 +168,11 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                 elif evaluating:
                     with gp.span("eval"):
                         eval_loss = evaluate(s, eval_fn, state["params"], batches)
-                    writer.write({"step": done, "eval_loss": eval_loss})
-                    history.append({"step": done, "eval_loss": eval_loss})
+                    rec = {"step": done, "eval_loss": eval_loss}
+                    if bpt:
+                        rec["eval_bpb"] = bits_per_byte(eval_loss, bpt)
+                    writer.write(rec)
+                    history.append(rec)
                 if (logging or ckpt.due(done)) and (trip := guard.tripped(m if logging else metrics)):
                     state, done = guard.act(trip)  # on_nan=rollback (stop raises): back to a checkpoint
                     writer.close()
@@ -197,6 +204,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     if preempted:
         console.print(f"stopped after step {done}; checkpoint saved, rerun the same command to resume")
     console.print(f"done: {done - start} steps in {total:.1f}s"
-                  + (f", eval loss {eval_loss:.4f} nats/token" if eval_loss is not None else ""))
+                  + (f", eval loss {eval_loss:.4f} nats/token" if eval_loss is not None else "")
+                  + (f" ({bits_per_byte(eval_loss, bpt):.4f} bits/byte)" if eval_loss is not None and bpt else ""))
     console.print(summary(goodput))
     return Result(s, state, history, eval_loss, start, preempted, goodput)

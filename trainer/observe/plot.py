@@ -1,4 +1,5 @@
-"""`meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png`: loss, eval loss, tokens/s and MFU of runs, overlaid."""
+"""`meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png`: loss, eval loss, eval bits/byte, tokens/s and MFU of
+runs, overlaid (bits per byte compare runs whose tokenizers differ; nats per token do not)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 from trainer.errors import UserError
 
 PANELS = (("loss", "train loss (nats/token)"), ("eval_loss", "eval loss (nats/token)"),
-          ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
+          ("eval_bpb", "eval bits/byte"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -42,7 +43,8 @@ def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
     if not run_dirs:
         raise UserError("give at least one RUN_DIR: meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png")
     runs = [(str(d), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), sharex=True)
+    axes.flat[-1].set_visible(False)  # five panels
     shown = {}
     for ax, (key, title) in zip(axes.flat, PANELS):
         shown[key] = 0
@@ -55,8 +57,9 @@ def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
         ax.grid(alpha=0.3)
         if not shown[key]:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[1]:
+    for ax in list(axes[1][:2]) + [axes[0][2]]:  # the bottom of each column
         ax.set_xlabel("step")
+        ax.xaxis.set_tick_params(labelbottom=True)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
