@@ -259,7 +259,8 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     for node, where in layers:
         cfg = _merge(cfg, node, where)
     cfg = OmegaConf.to_object(cfg)
-    if cfg.model.init_from:  # a Hugging Face folder supplies the model shape keys
+    if cfg.model.init_from and base is None:  # a Hugging Face folder supplies the model shape keys (a
+        # checkpoint's config, the base, holds them already: the folder may have changed or gone since)
         from trainer.ckpt.hf import with_hf_shapes
         cfg = with_hf_shapes(cfg)
     return cfg
