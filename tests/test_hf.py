@@ -192,7 +192,7 @@ def _garble(d):
 
 
 BAD = {
-    "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json"),
+    "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face Llama folder"),
     "not_llama": (lambda d: _edit_config(d, architectures=["MistralForCausalLM"]),
                   "describes MistralForCausalLM; meshtrain imports LlamaForCausalLM only"),
     "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),

@@ -95,8 +95,8 @@ def with_hf_shapes(cfg):
     if not p.is_dir() or is_export(p) or (p / SUBDIR).is_dir():
         return cfg  # a path that does not exist is reported when the parameters are read
     if not is_hf(p):
-        raise UserError(f"model.init_from='{p}' has no config.json and is neither an export nor a run.dir with "
-                        "checkpoints; give a Hugging Face Llama folder, an export or a run")
+        raise UserError(f"model.init_from='{p}' is neither an export (meshtrain export --out) nor a run.dir with "
+                        "checkpoints, and has no config.json of a Hugging Face Llama folder; give one of those")
     where = p / "config.json"
     keys = model_keys(read_config(p), where)
     for k, (v, hk) in keys.items():

@@ -127,8 +127,8 @@ def init_params(s, path) -> dict:
                      "params.")
         params, _ = load_params(p, None, s.shardings["params"])
     else:
-        raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out), a run.dir "
-                        "with checkpoints, nor a Hugging Face Llama folder; give one of those")
+        raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
+                        "with checkpoints nor a Hugging Face Llama folder (config.json); give one of those")
     cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target),
                    out_shardings=s.shardings["params"])
     with jax.set_mesh(s.mesh):
