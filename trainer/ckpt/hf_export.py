@@ -61,7 +61,9 @@ def _host(x: jax.Array, i: int | None = None) -> np.ndarray:
             rows = range(x.shape[0])[idx[0]]
             if i not in rows:
                 continue
-            key, data, where = idx[1:], sh.data[i - rows.start], idx[1:]
+            # on CPU the shard is host memory already (no copy); elsewhere copy only the one layer
+            data = np.asarray(sh.data)[i - rows.start] if sh.device.platform == "cpu" else sh.data[i - rows.start]
+            key, where = idx[1:], idx[1:]
         key = tuple((s.start, s.stop) for s in key)
         if key not in seen:  # replicas hold the same values
             seen.add(key)
@@ -95,19 +97,25 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not empty; choose a new directory")
     params, cfg, step = load_params_at(run_dir, step)  # split over the local devices, never whole on one
-    mc = model_config(cfg)
-    check_expressible(mc, params, f"run '{run_dir}'")
+    return write_hf(params, model_config(cfg), out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+
+
+def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+             where: str = "parameters", step: int | None = None) -> Path:
+    """Write (sharded) parameters of the model mc to `out` as an HF Llama folder."""
+    out = Path(out)
+    check_expressible(mc, params, where)
     np_dtype = st.DTYPES["BF16" if dtype == "bfloat16" else "F32"] if dtype else np.dtype(
         jax.tree.leaves(params)[0].dtype)
     if np_dtype not in st.CODES:
-        raise UserError(f"run '{run_dir}' holds {np_dtype} parameters; export them with --dtype float32")
+        raise UserError(f"{where} are {np_dtype}; export them with --dtype float32")
     by_name = {n: (leaf, i if leaf.stacked else None) for leaf in leaves(mc) for i, n in enumerate(leaf.names)}
 
     def fill(name):
         leaf, i = by_name[name]
         a = _host(_get(params, leaf.path), i)
         inv = tuple(int(k) for k in np.argsort(leaf.perm))  # meshtrain layout -> the HF view, then (out, in)
-        return a.transpose(inv).reshape(leaf.hf_shape).astype(np_dtype)
+        return a.transpose(inv).reshape(leaf.hf_shape).astype(np_dtype, copy=False)
 
     files = _plan(mc, np_dtype, max_shard_bytes)
     write = jax.process_index() == 0

@@ -120,7 +120,7 @@ def init_params(s, path) -> dict:
     elif (p / "config.json").is_file() and not (p / SUBDIR).is_dir():
         from trainer.ckpt.hf import load as load_hf
         from trainer.config import model_config
-        params = load_hf(p, model_config(s.cfg), target, s.shardings["params"])
+        return load_hf(p, model_config(s.cfg), target, s.shardings["params"])  # already in target's dtypes
     elif list_steps(p):
         step = list_steps(p)[-1]
         check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
