@@ -130,6 +130,8 @@ def test_import_export_round_trip_is_bitwise(name, tmp_path):
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "architectures"):
         assert cfg[k] == want[k], k
+    from trainer.ckpt.hf import model_keys  # rope theta and llama3 scaling survive the trip
+    assert model_keys(cfg, "export") == model_keys(want, "fixture")
     if name == "sharded_f32":  # the same run, split into files of at most 400 KB, plus the index
         from trainer.ckpt.hf_export import export_hf
         export_hf(tmp_path / "run", tmp_path / "split", max_shard_bytes=400_000)

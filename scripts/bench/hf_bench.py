@@ -18,12 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from models import Transformer, params_of  # noqa: E402
 
 from trainer.ckpt.hf import leaf_shape, leaves  # noqa: E402
 from trainer.ckpt.hf_export import write_hf  # noqa: E402
 from trainer.ckpt.params import init_params  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.state import init_state, make_setup  # noqa: E402
+from trainer.state import make_setup  # noqa: E402
 
 BASE = ["model.preset=1b", "mesh.data=8", "train.zero_stage=3", "run.progress=false"]
 DTYPE = "bfloat16"
@@ -44,7 +47,9 @@ def _reset_peak():
 def main(argv):
     cfg = load_config(BASE + argv)
     s = make_setup(cfg, jax.devices()[:8])
-    params = init_state(s)["params"]  # created sharded by the trainer's jitted init
+    with jax.set_mesh(s.mesh):  # parameters only (no optimizer state), created sharded by a jitted init
+        params = jax.jit(lambda: params_of(Transformer(s.model, rngs=nnx.Rngs(0))),
+                         out_shardings=s.shardings["params"])()
     jax.block_until_ready(params)
     state_b = sum(x.nbytes for x in jax.tree.leaves(params))
     largest = max(int(np.prod(leaf_shape(lf)[1:] if lf.stacked else leaf_shape(lf))) for lf in leaves(s.model)) * 4

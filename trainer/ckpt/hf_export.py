@@ -15,7 +15,8 @@ from trainer.errors import UserError
 
 
 def hf_config(mc, dtype: str) -> dict:
-    """config.json for transformers' LlamaForCausalLM (the rope keys in the form both 4.x and 5.x read)."""
+    """config.json for transformers' LlamaForCausalLM (rope keys in both forms: 5.x's rope_parameters, 4.x's
+    rope_theta/rope_scaling)."""
     scaling = None
     if mc.rope_scaling is not None:
         f, lo, hi, n = mc.rope_scaling
@@ -25,7 +26,8 @@ def hf_config(mc, dtype: str) -> dict:
             "intermediate_size": mc.d_ff, "num_hidden_layers": mc.n_layers, "num_attention_heads": mc.n_heads,
             "num_key_value_heads": mc.n_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
             "max_position_embeddings": mc.seq_len, "rms_norm_eps": mc.norm_eps, "rope_theta": mc.rope_theta,
-            "rope_scaling": scaling, "tie_word_embeddings": mc.tie_embeddings, "hidden_act": "silu",
+            "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta,
+                                                          **(scaling or {})}, "tie_word_embeddings": mc.tie_embeddings, "hidden_act": "silu",
             "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
             "initializer_range": mc.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
             "pad_token_id": None, "torch_dtype": dtype, "dtype": dtype}
