@@ -1,5 +1,5 @@
 """Hugging Face Llama folders (config.json + safetensors): model shape keys, parameters read straight into
-a run's shardings (each process reads only the slices its devices hold), and `meshtrain export --format hf`."""
+a run's shardings (each process reads only the slices its devices hold, one device's at a time), and `meshtrain export --format hf`."""
 from __future__ import annotations
 
 import dataclasses
@@ -208,12 +208,25 @@ def load(path, mc, shapes: dict, shardings: dict) -> dict:
 
         def piece(idx, leaf=leaf, dtype=target.dtype):
             if not leaf.stacked:
-                return _read(have[leaf.names[0]], leaf, idx).astype(dtype)
+                return _read(have[leaf.names[0]], leaf, idx).astype(dtype, copy=False)
             rows = range(len(leaf.names))[idx[0]]
-            return np.stack([_read(have[leaf.names[i]], leaf, idx[1:]) for i in rows]).astype(dtype)
+            first = _read(have[leaf.names[rows[0]]], leaf, idx[1:])
+            a = np.empty((len(rows),) + first.shape, dtype)  # filled layer by layer: no list of pieces
+            a[0] = first
+            for j, i in enumerate(rows[1:], 1):
+                a[j] = _read(have[leaf.names[i]], leaf, idx[1:])
+            return a
 
-        _set(out, leaf.path, jax.make_array_from_callback(target.shape, sh, piece))
+        _set(out, leaf.path, _from_pieces(target.shape, sh, piece))
     return out
+
+
+def _from_pieces(shape, sharding, piece) -> jax.Array:
+    """jax.make_array_from_callback, but each device's piece is placed before the next is read, so that
+    the host holds one piece at a time, not every local device's at once."""
+    arrays = [jax.device_put(piece(idx), d).block_until_ready()
+              for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _get(tree, path):
