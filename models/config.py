@@ -31,6 +31,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Llama 3.x RoPE frequency scaling, as transformers' `llama3` rope type:
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None = plain RoPE
+    rope_scaling: tuple[float, float, float, int] | None = None
     remat: str = "none"
     init_std: float = 0.02
     # Run the layers as one lax.scan (one compiled layer: compile time independent of depth) or

@@ -32,7 +32,7 @@ def _stacked(layers: dict) -> dict:
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
     T, S = tokens_BT.shape[1], cache["k"].shape[2]
-    rope = rope_tables(S, c.head_dim, c.rope_theta)
+    rope = rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
     # query at pos + t sees cache slots 0..pos + t (its own key is written first)
     mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]

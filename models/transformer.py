@@ -101,8 +101,23 @@ def rms_norm(x, w, eps):
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(T: int, E: int, theta: float):
+def rope_inv_freq(E: int, theta: float, scaling=None):
+    """RoPE's E/2 inverse frequencies; `scaling` (ModelConfig.rope_scaling) as transformers' llama3 type."""
     inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+    if scaling is None:
+        return inv
+    factor, low, high, old_len = scaling
+    wavelen = 2 * jnp.pi / inv
+    # long wavelengths slowed down by `factor`, short ones kept, the band between interpolated
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(T: int, E: int, theta: float, scaling=None):
+    inv = rope_inv_freq(E, theta, scaling)
     ang_TE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
     return jnp.cos(ang_TE2), jnp.sin(ang_TE2)
 
@@ -207,7 +222,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     time.
     """
     remat = c.remat if remat is None else remat
-    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta)
+    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
 
     def body(x, p):

@@ -68,13 +68,19 @@ def _export(args: list[str]) -> int:
     from trainer.ckpt.tools import EXPORT_DTYPES, export
     p = ArgParser(prog="meshtrain export", description="Write a checkpoint's parameters only "
                                 "(start a new run from them with model.init_from=OUT).")
-    p.add_argument("--run", required=True, help="the run.dir")
+    p.add_argument("--run", required=True, help="the run.dir (or an export)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     p.add_argument("--out", required=True, help="new directory to write")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast the parameters (default: as saved)")
+    p.add_argument("--format", choices=("orbax", "hf"), default="orbax",
+                   help="orbax (default; meshtrain reads it) or hf: a Hugging Face Llama folder (safetensors)")
     ns = p.parse_args(args)
-    out = export(ns.run, ns.out, ns.step, ns.dtype)
-    print(f"exported parameters to {out}")
+    if ns.format == "hf":
+        from trainer.ckpt.hf_export import export_hf
+        out = export_hf(ns.run, ns.out, ns.step, ns.dtype)
+    else:
+        out = export(ns.run, ns.out, ns.step, ns.dtype)
+    print(f"exported parameters to {out}" + (" (Hugging Face Llama)" if ns.format == "hf" else ""))
     return 0
 
 

@@ -10,7 +10,7 @@ import difflib
 import math
 import re
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -39,12 +39,16 @@ class ModelSection:
     vocab_size: Optional[int] = None
     seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    # llama3 RoPE scaling [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
+    rope_scaling: Optional[List[float]] = None
     remat: str = "none"  # none | full | dots
     scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
     attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
     kernels: str = "auto"  # auto | reference | fast: plain math or XLA:CPU fast paths (models/fast_cpu.py)
-    init_from: Optional[str] = None  # parameters from `meshtrain export` for a new run
+    init_from: Optional[str] = None  # parameters from `meshtrain export`, a run, or a Hugging Face Llama folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +259,12 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
         cfg = _merge(cfg, OmegaConf.load(path), f"mesh preset {preset}")
     for node, where in layers:
         cfg = _merge(cfg, node, where)
-    return OmegaConf.to_object(cfg)
+    cfg = OmegaConf.to_object(cfg)
+    if cfg.model.init_from and base is None:  # a Hugging Face folder supplies the model shape keys (a
+        # checkpoint's config, the base, holds them already: the folder may have changed or gone since)
+        from trainer.ckpt.hf import with_hf_shapes
+        cfg = with_hf_shapes(cfg)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:
@@ -278,6 +287,12 @@ def model_config(cfg: Config) -> ModelConfig:
     if m.kernels not in KERNELS:
         raise UserError(f"model.kernels='{m.kernels}' is unknown; choose one of {', '.join(KERNELS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
+    if m.rope_scaling is not None:  # hashable, the original context length an int
+        if len(m.rope_scaling) != 4:
+            raise UserError(f"model.rope_scaling={list(m.rope_scaling)} needs 4 numbers: factor, low_freq_factor, "
+                            "high_freq_factor, original_max_position_embeddings")
+        f, lo, hi, n = m.rope_scaling
+        over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
     return from_preset(m.preset, **over)
 
 

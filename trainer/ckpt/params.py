@@ -112,11 +112,15 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
 
 
 def init_params(s, path) -> dict:
-    """Parameters for `model.init_from`: an export (or a run's checkpoint) read into the run's
+    """Parameters for `model.init_from`: an export, a run's checkpoint or an HF folder read into the run's
     parameter shardings and cast to the train state's dtype."""
     p, target = Path(path), s.shapes["params"]
     if is_export(p):
         params = _load_export(p, s.shardings["params"], target)[0]
+    elif (p / "config.json").is_file() and not (p / SUBDIR).is_dir():
+        from trainer.ckpt.hf import load as load_hf
+        from trainer.config import model_config
+        return load_hf(p, model_config(s.cfg), target, s.shardings["params"])  # already in target's dtypes
     elif list_steps(p):
         step = list_steps(p)[-1]
         check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
@@ -124,7 +128,7 @@ def init_params(s, path) -> dict:
         params, _ = load_params(p, None, s.shardings["params"])
     else:
         raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
-                        "with checkpoints; give one of those")
+                        "with checkpoints nor a Hugging Face Llama folder (config.json); give one of those")
     cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target),
                    out_shardings=s.shardings["params"])
     with jax.set_mesh(s.mesh):

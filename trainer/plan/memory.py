@@ -140,7 +140,7 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
         weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
                    "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
                    "w_down": w((F, D))}
-        fn = lambda x, weights: layer(c, weights, x, rope_tables(T, E, c.rope_theta))  # noqa: E731
+        fn = lambda x, weights: layer(c, weights, x, rope_tables(T, E, c.rope_theta, c.rope_scaling))  # noqa: E731
         if what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
         out.append(_residuals(fn, x, weights))

@@ -1,0 +1,255 @@
+"""Hugging Face Llama folders in and out: transformers' logits and greedy tokens reproduced on 1 and 8
+devices, bitwise round trips, and one-line errors for bad folders (tests/fixtures/hf, made by transformers)."""
+import functools
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import SGD, TINY
+
+FIX = Path(__file__).parent / "fixtures" / "hf"
+NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32"]
+DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
+# (data, stage, model): ZeRO-3 over data with heads split 4 ways; a pipeline over stage (the 3-layer
+# fixture pipelines over 3 stages on 6 devices: 2 stages cannot split 3 layers)
+LAYOUTS = {"1dev": ["mesh.data=1", "mesh.stage=1", "mesh.model=1"],
+           "zero3_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"],
+           "pipe_2x2x2": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"]}
+PIPE_3_LAYERS = ["mesh.data=2", "mesh.stage=3", "mesh.model=1", "train.microbatches=3", "train.batch_size=6"]
+
+
+def read_st(path) -> dict:
+    """A .safetensors file as {name: (dtype code, array)}, read here independently of trainer code."""
+    raw = Path(path).read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    return {k: (v["dtype"], np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]], DT[v["dtype"]])
+                .reshape(v["shape"])) for k, v in head.items() if k != "__metadata__"}
+
+
+def read_folder(d) -> dict:
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(read_st(f))
+    return out
+
+
+def write_st(path, tensors: dict):
+    """{name: array} as a .safetensors file (F32/BF16), written here independently of trainer code."""
+    head, off, blobs = {}, 0, []
+    for k, a in tensors.items():
+        code = "BF16" if a.dtype == ml_dtypes.bfloat16 else "F32"
+        b = np.ascontiguousarray(a).tobytes()
+        head[k] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        off += len(b)
+        blobs.append(b)
+    raw = json.dumps(head).encode()
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(name, layout):
+    """(setup, params) of a fixture imported into a layout's parameter shardings (seq_len 23: the
+    reference tokens are one (2, 24) batch)."""
+    from trainer.ckpt.params import init_params
+    from trainer.config import load_config
+    from trainer.state import make_setup
+    mesh = PIPE_3_LAYERS if (layout == "pipe_2x2x2" and name == "sharded_f32") else LAYOUTS[layout]
+    cfg = load_config(TINY + SGD + ["train.batch_size=4"] + mesh + [f"model.init_from={FIX / name}",
+                                                                    "model.seq_len=23"])
+    n = int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))
+    s = make_setup(cfg, jax.devices()[:n])
+    return s, init_params(s, cfg.model.init_from)
+
+
+def ref_loss(logits, tokens):
+    """Next-token cross-entropy from transformers' logits, in float64."""
+    lg = logits[:, :-1].astype(np.float64)
+    m = lg.max(-1, keepdims=True)
+    logz = (m[..., 0] + np.log(np.exp(lg - m).sum(-1)))
+    return float(np.mean(logz - np.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_greedy_tokens_match_transformers(name, layout):
+    """Logits: the forward on the params as loaded into that layout's shardings; greedy: KV-cache decoding
+    from them; the pipeline layouts also run one train step, whose loss must equal the loss of the
+    reference logits (one fixture: the train step's compile is the slowest part of this file)."""
+    from models.decode import generate
+    from models.transformer import forward
+    s, params = loaded(name, layout)
+    ref = np.load(FIX / name / "reference.npz")
+    with jax.set_mesh(s.mesh):
+        got = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, ref["tokens"]))
+        greedy = np.concatenate(list(generate(s.model, params, ref["prompt"], ref["greedy"].shape[1])))
+    assert np.abs(got - ref["logits"]).max() < 1e-4
+    np.testing.assert_array_equal(greedy, ref["greedy"][0])
+    if layout == "pipe_2x2x2" and name == "tied_llama3_bf16":
+        from trainer.ckpt.checkpoint import state_from_params
+        from trainer.step import jit_train_step
+        batch = np.concatenate([ref["tokens"]] * 2)  # batch_size 4: a microbatch per data rank and stage fill
+        with jax.set_mesh(s.mesh):
+            _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
+        assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5
+
+
+def _cli(*args):
+    from trainer.cli import main
+    return main(list(args))
+
+
+def _save_run(name, run_dir):
+    """A run.dir whose checkpoint holds exactly the fixture's parameters (no training step)."""
+    from trainer.ckpt.checkpoint import Checkpointer, state_from_params
+    s, params = loaded(name, "zero3_2x1x4")
+    ck = Checkpointer(s, run_dir, log=lambda m: None)
+    ck.save(1, state_from_params(s, params))
+    ck.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_export_round_trip_is_bitwise(name, tmp_path):
+    src = read_folder(FIX / name)
+    _save_run(name, tmp_path / "run")
+    dtype = ["--dtype", "bfloat16"] if "bf16" in name else []
+    assert _cli("export", "--format", "hf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), *dtype) == 0
+    got = read_folder(tmp_path / "hf")
+    assert sorted(got) == sorted(src)
+    for k, (code, a) in src.items():
+        assert got[k][0] == code and got[k][1].shape == a.shape, k
+        assert got[k][1].tobytes() == a.tobytes(), k
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    want = json.loads((FIX / name / "config.json").read_text())
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "architectures"):
+        assert cfg[k] == want[k], k
+    from trainer.ckpt.hf import model_keys  # rope theta and llama3 scaling survive the trip
+    assert model_keys(cfg, "export") == model_keys(want, "fixture")
+    if name == "sharded_f32":  # the same run, split into files of at most 400 KB, plus the index
+        from trainer.ckpt.hf_export import export_hf
+        export_hf(tmp_path / "run", tmp_path / "split", max_shard_bytes=400_000)
+        index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+        files = sorted(p.name for p in (tmp_path / "split").glob("*.safetensors"))
+        assert len(files) == 2 and sorted(set(index["weight_map"].values())) == files
+        assert all(p.stat().st_size < 400_000 + 4096 for p in (tmp_path / "split").glob("*.safetensors"))
+        split = read_folder(tmp_path / "split")
+        assert all(split[k][1].tobytes() == a.tobytes() for k, (_, a) in src.items())
+
+
+def test_trained_run_exported_and_reimported_is_bitwise_equal(tmp_path):
+    """5 steps from the GQA fixture on ZeRO-3, exported to HF, imported by a new run on another layout."""
+    from trainer.ckpt.params import init_params, load_params
+    from trainer.config import load_config
+    from trainer.loop import train
+    from trainer.state import make_setup
+    run = tmp_path / "run"
+    train(load_config(TINY + LAYOUTS["zero3_2x1x4"] + [f"model.init_from={FIX / 'gqa_untied_f32'}",
+                                                       "train.steps=5", "train.eval_every=0", f"run.dir={run}"]))
+    trained, _ = load_params(run, None, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    start = read_folder(FIX / "gqa_untied_f32")["model.embed_tokens.weight"][1]
+    assert not np.array_equal(np.asarray(trained["embed"]), start)  # it trained
+    assert _cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
+    cfg = load_config(TINY + LAYOUTS["pipe_2x2x2"] + [f"model.init_from={tmp_path / 'hf'}"])
+    s = make_setup(cfg, jax.devices())
+    again = init_params(s, cfg.model.init_from)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(trained)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _bad_copy(tmp_path, name="gqa_untied_f32"):
+    d = tmp_path / "bad"
+    shutil.copytree(FIX / name, d)
+    return d
+
+
+def _edit_config(d, **kv):
+    c = json.loads((d / "config.json").read_text())
+    c.update(kv)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+def _edit_tensors(d, fn):
+    t = {k: a for k, (_, a) in read_st(d / "model.safetensors").items()}
+    fn(t)
+    write_st(d / "model.safetensors", t)
+
+
+def _cut(d, n):
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-n])
+
+
+def _garble(d):
+    f = d / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[8:24] = b"\x00{not json at al"
+    f.write_bytes(bytes(raw))
+
+
+BAD = {
+    "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face Llama folder"),
+    "not_llama": (lambda d: _edit_config(d, architectures=["MistralForCausalLM"]),
+                  "describes MistralForCausalLM; meshtrain imports LlamaForCausalLM only"),
+    "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+                       "lacks tensor 'model.layers.1.mlp.up_proj.weight' (shape [96, 64])"),
+    "unexpected_tensor": (lambda d: _edit_tensors(d, lambda t: t.update(
+        {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})),
+        "has tensor 'model.layers.0.self_attn.q_proj.bias' that a LlamaForCausalLM"),
+    "wrong_shape": (lambda d: _edit_tensors(d, lambda t: t.update(
+        {"model.layers.1.self_attn.k_proj.weight": np.zeros((24, 64), np.float32)})),
+        "tensor 'model.layers.1.self_attn.k_proj.weight' has shape [24, 64], config.json implies [32, 64]"),
+    "corrupt_header": (_garble, "has a corrupt safetensors header"),
+    "truncated": (lambda d: _cut(d, 100), "is truncated: 'model.norm.weight' ends at byte"),
+    "rope_yarn": (lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+                  "rope scaling of type 'yarn' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_hf_folder_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys):
+    edit, msg = BAD[case]
+    d = _bad_copy(tmp_path)
+    edit(d)
+    run = tmp_path / "run"
+    assert _cli("train", *TINY, f"model.init_from={d}", f"run.dir={run}") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and msg in err, err
+    assert not run.exists()
+
+
+def test_explicit_model_key_contradicting_config_json_names_both(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _cli("train", *TINY, f"model.init_from={FIX / 'tied_llama3_bf16'}", "model.d_model=128",
+                f"run.dir={run}") == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.d_model=128 contradicts" in err and "hidden_size=64" in err and "\n" not in err
+    assert not run.exists()
+
+
+def test_plan_takes_shapes_from_config_json(capsys):
+    assert _cli("plan", *TINY, f"model.init_from={FIX / 'sharded_f32'}", "mesh.data=8") == 0
+    out = capsys.readouterr().out
+    from trainer.config import load_config, model_config
+    mc = model_config(load_config(TINY + [f"model.init_from={FIX / 'sharded_f32'}"]))
+    assert (mc.n_layers, mc.d_model, mc.n_kv_heads, mc.d_ff) == (3, 64, 4, 96) and out
+
+
+def test_export_hf_of_a_shape_hf_cannot_express_is_one_line(tmp_path, capsys):
+    """An export whose config has n_heads not a multiple of n_kv_heads: no --out written."""
+    _save_run("gqa_untied_f32", tmp_path / "run")
+    assert _cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "orbax")) == 0
+    meta = json.loads((tmp_path / "orbax" / "meta.json").read_text())
+    meta["config"]["model"]["n_kv_heads"] = 3
+    (tmp_path / "orbax" / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert _cli("export", "--format", "hf", "--run", str(tmp_path / "orbax"), "--out", str(tmp_path / "hf")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "n_heads=4 is not a multiple of n_kv_heads=3" in err and "\n" not in err, err
+    assert not (tmp_path / "hf").exists()

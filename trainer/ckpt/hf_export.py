@@ -1,0 +1,144 @@
+"""`meshtrain export --format hf`: a checkpoint's parameters as a Hugging Face Llama folder
+(config.json, generation_config.json, safetensors), gathered one tensor at a time."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from trainer.ckpt import safetensors as st
+from trainer.ckpt.hf import ARCH, INDEX, MAX_SHARD_BYTES, _get, leaf_shape, leaves
+from trainer.errors import UserError
+
+
+def hf_config(mc, dtype: str) -> dict:
+    """config.json for transformers' LlamaForCausalLM (rope keys in both forms: 5.x's rope_parameters, 4.x's
+    rope_theta/rope_scaling)."""
+    scaling = None
+    if mc.rope_scaling is not None:
+        f, lo, hi, n = mc.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
+                   "original_max_position_embeddings": int(n)}
+    return {"architectures": [ARCH], "model_type": "llama", "hidden_size": mc.d_model,
+            "intermediate_size": mc.d_ff, "num_hidden_layers": mc.n_layers, "num_attention_heads": mc.n_heads,
+            "num_key_value_heads": mc.n_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
+            "max_position_embeddings": mc.seq_len, "rms_norm_eps": mc.norm_eps, "rope_theta": mc.rope_theta,
+            "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta,
+                                                          **(scaling or {})}, "tie_word_embeddings": mc.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+            "initializer_range": mc.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+            "pad_token_id": None, "torch_dtype": dtype, "dtype": dtype}
+
+
+def check_expressible(mc, params: dict, where: str):
+    """A one-line error unless HF's Llama holds exactly these parameters."""
+    if mc.n_heads % mc.n_kv_heads:
+        raise UserError(f"{where}: n_heads={mc.n_heads} is not a multiple of n_kv_heads={mc.n_kv_heads}, "
+                        "which a Hugging Face Llama cannot express; export it with --format orbax")
+    for leaf in leaves(mc):
+        try:
+            got = tuple(_get(params, leaf.path).shape)
+        except (KeyError, TypeError):
+            got = None
+        if got != leaf_shape(leaf):
+            raise UserError(f"{where}: parameter {'.'.join(leaf.path)} has shape {got}, not the "
+                            f"{leaf_shape(leaf)} of a Llama; export it with --format orbax")
+
+
+def _host(x: jax.Array, i: int | None = None) -> np.ndarray:
+    """x (or its row i) as one numpy array on this host, from the shards (never whole on one device)."""
+    y_shape = x.shape[1:] if i is not None else x.shape
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x if i is None else x[i], tiled=True))
+    out, seen = np.empty(y_shape, x.dtype), set()
+    for sh in x.addressable_shards:
+        idx = sh.index
+        if i is None:
+            key, data, where = idx, sh.data, idx
+        else:
+            rows = range(x.shape[0])[idx[0]]
+            if i not in rows:
+                continue
+            # on CPU the shard is host memory already (no copy); elsewhere copy only the one layer
+            data = np.asarray(sh.data)[i - rows.start] if sh.device.platform == "cpu" else sh.data[i - rows.start]
+            key, where = idx[1:], idx[1:]
+        key = tuple((s.start, s.stop) for s in key)
+        if key not in seen:  # replicas hold the same values
+            seen.add(key)
+            out[where] = np.asarray(data)
+    return out
+
+
+def _plan(mc, dtype: np.dtype, max_bytes: int):
+    """[(file, [(name, shape, dtype)])] in order, a new file whenever the next tensor would pass max_bytes."""
+    files, cur, size = [], [], 0
+    for leaf in leaves(mc):
+        for name in leaf.names:
+            n = math.prod(leaf.hf_shape) * dtype.itemsize
+            if cur and size + n > max_bytes:
+                files.append(cur)
+                cur, size = [], 0
+            cur.append((name, leaf.hf_shape, dtype))
+            size += n
+    files.append(cur)
+    if len(files) == 1:
+        return [("model.safetensors", files[0])]
+    return [(f"model-{k + 1:05d}-of-{len(files):05d}.safetensors", f) for k, f in enumerate(files)]
+
+
+def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write a checkpoint's parameters (newest by default) to `out` as an HF Llama folder."""
+    from trainer.ckpt.params import load_params_at
+    from trainer.config import model_config
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not empty; choose a new directory")
+    params, cfg, step = load_params_at(run_dir, step)  # split over the local devices, never whole on one
+    return write_hf(params, model_config(cfg), out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+
+
+def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+             where: str = "parameters", step: int | None = None) -> Path:
+    """Write (sharded) parameters of the model mc to `out` as an HF Llama folder."""
+    out = Path(out)
+    check_expressible(mc, params, where)
+    np_dtype = st.DTYPES["BF16" if dtype == "bfloat16" else "F32"] if dtype else np.dtype(
+        jax.tree.leaves(params)[0].dtype)
+    if np_dtype not in st.CODES:
+        raise UserError(f"{where} are {np_dtype}; export them with --dtype float32")
+    by_name = {n: (leaf, i if leaf.stacked else None) for leaf in leaves(mc) for i, n in enumerate(leaf.names)}
+
+    def fill(name):
+        leaf, i = by_name[name]
+        a = _host(_get(params, leaf.path), i)
+        inv = tuple(int(k) for k in np.argsort(leaf.perm))  # meshtrain layout -> the HF view, then (out, in)
+        return a.transpose(inv).reshape(leaf.hf_shape).astype(np_dtype, copy=False)
+
+    files = _plan(mc, np_dtype, max_shard_bytes)
+    write = jax.process_index() == 0
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be created ({e.strerror}); choose another directory") from None
+    for fname, entries in files:
+        if write:
+            st.write(out / fname, entries, fill, {"format": "pt"})
+        else:  # take part in the gathers process 0 needs
+            for name, _, _ in entries:
+                fill(name)
+    if write:
+        dname = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[st.CODES[np_dtype]]
+        (out / "config.json").write_text(json.dumps(hf_config(mc, dname), indent=2) + "\n")
+        gen = {"_from_model_config": True, "bos_token_id": None, "eos_token_id": None, "max_length": mc.seq_len}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if len(files) > 1:
+            total = sum(math.prod(s) * d.itemsize for _, e in files for _, s, d in e)
+            index = {"metadata": {"total_size": total, "meshtrain_step": step},
+                     "weight_map": {n: f for f, e in files for n, _, _ in e}}
+            (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return out
