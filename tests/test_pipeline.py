@@ -21,6 +21,12 @@ LAYOUTS = [
     ("2,2,2", ADAMW + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=1", "train.microbatches=2"]),
     ("4,2,1", ADAMW + ["mesh.data=4", "mesh.stage=2", "train.zero_stage=3", "train.microbatches=2"]),
     ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_repeats=2"]),
+    ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_schedule=1f1b"]),
+    ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=8", "train.pipeline_schedule=1f1b"]),
+    ("2,2,2", SGD + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=1", "train.microbatches=2",
+                     "train.pipeline_schedule=1f1b"]),
+    ("1,2,1", SGD + ["mesh.data=1", "mesh.stage=2", "train.microbatches=4", "train.pipeline_repeats=2",
+                     "train.pipeline_schedule=interleaved_1f1b"]),
 ]
 
 
