@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import cross_entropy, embed, head, layer_stack
+from models.transformer import head, layer_stack
 from trainer import schedules
 from trainer.pipeline import circular_blocks, split_microbatches
 
@@ -32,6 +32,21 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
     """(table, plan) of a schedule; cached since every trace of the step asks again."""
     table = schedules.build(schedule, stages, microbatches, repeats)
     return table, schedules.plan(table, repeats)
+
+
+def _embed(c, params, tokens_BT, dtype, constrain):
+    """`embed` as a one-hot product: XLA's SPMD partitioner aborts on the gather inside the scan's
+    conditional when the vocab is split over `model` (jax 0.10.2, CPU)."""
+    onehot = jax.nn.one_hot(tokens_BT, params["embed"].shape[0], dtype=params["embed"].dtype)
+    x = jnp.einsum("btv,vd->btd", onehot, params["embed"]).astype(dtype)
+    return constrain(x, ("batch", "seq", "embed"))
+
+
+def _cross_entropy(logits_BTV, targets_BT):
+    """`cross_entropy` with the target logit picked by a one-hot sum (no gather, as above)."""
+    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
+    tgt = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype), -1)
+    return jnp.mean(logz - tgt)
 
 
 def loss_and_grads(s, params, batch):
@@ -58,9 +73,9 @@ def loss_and_grads(s, params, batch):
             blocks = jax.tree.map(lambda w: w[None], layers)
             back = lambda d: jax.tree.map(lambda w: w[0], d)  # noqa: E731
         else:
-            blocks, vjp_blocks = jax.vjp(lambda w: circular_blocks(w, S, V), layers)
+            blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
-        emb = lambda tp, m: embed(c, tp, tokens[m], s.dtype, constrain)  # noqa: E731
+        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         zeros_h = jnp.zeros(h0.shape, h0.dtype)
         zeros_blk, zeros_top = jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top)
@@ -68,7 +83,7 @@ def loss_and_grads(s, params, batch):
 
         def mb_loss(y, tp, m):
             logits = head(c, tp, y, constrain)
-            return cross_entropy(logits, targets[m]) / M
+            return _cross_entropy(logits, targets[m]) / M
 
         # branches: (h, g, m, v) -> (output, input cotangent, loss gradient, d blocks, d top, loss)
         def idle(h, g, m, v):
