@@ -121,6 +121,11 @@ def test_plan_slots_hold_the_right_inputs(sched, S, M, V):
     _simulate_buffers(table, plan(table, V), S)
 
 
+def test_start_up_line_reads_the_table():
+    from trainer.pipeline import describe
+    assert describe(4, 8, 1, "1f1b") == "pipeline 1f1b x1: 4 stages, 8 microbatches, 22 ticks, bubble 27.3%"
+
+
 def test_unknown_schedule():
     with pytest.raises(ValueError):
         build("zigzag", 4, 8)
