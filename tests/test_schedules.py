@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trainer.schedules import build, idle_fraction, plan, render
+from trainer.schedules import BWD_EMBED, FWD_EMBED, build, idle_fraction, plan, render
 
 CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 8, 8, 1),
          ("1f1b", 4, 16, 1), ("gpipe", 4, 4, 2), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 3)]
@@ -100,7 +100,7 @@ def _simulate_buffers(table, p, S):
         for s, op in enumerate(row):
             if op is None:
                 continue
-            first = p.branch[t, s] in (2, 5)
+            first = p.branch[t, s] in (FWD_EMBED, BWD_EMBED)
             if not first:
                 assert act[s].get(int(p.slot[t, s])) == (op.m, op.v), (t, s, op)
             if op.kind == "B":

@@ -60,29 +60,27 @@ def stage_order(schedule: str, S: int, M: int, V: int, s: int) -> list:
     return out + bwd[len(fwd) - warm:]
 
 
-def _prev(op: Op, s: int, S: int):
+def _prev(op: Op, s: int, S: int, V: int):
     """(stage, op) whose result this op needs, or None."""
     if op.kind == "F":
         if s > 0:
             return s - 1, op
         return (S - 1, Op("F", op.m, op.v - 1)) if op.v > 0 else None
-    last_v = op.v == _prev.V - 1
     if s < S - 1:
         return s + 1, op
-    return (S - 1, Op("F", op.m, op.v)) if last_v else (0, Op("B", op.m, op.v + 1))
+    return (S - 1, Op("F", op.m, op.v)) if op.v == V - 1 else (0, Op("B", op.m, op.v + 1))
 
 
 def build(schedule: str, S: int, M: int, V: int = 1) -> list:
     """The table: each stage runs its next op as soon as its input arrived (a tick after it was sent)."""
     orders = [stage_order(schedule, S, M, V, s) for s in range(S)]
-    _prev.V = V
     done, pos, table = {}, [0] * S, []
     while any(pos[s] < len(orders[s]) for s in range(S)):
         t, row = len(table), [None] * S
         for s in range(S):
             if pos[s] < len(orders[s]):
                 op = orders[s][pos[s]]
-                dep = _prev(op, s, S)
+                dep = _prev(op, s, S, V)
                 if dep is None or done.get(dep, t) < t:
                     row[s] = op
         for s, op in enumerate(row):
@@ -143,16 +141,15 @@ def plan(table: list, V: int = 1) -> Plan:
     """Per-(tick, stage) arrays for the executor; buffer slots by interval colouring per stage."""
     T, S = len(table), len(table[0])
     at = {(s, op): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
-    _prev.V = V
     acts, cots = [[] for _ in range(S)], [[] for _ in range(S)]
     for (s, op), t in at.items():
         if op.kind != "B":
             continue
         fop = Op("F", op.m, op.v)
-        dep = _prev(fop, s, S)
+        dep = _prev(fop, s, S, V)
         if dep is not None:  # stage input received from the previous stage; read by F and by B
             acts[s].append((at[dep], t, (op.m, op.v)))
-        cots[s].append((at[_prev(op, s, S)], t, (op.m, op.v)))
+        cots[s].append((at[_prev(op, s, S, V)], t, (op.m, op.v)))
     act_slot, cot_slot, n_act, n_cot = [], [], 0, 0
     for s in range(S):
         a, na = _slots(acts[s])
@@ -180,7 +177,7 @@ def plan(table: list, V: int = 1) -> Plan:
             if not first:
                 prv = (s - 1) % S
                 arr["recv_cot"][t, prv] = cot_slot[prv][(op.m, op.v - (s == 0))]
-    return Plan(**{k: v for k, v in arr.items()}, n_act=n_act, n_cot=n_cot)
+    return Plan(**arr, n_act=n_act, n_cot=n_cot)
 
 
 def main(argv: list) -> None:
