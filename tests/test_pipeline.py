@@ -21,6 +21,12 @@ LAYOUTS = [
     ("2,2,2", ADAMW + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=1", "train.microbatches=2"]),
     ("4,2,1", ADAMW + ["mesh.data=4", "mesh.stage=2", "train.zero_stage=3", "train.microbatches=2"]),
     ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_repeats=2"]),
+    ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_schedule=1f1b"]),
+    ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=8", "train.pipeline_schedule=1f1b"]),
+    ("2,2,2", SGD + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=1", "train.microbatches=2",
+                     "train.pipeline_schedule=1f1b"]),
+    ("1,2,1", SGD + ["mesh.data=1", "mesh.stage=2", "train.microbatches=4", "train.pipeline_repeats=2",
+                     "train.pipeline_schedule=interleaved_1f1b"]),
 ]
 
 
@@ -172,3 +178,19 @@ def test_circular_checkpoint_restores_onto_any_schedule(tmp_path):
     assert np.isfinite(loss_dp) and abs(loss_v4 - loss_dp) / abs(loss_dp) < 1e-5, (loss_v4, loss_dp)
     assert abs(norm_v4 - norm_dp) / norm_dp < 1e-5, (norm_v4, norm_dp)
     assert max_rel(p_v4, p_dp) < 1e-5 and max_rel(p_dp, saved["params"]) > 0
+
+
+def _temp_bytes(overrides):
+    s = make_setup(load_config(TINY + overrides), jax.devices()[:4])
+    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    with jax.set_mesh(s.mesh):
+        return jit_train_step(s).lower(s.shapes, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_needs_far_less_scratch_than_gpipe():
+    """S=4, M=16, one layer per stage, 2 MiB stage boundaries: GPipe keeps every microbatch's stage
+    input until the backward, 1F1B at most S of them."""
+    base = ["mesh.data=1", "mesh.stage=4", "train.microbatches=16", "model.n_layers=4", "model.seq_len=64",
+            "model.d_model=512", "model.d_ff=512", "train.batch_size=256"]
+    gpipe, one_f_one_b = _temp_bytes(base), _temp_bytes(base + ["train.pipeline_schedule=1f1b"])
+    assert one_f_one_b <= 0.4 * gpipe, (one_f_one_b, gpipe)  # measured: 89.3 MB vs 295.3 MB (0.30)

@@ -25,6 +25,7 @@ from trainer.observe.profiling import parse_steps
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -69,6 +70,7 @@ class TrainSection:
     zero_stage: int = 0
     grad_sync: str = "auto"  # auto | psum | ring | ring_bf16
     pipeline_repeats: int = 1  # V: circular pipeline schedule when > 1 (needs mesh.stage > 1)
+    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b | interleaved_1f1b (trainer/schedules.py)
     seed: int = 0
     # The small model's 200-step default run, batch 32 (eval loss, scripts/labs/local_sgd.py --modes every_step):
     # lr 1.5e-3 / warmup 60: 1.5465; 1e-3 / 60: 1.5659; 3e-3 / 60: 1.5778; 6e-3 / 60: 1.7517;
@@ -338,6 +340,14 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
                                    f"use a mesh.stage that divides {mc.n_layers}"),
         (t.pipeline_repeats >= 1, f"train.pipeline_repeats={t.pipeline_repeats} must be >= 1"),
+        (t.pipeline_schedule in PIPELINE_SCHEDULES, f"train.pipeline_schedule='{t.pipeline_schedule}' is "
+                                                    f"unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}"),
+        (t.pipeline_schedule != "interleaved_1f1b" or t.pipeline_repeats > 1,
+         "train.pipeline_schedule=interleaved_1f1b needs train.pipeline_repeats > 1; set it or use 1f1b"),
+        (t.pipeline_schedule != "1f1b" or t.pipeline_repeats == 1,
+         "train.pipeline_schedule=1f1b runs one repeat; use interleaved_1f1b with train.pipeline_repeats > 1"),
+        (t.pipeline_schedule != "interleaved_1f1b" or t.microbatches % max(stage, 1) == 0,
+         f"train.pipeline_schedule=interleaved_1f1b needs train.microbatches divisible by mesh.stage={stage}"),
         (cfg.mesh.dcn_data >= 1 and data % cfg.mesh.dcn_data == 0,
          f"mesh.dcn_data={cfg.mesh.dcn_data} does not divide mesh.data={data}; use a divisor of {data} (hosts per replica group)"),
         (cfg.mesh.dcn_stage >= 1 and stage % cfg.mesh.dcn_stage == 0,

@@ -75,7 +75,7 @@ def describe(s: Setup) -> str:
             f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
             f"{t.microbatches} microbatch(es)"
-            + (f" | {pipeline.describe(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats)}"
+            + (f" | {pipeline.describe(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
                if s.mesh.shape["stage"] > 1 else ""))
 
 

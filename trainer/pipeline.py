@@ -49,7 +49,12 @@ def bubble_overhead(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats)
 
 
-def describe(stages: int, microbatches: int, repeats: int) -> str:
+def describe(stages: int, microbatches: int, repeats: int, schedule: str = "gpipe") -> str:
+    if schedule != "gpipe":  # the table-driven schedules: ticks and idle share read off the table
+        from trainer.schedules import build, idle_fraction
+        table = build(schedule, stages, microbatches, repeats)
+        return (f"pipeline {schedule} x{repeats}: {stages} stages, {microbatches} microbatches, "
+                f"{len(table)} ticks, bubble {100 * idle_fraction(table):.1f}%")
     kind = "GPipe" if repeats == 1 else f"circular x{repeats}"
     return (f"pipeline {kind}: {stages} stages, {microbatches} microbatches, "
             f"{num_ticks(stages, microbatches, repeats)} ticks, bubble "
