@@ -30,8 +30,8 @@ def chunk_tokens(loss_chunk: int | None, n_tokens: int, vocab: int) -> int:
     return 0 if loss_chunk >= n_tokens else loss_chunk
 
 
-def _logits(x_nD, w_DV, constrain):
-    logits = jnp.einsum("nd,dv->nv", x_nD, w_DV.astype(x_nD.dtype), preferred_element_type=jnp.float32)
+def _logits(x_nD, w, w_axes, constrain):
+    logits = jnp.einsum(f"nd,{w_axes}->nv", x_nD, w.astype(x_nD.dtype), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "vocab"))
 
 
@@ -44,8 +44,10 @@ def _token_losses(logits_nV, targets_n):
     return logz - jnp.sum(jnp.where(hit, logits_nV, 0.0), axis=-1)
 
 
-def tiled_cross_entropy(x_ND, w_DV, targets_N, n: int, constrain):
-    """Mean cross-entropy of the logits x @ w, computed n tokens at a time.
+def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
+    """Mean cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
+    w_axes "dv" or (V, D) for "vd" (a tied embedding, used as stored: its gradient then needs no
+    transpose before it meets the lookup's).
 
     Chunk c takes tokens c, c+C, c+2C, ... (as microbatches take rows), so that with the
     tokens split over `data` every chunk is split over it too and all devices work on every
@@ -58,14 +60,16 @@ def tiled_cross_entropy(x_ND, w_DV, targets_N, n: int, constrain):
     if pad:
         x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
         targets_N, mask_N = jnp.pad(targets_N, (0, pad)), jnp.pad(mask_N, (0, pad))
-    x_CnD = constrain(x_ND.reshape(n, C, D).swapaxes(0, 1), (None, "batch", "embed"))
-    t_Cn, m_Cn = (a.reshape(n, C).swapaxes(0, 1) for a in (targets_N, mask_N))
+    # (n, C, D) is a free reshape; each chunk is a strided slice of it, not of a transposed
+    # copy (scanning over a (C, n, D) transpose held one more copy of x and of its gradient)
+    x_nCD = constrain(x_ND.reshape(n, C, D), ("batch", None, "embed"))
+    t_nC, m_nC = targets_N.reshape(n, C), mask_N.reshape(n, C)
 
-    def chunk(total, xs):
-        x_nD, t_n, m_n = xs
-        return total + jnp.sum(_token_losses(_logits(x_nD, w_DV, constrain), t_n) * m_n), None
+    def chunk(total, c):
+        x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
+        return total + jnp.sum(_token_losses(_logits(x_nD, w, w_axes, constrain), t_n) * m_n), None
 
     # nothing saved: the backward recomputes the chunk's logits from its inputs
     chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-    total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (x_CnD, t_Cn, m_Cn))
+    total, _ = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
     return total / N

@@ -273,8 +273,8 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, constrain: Constr
     if not n:
         return cross_entropy(head(c, params, x_BTD, constrain), targets_BT)
     x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
-    w_DV = params["embed"].T if c.tie_embeddings else params["lm_head"]
-    return tiled_cross_entropy(x.reshape(B * T, D), w_DV, targets_BT.reshape(B * T), n, constrain)
+    w, w_axes = (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
+    return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T), n, constrain)
 
 
 def loss_fn(c: ModelConfig, params: dict, batch_BT1, *, dtype=jnp.float32,
