@@ -54,7 +54,8 @@ def _target_logits(logits_nV, targets_n, stride, offset, shape=None):
 
 
 def _vocab_blocks(vocab: int, at_most: int) -> int:
-    """The most vocabulary blocks, at most `at_most`, that split V evenly."""
+    """The most vocabulary blocks, at most `at_most`, that split V evenly (a V with no divisor
+    near `at_most` gets fewer, larger blocks: vocabularies padded to a multiple of 64 avoid it)."""
     return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
 
 
