@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
+from models.loss import chunk_tokens, tiled_cross_entropy
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -279,7 +280,22 @@ def cross_entropy(logits_BTV, targets_BT):
     return jnp.mean(logz - tgt)
 
 
-def loss_fn(c: ModelConfig, params: dict, batch_BT1, **kw):
+def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, constrain: Constrain = _no_constrain):
+    """Mean cross-entropy of the head on final hidden states: whole logits, or tiled over
+    tokens (c.loss_chunk, models/loss.py) so that they are never materialised whole."""
+    B, T, D = x_BTD.shape
+    n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
+    if not n:
+        return cross_entropy(head(c, params, x_BTD, constrain), targets_BT)
+    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
+    w, w_axes = (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
+    return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T), n, constrain)
+
+
+def loss_fn(c: ModelConfig, params: dict, batch_BT1, *, dtype=jnp.float32,
+            constrain: Constrain = _no_constrain, gather: Callable[[dict], dict] = _identity,
+            remat: str | None = None):
     """Next-token loss on a (B, T+1) token batch."""
-    logits = forward(c, params, batch_BT1[:, :-1], **kw)
-    return cross_entropy(logits, batch_BT1[:, 1:])
+    x = embed(c, params, batch_BT1[:, :-1], dtype, constrain)
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
+    return head_loss(c, params, x, batch_BT1[:, 1:], constrain)

@@ -49,6 +49,7 @@ class ModelSection:
     attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
     kernels: str = "auto"  # auto | reference | fast: plain math or XLA:CPU fast paths (models/fast_cpu.py)
+    loss_chunk: Optional[int] = None  # tokens per cross-entropy chunk (models/loss.py); 0 = whole logits; null: auto
     init_from: Optional[str] = None  # parameters from `meshtrain export`, a run, or a Hugging Face Llama folder
 
 
@@ -286,6 +287,8 @@ def model_config(cfg: Config) -> ModelConfig:
         raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
     if m.attention not in ATTENTION_IMPLS:
         raise UserError(f"model.attention='{m.attention}' is unknown; choose one of {', '.join(ATTENTION_IMPLS)}")
+    if m.loss_chunk is not None and m.loss_chunk < 0:
+        raise UserError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (tokens per chunk; 0 = whole logits) or null")
     if m.kernels not in KERNELS:
         raise UserError(f"model.kernels='{m.kernels}' is unknown; choose one of {', '.join(KERNELS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import cross_entropy, embed, head, layer_stack
+from models.transformer import embed, head_loss, layer_stack
 
 
 def split_microbatches(batch, m: int):
@@ -168,5 +168,5 @@ def pipeline_loss(s, params, batch):
     x = embed(c, params, tokens, s.dtype, constrain)
     x_MBTD = jax.lax.with_sharding_constraint(split_microbatches(x, m), P(None, "data"))
     y = pipeline_layers(c, params["layers"], x_MBTD, s.mesh, s.cfg.train.pipeline_repeats)
-    logits = head(c, params, y.reshape((-1,) + y.shape[2:]), constrain)
-    return cross_entropy(logits, split_microbatches(targets, m).reshape(logits.shape[:2]))
+    y = y.reshape((-1,) + y.shape[2:])
+    return head_loss(c, params, y, split_microbatches(targets, m).reshape(y.shape[:2]), constrain)

@@ -1,0 +1,130 @@
+"""Next-token cross-entropy of the output head, whole or tiled over tokens (model.loss_chunk).
+
+Letters as in models/transformer.py; N tokens (flattened B*T), C chunks of n tokens.
+
+At Llama 3's 128k vocabulary the float32 logits of an 8k-token microbatch are 4 GB, and their
+gradient as much again. The tiled form (MaxText's vocab tiling, Levanter's blockwise
+cross-entropy) never materialises them: the forward is a `lax.scan` over chunks of n tokens,
+each computing its logits (n, V), their logsumexp and the target's logit; a custom_vjp's
+backward recomputes the logits by vocabulary block (N, V/C) and writes each block's weight
+gradient in place. Peak memory for the loss: one chunk's logits and their gradient, plus the
+head weight's gradient; compute: one more head matmul than the whole-logits loss (recompute).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Default rule (model.loss_chunk unset): tile when the whole float32 logits would exceed
+# TILE_ABOVE bytes, in chunks of the largest power-of-two token count whose logits fit in
+# CHUNK_BYTES (at V = 128k: 256 tokens, 128 MB). Small vocabularies (the bench's 256) never tile.
+TILE_ABOVE = 256 << 20
+CHUNK_BYTES = 128 << 20
+
+
+def chunk_tokens(loss_chunk: int | None, n_tokens: int, vocab: int) -> int:
+    """Tokens per chunk for N tokens (0: whole logits at once); None applies the default rule."""
+    if loss_chunk is None:
+        if n_tokens * vocab * 4 <= TILE_ABOVE:
+            return 0
+        loss_chunk = 1 << max(0, (CHUNK_BYTES // (4 * vocab)).bit_length() - 1)
+    return 0 if loss_chunk >= n_tokens else loss_chunk
+
+
+def _logits(x_nD, w, w_axes, constrain):
+    logits = jnp.einsum(f"nd,{w_axes}->nv", x_nD, w.astype(x_nD.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "vocab"))
+
+
+def _token_losses(logits_nV, targets_n):
+    """logsumexp - target logit per token. The target is picked by comparing with an iota, not
+    gathered: with the vocabulary split over `model` each rank keeps its slice (a gather on a
+    split axis would bring the logits together); the sum has one non-zero term, so it is exact."""
+    return jax.nn.logsumexp(logits_nV, axis=-1) - _target_logits(logits_nV, targets_n, 1, 0)
+
+
+def _target_logits(logits_nV, targets_n, stride, offset, shape=None):
+    """Each token's target logit (column j holds vocabulary entry j*stride + offset); with
+    logits None, the one-hot of the targets of that shape instead."""
+    shape = logits_nV.shape if shape is None else shape
+    hit = jax.lax.broadcasted_iota(jnp.int32, shape, 1) * stride + offset == targets_n[:, None]
+    if logits_nV is None:
+        return hit.astype(jnp.float32)
+    return jnp.sum(jnp.where(hit, logits_nV, 0.0), axis=-1)
+
+
+def _vocab_blocks(vocab: int, at_most: int) -> int:
+    """The most vocabulary blocks, at most `at_most`, that split V evenly (a V with no divisor
+    near `at_most` gets fewer, larger blocks: vocabularies padded to a multiple of 64 avoid it)."""
+    return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
+
+
+def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
+    """Mean cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
+    w_axes "dv" or (V, D) for "vd" (a tied embedding, used as stored: its gradient then needs no
+    transpose before it meets the lookup's).
+
+    Forward: chunk c takes tokens c, c+C, c+2C, ... (as microbatches take rows), so that with
+    the tokens split over `data` every chunk is split over it too; N not a multiple of n is
+    padded with masked-out tokens. It keeps each token's logsumexp (N floats).
+    Backward: the logits are recomputed by vocabulary block instead (every token, V/C entries
+    of the vocabulary, strided so that a block is split over `model` like V): each block's
+    weight gradient is written once into its place. By token chunk, every chunk's (V, D)
+    weight gradient would be a second head-sized buffer next to the accumulated one (XLA:CPU
+    does not add a matmul's output in place).
+    """
+    N, D = x_ND.shape
+    C = -(-N // n)
+    nb = _vocab_blocks(w.shape[0] if w_axes == "vd" else w.shape[1], C)
+    v_axis = 1 if w_axes == "vd" else 2
+
+    def forward(x_ND, w, targets_N):
+        pad = C * n - N
+        mask_N = jnp.ones((N,), jnp.float32)
+        if pad:
+            x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+            targets_N, mask_N = jnp.pad(targets_N, (0, pad)), jnp.pad(mask_N, (0, pad))
+        # (n, C, D) is a free reshape; each chunk is a strided slice of it, not of a transposed copy
+        x_nCD = constrain(x_ND.reshape(n, C, D), ("batch", None, "embed"))
+        t_nC, m_nC = targets_N.reshape(n, C), mask_N.reshape(n, C)
+
+        def chunk(total, c):
+            x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
+            logits = _logits(x_nD, w, w_axes, constrain)
+            logz = jax.nn.logsumexp(logits, axis=-1)
+            return total + jnp.sum((logz - _target_logits(logits, t_n, 1, 0)) * m_n), logz
+
+        total, logz_Cn = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
+        return total / N, logz_Cn.T.reshape(C * n)[:N]
+
+    @jax.custom_vjp
+    def loss(x_ND, w, targets_N):
+        return forward(x_ND, w, targets_N)[0]
+
+    def fwd(x_ND, w, targets_N):
+        value, logz_N = forward(x_ND, w, targets_N)
+        return value, (x_ND, w, targets_N, logz_N)
+
+    def bwd(res, g):
+        x_ND, w, targets_N, logz_N = res
+        shape = (w.shape[0] // nb, nb, D) if w_axes == "vd" else (D, w.shape[1] // nb, nb)
+        w_r = w.reshape(shape)
+
+        def block(carry, b):
+            dx_ND, dw = carry
+            w_b = jax.lax.dynamic_index_in_dim(w_r, b, v_axis, keepdims=False)
+            logits = _logits(x_ND, w_b, w_axes, constrain)
+            # d loss / d logits = (softmax - one-hot) g / N; vocabulary entry i*nb + b in this block
+            hit = _target_logits(None, targets_N, nb, b, logits.shape)
+            d = ((jnp.exp(logits - logz_N[:, None]) - hit) * (g / N)).astype(x_ND.dtype)
+            dx_ND = dx_ND + jnp.einsum(f"nv,{w_axes}->nd", d, w_b.astype(x_ND.dtype),
+                                       preferred_element_type=jnp.float32)
+            dw_b = jnp.einsum(f"nv,nd->{w_axes}", d, x_ND, preferred_element_type=jnp.float32).astype(w.dtype)
+            return (dx_ND, jax.lax.dynamic_update_index_in_dim(dw, dw_b, b, v_axis)), None
+
+        zeros = (jnp.zeros((N, D), jnp.float32), jnp.zeros(shape, w.dtype))
+        (dx_ND, dw), _ = jax.lax.scan(block, zeros, jnp.arange(nb))
+        return dx_ND.astype(x_ND.dtype), dw.reshape(w.shape), None
+
+    loss.defvjp(fwd, bwd)
+    return loss(x_ND, w, targets_N)

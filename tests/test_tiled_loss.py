@@ -1,0 +1,86 @@
+"""The vocabulary-tiled cross-entropy (model.loss_chunk, models/loss.py) equals the whole-logits loss."""
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import SGD, max_rel, run_steps, single_device
+from models.config import from_preset
+from models.loss import chunk_tokens
+from models.transformer import Transformer, forward, loss_fn, params_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+
+
+def _reference_loss(c, p, batch):
+    """optax's cross-entropy on the whole logits: independent of both code paths."""
+    logits = forward(c, p, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tiled_loss_and_grads_match_whole_logits(tie):
+    c = from_preset("tiny", tie_embeddings=tie, loss_chunk=0)
+    p = params_of(Transformer(c, rngs=nnx.Rngs(0)))
+    batch = jax.random.randint(jax.random.key(1), (3, c.seq_len + 1), 0, c.vocab_size)  # N = 96 tokens
+    ref_loss, ref_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(c, p, batch)))(p)
+    whole_loss, _ = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch)))(p)
+    assert abs(float(whole_loss) - float(ref_loss)) < 1e-6
+    # 32 and 8 divide N; 7 and 40 leave a remainder (padded, masked-out tokens)
+    for n in (32, 8, 7, 40):
+        cn = dataclasses.replace(c, loss_chunk=n)
+        assert chunk_tokens(n, 96, c.vocab_size) == n
+        loss, g = jax.jit(jax.value_and_grad(lambda p: loss_fn(cn, p, batch)))(p)
+        assert abs(float(loss) - float(ref_loss)) < 1e-6, n
+        assert max_rel(jax.tree.map(np.asarray, g), jax.tree.map(np.asarray, ref_g)) < 1e-6, n
+
+
+def test_default_rule():
+    # whole logits up to 256 MB; above, power-of-two chunks of <= 128 MB of logits
+    assert chunk_tokens(None, 4 * 256, 256) == 0  # scripts/bench/bench.yaml: never tiled
+    assert chunk_tokens(None, 16 * 2048, 256) == 0
+    assert chunk_tokens(None, 2048, 32768) == 0  # 256 MB exactly
+    assert chunk_tokens(None, 8 * 1024, 131072) == 256
+    assert chunk_tokens(None, 8 * 2048, 32000) == 1024
+    assert chunk_tokens(0, 8 * 1024, 131072) == 0
+    assert chunk_tokens(512, 256, 131072) == 0  # one chunk would hold every token
+
+
+def test_loss_chunk_must_not_be_negative():
+    from trainer.config import load_config, model_config
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match="loss_chunk"):
+        model_config(load_config(["model.loss_chunk=-1"]))
+
+
+# 512 tokens per step; 48 does not divide the global or the per-data-shard token count
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=2", "mesh.stage=1", "mesh.model=4"],
+    ["mesh.data=1", "mesh.stage=1", "mesh.model=8"],
+    ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"],
+    ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"],
+], ids=["dp2_tp4", "tp8", "zero3_dp2_tp4", "pipeline_dp2_pp2_tp2"])
+def test_train_steps_tiled_match_unchunked_one_device(layout):
+    common = SGD + (["train.microbatches=2"] if "train.microbatches=2" in layout else [])
+    ref_losses, ref_params, ref_norms = single_device(common + ["model.loss_chunk=0"])
+    r = run_steps(layout + SGD + ["model.loss_chunk=48"])
+    np.testing.assert_allclose(r.losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(r.grad_norms, ref_norms, rtol=1e-5)
+    assert max_rel(r.params, ref_params) < 1e-5
+
+
+def test_tiled_loss_needs_40_percent_less_temp_memory():
+    """The memory claim of scripts/bench/loss_memory.py (125m, 128k vocabulary) on a shape that
+    compiles fast: d_model 64, vocabulary 32768, 4096 tokens (512 MB of float32 logits)."""
+    from loss_memory import temp_bytes
+    shape = ["model.preset=tiny", "model.vocab_size=32768", "model.seq_len=32", "train.batch_size=128",
+             "train.dtype=float32", "mesh.data=1", "mesh.stage=1", "mesh.model=1"]
+    whole = temp_bytes(shape + ["model.loss_chunk=0"])
+    tiled = temp_bytes(shape)  # default rule: 1024-token chunks
+    assert tiled <= 0.6 * whole, (tiled, whole)
