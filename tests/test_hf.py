@@ -1,6 +1,7 @@
 """Hugging Face Llama folders in and out: transformers' logits and greedy tokens reproduced on 1 and 8
 devices, bitwise round trips, and one-line errors for bad folders (tests/fixtures/hf, made by transformers)."""
 import functools
+import io
 import json
 import shutil
 import struct
@@ -253,3 +254,35 @@ def test_export_hf_of_a_shape_hf_cannot_express_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "n_heads=4 is not a multiple of n_kv_heads=3" in err and "\n" not in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def _word_tokenizer(path):
+    """A 256-word tokenizer ('w0' ... 'w255', 'w0' the end of text) saved as an HF tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["w0"])
+    tok.save(str(path))
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w0"}))  # as HF folders name it
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True], ids=["bytes", "tokenizer"])
+def test_generate_from_an_hf_folder(with_tokenizer, tmp_path):
+    """`meshtrain generate --run HF_FOLDER` decodes greedily from the folder's weights: the tokens equal KV-cache
+    decoding from the parity-checked import; with a tokenizer.json in the folder, prompt and output go through it."""
+    from models.decode import generate
+    from trainer.generate import generate_text
+    d = tmp_path / "hf"
+    shutil.copytree(FIX / "gqa_untied_f32", d)
+    s, params = loaded("gqa_untied_f32", "1dev")
+    if with_tokenizer:
+        _word_tokenizer(d / "tokenizer.json")
+        prompt, ids = "w97 w98", [97, 98]
+    else:
+        prompt, ids = "ab", list(b"ab")
+    text = generate_text(str(d), prompt, 6, temperature=0.0, out=io.StringIO())
+    want = np.concatenate(list(generate(s.model, params, np.asarray([ids], np.int32), 6)))
+    if with_tokenizer:
+        assert text.split() == [f"w{t}" for t in want], (text, want)
+    else:
+        assert text == bytes(int(t) for t in want).decode("utf-8", errors="replace"), (text, want)

@@ -180,3 +180,18 @@ def test_vocab_larger_than_model(prepared, tmp_path, capsys):
     assert main(["train", f"data.source={out}", *TINY, "model.vocab_size=256", f"run.dir={tmp_path}/r"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "300" in err[0] and "model.vocab_size=256" in err[0], err
+
+
+def test_hf_export_carries_the_runs_tokenizer(prepared, tmp_path):
+    """A run on prepared data exports to an HF folder with its tokenizer.json, a tokenizer_config.json naming
+    the end-of-text token, and that token as generation's eos."""
+    import json
+    _, out, run = prepared
+    hf = tmp_path / "hf"
+    assert main(["export", "--run", str(run), "--out", str(hf), "--format", "hf"]) == 0
+    assert (hf / "tokenizer.json").read_bytes() == (out.parent / "tokenizer.json").read_bytes()
+    eot = json.loads(out.with_name(out.name + ".json").read_text())["eot_id"]
+    conf = json.loads((hf / "tokenizer_config.json").read_text())
+    from tokenizers import Tokenizer
+    assert Tokenizer.from_file(str(hf / "tokenizer.json")).token_to_id(conf["eos_token"]) == eot
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == eot

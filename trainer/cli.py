@@ -99,7 +99,7 @@ def _plot(args: list[str]) -> int:
 def _generate(args: list[str]) -> int:
     p = ArgParser(prog="meshtrain generate", description="Sample text from a run's newest "
                                 "checkpoint (KV-cache decoding), streamed to stdout.")
-    p.add_argument("--run", required=True, help="the run.dir (or an export)")
+    p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face Llama folder")
     p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
     p.add_argument("--tokens", type=int, default=256, help="bytes to generate (default: 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import math
 from pathlib import Path
 
@@ -99,7 +100,27 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not empty; choose a new directory")
     params, cfg, step = load_params_at(run_dir, step)  # split over the local devices, never whole on one
-    return write_hf(params, model_config(cfg), out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+    mc = model_config(cfg)
+    write_hf(params, mc, out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+    if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
+        _write_tokenizer(cfg.data.tokenizer, out, mc)
+    return out
+
+
+def _write_tokenizer(path: str, out: Path, mc):
+    """The run's tokenizer.json beside the weights, a tokenizer_config.json naming its end-of-text token (so
+    that transformers' AutoTokenizer loads the folder), and that token as generation's eos."""
+    from trainer.prepare import load_tokenizer
+    tok, src, eot = load_tokenizer(path)
+    shutil.copyfile(src, out / "tokenizer.json")
+    if (src.parent / "tokenizer_config.json").is_file():
+        shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
+    else:
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(eot),
+                "model_max_length": mc.seq_len}
+        (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    gen = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eot}, indent=2) + "\n")
 
 
 def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,

@@ -87,6 +87,8 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
     path = Path(run_dir)
     if is_export(path):
         return _load_export(path, shardings)
+    if not (path / SUBDIR).is_dir() and (path / "config.json").is_file():
+        return _load_hf(path, shardings)
     if not (path / SUBDIR).is_dir():
         raise UserError(f"'{run_dir}' holds no checkpoints ({path / SUBDIR} is missing) and is not an export; "
                         "give the run.dir of a run that saved checkpoints")
@@ -109,6 +111,18 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
     if found is None:
         raise UserError(f"run '{run_dir}' has no complete checkpoint; train it to write one")
     return found + (step,)
+
+
+def _load_hf(path: Path, shardings):
+    """(params, Config, 0) of a Hugging Face Llama folder; its tokenizer.json, when there, is the config's
+    data.tokenizer (so that `meshtrain generate` encodes and decodes with it)."""
+    from trainer.ckpt import hf
+    from trainer.config import load_config, model_config, replace
+    cfg = load_config([f"model.init_from={path}"])
+    if (path / "tokenizer.json").is_file():
+        cfg = replace(cfg, data={"tokenizer": str(path / "tokenizer.json")})
+    shapes = _shape_tree(cfg)[0]
+    return hf.load(path, model_config(cfg), shapes, param_shardings(cfg, shardings)), cfg, 0
 
 
 def init_params(s, path) -> dict:
