@@ -57,7 +57,10 @@ def test_tanh_silu_equals_jax_silu():
     only in the saturated tails (|x| > 8), where float32 tanh(x/2) rounds to +-1 and the fast form
     drops terms below 2e-6 (silu(-16) = -1.8e-6 becomes 0; silu'(16.5) = 1 + 1.9e-6 becomes 1)."""
     x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 6001), 4 * _normal(2, (4096,))[0]])
-    ref, fast = (jax.jit(jax.vmap(jax.value_and_grad(f)))(x) for f in (jax.nn.silu, fast_cpu.silu))
+    # compiled at LLVM -O3 as training is: the suite runs -O0 (tests/conftest.py), whose tanh is an ulp
+    # off in the saturated tails, which x up to 30 turns into 4e-6 there
+    ref, fast = (jax.jit(jax.vmap(jax.value_and_grad(f))).lower(x).compile(
+        compiler_options={"xla_backend_optimization_level": 3})(x) for f in (jax.nn.silu, fast_cpu.silu))
     assert max_rel(fast, ref) < TOL
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(ref)):
         assert float(jnp.max(jnp.abs(a - b) / jnp.maximum(1.0, jnp.abs(b)))) < 2.5e-6

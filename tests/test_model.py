@@ -24,9 +24,10 @@ def _grads(overrides, n_devices=8):
     return float(loss), jax.tree.map(np.asarray, g)
 
 
-@pytest.mark.parametrize("layout", [["mesh.data=8"], ["mesh.data=8", "train.zero_stage=2"],
-                                    ["mesh.data=4", "mesh.model=2", "train.zero_stage=3"]],
-                         ids=["dp-auto", "dp-zero2", "dp-tp-zero3"])
+@pytest.mark.parametrize("layout", [  # dp-auto and dp-zero2 behind -m slow: tests/test_layouts.py also accumulates
+    pytest.param(["mesh.data=8"], marks=pytest.mark.slow, id="dp-auto"),
+    pytest.param(["mesh.data=8", "train.zero_stage=2"], marks=pytest.mark.slow, id="dp-zero2"),
+    pytest.param(["mesh.data=4", "mesh.model=2", "train.zero_stage=3"], id="dp-tp-zero3")])
 def test_accumulation_equals_full_batch(layout):
     loss1, g1 = _grads(layout + ["train.microbatches=1"])
     loss4, g4 = _grads(layout + ["train.microbatches=4"])
@@ -87,7 +88,7 @@ def _loss_and_grads(c, p, batch, **kw):
     return jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch, **kw)))(p)
 
 
-@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", [pytest.param(8, marks=pytest.mark.slow, id="mha"), pytest.param(4, id="gqa")])
 def test_fast_paths_match_the_reference_layer(kv_heads):
     """Unrolled layers, the hand-written attention backward (blocked and not) and the
     projections' shared backward give the loss and gradients of the plain formulation:
@@ -104,6 +105,7 @@ def test_fast_paths_match_the_reference_layer(kv_heads):
         assert max_rel(got[1], ref[1]) < 1e-5, kw
 
 
+@pytest.mark.slow  # tests/test_fast_paths.py checks the blocked attention at the default run's shapes
 def test_blocked_attention_matches_jax_attention_with_odd_shapes():
     from models.attention import causal_attention
     ks = jax.random.split(jax.random.key(1), 4)

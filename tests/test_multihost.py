@@ -161,6 +161,7 @@ def test_dead_process_then_resume(fsdp_run):
     assert [got[i] for i in redone] == [r.before[i] for i in redone]
 
 
+@pytest.mark.slow  # the default run keeps the 2-process ZeRO-3 comparison (test_same_losses_zero3)
 def test_same_losses_2x2x2_hybrid(env, tmp_path):
     ref = run_steps(RUN + HYBRID[:1] + ["train.steps=5"], steps=5, source="synthetic")
     d = tmp_path / "run"

@@ -152,7 +152,7 @@ def test_links_follow_mesh_order_and_hosts():
 
 @pytest.mark.parametrize("args", [
     ["--devices", "256", "plan.device=tpu-v5p"],
-    ["--devices", "64", "--hosts", "8", "plan.device=h100-80g"],
+    pytest.param(["--devices", "64", "--hosts", "8", "plan.device=h100-80g"], marks=pytest.mark.slow),
 ])
 def test_search_ranks_7b_layouts_in_under_30s(args, capsys):
     t = time.perf_counter()

@@ -31,13 +31,13 @@ def test_tiled_loss_and_grads_match_whole_logits(tie):
     batch = jax.random.randint(jax.random.key(1), (3, c.seq_len + 1), 0, c.vocab_size)  # N = 96 tokens
     ref_loss, ref_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(c, p, batch)))(p)
     whole_loss, _ = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch)))(p)
-    assert abs(float(whole_loss) - float(ref_loss)) < 1e-6
+    assert abs(float(whole_loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss))  # relative: a few float32 ulps
     # 32 and 8 divide N; 7 and 40 leave a remainder (padded, masked-out tokens)
     for n in (32, 8, 7, 40):
         cn = dataclasses.replace(c, loss_chunk=n)
         assert chunk_tokens(n, 96, c.vocab_size) == n
         loss, g = jax.jit(jax.value_and_grad(lambda p: loss_fn(cn, p, batch)))(p)
-        assert abs(float(loss) - float(ref_loss)) < 1e-6, n
+        assert abs(float(loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss)), n
         assert max_rel(jax.tree.map(np.asarray, g), jax.tree.map(np.asarray, ref_g)) < 1e-6, n
 
 
@@ -60,12 +60,13 @@ def test_loss_chunk_must_not_be_negative():
 
 
 # 512 tokens per step; 48 does not divide the global or the per-data-shard token count
-@pytest.mark.parametrize("layout", [
-    ["mesh.data=2", "mesh.stage=1", "mesh.model=4"],
-    ["mesh.data=1", "mesh.stage=1", "mesh.model=8"],
-    ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"],
-    ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"],
-], ids=["dp2_tp4", "tp8", "zero3_dp2_tp4", "pipeline_dp2_pp2_tp2"])
+@pytest.mark.parametrize("layout", [  # the default run keeps the vocabulary split 8 ways and the pipeline
+    pytest.param(["mesh.data=2", "mesh.stage=1", "mesh.model=4"], marks=pytest.mark.slow, id="dp2_tp4"),
+    pytest.param(["mesh.data=1", "mesh.stage=1", "mesh.model=8"], id="tp8"),
+    pytest.param(["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"], marks=pytest.mark.slow,
+                 id="zero3_dp2_tp4"),
+    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"], id="pipeline_dp2_pp2_tp2"),
+])
 def test_train_steps_tiled_match_unchunked_one_device(layout):
     common = SGD + (["train.microbatches=2"] if "train.microbatches=2" in layout else [])
     ref_losses, ref_params, ref_norms = single_device(common + ["model.loss_chunk=0"])

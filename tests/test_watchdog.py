@@ -144,6 +144,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes and a kill; the default run keeps the blocked-step test
 def test_killed_peer_ends_the_survivor(tmp_path):
     """2 processes (jax.distributed, gloo), started directly: SIGKILL one; the other exits on its own within 60 s.
     Seen both ways: the survivor's collective fails (gloo: connection reset) and its exit then waits for the
