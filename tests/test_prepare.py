@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.conftest import TINY
+from conftest import TINY
 from trainer.cli import main
 
 HELDOUT = 0.3
