@@ -25,7 +25,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if "adamw" in n else []) for n in LAYOUTS])
 def test_fewer_kv_heads_than_model_matches_single_device(name):
     over = LAYOUTS[name]
     ref_losses, ref_params, ref_norms = single_device(over)

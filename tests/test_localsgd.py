@@ -49,6 +49,7 @@ def test_diloco_h1_outer_lr1_no_momentum_equals_every_step_sync():
     assert ref_losses[-1] < ref_losses[0]
 
 
+@pytest.mark.slow
 def test_sync_warmup_averages_every_step_then_every_h():
     """With train.sync_warmup=2 and H=8, DiLoCo (outer lr 1, no momentum, linear updates) is
     synchronous SGD for steps 1-2; step 3 is local, so the replicas differ after it."""

@@ -24,10 +24,10 @@ def _grads(overrides, n_devices=8):
     return float(loss), jax.tree.map(np.asarray, g)
 
 
-@pytest.mark.parametrize("layout", [  # dp-auto and dp-zero2 behind -m slow: tests/test_layouts.py also accumulates
+@pytest.mark.parametrize("layout", [  # behind -m slow: tests/test_layouts.py compares ZeRO-2 accumulation with one device by default
     pytest.param(["mesh.data=8"], marks=pytest.mark.slow, id="dp-auto"),
     pytest.param(["mesh.data=8", "train.zero_stage=2"], marks=pytest.mark.slow, id="dp-zero2"),
-    pytest.param(["mesh.data=4", "mesh.model=2", "train.zero_stage=3"], id="dp-tp-zero3")])
+    pytest.param(["mesh.data=4", "mesh.model=2", "train.zero_stage=3"], marks=pytest.mark.slow, id="dp-tp-zero3")])
 def test_accumulation_equals_full_batch(layout):
     loss1, g1 = _grads(layout + ["train.microbatches=1"])
     loss4, g4 = _grads(layout + ["train.microbatches=4"])

@@ -141,6 +141,7 @@ def _arg_bytes(overrides, n):
     return c.memory_analysis().argument_size_in_bytes, layers, s
 
 
+@pytest.mark.slow
 def test_stage_holds_a_quarter_of_the_layer_stack():
     one, layers, _ = _arg_bytes(["mesh.data=1", "train.microbatches=4"], 1)
     four, _, s = _arg_bytes(["mesh.data=1", "mesh.stage=4", "train.microbatches=4"], 4)

@@ -24,7 +24,7 @@ def _reference_loss(c, p, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tie", [pytest.param(True, marks=pytest.mark.slow), False])  # default: the untied head
 def test_tiled_loss_and_grads_match_whole_logits(tie):
     c = from_preset("tiny", tie_embeddings=tie, loss_chunk=0)
     p = params_of(Transformer(c, rngs=nnx.Rngs(0)))
