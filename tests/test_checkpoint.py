@@ -20,6 +20,7 @@ import tensorstore
 from conftest import TINY
 
 from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt.params import load_params
 from trainer.cli import main
 from trainer.config import load_config, model_config
 from trainer.errors import CheckpointUnreadable, UserError
@@ -436,10 +437,10 @@ def test_export_inspect_and_init_from(tmp_path, tiny, capsys):
         assert line in text, text
     assert [ln.split()[0] for ln in text.splitlines()[2:4]] == ["1", "2"]  # one row per checkpoint
 
-    params, cfg = ckpt.load_params(out)  # the export: bfloat16, as asked
+    params, cfg = load_params(out)  # the export: bfloat16, as asked
     want = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), states[1]["params"])
     assert model_config(cfg) == s.model and _equal(params, want)
-    params, _ = ckpt.load_params(run)  # the newest checkpoint, parameters only
+    params, _ = load_params(run)  # the newest checkpoint, parameters only
     assert _equal(params, states[2]["params"])
 
     s2 = make_setup(load_config(TINY + ["mesh.data=2", "mesh.model=4", f"model.init_from={out}"]))

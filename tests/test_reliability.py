@@ -14,6 +14,7 @@ import pytest
 from conftest import TINY, corpus
 
 from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "labs"))
@@ -93,7 +94,7 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
     assert all(np.isfinite(r["loss"]) and r["skipped"] == 0 for r in recs.values())
     assert [r.get("data_offset", 0) for r in recs.values()] == [0] * 8 + [2] * (STEPS - 8)
     # step 9 after the rollback = checkpoint 8's parameters on the batch at position 11 (index 10)
-    params, cfg = ckpt.load_params(ref, 8, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    params, cfg = load_params(ref, 8, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     mc, t = model_config(cfg), cfg.train
     batches = Batches(load_corpus("synthetic"), t.seed, t.batch_size, mc.seq_len, mc.vocab_size)
     loss = jax.jit(lambda p, b: loss_fn(mc, p, b))
@@ -163,7 +164,7 @@ sys.addaudithook(_Audit.hook)
 def test_checkpoint_loading_never_unpickles(drill, tmp_path):
     ref, marker = Path(drill["workdir"]) / "ref", tmp_path / "pwned"
     with _Audit() as events:  # a clean load
-        params, _ = ckpt.load_params(ref, STEPS)
+        params, _ = load_params(ref, STEPS)
     assert jax.tree.leaves(params) and not [e for e in events if e[0] == "pickle.find_class"], events
     bomb = pickle.dumps(type("Bomb", (), {"__reduce__": lambda self: (os.system, (f"touch {marker}",))})())
     assert b"system" in bomb
@@ -173,7 +174,7 @@ def test_checkpoint_loading_never_unpickles(drill, tmp_path):
         (run / "checkpoints" / str(STEPS) / name).write_bytes(bomb)  # a pickle where JSON is expected
         with _Audit() as events:
             try:
-                ckpt.load_params(run, STEPS)
+                load_params(run, STEPS)
             except Exception as e:  # noqa: BLE001 - refused as unreadable is fine; running it is not
                 assert "corrupt" in str(e) or "no checkpoint" in str(e), e
         assert not marker.exists() and not [e for e in events if e[0] == "pickle.find_class"], (name, events)

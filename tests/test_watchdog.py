@@ -15,6 +15,7 @@ import pytest
 from conftest import TINY
 
 from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt.params import load_params
 from trainer.watchdog import EXIT_CODE, FACTOR, StepWatchdog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def test_hung_step_ends_the_run_and_leaves_the_checkpoints(tmp_path):
     print(f"step 5 hung: exit {rc} {ended - t4:.1f}s after step 4's line (step_timeout_s={timeout})")
     assert ended - t4 < timeout + 15
     assert ckpt.list_steps(run) == [2, 4]  # the newest complete checkpoint is there to resume from
-    params, _ = ckpt.load_params(run, 4)
+    params, _ = load_params(run, 4)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 

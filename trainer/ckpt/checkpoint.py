@@ -378,10 +378,3 @@ def state_from_params(s, params) -> dict:
     with jax.set_mesh(s.mesh):
         return jax.jit(make, out_shardings=s.shardings)(params)
 
-
-def __getattr__(name):
-    """The parameters-only API (trainer.ckpt.params), still importable from here as it used to be."""
-    if name in ("load_params", "load_params_at", "init_params", "is_export", "param_shardings", "EXPORT_META"):
-        from trainer.ckpt import params as params_io
-        return getattr(params_io, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
