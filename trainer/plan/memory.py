@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshes import AXES, Layout
 from models import ModelConfig
 from trainer.pipeline import num_ticks
-from trainer.plan.schedule import AUTODIFF, cost
+from trainer.plan.schedule import cost, on_autodiff
 from trainer.plan.types import Strategy
 
 
@@ -176,7 +176,7 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     recompute = body * _saved(mc, st.model, dtype, "none", b)  # a stage body's residuals, rebuilt for its vjp
-    if st.schedule in AUTODIFF:
+    if on_autodiff(st.schedule):
         # trainer/pipeline.py: the scan saves its carry (a stage input) at every tick; the embedded
         # batch, the wrap-around buffer and the output are (M, b, T, D) each; embedding and head run
         # on all microbatches at once
@@ -200,7 +200,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
         # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
         # table executor accumulates it in circular order, then moves it back: one more copy)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
-        circ = (2 if st.schedule in AUTODIFF else 3) * stored if st.repeats > 1 else 0.0
+        circ = (2 if on_autodiff(st.schedule) else 3) * stored if st.repeats > 1 else 0.0
         return circ + ((top + lay / st.repeats) if zero3 else 0.0)
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):

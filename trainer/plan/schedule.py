@@ -19,6 +19,11 @@ from trainer import schedules
 AUTODIFF = ("gpipe",)
 
 
+def on_autodiff(schedule: str) -> bool:
+    """Whether trainer/step.py runs this schedule on the autodiff executor (else the table executor)."""
+    return schedule in AUTODIFF
+
+
 class Cost(NamedTuple):
     """One schedule's peak live stage inputs and cotangents on any stage, ticks and idle share."""
     inputs: int
