@@ -305,7 +305,7 @@ def test_pipeline_memory_model_holds_on_the_table_executor(sched, extra, monkeyp
     cfg, plan = _plan(over)
     xla = measure(cfg, grads=False).temp_bytes
     pred = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
-    assert abs(pred / xla - 1) < 0.10, (pred, xla)  # measured: -3.3% (M=16), -4.2% (M=8), +1.4% (V=2)
+    assert abs(pred / xla - 1) < 0.10, (pred, xla)  # measured: -2.5% (M=16), -3.2% (M=8), +2.2% (V=2)
 
 
 def test_planner_knows_which_executor_runs_each_schedule():
@@ -350,3 +350,20 @@ def test_search_tries_every_schedule_and_the_plan_names_it(capsys):
     out = capsys.readouterr().out
     assert "M=16 1f1b" in out and "pipeline 1f1b (S=4 M=16 V=1): 38 ticks, bubble 15.8%" in out
     assert "4 stage inputs live" in out
+
+
+# the 125m preset's vocabulary and 8 x 1024 tokens, narrow and shallow so that the head dominates
+HEAD_HEAVY = ["model.preset=125m", "model.d_model=128", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2",
+              "model.d_ff=512", "model.seq_len=1024", "train.batch_size=8", "mesh.data=1"]
+
+
+@pytest.mark.parametrize("vocab", [32000, 128000])
+@pytest.mark.parametrize("chunk", ["0", "null"], ids=["whole-logits", "tiled"])
+def test_head_memory_follows_the_tiled_loss(vocab, chunk):
+    """The planner's scratch against XLA's for a head-dominated step: the whole (N, V) logits and their
+    gradient, or with model.loss_chunk (the default tiles both vocabularies here) one vocabulary block's."""
+    cfg, plan = _plan(HEAD_HEAVY + [f"model.vocab_size={vocab}", f"model.loss_chunk={chunk}"])
+    xla = measure(cfg, grads=False).temp_bytes
+    pred = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
+    # measured: 32k -5.9% whole, -0.9% tiled (745 MiB of 2491); 128k -2.2% whole, +0.1% tiled (831 MiB of 8577)
+    assert abs(pred / xla - 1) < 0.10, (pred, xla)

@@ -153,13 +153,33 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
     return fixed + per * rows
 
 
+def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, tiled: bool = True) -> float:
+    """The head and loss at `rows` sequences per device: JAX's residuals and the backward's working set.
+
+    Whole logits: the residuals hold the (N, V) float32 logits and the backward adds their gradient.
+    Tiled (model.loss_chunk, models/loss.py): each token's logsumexp instead of its logits; the
+    backward holds one vocabulary block's logits, softmax and gradient (N, V/blocks), the float32
+    input gradient and the head weight's gradient as the blocks fill it in.
+    """
+    from models.loss import _vocab_blocks, chunk_tokens
+    N, D = rows * mc.seq_len, mc.d_model  # this device's tokens
+    V = mc.vocab_size // st.model  # the vocabulary is split over `model`
+    logits = 4.0 * N * V
+    res = _saved(mc, st.model, dtype, "head", rows)
+    n = chunk_tokens(mc.loss_chunk, N * st.data, mc.vocab_size) if tiled else 0  # as the step sees the batch
+    if not n:
+        return res + logits
+    blocks = _vocab_blocks(mc.vocab_size, -(-N * st.data // n))
+    return res - logits + 4.0 * N + 3 * logits / blocks + 4.0 * N * D + 4.0 * V * D
+
+
 def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> float:
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
         saved = mc.n_layers * _saved(mc, st.model, dtype, st.remat, b)
         recompute = _saved(mc, st.model, dtype, "none", b) if st.remat != "none" else 0.0
-        return saved + recompute + _saved(mc, st.model, dtype, "head", b)
+        return saved + recompute + head_bytes(mc, st, dtype, b)
     return pipeline_activation_bytes(mc, st, b, dtype)
 
 
@@ -179,15 +199,15 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     if on_autodiff(st.schedule):
         # trainer/pipeline.py: the scan saves its carry (a stage input) at every tick; the embedded
         # batch, the wrap-around buffer and the output are (M, b, T, D) each; embedding and head run
-        # on all microbatches at once
+        # on all microbatches at once, and the head's backward is over before the scan's starts
         ticks = num_ticks(st.stage, st.microbatches, st.repeats)
-        return (ticks + 3 * st.microbatches) * n + recompute + _saved(mc, st.model, dtype, "head", b * st.microbatches)
+        return (ticks + 3 * st.microbatches) * n + max(recompute, head_bytes(mc, st, dtype, b * st.microbatches))
     # table executor: live inputs and cotangents, each buffer's spare row, the tick's output, input
     # cotangent and loss gradient and the two it receives; the vjp's block gradient; the head and loss
     # of one microbatch on the last stage
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
     return ((c.inputs + c.cotangents + 7) * n + recompute + body * _layer_weight_bytes(mc, st.model)
-            + _saved(mc, st.model, dtype, "head", b))
+            + head_bytes(mc, st, dtype, b, tiled=False))  # trainer/pipeline_1f1b.py: whole logits
 
 
 def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
