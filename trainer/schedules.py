@@ -194,7 +194,7 @@ def main(argv: list) -> None:
     schedule = argv[2] if len(argv) > 2 else "1f1b"
     V = int(argv[3]) if len(argv) > 3 else (2 if schedule == "interleaved_1f1b" else 1)
     table = build(schedule, S, M, V)
-    sys.stdout.write(f"{schedule}: {S} stages, {M} microbatches, {V} repeats, {len(table)} ticks, "
+    sys.stdout.write(f"{schedule}: {S} stages, {M} microbatches, {V} repeat{'s' * (V > 1)}, {len(table)} ticks, "
                      f"idle {100 * idle_fraction(table):.1f}%\n{render(table)}\n")
 
 
