@@ -117,6 +117,7 @@ def by_axis(pred: Plan, m) -> dict:
 
 
 def _schedule(st) -> str:
+    """The search table's schedule column: '-' without a pipeline."""
     if st.stage == 1:
         return "-"
     return st.schedule + (f" V={st.repeats}" if st.repeats > 1 else "")
@@ -134,7 +135,7 @@ def search_text(ranked, best_n: int, why) -> str:
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
         rows.append(f"  {i + 1:>2} {st.data:>5} {st.stage:>5} {st.model:>5} {st.zero:>4} {st.microbatches:>4} "
-                    f"{st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} "
-                    f"{p.comm_bytes / GB:>8.3f}")
+                    f"{st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% "
+                    f"{p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
         rows.append(f"       {why(p, p0, i)}")
     return "\n".join(rows)
