@@ -326,7 +326,10 @@ def test_planner_knows_which_executor_runs_each_schedule():
         with jax.set_mesh(s.mesh):
             jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, s))(state["params"], batch)
         lengths = [e.params["length"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-        assert (cost(sched, 2, 4).ticks in lengths) != on_autodiff(sched), (sched, lengths)
+        table = cost(sched, 2, 4).ticks in lengths
+        assert table != on_autodiff(sched), \
+            f"trainer/step.py runs {sched} on the {'table' if table else 'autodiff'} executor (scan lengths " \
+            f"{lengths}): update trainer/plan/schedule.AUTODIFF"
 
 
 def _eqns(jaxpr):
