@@ -1,10 +1,13 @@
 """Pipeline schedule tables (trainer/schedules.py): dependencies, liveness, idle share, rendering."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from trainer.schedules import BWD_EMBED, FWD_EMBED, build, idle_fraction, plan, render
+from trainer.schedules import BWD_EMBED, FWD_EMBED, build, idle_fraction, main, plan, render
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 8, 8, 1),
          ("1f1b", 4, 16, 1), ("gpipe", 4, 4, 2), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 3)]
@@ -129,3 +132,14 @@ def test_start_up_line_reads_the_table():
 def test_unknown_schedule():
     with pytest.raises(ValueError):
         build("zigzag", 4, 8)
+
+
+@pytest.mark.parametrize("doc,schedules", [("README.md", ["1f1b"]),
+                                           ("docs/parallelism.md", ["gpipe", "1f1b", "interleaved_1f1b"])])
+def test_docs_show_the_tables_the_code_builds(doc, schedules, capsys):
+    """The S=4, M=8 tables in the docs are `python -m trainer.schedules 4 8 SCHEDULE`'s output, verbatim."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    for sched in schedules:
+        main(["4", "8", sched])
+        out = capsys.readouterr().out
+        assert f"\n{out}" in text, f"{doc}: regenerate the {sched} table"

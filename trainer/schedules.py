@@ -99,11 +99,20 @@ def idle_fraction(table: list) -> float:
     return sum(op is None for op in cells) / len(cells)
 
 
+def _cell(op, two: bool) -> str:
+    if op is None:
+        return "."
+    if two:  # two repeats: the second in lower case
+        return f"{op.kind.lower() if op.v else op.kind}{op.m}"
+    return f"{op.kind}{op.m}" + (f".{op.v}" if op.v else "")
+
+
 def render(table: list) -> str:
-    """One row per stage: F<m> / B<m> (with .<v> for repeats > 0) or '.' per tick."""
+    """One row per stage: F<m> / B<m> or '.' per tick; repeats v > 0 as f<m> / b<m> where there are
+    two, else F<m>.<v> / B<m>.<v>."""
     S = len(table[0])
-    cell = [[("." if op is None else f"{op.kind}{op.m}" + (f".{op.v}" if op.v else "")) for op in row]
-            for row in table]
+    two = max(op.v for row in table for op in row if op is not None) == 1
+    cell = [[_cell(op, two) for op in row] for row in table]
     w = max(len(c) for row in cell for c in row)
     return "\n".join(f"stage {s}: " + " ".join(row[s].ljust(w) for row in cell).rstrip() for s in range(S))
 
@@ -185,7 +194,7 @@ def main(argv: list) -> None:
     schedule = argv[2] if len(argv) > 2 else "1f1b"
     V = int(argv[3]) if len(argv) > 3 else (2 if schedule == "interleaved_1f1b" else 1)
     table = build(schedule, S, M, V)
-    sys.stdout.write(f"{schedule}: {S} stages, {M} microbatches, {V} repeats, {len(table)} ticks, "
+    sys.stdout.write(f"{schedule}: {S} stages, {M} microbatches, {V} repeat{'s' * (V > 1)}, {len(table)} ticks, "
                      f"idle {100 * idle_fraction(table):.1f}%\n{render(table)}\n")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
-from trainer.pipeline import bubble_fraction
 from trainer.plan.comm import transfers
 from trainer.plan.devices import Device
 from trainer.plan.memory import activation_bytes, buffer_bytes, state_bytes
+from trainer.plan.schedule import cost
 from trainer.plan.types import Strategy, Transfer
 
 __all__ = ["Plan", "Strategy", "Transfer", "estimate", "links", "strategy_of"]
@@ -97,11 +97,11 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     acts = activation_bytes(mc, st, batch, dtype)
     bufs = buffer_bytes(mc, train, st)
     moves = tuple(transfers(mc, train, st, batch, a))
-    bubble = bubble_fraction(st.stage, st.microbatches, st.repeats)
+    bubble = cost(st.schedule, st.stage, st.microbatches, st.repeats).bubble if st.stage > 1 else 0.0
     tokens = batch * mc.seq_len
     flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
     flops = hardware_flops_per_token(flop_mc) * tokens / st.devices
-    if st.stage > 1:  # embedding and head are replicated over `stage`
+    if st.stage > 1:  # the slowest stage runs the whole head: replicated over `stage`, or the last one's
         flops += 6 * mc.d_model * mc.vocab_size * tokens * (st.stage - 1) / st.devices
     peak = device.peak(dtype) / (st.devices if device.shared else 1)
     lk = links(st, device, hosts)
@@ -119,4 +119,4 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     data, stage, model = validate(cfg, n_devices)
     t = cfg.train
     return Strategy(data, stage, model, t.zero_stage, t.microbatches, cfg.model.remat,
-                    t.pipeline_repeats, t.grad_sync)
+                    t.pipeline_repeats, t.grad_sync, t.pipeline_schedule)

@@ -19,6 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 from meshes import AXES, Layout
 from models import ModelConfig
 from trainer.pipeline import num_ticks
+from trainer.plan.schedule import cost, on_autodiff
 from trainer.plan.types import Strategy
 
 
@@ -152,21 +153,61 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
     return fixed + per * rows
 
 
+def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, tiled: bool = True) -> float:
+    """The head and loss at `rows` sequences per device: JAX's residuals and the backward's working set.
+
+    Whole logits: the residuals hold the (N, V) float32 logits and the backward adds their gradient.
+    Tiled (model.loss_chunk, models/loss.py): each token's logsumexp instead of its logits; the
+    backward holds one vocabulary block's logits, softmax and gradient (N, V/blocks), the float32
+    input gradient and the head weight's gradient as the blocks fill it in.
+    """
+    from models.loss import _vocab_blocks, chunk_tokens
+    N, D = rows * mc.seq_len, mc.d_model  # this device's tokens
+    V = mc.vocab_size // st.model  # the vocabulary is split over `model`
+    logits = 4.0 * N * V
+    res = _saved(mc, st.model, dtype, "head", rows)
+    n = chunk_tokens(mc.loss_chunk, N * st.data, mc.vocab_size) if tiled else 0  # as the step sees the batch
+    if not n:
+        return res + logits
+    blocks = _vocab_blocks(mc.vocab_size, -(-N * st.data // n))
+    return res - logits + 4.0 * N + 3 * logits / blocks + 4.0 * N * D + 4.0 * V * D
+
+
 def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> float:
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
-    a = jax.numpy.dtype(dtype).itemsize
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
-    n = b * mc.seq_len * mc.d_model * a  # one microbatch's residual stream
     if st.stage == 1:
         saved = mc.n_layers * _saved(mc, st.model, dtype, st.remat, b)
         recompute = _saved(mc, st.model, dtype, "none", b) if st.remat != "none" else 0.0
-        return saved + recompute + _saved(mc, st.model, dtype, "head", b)
-    # pipeline: stage bodies are rematerialised, so a stage keeps its input of every tick, plus the
-    # schedule's input and output buffers; embedding and head run on all microbatches at once
-    ticks = num_ticks(st.stage, st.microbatches, st.repeats)
+        return saved + recompute + head_bytes(mc, st, dtype, b)
+    return pipeline_activation_bytes(mc, st, b, dtype)
+
+
+def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
+    """One layer's float32 weights on one device (what its vjp returns as gradient)."""
+    c = _shard(mc, tp)
+    D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+    return 4.0 * (2 * D + 2 * H * E * D + 2 * D * K * E + 3 * D * F)
+
+
+def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str) -> float:
+    """A pipeline stage's activations for b sequences per microbatch: the stage inputs and cotangents
+    its schedule keeps live (trainer/plan/schedule.py) plus one tick's working set."""
+    n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
-    return ((ticks + 3 * st.microbatches) * n + body * _saved(mc, st.model, dtype, "none", b)
-            + _saved(mc, st.model, dtype, "head", b * st.microbatches))
+    recompute = body * _saved(mc, st.model, dtype, "none", b)  # a stage body's residuals, rebuilt for its vjp
+    if on_autodiff(st.schedule):
+        # trainer/pipeline.py: the scan saves its carry (a stage input) at every tick; the embedded
+        # batch, the wrap-around buffer and the output are (M, b, T, D) each; embedding and head run
+        # on all microbatches at once, and the head's backward is over before the scan's starts
+        ticks = num_ticks(st.stage, st.microbatches, st.repeats)
+        return (ticks + 3 * st.microbatches) * n + max(recompute, head_bytes(mc, st, dtype, b * st.microbatches))
+    # table executor: live inputs and cotangents, each buffer's spare row, the tick's output, input
+    # cotangent and loss gradient and the two it receives; the vjp's block gradient; the head and loss
+    # of one microbatch on the last stage
+    c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
+    return ((c.inputs + c.cotangents + 7) * n + recompute + body * _layer_weight_bytes(mc, st.model)
+            + head_bytes(mc, st, dtype, b, tiled=False))  # trainer/pipeline_1f1b.py: whole logits
 
 
 def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
@@ -176,9 +217,10 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
     zero3 = st.zero >= 3 and st.data > 1
     if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
-        # circular schedule: the stage's layers re-laid out in circular order, and their gradient
+        # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
+        # table executor accumulates it in circular order, then moves it back: one more copy)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
-        circ = 2 * stored if st.repeats > 1 else 0.0
+        circ = (2 if on_autodiff(st.schedule) else 3) * stored if st.repeats > 1 else 0.0
         return circ + ((top + lay / st.repeats) if zero3 else 0.0)
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):

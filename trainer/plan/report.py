@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from models import param_count
 from trainer.plan.core import Plan
+from trainer.plan.schedule import cost
 
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}
@@ -50,7 +51,7 @@ def as_json(p: Plan) -> dict:
     return {
         "layout": {"data": st.data, "stage": st.stage, "model": st.model, "zero_stage": st.zero,
                    "microbatches": st.microbatches, "remat": st.remat, "pipeline_repeats": st.repeats,
-                   "grad_sync": st.grad_sync},
+                   "grad_sync": st.grad_sync, "pipeline_schedule": st.schedule},
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
         "params": param_count(p.model), "hbm_bytes": p.device.hbm,
         **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits, "over_bytes": p.over_bytes,
@@ -79,7 +80,9 @@ def text(p: Plan) -> str:
         rows.append(f"  {t.axis:<18}{link:<12}{t.kind:<20}{size(t.bytes):>10}  {t.what} (x{t.count})")
     rows.append(f"  {'total':<50}{size(p.comm_bytes):>10}")
     if st.stage > 1:
-        rows.append(f"  pipeline bubble (S-1)/(M*V+S-1) = {100 * p.bubble:.1f}%")
+        c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
+        rows.append(f"  pipeline {st.schedule} (S={st.stage} M={st.microbatches} V={st.repeats}): {c.ticks} ticks, "
+                    f"bubble {100 * p.bubble:.1f}% (idle share of its table), {c.inputs} stage inputs live")
     comm = " + ".join(f"{a} {s:.4g} s" for a, s in p.comm_s.items()) or "none"
     rows += ["", "roofline step time (no overlap)",
              f"  compute {p.compute_s:.4g} s at {p.device.peak(p.dtype) / 1e12:.3g} TFLOP/s"
@@ -113,6 +116,13 @@ def by_axis(pred: Plan, m) -> dict:
     return {a: (sum(t.bytes for t in pred.transfers if a in t.axis.split(",")), m.axis_bytes(a)) for a in axes}
 
 
+def _schedule(st) -> str:
+    """The search table's schedule column: '-' without a pipeline."""
+    if st.stage == 1:
+        return "-"
+    return st.schedule + (f" V={st.repeats}" if st.repeats > 1 else "")
+
+
 def search_text(ranked, best_n: int, why) -> str:
     fit = ranked.plans
     if not fit:
@@ -121,11 +131,11 @@ def search_text(ranked, best_n: int, why) -> str:
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
             f"the fastest {min(best_n, len(fit))} by roofline step time:",
-            f"   #  data stage model ZeRO    M remat   step s   MFU  mem GB  comm GB"]
+            f"   #  data stage model ZeRO    M remat schedule          step s   MFU  mem GB  comm GB"]
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
         rows.append(f"  {i + 1:>2} {st.data:>5} {st.stage:>5} {st.model:>5} {st.zero:>4} {st.microbatches:>4} "
-                    f"{st.remat:<5} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} "
-                    f"{p.comm_bytes / GB:>8.3f}")
+                    f"{st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% "
+                    f"{p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
         rows.append(f"       {why(p, p0, i)}")
     return "\n".join(rows)

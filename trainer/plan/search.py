@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig
-from trainer.pipeline import bubble_overhead
 from trainer.plan.core import Plan, Strategy, estimate
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -16,24 +15,34 @@ def _divisors(n: int) -> list[int]:
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
-    """(data, stage, model) x ZeRO x microbatches x remat that the trainer accepts on n_devices."""
+    """(data, stage, model) x schedule x ZeRO x microbatches x remat that the trainer accepts on n_devices."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for model in _divisors(n_devices):
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
         for stage in _divisors(n_devices // model):
-            v = repeats if stage > 1 else 1
-            if mc.n_layers % (stage * v):
-                continue
             data = n_devices // (model * stage)
             sync = grad_sync if stage == 1 else "auto"  # the pipeline leaves data sync to the compiler
-            for m in MICROBATCHES:
-                if batch % (data * m) or (stage > 1 and m < stage):
+            for schedule, v in _schedules(stage, repeats):
+                if mc.n_layers % (stage * v):
                     continue
-                for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
-                    for remat in REMATS:
-                        yield Strategy(data, stage, model, zero, m, remat, v, sync)
+                for m in MICROBATCHES:
+                    if batch % (data * m) or (stage > 1 and m < stage):
+                        continue
+                    if schedule == "interleaved_1f1b" and m % stage:
+                        continue
+                    for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
+                        for remat in REMATS:
+                            yield Strategy(data, stage, model, zero, m, remat, v, sync, schedule)
+
+
+def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:
+    """(train.pipeline_schedule, V) pairs to try: GPipe at the configured V, 1F1B, and interleaved
+    1F1B at the configured V (2 where it is 1)."""
+    if stage == 1:
+        return [("gpipe", 1)]
+    return [("gpipe", repeats)] + ([("1f1b", 1)] if repeats == 1 else []) + [("interleaved_1f1b", max(repeats, 2))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +63,7 @@ def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: st
 
 def parts(p: Plan) -> dict:
     """Seconds of one step by cause: compute, bubble, and each mesh axis's communication."""
-    st = p.strategy
-    out = {"compute": p.compute_s, "bubble": p.compute_s * bubble_overhead(st.stage, st.microbatches, st.repeats)}
+    out = {"compute": p.compute_s, "bubble": p.compute_s * p.bubble / (1 - p.bubble)}
     for axis, s in p.comm_s.items():
         link = "network" if any(p.links[a] == "net" for a in axis.split(",")) else "fast links"
         out[f"{axis} comm ({link})"] = s

@@ -6,7 +6,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """One layout: mesh shape, ZeRO stage, microbatches, remat, pipeline repeats, gradient sync."""
+    """One layout: mesh shape, ZeRO stage, microbatches, remat, pipeline repeats, gradient sync, schedule."""
     data: int
     stage: int
     model: int
@@ -15,6 +15,7 @@ class Strategy:
     remat: str
     repeats: int = 1
     grad_sync: str = "auto"
+    schedule: str = "gpipe"  # train.pipeline_schedule (meaningful where stage > 1)
 
     @property
     def devices(self) -> int:
@@ -22,6 +23,7 @@ class Strategy:
 
     def describe(self) -> str:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
+        pp += f" {self.schedule}" if self.stage > 1 else ""
         return (f"data={self.data} stage={self.stage} model={self.model} ZeRO-{self.zero} "
                 f"M={self.microbatches}{pp} remat={self.remat}")
 
