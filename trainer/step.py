@@ -36,10 +36,15 @@ def _constrain_tree(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def table_executor(s: Setup) -> bool:
+    """Whether the pipeline runs on the table executor (trainer/pipeline_1f1b.py), data-axis sync included."""
+    return s.mesh.shape["stage"] > 1 and s.cfg.train.pipeline_schedule in pipeline_1f1b.SCHEDULES
+
+
 def uses_manual_sync(s: Setup) -> bool:
     t = s.cfg.train
-    if s.mesh.shape["stage"] > 1:  # the pipeline leaves data-axis sync to the compiler
-        return False
+    if s.mesh.shape["stage"] > 1:  # the table executor syncs over `data` itself; GPipe leaves it to the compiler
+        return table_executor(s) and (t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1))
     return t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
 
 
@@ -139,8 +144,8 @@ def _manual_grads(s: Setup, params, batch):
 
 def loss_and_grads(s: Setup, params, batch):
     """Mean loss over the global batch and its gradient, synced over `data`."""
-    if s.mesh.shape["stage"] > 1 and s.cfg.train.pipeline_schedule != "gpipe":
-        return pipeline_1f1b.loss_and_grads(s, params, batch)  # the table-driven schedules
+    if table_executor(s):  # the table-driven schedules, synced over `data` once per step
+        return pipeline_1f1b.loss_and_grads(s, params, batch)
     if s.mesh.shape["stage"] > 1:
         return jax.value_and_grad(functools.partial(pipeline_loss, s))(params, batch)
     if uses_manual_sync(s):
