@@ -1,13 +1,15 @@
 """The table-driven pipelines with every data-parallel sync: train.grad_sync and ZeRO 0-3 match one device,
 and the compiled step syncs over `data` once per step, as many bytes as the stage's share of a
 no-pipeline step."""
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.config import load_config
-from trainer.plan.hlo import collective_ops
+from trainer.plan.hlo import collective_bytes, collective_ops
 from trainer.state import make_setup
 from trainer.step import jit_train_step
 
@@ -49,14 +51,16 @@ def test_table_pipeline_with_data_sync_matches_single_device(name, overrides, op
 
 
 def _data_sync(overrides, n):
-    """{collective kind: bytes one device sends over `data` per step} and the count of such ops per step."""
+    """{collective kind: bytes one device sends over `data` per step}, floating-point arrays only (the
+    integer ones move the batch, not the training state)."""
     s = make_setup(load_config(TINY + EIGHT + overrides), jax.devices()[:n])
     batch = jax.ShapeDtypeStruct((16, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
     with jax.set_mesh(s.mesh):
         text = jit_train_step(s).lower(s.shapes, batch).compile().as_text()
     out = {}
-    for kind, axes, sent, _ in collective_ops(text, dict(s.mesh.shape)):
-        if "data" in axes:
+    for kind, axes, sent, line in collective_ops(text, dict(s.mesh.shape)):
+        result = re.search(r"=\s*\(?([a-z]+)\d*\[", line).group(1)
+        if "data" in axes and result in ("f", "bf"):
             out[kind] = out.get(kind, 0) + sent
     return out, s
 
@@ -65,19 +69,30 @@ def _bytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_sync_once_per_step_and_the_stage_share(zero):
-    """(2,4,1) 1F1B syncs over `data` the bytes a (2,1,1) step syncs for the embedding and head plus a
-    quarter of the layers' (the stage's layers), and the same at M=4 and M=8: once per step, not per tick."""
+    """(2,4,1) 1F1B syncs over `data` what a (2,1,1) step syncs for the embedding and head plus a quarter
+    of it for the layers (the stage's share), and the same at M=4 and M=8: once per step, not per tick."""
     base = ["mesh.model=1", f"train.zero_stage={zero}"]
     ref, s = _data_sync(base + ["mesh.data=2", "mesh.stage=1", "train.microbatches=1"], 2)
     pipe = {m: _data_sync(base + ONE_F + ["mesh.data=2", "mesh.stage=4", f"train.microbatches={m}"], 8)[0]
             for m in (4, 8)}
     assert pipe[4] == pipe[8], pipe
-    # the ring bus factor of every kind is (K-1)/K or 2(K-1)/K of the array: the same split works per kind
     p = s.param_shapes
-    share = (_bytes({n: v for n, v in p.items() if n != "layers"}) + _bytes(p["layers"]) / 4) / _bytes(p)
-    total = lambda d: sum(d.values())  # noqa: E731
-    assert total(pipe[4]) == pytest.approx(share * total(ref), rel=1e-6), (pipe[4], ref, share)
-    kinds = {"all-reduce"} if zero < 2 else {"all-gather", "reduce-scatter"}
-    assert set(pipe[4]) <= kinds | {"all-reduce"} and kinds <= set(pipe[4]), pipe[4]
+    held = _bytes({n: v for n, v in p.items() if n != "layers"}) + _bytes(p["layers"]) / 4  # what a stage holds
+    # K=2 bus bytes: an all-reduce sends the array once, a reduce-scatter or all-gather half of it
+    # (the scalars of the loss and grad norm add < 100 bytes to the all-reduce)
+    want = {"all-reduce": held} if zero < 2 else {"reduce-scatter": held / 2, "all-reduce": 0}
+    want["all-gather"] = held / 2  # ZeRO-1: the updated parameters; ZeRO-3: the weights, once
+    for kind, b in want.items():
+        assert pipe[4].get(kind, 0) == pytest.approx(b, rel=1e-3, abs=200), (kind, pipe[4], want)
+        assert ref.get(kind, 0) * held / _bytes(p) == pytest.approx(b, rel=1e-3, abs=200), (kind, ref, want)
+    assert set(pipe[4]) <= set(want), pipe[4]
+
+
+def test_hlo_parser_reads_mesh_groups_with_device_ids():
+    """XLA writes a data-axis group of a (2,4,1) mesh as mesh[4,2] over device_ids [2,4]T(1,0), {'axis_1'}."""
+    line = ("%ar = f32[64]{0} all-reduce(f32[64]{0} %x), replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+            "device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add")
+    hlo = f"HloModule m\n\nENTRY %main (a: f32[64]) -> f32[64] {{\n  {line}\n}}\n"
+    assert collective_bytes(hlo, {"data": 2, "stage": 4, "model": 1}) == {("all-reduce", ("data",)): 64 * 4}
