@@ -40,7 +40,12 @@ EXTRA = [
     ("2,2,2", ["train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2", "mesh.data=2", "mesh.stage=2",
                "mesh.model=2", "train.zero_stage=3", "train.microbatches=4"]),
 ]
-_id = lambda opt, name, ov: f"{opt}-{name.replace(',', 'x')}-" + "-".join(o.split(".")[-1].replace("=", "") for o in ov[1:])  # noqa: E731
+
+
+def _id(opt, name, ov):
+    return f"{opt}-{name.replace(',', 'x')}-" + "-".join(o.split(".")[-1].replace("=", "") for o in ov[1:])
+
+
 CASES = [pytest.param(name, ov, opt, marks=[] if (i, opt) in DEFAULT else [pytest.mark.slow], id=_id(opt, name, ov))
          for i, (name, ov) in enumerate(LAYOUTS) for opt in ("sgd", "adamw") if (i, opt) not in IN_TEST_PIPELINE]
 CASES += [pytest.param(name, ov, "sgd", marks=[pytest.mark.slow], id=_id("sgd", name, ov)) for name, ov in EXTRA]
