@@ -12,6 +12,14 @@ Stage 0 embeds the microbatch's tokens itself and accumulates the embedding grad
 stage applies the head and cross-entropy as it finishes a microbatch's forward and seeds its
 backward with the loss gradient (scaled 1/M). Layer gradients accumulate per stage, in the
 stored (L/S, ...) layout (circular blocks map back through the vjp of `circular_blocks`).
+
+The shard_map is manual over `stage` and `data` (tensor parallelism over `model` stays with the
+compiler): each data shard accumulates the gradients of its own rows over all ticks, and the
+data-parallel sync (train.grad_sync's reducer, trainer/sync.py) runs once per step after the scan:
+an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for ZeRO 2/3. ZeRO-3
+weights arrive sharded and the stage's whole slice of layers (and the embedding and head) is
+all-gathered once per step before the scan, not per layer: a stage holds its L/S layers unsharded
+for the step, the price of a tick loop that runs any layer block at any tick.
 """
 from __future__ import annotations
 
@@ -23,8 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import head, layer_stack
-from trainer import schedules
+from trainer import schedules, sync
 from trainer.pipeline import circular_blocks, split_microbatches
+
+
+SCHEDULES = ("1f1b", "interleaved_1f1b")  # the schedules step.py runs through this executor
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +66,7 @@ def loss_and_grads(s, params, batch):
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
-    constrain = constrainer(mesh, without_axes(RULES, {"stage"}))
+    constrain = constrainer(mesh, without_axes(RULES, {"stage", "data"}))
     micro = lambda x: jax.lax.with_sharding_constraint(split_microbatches(x, M), P(None, "data"))  # noqa: E731
     tokens_MbT, targets_MbT = micro(batch[:, :-1]), micro(batch[:, 1:])
     top = {k: v for k, v in params.items() if k != "layers"}
@@ -134,7 +145,33 @@ def loss_and_grads(s, params, batch):
         (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P(), P(), P()), out_specs=(P(), P(), P("stage")),
-                       axis_names={"stage"}, check_vma=False)
-    loss, dtop, dlayers = fn(params["layers"], top, tokens_MbT, targets_MbT)
-    return loss, {**dtop, "layers": dlayers}
+    k, zero = mesh.shape["data"], t.zero_stage
+    dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
+    specs = jax.tree.map(lambda sh, lg: s.layout.compute_spec(sh.shape, lg), s.param_shapes, s.logical)
+    top_dims, top_specs = ({n: tree[n] for n in top} for tree in (dims, specs))
+    reducer = sync.make(t.grad_sync, "data", k)
+
+    def synced(layers, top, tokens, targets):
+        """`local` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
+        if zero >= 3:
+            layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
+            top = reducer.all_gather_tree(top, top_dims, top_specs)
+        loss, dtop, dlayers = local(layers, top, tokens, targets)
+        g = {**dtop, "layers": dlayers}
+        if k > 1:
+            g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
+        # each shard's loss is the mean over its rows (and 1/M per microbatch): the global mean is 1/k of the sum
+        return jax.lax.pmean(loss, "data"), jax.tree.map(lambda x: x / k, g)
+
+    def manual_specs(sharded: bool):
+        """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
+        def spec(sh, d, stage):
+            e = ["stage"] if stage else []
+            return P(*(e + [None] * (d - len(e)) + ["data"])) if sharded and d is not None else P(*e)
+        return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
+
+    p_in, g_out = manual_specs(zero >= 3), manual_specs(zero >= 2)
+    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"),
+                                                    P(None, "data")),
+                       out_specs=(P(), g_out), axis_names={"stage", "data"}, check_vma=False)
+    return fn(params["layers"], top, tokens_MbT, targets_MbT)

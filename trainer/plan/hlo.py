@@ -70,12 +70,17 @@ def _array_bytes(type_text: str) -> int:
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:
     """Replica groups of one collective, as lists of logical device ids."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:  # mesh form: mesh['axis_0'=8,...] {'axis_0'}: groups span the listed axes
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line)
+    if m:  # mesh form: mesh['axis_0'=8,...] [, device_ids=(iota)] {'axis_0'}: groups span the listed axes
         axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in m.group(1).split(",")]
         names, sizes = [a for a, _ in axes], [s for _, s in axes]
-        over = [names.index(a.strip("' ")) for a in m.group(2).split(",") if a.strip("' ")]
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        over = [names.index(a.strip("' ")) for a in m.group(3).split(",") if a.strip("' ")]
+        ids = np.arange(int(np.prod(sizes)))
+        if m.group(2):  # the mesh's devices in order, e.g. [2,4]T(1,0): an iota reshaped and transposed
+            d = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2).strip())
+            ids = ids.reshape([int(x) for x in d.group(1).split(",")])
+            ids = (ids.transpose([int(x) for x in d.group(2).split(",")]) if d.group(2) else ids).reshape(-1)
+        ids = ids.reshape(sizes)
         keep = [i for i in range(len(sizes)) if i not in over]
         return ids.transpose(keep + over).reshape(-1, int(np.prod([sizes[i] for i in over] or [1]))).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?", line)
