@@ -252,7 +252,7 @@ TITLE = {"a": "a. Presets at 1 and 8 simulated devices", "b": "b. Scanned vs unr
 
 def block(part, res, cmd, quick):
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = f"**{TITLE[part]}**" + (" (--quick: not figures to quote)" if quick else "")
+    head = f"**{TITLE[part]}**" + (" (--quick: smaller configurations, not figures to quote)" if quick else "")
     meta = f"`{cmd}`, {stamp}, jax {res[0]['jax']}, {platform.machine()} ({os.cpu_count()} CPUs)"
     return f"{head}\n\n{RENDER[part](res)}\n\n{meta}"
 
