@@ -213,8 +213,8 @@ def render_a(res):
         rows.append(f"| {j['preset']} | {layout} | {o['batch']} x {o['seq']} | {_ms(o['step_s'])} | "
                     f"{o['tok_s']:,.0f} | {o['rate'] / 1e9:.0f} | {o['ratio']:.3f} | {o['ratio'] * o['rate'] / best:.3f} | "
                     f"{o['compile_s']:.1f} |")
-    rows.append(f"\nMeasured float32 matmul peak of this machine (best of the run, 1024^3 and 2048^3): "
-                f"**{best / 1e9:.0f} GFLOP/s**.")
+    rows.append(f"\nMeasured float32 matmul peak (the best rate of the run, 1024^3 and 2048^3, any of its "
+                f"processes): **{best / 1e9:.0f} GFLOP/s**.")
     return "\n".join(rows)
 
 
