@@ -32,6 +32,8 @@ def parse():
 
 
 def time_steps(fn, state, batch, steps):
+    """Median seconds of `steps` steps after 2 warm-up steps, and the last state."""
+    import jax
     for _ in range(2):
         state, m = fn(state, batch)
     jax.block_until_ready(m)
@@ -42,6 +44,15 @@ def time_steps(fn, state, batch, steps):
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t)
     return statistics.median(times), state
+
+
+def matmul_rates() -> dict:
+    """float32 and bfloat16 matmul FLOP/s measured now in this process (the MFU denominators)."""
+    import jax.numpy as jnp
+    from trainer.observe.metrics import measure_matmul_rate
+    # the best of two sizes: on this CPU 1024^3 runs a few % faster than 2048^3
+    return {"float32": max(measure_matmul_rate(jnp.float32, n, 5) for n in (1024, 2048)),
+            "bfloat16": max(measure_matmul_rate(jnp.bfloat16, n, 5) for n in (1024, 2048))}
 
 
 def reference_step(s):
@@ -72,7 +83,6 @@ def main():
     from models import flops_per_token
     from trainer.config import load_config
     from trainer.data import Batches, load_corpus
-    from trainer.observe.metrics import measure_matmul_rate
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 
@@ -84,12 +94,7 @@ def main():
     tokens = t.batch_size * s.model.seq_len
     fpt = flops_per_token(s.model)
 
-    def best_rates():
-        # the best of two sizes: on this CPU 1024^3 runs a few % faster than 2048^3
-        return {"float32": max(measure_matmul_rate(jnp.float32, n, 5) for n in (1024, 2048)),
-                "bfloat16": max(measure_matmul_rate(jnp.bfloat16, n, 5) for n in (1024, 2048))}
-
-    rates = best_rates()
+    rates = matmul_rates()
     with jax.set_mesh(s.mesh):
         dt, _ = time_steps(jit_train_step(s), init_state(s), batch, a.steps)
     ref_dt = None
@@ -97,7 +102,7 @@ def main():
         step, tx = reference_step(s)
         params = jax.device_put(init_state(s)["params"])
         ref_dt, _ = time_steps(step, (params, tx.init(params)), batch, a.steps)
-    rates2 = best_rates()
+    rates2 = matmul_rates()
     rate = {k: max(rates[k], rates2[k]) for k in rates}  # best of before/after: less noise
     flops_s = fpt * tokens / dt
     on_cpu = jax.devices()[0].platform == "cpu"

@@ -21,6 +21,11 @@ DEFAULT = ["model.preset=125m", "model.vocab_size=131072", "model.seq_len=1024",
 
 def temp_bytes(overrides, devices=None) -> int:
     """temp_size_in_bytes of the compiled train step for a config (abstract shapes only)."""
+    return memory_analysis(overrides, devices).temp_size_in_bytes
+
+
+def memory_analysis(overrides, devices=None, compiler_options=None):
+    """XLA's memory analysis of the compiled train step for a config (abstract shapes only)."""
     import jax
     from trainer.config import load_config
     from trainer.state import make_setup
@@ -29,8 +34,8 @@ def temp_bytes(overrides, devices=None) -> int:
     batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), jax.numpy.int32,
                                  sharding=s.batch_sharding())
     with jax.set_mesh(s.mesh):
-        compiled = jit_train_step(s).lower(s.shapes, batch).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+        compiled = jit_train_step(s).lower(s.shapes, batch).compile(compiler_options)
+    return compiled.memory_analysis()
 
 
 def main():
