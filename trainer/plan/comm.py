@@ -238,16 +238,26 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
         share = sum(x.bytes for x in ls)  # the stage's layers and the top, at the compute spec
         zeroed = sum(x.bytes for x in ls if x.zero)
+        # as in _data_transfers: psum_scatter and all_gather see model-split leaves whole (gathered
+        # over `model` first); the ring and every all-reduce move the device's own slice
+        psum, agm = st.grad_sync in ("auto", "psum"), bus_factor("all-gather", tp)
+        whole = sum(x.bytes * (x.model_split if psum else 1) for x in ls if x.zero)
+        over_model = sum(x.bytes * x.model_split for x in ls if psum and x.zero and x.model_split > 1)
         if zero >= 2:
             out += [Transfer("data", "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
-                             ag * zeroed * wire, 1),
+                             ag * whole * wire, 1),
+                    Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                             agm * over_model, 1),
                     Transfer("data", "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
         else:
             out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                                 ar * share * wire, 1))
-        if zero:
-            out.append(Transfer("data", "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop"
-                                if zero >= 3 else "updated parameters all-gathered", ag * zeroed, 1))
+        if zero >= 3:
+            out += [Transfer("data", "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
+                             ag * whole, 1),
+                    Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
+        elif zero:
+            out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
         out.append(Transfer("data", "all-reduce", "loss averaged over data", ar * 4, 1))
     if tp > 1:  # the branch a stage runs each tick: per microbatch and repeat one forward and one backward
         ar = bus_factor("all-reduce", tp)
