@@ -436,3 +436,17 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert collective_bytes(hlo, mesh) == {("all-reduce", ("model",)): 4 * 1024}
     assert collective_bytes(hlo, mesh, [0.25, 0.75]) == {("all-reduce", ("model",)): 3 * 1024}
     assert collective_bytes(hlo, mesh, [0.2, 0.3, 0.5]) == {("all-reduce", ("model",)): 4 * 1024}  # another switch
+
+
+def test_gpipe_on_the_table_executor_is_planned_by_its_table(monkeypatch):
+    """Once gpipe leaves trainer/plan/schedule.AUTODIFF (it moves onto the table executor), the planner's
+    bytes follow that executor: circular gpipe V=2 on (2,2,2) with ZeRO-3, every axis within 3%."""
+    from trainer import pipeline_1f1b
+    from trainer.plan import schedule
+    monkeypatch.setattr(pipeline_1f1b, "SCHEDULES", tuple({"gpipe", *pipeline_1f1b.SCHEDULES}))
+    monkeypatch.setattr(schedule, "AUTODIFF", ())
+    cfg, plan = _plan(["train.pipeline_schedule=gpipe", "train.pipeline_repeats=2", "mesh.data=2", "mesh.stage=2",
+                       "mesh.model=2", "model.n_layers=4", "train.zero_stage=3", "train.microbatches=4"])
+    m = measure(cfg, grads=False)
+    for axis, (mine, xla) in by_axis(plan, m).items():
+        assert abs(mine / xla - 1) < 0.03, (axis, mine, xla)
