@@ -370,3 +370,83 @@ def test_head_memory_follows_the_tiled_loss(vocab, chunk):
     pred = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
     # measured: 32k -5.9% whole, -0.9% tiled (745 MiB of 2491); 128k -2.2% whole, +0.1% tiled (831 MiB of 8577)
     assert abs(pred / xla - 1) < 0.10, (pred, xla)
+
+
+ONE_F = ["train.pipeline_schedule=1f1b"]
+INTERLEAVED = ["train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2"]
+# the table executor's layouts: (data, stage, model), ZeRO, grad_sync; the slow ones add ZeRO-2/3 with
+# tensor parallelism (psum sees model-split leaves whole), the ring, and k/v heads shared over `model`
+TABLE_AGAINST_XLA = [
+    ("1f1b-d2s4-z1", ONE_F + ["mesh.data=2", "mesh.stage=4", "model.n_layers=4", "train.zero_stage=1"]),
+    ("1f1b-d2s4-z3", ONE_F + ["mesh.data=2", "mesh.stage=4", "model.n_layers=4", "train.zero_stage=3"]),
+    ("interleaved-s4-v2", INTERLEAVED + ["mesh.data=1", "mesh.stage=4", "model.n_layers=8"]),
+    ("1f1b-d2s2m2-z1-m2", ONE_F + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=1",
+                                   "train.microbatches=2"]),
+    pytest.param("1f1b-d2s2m2-z3-m2", ONE_F + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
+                                               "train.microbatches=2"], marks=pytest.mark.slow),
+    pytest.param("1f1b-d2s2m2-z2-m2", ONE_F + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=2",
+                                               "train.microbatches=2"], marks=pytest.mark.slow),
+    pytest.param("interleaved-d2s2m2-z3", INTERLEAVED + ["mesh.data=2", "mesh.stage=2", "mesh.model=2",
+                                                         "model.n_layers=4", "train.zero_stage=3"],
+                 marks=pytest.mark.slow),
+    pytest.param("1f1b-d4s2-ring-m2", ONE_F + ["mesh.data=4", "mesh.stage=2", "train.grad_sync=ring",
+                                               "train.microbatches=2"], marks=pytest.mark.slow),
+    pytest.param("1f1b-s2m4-ring-kv2-m2", ONE_F + ["mesh.data=1", "mesh.stage=2", "mesh.model=4", "model.n_kv_heads=2",
+                                                   "train.grad_sync=ring", "train.microbatches=2"],
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,overrides", TABLE_AGAINST_XLA)
+def test_table_executor_bytes_per_axis_match_the_hlo(name, overrides):
+    """Every mesh axis within 3% of the compiled step's collectives (M=4 unless given): the hops of
+    every tick (idle ones too), the stage sum of the top gradients, circular block moves, the data sync
+    of the stage's share once per step, and the tensor-parallel all-reduces of the branch each tick runs."""
+    cfg, plan = _plan(overrides + (["train.microbatches=4"] if "microbatches" not in str(overrides) else []))
+    m = measure(cfg, grads=False)
+    axes = by_axis(plan, m)
+    print(name, {a: (round(p), round(x)) for a, (p, x) in axes.items()})
+    assert {a for a, (_, x) in axes.items() if x} == {a for a, n in m.mesh_shape.items() if n > 1}
+    for axis, (mine, xla) in axes.items():
+        assert abs(mine / xla - 1) < 0.03, (axis, mine, xla)
+
+
+def test_hlo_parser_weights_conditional_branches():
+    """A switch in a 4-trip loop: each branch counts every trip (an upper bound) unless weighted by the
+    share of trips that take it, as verify does for the table executor's tick switch."""
+    hlo = """HloModule m
+
+%idle (p: f32[8]) -> f32[8] {
+  %p = f32[8] parameter(0)
+}
+
+%work (p: f32[8]) -> f32[8] {
+  %ar = f32[256]{0} all-reduce(f32[256]{0} %p), replica_groups=[4,2]<=[8], to_apply=%add
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %c = f32[8] conditional(s32[] %i, f32[8] %x, f32[8] %x), branch_computations={%idle, %work}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    mesh = {"data": 4, "stage": 1, "model": 2}
+    assert collective_bytes(hlo, mesh) == {("all-reduce", ("model",)): 4 * 1024}
+    assert collective_bytes(hlo, mesh, [0.25, 0.75]) == {("all-reduce", ("model",)): 3 * 1024}
+    assert collective_bytes(hlo, mesh, [0.2, 0.3, 0.5]) == {("all-reduce", ("model",)): 4 * 1024}  # another switch
+
+
+def test_gpipe_on_the_table_executor_is_planned_by_its_table(monkeypatch):
+    """Once gpipe leaves trainer/plan/schedule.AUTODIFF (it moves onto the table executor), the planner's
+    bytes follow that executor: circular gpipe V=2 on (2,2,2) with ZeRO-3, every axis within 3%."""
+    from trainer import pipeline_1f1b
+    from trainer.plan import schedule
+    monkeypatch.setattr(pipeline_1f1b, "SCHEDULES", tuple({"gpipe", *pipeline_1f1b.SCHEDULES}))
+    monkeypatch.setattr(schedule, "AUTODIFF", ())
+    cfg, plan = _plan(["train.pipeline_schedule=gpipe", "train.pipeline_repeats=2", "mesh.data=2", "mesh.stage=2",
+                       "mesh.model=2", "model.n_layers=4", "train.zero_stage=3", "train.microbatches=4"])
+    m = measure(cfg, grads=False)
+    for axis, (mine, xla) in by_axis(plan, m).items():
+        assert abs(mine / xla - 1) < 0.03, (axis, mine, xla)

@@ -4,7 +4,9 @@ Bus bytes are what one device sends with ring algorithms (trainer/collectives.py
 2(K-1)/K x S, the others (K-1)/K x S, S the unsharded array), a pipeline hop S. These rules
 follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan/hlo.py reads the same
 quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
-more than the textbook, the rule says so.
+more than the textbook, the rule says so. A pipeline follows its executor: the table executor
+(trainer/pipeline_1f1b.py, `_table_transfers`) or, for the schedules in
+trainer/plan/schedule.AUTODIFF, the autodiff one (trainer/pipeline.py, `_pipeline_transfers`).
 
 Letters: K = data, S = stage, tp = model, M microbatches, n tokens per device and microbatch,
 a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
@@ -15,6 +17,7 @@ from models import ModelConfig
 from trainer.collectives import bus_factor
 from trainer.pipeline import circular_moves, num_ticks
 from trainer.plan.memory import Leaf, leaves
+from trainer.plan.schedule import cost, on_autodiff
 from trainer.plan.types import Strategy, Transfer
 
 
@@ -23,7 +26,7 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
     ls = leaves(mc, train, st)
     n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
     if st.stage > 1:
-        out = _pipeline_transfers(mc, st, ls, n, a)
+        out = (_pipeline_transfers if on_autodiff(st.schedule) else _table_transfers)(mc, st, ls, n, a)
     else:
         out = ((_data_transfers(mc, st, ls, n) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
@@ -206,4 +209,66 @@ def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> lis
         out += [t.times(ticks * body) for t in _shared_kv_transfers(mc, tp, n, a)]
         out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
                             ar * (2 * whole + m * n * 4), 3))
+    return out
+
+
+def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
+    """The table executor (trainer/pipeline_1f1b.py): two ppermutes every tick of the table, the
+    stage's top gradients summed over `stage`, the data-axis sync of the stage's share once per step.
+
+    The hops run on idle ticks too (zeros): one microbatch each way per tick, whatever the table
+    says. Without a wrap (V = 1) the chain has S-1 senders, so a device sends (S-1)/S of that.
+    """
+    k, S, tp, m, V, zero = st.data, st.stage, st.model, st.microbatches, st.repeats, st.zero
+    ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
+    act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
+    top = sum(x.bytes for x in ls if not x.layers)
+    out = [Transfer("stage", "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
+                    2 * ticks * act * senders / S, 2 * ticks),
+           Transfer("stage", "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
+                    bus_factor("all-reduce", S) * (top + 4), 1)]
+    if V > 1:  # circular_blocks: the stage's layers (gathered already under ZeRO-3) to their blocks, and back
+        groups = [g for g in circular_moves(S, V) if g[0]]
+        moved = sum(b // V != b % S for b in range(S * V)) / (S * V)
+        stored = sum(x.bytes for x in ls if x.layers)
+        out.append(Transfer("stage", "collective-permute", "layer weights to their circular blocks (and gradients back)",
+                            2 * moved * stored, 2 * len(groups)))
+    if k > 1:
+        ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
+        wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
+        share = sum(x.bytes for x in ls)  # the stage's layers and the top, at the compute spec
+        zeroed = sum(x.bytes for x in ls if x.zero)
+        # as in _data_transfers: psum_scatter and all_gather see model-split leaves whole (gathered
+        # over `model` first); the ring and every all-reduce move the device's own slice
+        psum, agm = st.grad_sync in ("auto", "psum"), bus_factor("all-gather", tp)
+        whole = sum(x.bytes * (x.model_split if psum else 1) for x in ls if x.zero)
+        over_model = sum(x.bytes * x.model_split for x in ls if psum and x.zero and x.model_split > 1)
+        if zero >= 2:
+            out += [Transfer("data", "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
+                             ag * whole * wire, 1),
+                    Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                             agm * over_model, 1),
+                    Transfer("data", "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
+        else:
+            out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+                                ar * share * wire, 1))
+        if zero >= 3:
+            out += [Transfer("data", "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
+                             ag * whole, 1),
+                    Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
+        elif zero:
+            out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+        out.append(Transfer("data", "all-reduce", "loss averaged over data", ar * 4, 1))
+    if tp > 1:  # the branch a stage runs each tick: per microbatch and repeat one forward and one backward
+        ar = bus_factor("all-reduce", tp)
+        # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)
+        # and one per projection group
+        per_mb = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
+        out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_mb} per microbatch and block)",
+                         m * V * per_mb * ar * act, m * V * per_mb)]
+        out += [t.times(m * V * body) for t in _shared_kv_transfers(mc, tp, n, a)]
+        # stage 0 embeds (forward and recompute), the last stage's head: logits' max, sum and target, the
+        # head's input gradient; averaged over the stages
+        out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss (first and last stage)",
+                            m * ar * (3 * act + 3 * n * 4) / S, 5 * m / S))
     return out

@@ -2,7 +2,9 @@
 
 Bytes follow the bus-bytes convention the planner predicts in (what one device sends with
 ring algorithms, trainer/collectives.py; S = the full, unsharded array), collective-permute S
-per sending device (averaged over all devices).
+per sending device (averaged over all devices). A conditional runs one branch per call: without
+`branch_weights` each branch counts as if it ran every call (an upper bound); the table executor's
+tick switch runs branch i on a share of the (tick, stage) cells its table says (trainer/plan/verify.py).
 """
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _multiplicity(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+def _multiplicity(comps: dict[str, list[str]], entry: str, branch_weights=None) -> dict[str, float]:
+    """How many times each computation runs per call of the entry (while bodies x trip count), on
+    average over the devices; a conditional with len(branch_weights) branches runs branch i a share
+    branch_weights[i] of its calls."""
     calls = collections.defaultdict(list)  # caller -> [(callee, times)]
     for name, lines in comps.items():
         for line in lines:
@@ -50,7 +54,10 @@ def _multiplicity(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
                         raise ValueError(f"while loop calling {callee} has no known trip count")
                     calls[name].append((callee, n))
             for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                calls[name] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
+                names = [c.strip().lstrip("%") for c in group.split(",")]
+                share = branch_weights if branch_weights is not None and len(branch_weights) == len(names) \
+                    else [1] * len(names)
+                calls[name] += list(zip(names, share))
     mult = collections.Counter()
 
     def visit(name, times):
@@ -103,18 +110,20 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, 
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def collective_bytes(text: str, mesh_shape: dict[str, int]) -> dict[tuple[str, tuple[str, ...]], float]:
+def collective_bytes(text: str, mesh_shape: dict[str, int],
+                     branch_weights=None) -> dict[tuple[str, tuple[str, ...]], float]:
     """{(kind, mesh axes): bytes one device sends per call} over every collective in the HLO."""
     out = collections.Counter()
-    for kind, axes, sent, _ in collective_ops(text, mesh_shape):
+    for kind, axes, sent, _ in collective_ops(text, mesh_shape, branch_weights):
         out[(kind, axes)] += sent
     return dict(out)
 
 
-def collective_ops(text: str, mesh_shape: dict[str, int]) -> list[tuple[str, tuple[str, ...], float, str]]:
+def collective_ops(text: str, mesh_shape: dict[str, int],
+                   branch_weights=None) -> list[tuple[str, tuple[str, ...], float, str]]:
     """(kind, mesh axes, bytes one device sends per call, HLO line) of every collective op."""
     comps, entry = _computations(text)
-    mult = _multiplicity(comps, entry)
+    mult = _multiplicity(comps, entry, branch_weights)
     n = int(np.prod(list(mesh_shape.values())))
     out = []
     for name, lines in comps.items():

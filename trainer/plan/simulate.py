@@ -7,11 +7,17 @@ Per step and device:
   compute   hardware FLOPs (remat included) / (peak x sim.efficiency), times a straggler factor
             drawn per device and step: lognormal exp(sigma z) and/or, with probability
             slow_fraction, slow_factor x slower.
-  bubble    (S-1)/V microbatch times of a pipeline with S stages and V repeats.
+  bubble    the schedule table's idle share (trainer/plan/schedule.cost); on the autodiff executor
+            (trainer/plan/schedule.AUTODIFF) (S-1)/V microbatch times.
   tensor    4 activation all-reduces per layer and microbatch (6 with full remat), not overlapped.
-  pipeline  one activation send forward and one gradient send back per microbatch.
+  pipeline  the table executor: one activation send forward and one cotangent send back every tick
+            of the table (idle ticks too), the stage all-reduce of the embedding/head gradients and,
+            with V > 1, the layer blocks moved to their circular stages and back; the autodiff
+            executor: one send each way per microbatch.
   data      the gradient ring all-reduce (ZeRO-3: all-gather twice + reduce-scatter = 1.5x),
-            sim.overlap x compute of it hidden behind the backward pass.
+            sim.overlap x compute of it hidden behind the backward pass. The table executor syncs
+            the stage's share once, after its tick loop (ZeRO-3: one all-gather before it, one
+            reduce-scatter after: 1x), with nothing left to hide it behind.
 A ring all-reduce of S bytes over K devices takes 2(K-1) steps of S/K bytes, each costing latency +
 S/K / bandwidth (trainer/collectives.py); the devices' figures are trainer/plan/devices.py's. Groups
 that span nodes all-reduce hierarchically: rings inside nodes, then a ring of shards between them.
@@ -32,8 +38,9 @@ from models import ModelConfig, flops_per_token, hardware_flops_per_token, param
 from trainer.config import Config, model_config, validate
 from trainer.collectives import bus_factor, ring_seconds
 from trainer.errors import UserError
-from trainer.pipeline import bubble_overhead
+from trainer.pipeline import bubble_overhead, circular_moves
 from trainer.plan.devices import GB, Device, get_device
+from trainer.plan.schedule import cost, on_autodiff
 from trainer.plan.types import Transfer
 
 
@@ -102,7 +109,9 @@ def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int],
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
     compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
     v = getattr(t, "pipeline_repeats", 1)
-    bubble = compute * bubble_overhead(s, mb, v)
+    table = s > 1 and not on_autodiff(t.pipeline_schedule)  # trainer/pipeline_1f1b.py runs it
+    idle = cost(t.pipeline_schedule, s, mb, v).bubble if table else 0.0
+    bubble = compute * (idle / (1 - idle) if table else bubble_overhead(s, mb, v))
     act_bytes = 4 if t.dtype == "float32" else 2
     act = rows / mb * mc.seq_len * mc.d_model * act_bytes  # one microbatch's activations
     per_layer = 6 if mc.remat == "full" else 4
@@ -110,14 +119,39 @@ def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int],
     pbw, plat = hop(hw, 2, m)
     pipeline = mb * 2 * (plat + act / pbw) if s > 1 else 0.0
     grad = param_count(mc) / (s * m) * 4  # float32 gradients, this device's (stage, model) slice
+    if table:  # every stage holds (and syncs) the whole embedding, head and final norm beside its layers
+        pipeline = _table_pipeline(mc, hw, t.pipeline_schedule, s, m, mb, v, act)
+        grad = (param_count(mc) + (s - 1) * _top_params(mc)) / (s * m) * 4
     plain = ring = group_allreduce(hw, grad, data, s * m)
-    if t.zero_stage >= 3:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
+    if t.zero_stage >= 3 and not table:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
         ring = dataclasses.replace(ring.times(1.5), kind="all-gather x2, reduce-scatter", count=3)
-    exposed = max(0.0, ring.seconds - sim.overlap * compute)
+    elif t.zero_stage >= 3:  # once per step: all-gather before the tick loop, reduce-scatter after it
+        ring = dataclasses.replace(ring, kind="all-gather, reduce-scatter", count=2)
+    exposed = max(0.0, ring.seconds - (0.0 if table else sim.overlap) * compute)
     bw, lat = hop(hw, data, s * m)
     push_pull = 2 * grad / bw + 2 * lat if data > 1 else 0.0
     return Point(k, data, rows * data, model_flops, hw_flops, compute, bubble, tensor, pipeline, ring, plain,
                  exposed, max(0.0, push_pull - sim.overlap * compute))
+
+
+def _table_pipeline(mc: ModelConfig, hw: Device, schedule: str, s: int, m: int, mb: int, v: int,
+                    act: float) -> float:
+    """Seconds of the table executor's stage traffic: two hops every tick, the top gradients summed
+    over `stage`, and with v > 1 the layer blocks moved to their circular stages and back."""
+    pbw, plat = hop(hw, 2, m)
+    hops = 2 * cost(schedule, s, mb, v).ticks * (plat + act / pbw)
+    total = hops + group_allreduce(hw, _top_params(mc) / m * 4, s, m).seconds  # float32 gradients
+    if v > 1:  # each stage sends the blocks it stores but does not run, one ppermute per group
+        layers = (param_count(mc) - _top_params(mc)) / (s * m) * 4
+        moved = sum(b // v != b % s for b in range(s * v)) / (s * v)
+        groups = sum(1 for g in circular_moves(s, v) if g[0])
+        total += 2 * (groups * plat + moved * layers / pbw)
+    return total
+
+
+def _top_params(mc: ModelConfig) -> int:
+    """Parameters outside the layer stack: embedding, head unless tied, final norm."""
+    return (1 if mc.tie_embeddings else 2) * mc.vocab_size * mc.d_model + mc.d_model
 
 
 def straggler_factors(cfg: Config, steps: int, k: int, rng) -> np.ndarray:

@@ -3,7 +3,8 @@
 Nothing runs: the train step is lowered with abstract inputs and compiled for the simulated
 CPU devices; `memory_analysis()` gives the bytes of its arguments (parameters, optimizer state,
 step and batch) and a second compile of the gradient function gives the gradients' bytes as the
-implementation holds them. The HLO gives every collective's bytes (trainer/plan/hlo.py).
+implementation holds them. The HLO gives every collective's bytes (trainer/plan/hlo.py); in the
+table executor's tick switch each branch counts as often as the schedule table runs it.
 """
 from __future__ import annotations
 
@@ -75,4 +76,20 @@ def measure(cfg, devices=None, grads: bool = True) -> Measured:
         grads_bytes=g_bytes,
         temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
         output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
-        collectives=collective_bytes(text, dict(s.mesh.shape)), mesh_shape=dict(s.mesh.shape), text=text)
+        collectives=collective_bytes(text, dict(s.mesh.shape), branch_weights(s)), mesh_shape=dict(s.mesh.shape),
+        text=text)
+
+
+def branch_weights(s) -> list[float] | None:
+    """Share of the (tick, stage) cells of the table executor's schedule that run each branch of its
+    tick switch (None without it): a device runs one branch per tick, not all of them."""
+    from trainer import pipeline_1f1b, schedules
+    from trainer.step import table_executor
+    if not table_executor(s):
+        return None
+    t = s.cfg.train
+    _, pl = pipeline_1f1b.table_plan(t.pipeline_schedule, s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats)
+    branches = 1 + max(schedules.IDLE, schedules.FWD, schedules.FWD_EMBED, schedules.FWD_LOSS, schedules.BWD,
+                       schedules.BWD_EMBED)  # the switch has them all, used or not
+    counts = np.bincount(np.asarray(pl.branch).ravel(), minlength=branches)
+    return (counts / counts.sum()).tolist()
