@@ -78,60 +78,62 @@ def loss_and_grads(s, params, batch):
         emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         zeros_h = jnp.zeros(h0.shape, h0.dtype)
-        zeros_blk, zeros_top = jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top)
-        zero = jnp.zeros((), jnp.float32)
+        add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
             logits = head(c, tp, y, constrain)
             return _cross_entropy(logits, targets[m]) / M
 
-        # branches: (h, g, m, v) -> (output, input cotangent, loss gradient, d blocks, d top, loss)
-        def idle(h, g, m, v):
-            return zeros_h, zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        # branches: (h, g, m, v, (d blocks, d top), gbuf) -> (output, input cotangent, (d blocks, d top),
+        # gbuf, loss). The gradient sums and the cotangent buffer go through the branch: a branch that
+        # does not change them hands them back, so forward and idle ticks add no stage-sized zeros.
+        def idle(h, g, m, v, acc, gbuf):
+            return zeros_h, zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
 
-        def fwd(h, g, m, v):
-            return body(blocks, v, h), zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        def fwd(h, g, m, v, acc, gbuf):
+            return body(blocks, v, h), zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
 
-        def fwd_embed(h, g, m, v):
-            return body(blocks, v, emb(top, m)), zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        def fwd_embed(h, g, m, v, acc, gbuf):
+            return body(blocks, v, emb(top, m)), zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
 
-        def fwd_loss(h, g, m, v):
+        def fwd_loss(h, g, m, v, acc, gbuf, slot):
             y = body(blocks, v, h)
             loss, (dy, dtop) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, top, m)
-            return y, zeros_h, dy.astype(y.dtype), zeros_blk, dtop, loss
+            gbuf = jax.lax.dynamic_update_index_in_dim(gbuf, dy.astype(y.dtype), slot, 0)
+            return y, zeros_h, (acc[0], add(acc[1], dtop)), gbuf, loss
 
-        def bwd(h, g, m, v):
+        def bwd(h, g, m, v, acc, gbuf):
             _, vjp = jax.vjp(lambda w, x: body(w, v, x), blocks, h)
             dblk, dh = vjp(g)
-            return zeros_h, dh, zeros_h, dblk, zeros_top, zero
+            return zeros_h, dh, (add(acc[0], dblk), acc[1]), gbuf, jnp.zeros((), jnp.float32)
 
-        def bwd_embed(h, g, m, v):
-            _, vjp = jax.vjp(lambda w, tp: body(w, v, emb(tp, m)), blocks, top)
-            dblk, dtop = vjp(g)
-            return zeros_h, zeros_h, zeros_h, dblk, dtop, zero
+        def bwd_embed(h, g, m, v, acc, gbuf):
+            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**top, "embed": e}, m)), blocks, top["embed"])
+            dblk, de = vjp(g)
+            dtop = {**acc[1], "embed": acc[1]["embed"] + de}
+            return zeros_h, zeros_h, (add(acc[0], dblk), dtop), gbuf, jnp.zeros((), jnp.float32)
 
-        branches = [None] * 6
-        for i, f in ((schedules.IDLE, idle), (schedules.FWD, fwd), (schedules.FWD_EMBED, fwd_embed),
-                     (schedules.FWD_LOSS, fwd_loss), (schedules.BWD, bwd), (schedules.BWD_EMBED, bwd_embed)):
-            branches[i] = f
         me = jax.lax.axis_index("stage")
 
         def tick(carry, row):
-            xbuf, gbuf, dblk, dtop, loss = carry
+            xbuf, gbuf, acc, loss = carry
             r = {k: a[me] for k, a in row.items()}
-            y, dh, dy, db, dt, ls = jax.lax.switch(r["branch"], branches, xbuf[r["slot"]],
-                                                   gbuf[r["cot_slot"]], r["m"], r["v"])
-            dblk = jax.tree.map(jnp.add, dblk, db)
-            dtop = jax.tree.map(jnp.add, dtop, dt)
-            gbuf = gbuf.at[r["loss_slot"]].set(dy)
+            branches = [None] * 6
+            for i, f in ((schedules.IDLE, idle), (schedules.FWD, fwd), (schedules.FWD_EMBED, fwd_embed),
+                         (schedules.FWD_LOSS, functools.partial(fwd_loss, slot=r["loss_slot"])),
+                         (schedules.BWD, bwd), (schedules.BWD_EMBED, bwd_embed)):
+                branches[i] = f
+            y, dh, acc, gbuf, ls = jax.lax.switch(r["branch"], branches, xbuf[r["slot"]], gbuf[r["cot_slot"]],
+                                                  r["m"], r["v"], acc, gbuf)
             # the last row of each buffer is a dummy that takes the writes nobody reads
             xbuf = xbuf.at[r["recv_act"]].set(jax.lax.ppermute(y, "stage", fwd_pairs))
             gbuf = gbuf.at[r["recv_cot"]].set(jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, dblk, dtop, loss + ls), None
+            return (xbuf, gbuf, acc, loss + ls), None
 
+        acc = (jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top))
         carry = (jnp.zeros((pl.n_act + 1,) + h0.shape, h0.dtype), jnp.zeros((pl.n_cot + 1,) + h0.shape, h0.dtype),
-                 zeros_blk, zeros_top, zero)
-        (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
+                 acc, jnp.zeros((), jnp.float32))
+        (_, _, (dblk, dtop), loss), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P(), P(), P()), out_specs=(P(), P(), P("stage")),
