@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
@@ -84,56 +85,67 @@ def loss_and_grads(s, params, batch):
             logits = head(c, tp, y, constrain)
             return _cross_entropy(logits, targets[m]) / M
 
-        # branches: (h, g, m, v, (d blocks, d top), gbuf) -> (output, input cotangent, (d blocks, d top),
-        # gbuf, loss). The gradient sums and the cotangent buffer go through the branch: a branch that
-        # does not change them hands them back, so forward and idle ticks add no stage-sized zeros.
-        def idle(h, g, m, v, acc, gbuf):
-            return zeros_h, zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
+        # The forward runs in a conditional (output only). The steps that add to the gradient sums
+        # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
+        # conditional copies every sum it passes through (twice per tick: into the branch's output
+        # and back into the scan's carry), and adding a branch's zeros costs as much.
+        def fwd(h, m, v):
+            return body(blocks, v, h)
 
-        def fwd(h, g, m, v, acc, gbuf):
-            return body(blocks, v, h), zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
+        def fwd_embed(h, m, v):
+            return body(blocks, v, emb(top, m))
 
-        def fwd_embed(h, g, m, v, acc, gbuf):
-            return body(blocks, v, emb(top, m)), zeros_h, acc, gbuf, jnp.zeros((), jnp.float32)
-
-        def fwd_loss(h, g, m, v, acc, gbuf, slot):
-            y = body(blocks, v, h)
-            loss, (dy, dtop) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, top, m)
+        # the steps that add to the sums read their inputs as `ins`: see run_if
+        def loss_step(ins, gbuf, dtop, loss):
+            tp, y, m, slot = ins
+            ls, (dy, dt) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, tp, m)
             gbuf = jax.lax.dynamic_update_index_in_dim(gbuf, dy.astype(y.dtype), slot, 0)
-            return y, zeros_h, (acc[0], add(acc[1], dtop)), gbuf, loss
+            return gbuf, add(dtop, dt), loss + ls
 
-        def bwd(h, g, m, v, acc, gbuf):
-            _, vjp = jax.vjp(lambda w, x: body(w, v, x), blocks, h)
-            dblk, dh = vjp(g)
-            return zeros_h, dh, (add(acc[0], dblk), acc[1]), gbuf, jnp.zeros((), jnp.float32)
+        def bwd_step(ins, dblk, dh):
+            blk, h, g, v = ins
+            _, vjp = jax.vjp(lambda w, x: body(w, v, x), blk, h)
+            db, dh = vjp(g)
+            return add(dblk, db), dh
 
-        def bwd_embed(h, g, m, v, acc, gbuf):
-            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**top, "embed": e}, m)), blocks, top["embed"])
-            dblk, de = vjp(g)
-            dtop = {**acc[1], "embed": acc[1]["embed"] + de}
-            return zeros_h, zeros_h, (add(acc[0], dblk), dtop), gbuf, jnp.zeros((), jnp.float32)
+        def bwd_embed_step(ins, dblk, dtop):
+            blk, tp, g, m, v = ins
+            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**tp, "embed": e}, m)), blk, tp["embed"])
+            db, de = vjp(g)
+            return add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
 
+        def run_if(pred, f, ins, *state):
+            """f(ins, *state) if pred else state, as a while loop of 0 or 1 trips. The inputs pass a
+            barrier with the trip counter: otherwise XLA hoists what depends only on them (the
+            recomputed forward of a backward) out of the loop, to run every tick."""
+            def step(c):
+                i, x = jax.lax.optimization_barrier((c[0], ins))
+                return (i + 1, *f(x, *c[1:]))
+            return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
+
+        fwd_branch = np.zeros(6, np.int32)  # forward conditional: 0 none, 1 fwd, 2 fwd_embed
+        fwd_branch[[schedules.FWD, schedules.FWD_LOSS]], fwd_branch[schedules.FWD_EMBED] = 1, 2
         me = jax.lax.axis_index("stage")
 
         def tick(carry, row):
-            xbuf, gbuf, acc, loss = carry
+            xbuf, gbuf, dblk, dtop, loss = carry
             r = {k: a[me] for k, a in row.items()}
-            branches = [None] * 6
-            for i, f in ((schedules.IDLE, idle), (schedules.FWD, fwd), (schedules.FWD_EMBED, fwd_embed),
-                         (schedules.FWD_LOSS, functools.partial(fwd_loss, slot=r["loss_slot"])),
-                         (schedules.BWD, bwd), (schedules.BWD_EMBED, bwd_embed)):
-                branches[i] = f
-            y, dh, acc, gbuf, ls = jax.lax.switch(r["branch"], branches, xbuf[r["slot"]], gbuf[r["cot_slot"]],
-                                                  r["m"], r["v"], acc, gbuf)
+            br, m, v = r["branch"], r["m"], r["v"]
+            # the barrier keeps the two reads whole: fused into their users they would keep the
+            # buffers alive past the updates below, which then copy them every tick
+            h, g = jax.lax.optimization_barrier((xbuf[r["slot"]], gbuf[r["cot_slot"]]))
+            y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: zeros_h, fwd, fwd_embed], h, m, v)
+            gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]), gbuf, dtop, loss)
+            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, zeros_h)
+            dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             # the last row of each buffer is a dummy that takes the writes nobody reads
             xbuf = xbuf.at[r["recv_act"]].set(jax.lax.ppermute(y, "stage", fwd_pairs))
             gbuf = gbuf.at[r["recv_cot"]].set(jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, acc, loss + ls), None
+            return (xbuf, gbuf, dblk, dtop, loss), None
 
-        acc = (jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top))
         carry = (jnp.zeros((pl.n_act + 1,) + h0.shape, h0.dtype), jnp.zeros((pl.n_cot + 1,) + h0.shape, h0.dtype),
-                 acc, jnp.zeros((), jnp.float32))
-        (_, _, (dblk, dtop), loss), _ = jax.lax.scan(tick, carry, xs)
+                 jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32))
+        (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P(), P(), P()), out_specs=(P(), P(), P("stage")),
