@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import head, layer_stack
+from models.transformer import embed, head, layer_stack
 from trainer import schedules
 from trainer.pipeline import circular_blocks, split_microbatches
 
@@ -35,9 +35,12 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
     return table, schedules.plan(table, repeats)
 
 
-def _embed(c, params, tokens_BT, dtype, constrain):
-    """`embed` as a one-hot product: XLA's SPMD partitioner aborts on the gather inside the scan's
-    conditional when the vocab is split over `model` (jax 0.10.2, CPU)."""
+def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
+    """`embed`; with the vocabulary split over `model` as a one-hot product instead (2*V*D FLOPs
+    a token, forward and backward): XLA's SPMD partitioner aborts on the gather inside the
+    scan's conditional then (jax 0.10.2, CPU)."""
+    if not split_vocab:
+        return embed(c, params, tokens_BT, dtype, constrain)
     onehot = jax.nn.one_hot(tokens_BT, params["embed"].shape[0], dtype=params["embed"].dtype)
     x = jnp.einsum("btv,vd->btd", onehot, params["embed"]).astype(dtype)
     return constrain(x, ("batch", "seq", "embed"))
@@ -76,7 +79,7 @@ def loss_and_grads(s, params, batch):
         else:
             blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
-        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain)  # noqa: E731
+        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         zeros_h = jnp.zeros(h0.shape, h0.dtype)
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
