@@ -98,7 +98,8 @@ def test_schedule_length_and_bubble_match_a_simulation(S, M, V):
     with jax.set_mesh(s.mesh):
         jaxpr = jax.make_jaxpr(lambda st, b: jit_train_step(s)(st, b))(s.shapes, batch).jaxpr
     ticks, idle = _simulated_schedule(S, M, V)
-    assert ticks in _scan_lengths(jaxpr), (ticks, _scan_lengths(jaxpr))  # the program runs that many ticks
+    # the program's tick scan: the forward's ticks, then as many for the backward (GPipe's table)
+    assert 2 * ticks in _scan_lengths(jaxpr), (ticks, _scan_lengths(jaxpr))
     assert num_ticks(S, M, V) == ticks
     frac = bubble_fraction(S, M, V)
     assert frac == pytest.approx(idle / (S * ticks), rel=1e-12)
@@ -197,12 +198,14 @@ def _temp_bytes(overrides):
 
 def test_1f1b_needs_far_less_scratch_than_gpipe():
     """S=4, M=16, one layer per stage, 2 MiB stage boundaries: GPipe keeps every microbatch's stage
-    input until the backward, 1F1B at most S of them."""
+    input until the backward (and the last stage every loss gradient), 1F1B at most S of each. The
+    rest of the scratch, one layer's backward of one microbatch (63 MB), is the same in both."""
     base = ["mesh.data=1", "mesh.stage=4", "train.microbatches=16", "model.n_layers=4", "model.seq_len=64",
             "model.d_model=512", "model.d_ff=512", "train.batch_size=256"]
     gpipe, one_f_one_b = _temp_bytes(base), _temp_bytes(base + ["train.pipeline_schedule=1f1b"])
-    assert one_f_one_b <= 0.4 * gpipe, (one_f_one_b, gpipe)  # measured: 89.3 MB vs 295.3 MB (0.30)
-
+    boundary, S, M = 16 * 64 * 512 * 4, 4, 16
+    # measured: 77.7 MB vs 134.3 MB (0.58; against 295 MB when GPipe was autodiff through its scan)
+    assert gpipe - one_f_one_b >= 2 * (M - S) * boundary, (one_f_one_b, gpipe)
 
 def _flops(overrides, n):
     s = make_setup(load_config(TINY + overrides), jax.devices()[:n])
