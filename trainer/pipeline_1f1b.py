@@ -1,5 +1,5 @@
-"""Table-driven pipeline executor (1F1B, interleaved 1F1B): loss and gradients in one scan, no
-autodiff through it.
+"""Table-driven pipeline executor (GPipe, circular GPipe, 1F1B, interleaved 1F1B): loss and
+gradients in one scan, no autodiff through it.
 
 The schedule is a static table (trainer/schedules.py): at each tick a stage runs the forward of a
 microbatch (storing its input in a buffer slot), the backward of one (`jax.vjp` of the stage body
@@ -10,8 +10,11 @@ the inputs between a microbatch's forward and backward (at most S for 1F1B, agai
 
 Stage 0 embeds the microbatch's tokens itself and accumulates the embedding gradient; the last
 stage applies the head and cross-entropy as it finishes a microbatch's forward and seeds its
-backward with the loss gradient (scaled 1/M). Layer gradients accumulate per stage, in the
-stored (L/S, ...) layout (circular blocks map back through the vjp of `circular_blocks`).
+backward with the loss gradient (scaled 1/M): the head runs once per microbatch, on one stage.
+Its logits are whole (model.loss_chunk does not apply): the tiled loss reshards tokens over
+`data` by collective-permutes, and XLA:CPU's wait for every device of the program when only the
+last stage runs them (a deadlock). Layer gradients accumulate per stage, in the stored
+(L/S, ...) layout (circular blocks map back through the vjp of `circular_blocks`).
 """
 from __future__ import annotations
 
@@ -85,8 +88,7 @@ def loss_and_grads(s, params, batch):
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
-            logits = head(c, tp, y, constrain)
-            return _cross_entropy(logits, targets[m]) / M
+            return _cross_entropy(head(c, tp, y, constrain), targets[m]) / M
 
         # The forward runs in a conditional (output only). The steps that add to the gradient sums
         # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
@@ -121,9 +123,9 @@ def loss_and_grads(s, params, batch):
             """f(ins, *state) if pred else state, as a while loop of 0 or 1 trips. The inputs pass a
             barrier with the trip counter: otherwise XLA hoists what depends only on them (the
             recomputed forward of a backward) out of the loop, to run every tick."""
-            def step(c):
-                i, x = jax.lax.optimization_barrier((c[0], ins))
-                return (i + 1, *f(x, *c[1:]))
+            def step(carry):
+                i, x = jax.lax.optimization_barrier((carry[0], ins))
+                return (i + 1, *f(x, *carry[1:]))
             return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
 
         fwd_branch = np.zeros(6, np.int32)  # forward conditional: 0 none, 1 fwd, 2 fwd_embed
@@ -134,11 +136,10 @@ def loss_and_grads(s, params, batch):
             xbuf, gbuf, dblk, dtop, loss = carry
             r = {k: a[me] for k, a in row.items()}
             br, m, v = r["branch"], r["m"], r["v"]
-            # the barrier keeps the two reads whole: fused into their users they would keep the
-            # buffers alive past the updates below, which then copy them every tick
-            h, g = jax.lax.optimization_barrier((xbuf[r["slot"]], gbuf[r["cot_slot"]]))
+            h, g = xbuf[r["slot"]], gbuf[r["cot_slot"]]
             y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: zeros_h, fwd, fwd_embed], h, m, v)
-            gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]), gbuf, dtop, loss)
+            gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
+                                      gbuf, dtop, loss)
             dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, zeros_h)
             dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             # the last row of each buffer is a dummy that takes the writes nobody reads
