@@ -31,7 +31,7 @@ LAYOUTS = [
 DEFAULT = {(3, "sgd"), (5, "sgd")}
 IN_TEST_PIPELINE = {(0, "sgd"), (1, "sgd"), (2, "sgd")}  # tests/test_pipeline.py runs these already
 # beyond the issue's list: ZeRO-2's kept-sharded reduce-scatter, ZeRO-3 through the ring with tensor
-# parallelism, interleaved with ZeRO-3 (the gathered layers moved into circular blocks)
+# parallelism, interleaved with ZeRO-3 (the gathered layers moved into circular blocks), GPipe through the ring
 EXTRA = [
     ("2,4,1", ONE_F + ["mesh.data=2", "mesh.stage=4", "train.zero_stage=2", "train.grad_sync=psum",
                        "train.microbatches=4"]),
@@ -39,6 +39,8 @@ EXTRA = [
                        "train.microbatches=2"]),
     ("2,2,2", ["train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2", "mesh.data=2", "mesh.stage=2",
                "mesh.model=2", "train.zero_stage=3", "train.microbatches=4"]),
+    ("2,2,1", ["train.pipeline_schedule=gpipe", "mesh.data=2", "mesh.stage=2", "train.zero_stage=2",
+               "train.grad_sync=ring", "train.microbatches=2"]),
 ]
 
 
@@ -113,15 +115,3 @@ def test_hlo_parser_reads_mesh_groups_with_device_ids():
             "device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add")
     hlo = f"HloModule m\n\nENTRY %main (a: f32[64]) -> f32[64] {{\n  {line}\n}}\n"
     assert collective_bytes(hlo, {"data": 2, "stage": 4, "model": 1}) == {("all-reduce", ("data",)): 64 * 4}
-
-
-def test_gpipe_still_needs_auto_sync():
-    """The autodiff GPipe leaves the data-axis sync to the compiler: another train.grad_sync is one clear error."""
-    from trainer.config import validate
-    from trainer.errors import UserError
-    cfg = load_config(TINY + EIGHT + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.grad_sync=ring",
-                                      "train.microbatches=2"])
-    with pytest.raises(UserError, match="needs train.pipeline_schedule=1f1b or interleaved_1f1b"):
-        validate(cfg, 8)
-    validate(load_config(TINY + EIGHT + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.grad_sync=ring",
-                                         "train.microbatches=2"] + ONE_F), 8)

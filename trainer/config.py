@@ -361,9 +361,6 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (stage == 1 or t.microbatches >= stage,
          f"train.microbatches={t.microbatches} is less than mesh.stage={stage}: the pipeline needs at least "
          f"one microbatch per stage; set train.microbatches >= {stage}"),
-        (stage == 1 or t.grad_sync == "auto" or t.pipeline_schedule != "gpipe",
-         f"train.grad_sync={t.grad_sync} with mesh.stage={stage} needs train.pipeline_schedule=1f1b or "
-         "interleaved_1f1b (gpipe leaves the data-axis sync to the compiler); use one of them or train.grad_sync=auto"),
         (t.optimizer in OPTIMIZERS, f"train.optimizer='{t.optimizer}' is unknown; choose adamw or sgd"),
         (t.sync in SYNC_MODES, f"train.sync='{t.sync}' is unknown; choose one of {', '.join(SYNC_MODES)}"),
         (t.step_timeout_s >= 0, f"train.step_timeout_s={t.step_timeout_s} must be >= 0 (seconds; 0 = no step watchdog)"),

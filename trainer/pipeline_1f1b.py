@@ -1,5 +1,5 @@
-"""Table-driven pipeline executor (1F1B, interleaved 1F1B): loss and gradients in one scan, no
-autodiff through it.
+"""Table-driven pipeline executor (GPipe, circular GPipe, 1F1B, interleaved 1F1B): loss and
+gradients in one scan, no autodiff through it.
 
 The schedule is a static table (trainer/schedules.py): at each tick a stage runs the forward of a
 microbatch (storing its input in a buffer slot), the backward of one (`jax.vjp` of the stage body
@@ -10,8 +10,9 @@ the inputs between a microbatch's forward and backward (at most S for 1F1B, agai
 
 Stage 0 embeds the microbatch's tokens itself and accumulates the embedding gradient; the last
 stage applies the head and cross-entropy as it finishes a microbatch's forward and seeds its
-backward with the loss gradient (scaled 1/M). Layer gradients accumulate per stage, in the
-stored (L/S, ...) layout (circular blocks map back through the vjp of `circular_blocks`).
+backward with the loss gradient (scaled 1/M): the head runs once per microbatch, on one stage.
+Layer gradients accumulate per stage, in the stored (L/S, ...) layout (circular blocks map back
+through the vjp of `circular_blocks`).
 
 The shard_map is manual over `stage` and `data` (tensor parallelism over `model` stays with the
 compiler): each data shard accumulates the gradients of its own rows over all ticks, and the
@@ -27,15 +28,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import head, layer_stack
+from models.transformer import embed, head, layer_stack
 from trainer import schedules, sync
 from trainer.pipeline import circular_blocks, split_microbatches
 
 
-SCHEDULES = ("1f1b", "interleaved_1f1b")  # the schedules step.py runs through this executor
+SCHEDULES = schedules.SCHEDULES  # the schedules step.py runs through this executor: all of them
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,9 +47,12 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
     return table, schedules.plan(table, repeats)
 
 
-def _embed(c, params, tokens_BT, dtype, constrain):
-    """`embed` as a one-hot product: XLA's SPMD partitioner aborts on the gather inside the scan's
-    conditional when the vocab is split over `model` (jax 0.10.2, CPU)."""
+def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
+    """`embed`; with the vocabulary split over `model` as a one-hot product instead (2*V*D FLOPs
+    a token, forward and backward): XLA's SPMD partitioner aborts on the gather inside the
+    scan's conditional then (jax 0.10.2, CPU)."""
+    if not split_vocab:
+        return embed(c, params, tokens_BT, dtype, constrain)
     onehot = jax.nn.one_hot(tokens_BT, params["embed"].shape[0], dtype=params["embed"].dtype)
     x = jnp.einsum("btv,vd->btd", onehot, params["embed"]).astype(dtype)
     return constrain(x, ("batch", "seq", "embed"))
@@ -86,62 +91,73 @@ def loss_and_grads(s, params, batch):
         else:
             blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
-        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain)  # noqa: E731
+        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         zeros_h = jnp.zeros(h0.shape, h0.dtype)
-        zeros_blk, zeros_top = jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top)
-        zero = jnp.zeros((), jnp.float32)
+        add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
-            logits = head(c, tp, y, constrain)
-            return _cross_entropy(logits, targets[m]) / M
+            return _cross_entropy(head(c, tp, y, constrain), targets[m]) / M
 
-        # branches: (h, g, m, v) -> (output, input cotangent, loss gradient, d blocks, d top, loss)
-        def idle(h, g, m, v):
-            return zeros_h, zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        # The forward runs in a conditional (output only). The steps that add to the gradient sums
+        # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
+        # conditional copies every sum it passes through (twice per tick: into the branch's output
+        # and back into the scan's carry), and adding a branch's zeros costs as much.
+        def fwd(h, m, v):
+            return body(blocks, v, h)
 
-        def fwd(h, g, m, v):
-            return body(blocks, v, h), zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        def fwd_embed(h, m, v):
+            return body(blocks, v, emb(top, m))
 
-        def fwd_embed(h, g, m, v):
-            return body(blocks, v, emb(top, m)), zeros_h, zeros_h, zeros_blk, zeros_top, zero
+        # the steps that add to the sums read their inputs as `ins`: see run_if
+        def loss_step(ins, gbuf, dtop, loss):
+            tp, y, m, slot = ins
+            ls, (dy, dt) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, tp, m)
+            gbuf = jax.lax.dynamic_update_index_in_dim(gbuf, dy.astype(y.dtype), slot, 0)
+            return gbuf, add(dtop, dt), loss + ls
 
-        def fwd_loss(h, g, m, v):
-            y = body(blocks, v, h)
-            loss, (dy, dtop) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, top, m)
-            return y, zeros_h, dy.astype(y.dtype), zeros_blk, dtop, loss
+        def bwd_step(ins, dblk, dh):
+            blk, h, g, v = ins
+            _, vjp = jax.vjp(lambda w, x: body(w, v, x), blk, h)
+            db, dh = vjp(g)
+            return add(dblk, db), dh
 
-        def bwd(h, g, m, v):
-            _, vjp = jax.vjp(lambda w, x: body(w, v, x), blocks, h)
-            dblk, dh = vjp(g)
-            return zeros_h, dh, zeros_h, dblk, zeros_top, zero
+        def bwd_embed_step(ins, dblk, dtop):
+            blk, tp, g, m, v = ins
+            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**tp, "embed": e}, m)), blk, tp["embed"])
+            db, de = vjp(g)
+            return add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
 
-        def bwd_embed(h, g, m, v):
-            _, vjp = jax.vjp(lambda w, tp: body(w, v, emb(tp, m)), blocks, top)
-            dblk, dtop = vjp(g)
-            return zeros_h, zeros_h, zeros_h, dblk, dtop, zero
+        def run_if(pred, f, ins, *state):
+            """f(ins, *state) if pred else state, as a while loop of 0 or 1 trips. The inputs pass a
+            barrier with the trip counter: otherwise XLA hoists what depends only on them (the
+            recomputed forward of a backward) out of the loop, to run every tick."""
+            def step(carry):
+                i, x = jax.lax.optimization_barrier((carry[0], ins))
+                return (i + 1, *f(x, *carry[1:]))
+            return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
 
-        branches = [None] * 6
-        for i, f in ((schedules.IDLE, idle), (schedules.FWD, fwd), (schedules.FWD_EMBED, fwd_embed),
-                     (schedules.FWD_LOSS, fwd_loss), (schedules.BWD, bwd), (schedules.BWD_EMBED, bwd_embed)):
-            branches[i] = f
+        fwd_branch = np.zeros(6, np.int32)  # forward conditional: 0 none, 1 fwd, 2 fwd_embed
+        fwd_branch[[schedules.FWD, schedules.FWD_LOSS]], fwd_branch[schedules.FWD_EMBED] = 1, 2
         me = jax.lax.axis_index("stage")
 
         def tick(carry, row):
             xbuf, gbuf, dblk, dtop, loss = carry
             r = {k: a[me] for k, a in row.items()}
-            y, dh, dy, db, dt, ls = jax.lax.switch(r["branch"], branches, xbuf[r["slot"]],
-                                                   gbuf[r["cot_slot"]], r["m"], r["v"])
-            dblk = jax.tree.map(jnp.add, dblk, db)
-            dtop = jax.tree.map(jnp.add, dtop, dt)
-            gbuf = gbuf.at[r["loss_slot"]].set(dy)
+            br, m, v = r["branch"], r["m"], r["v"]
+            h, g = xbuf[r["slot"]], gbuf[r["cot_slot"]]
+            y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: zeros_h, fwd, fwd_embed], h, m, v)
+            gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
+                                      gbuf, dtop, loss)
+            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, zeros_h)
+            dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             # the last row of each buffer is a dummy that takes the writes nobody reads
             xbuf = xbuf.at[r["recv_act"]].set(jax.lax.ppermute(y, "stage", fwd_pairs))
             gbuf = gbuf.at[r["recv_cot"]].set(jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, dblk, dtop, loss + ls), None
+            return (xbuf, gbuf, dblk, dtop, loss), None
 
         carry = (jnp.zeros((pl.n_act + 1,) + h0.shape, h0.dtype), jnp.zeros((pl.n_cot + 1,) + h0.shape, h0.dtype),
-                 zeros_blk, zeros_top, zero)
+                 jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32))
         (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)
 

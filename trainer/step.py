@@ -31,7 +31,7 @@ from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
 from trainer import guard, localsgd, pipeline_1f1b, sync
 from trainer.optim import schedule_count
-from trainer.pipeline import pipeline_loss, split_microbatches
+from trainer.pipeline import split_microbatches
 from trainer.state import Setup
 
 
@@ -147,10 +147,8 @@ def _manual_grads(s: Setup, params, batch):
 
 def loss_and_grads(s: Setup, params, batch):
     """Mean loss over the global batch and its gradient, synced over `data`."""
-    if table_executor(s):  # the table-driven schedules, synced over `data` once per step
+    if table_executor(s):  # every pipeline schedule runs from its table, synced over `data` once per step
         return pipeline_1f1b.loss_and_grads(s, params, batch)
-    if s.mesh.shape["stage"] > 1:
-        return jax.value_and_grad(functools.partial(pipeline_loss, s))(params, batch)
     if uses_manual_sync(s):
         return _manual_grads(s, params, batch)
     return _auto_grads(s, params, batch)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from trainer import schedules
 
 # gpipe runs on trainer/pipeline.py's autodiff scan today; empty this when it moves onto the table executor
-AUTODIFF = ("gpipe",)
+AUTODIFF = ()
 
 
 def on_autodiff(schedule: str) -> bool:
