@@ -39,16 +39,11 @@ def _constrain_tree(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def table_executor(s: Setup) -> bool:
-    """Whether the pipeline runs on the table executor (trainer/pipeline_1f1b.py), data-axis sync included."""
-    return s.mesh.shape["stage"] > 1 and s.cfg.train.pipeline_schedule in pipeline_1f1b.SCHEDULES
-
-
 def uses_manual_sync(s: Setup) -> bool:
+    """Whether the step reduces gradients over `data` itself (else the compiler inserts the all-reduce)."""
     t = s.cfg.train
-    if s.mesh.shape["stage"] > 1 and not table_executor(s):  # autodiff GPipe leaves data-axis sync to the compiler
-        return False
-    return t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
+    # a pipeline (trainer/pipeline_1f1b.py) always does, once per step after its tick loop
+    return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
 
 
 # ----------------------------------------------------------------------------- compiler path
@@ -147,7 +142,7 @@ def _manual_grads(s: Setup, params, batch):
 
 def loss_and_grads(s: Setup, params, batch):
     """Mean loss over the global batch and its gradient, synced over `data`."""
-    if table_executor(s):  # every pipeline schedule runs from its table, synced over `data` once per step
+    if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
         return pipeline_1f1b.loss_and_grads(s, params, batch)
     if uses_manual_sync(s):
         return _manual_grads(s, params, batch)
