@@ -63,8 +63,8 @@ def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, flo
     """(params, grads, optimizer state) bytes per device."""
     _, _, tx, opt = _abstract(_no_remat(mc), train)
     p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
-    # the pipeline's gradients come back whole from autodiff; only the update is ZeRO-sharded
-    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad" if st.stage == 1 else "compute")))
+    # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3)
+    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
     o = optax.tree_map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
                               transform_non_params=lambda x: x.size * x.dtype.itemsize)
     return float(p), float(g), float(sum(jax.tree.leaves(o)))
@@ -209,12 +209,15 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
     top = sum(x.bytes for x in ls if x.zero and not x.layers)
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
     zero3 = st.zero >= 3 and st.data > 1
-    if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
+    if st.stage > 1:  # ZeRO-3 gathers one repeat of the stage's layers
+        # under ZeRO-2/3 the step's whole gradient accumulates before its reduce-scatter; its shard is
+        # already state (XLA's scratch grows by about nothing from ZeRO-1 to ZeRO-2)
+        whole = sum(x.bytes for x in ls) - sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
         # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
         # table executor accumulates it in circular order, then moves it back: one more copy)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
         circ = 3 * stored if st.repeats > 1 else 0.0
-        return circ + ((top + lay / st.repeats) if zero3 else 0.0)
+        return circ + ((top + lay / st.repeats) if zero3 else 0.0) + whole
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
