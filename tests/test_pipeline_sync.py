@@ -10,6 +10,7 @@ import pytest
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.config import load_config
 from trainer.plan.hlo import collective_bytes, collective_ops
+from trainer.plan.verify import table_weights
 from trainer.state import make_setup
 from trainer.step import jit_train_step
 
@@ -77,7 +78,7 @@ def _data_sync(overrides, n):
     with jax.set_mesh(s.mesh):
         text = jit_train_step(s).lower(s.shapes, batch).compile().as_text()
     out = {}
-    for kind, axes, sent, line in collective_ops(text, dict(s.mesh.shape)):
+    for kind, axes, sent, line in collective_ops(text, dict(s.mesh.shape), *table_weights(s)):
         result = re.search(r"=\s*\(?([a-z]+)\d*\[", line).group(1)
         if "data" in axes and result in ("f", "bf"):
             out[kind] = out.get(kind, 0) + sent
