@@ -9,9 +9,9 @@ Gradients come from one of two paths:
             gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
             arrive sharded and are all-gathered one layer at a time inside the layer scan;
             the transpose of that all-gather is the gradient's reduce-scatter.
-A pipeline on the table executor (trainer/pipeline_1f1b.py) is manual over `stage` and `data` and
-syncs with the same reducers once per step, after its tick loop (ZeRO 2/3 included, whatever
-grad_sync); the autodiff GPipe leaves the data-axis sync to the compiler.
+A pipeline (every schedule runs on the table executor, trainer/pipeline_1f1b.py) is manual over
+`stage` and `data` and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
+included, whatever grad_sync).
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
 dynamic-slice into a reduce-scatter, and the explicit form keeps the gradient sharded on
 every backend.
