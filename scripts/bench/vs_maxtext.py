@@ -15,8 +15,9 @@ best CPU settings (`remat_policy=minimal_with_context scan_layers=false attentio
 Per-step times: MaxText's `completed step: S, seconds: X` lines; meshtrain's `step_time_s` in
 metrics.jsonl (`run.log_every=1`: each step is read back, as MaxText's logger does). The first
 `--skip` steps of each run (compilation, warm-up) are dropped; each round runs MaxText and meshtrain
-once, in alternating order. Prints each round's medians and the ratio of step rates
-(MaxText's step time / meshtrain's) over all rounds.
+once, in alternating order. Prints each round's medians and ratio of step rates (MaxText's
+step time / meshtrain's), and the median and lowest of the rounds' ratios: the two runs of a round
+see about the same host load, while the load may change between rounds.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def main():
                                   text=True).stdout.strip() for n, p in (("maxtext", a.maxtext_python), ("meshtrain", py))}
     print(f"devices {a.devices}, global batch {4 * a.devices}, {a.steps} steps per run, first {a.skip} dropped; "
           f"jax {versions['maxtext']} (MaxText), {versions['meshtrain']} (meshtrain)")
-    allt = {"maxtext": [], "meshtrain": []}
+    allt, ratios = {"maxtext": [], "meshtrain": []}, []
     runners = {"maxtext": lambda d: run_maxtext(a.maxtext_python, a.devices, a.steps, d),
                "meshtrain": lambda d: run_meshtrain(py, a.devices, a.steps, d)}
     for r in range(a.rounds):
@@ -98,11 +99,14 @@ def main():
                 t = runners[name](Path(d))[a.skip:]
             allt[name] += t
             med[name] = statistics.median(t)
+        ratios.append(med["maxtext"] / med["meshtrain"])
         print(f"round {r + 1}: MaxText {med['maxtext']:.4f} s, meshtrain {med['meshtrain']:.4f} s per step, "
               f"ratio {med['maxtext'] / med['meshtrain']:.2f}", flush=True)
     mt, ms = statistics.median(allt["maxtext"]), statistics.median(allt["meshtrain"])
-    print(f"all rounds: MaxText {mt:.4f} s, meshtrain {ms:.4f} s per step (medians of {len(allt['maxtext'])} and "
-          f"{len(allt['meshtrain'])} steps): meshtrain's step rate is {mt / ms:.2f}x MaxText's")
+    print(f"all steps: MaxText {mt:.4f} s, meshtrain {ms:.4f} s per step (medians of {len(allt['maxtext'])} and "
+          f"{len(allt['meshtrain'])} steps)")
+    print(f"meshtrain's step rate is {statistics.median(ratios):.2f}x MaxText's (median of the {len(ratios)} rounds' "
+          f"ratios, each from two runs back to back; lowest {min(ratios):.2f})")
 
 
 if __name__ == "__main__":
