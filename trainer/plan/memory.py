@@ -202,12 +202,12 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
         # on all microbatches at once, and the head's backward is over before the scan's starts
         ticks = num_ticks(st.stage, st.microbatches, st.repeats)
         return (ticks + 3 * st.microbatches) * n + max(recompute, head_bytes(mc, st, dtype, b * st.microbatches))
-    # table executor: live inputs and cotangents, each buffer's spare row, the tick's output, input
-    # cotangent and loss gradient and the two it receives; the vjp's block gradient; the head and loss
-    # of one microbatch on the last stage
+    # table executor: live inputs and cotangents; the tick's stage input, cotangent and output (the
+    # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
+    # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
-    return ((c.inputs + c.cotangents + 7) * n + recompute + body * _layer_weight_bytes(mc, st.model)
-            + head_bytes(mc, st, dtype, b, tiled=False))  # trainer/pipeline_1f1b.py: whole logits
+    return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model),
+                                                    head_bytes(mc, st, dtype, b, tiled=False)))  # whole logits
 
 
 def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
