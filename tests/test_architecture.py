@@ -91,6 +91,14 @@ def test_each_fact_is_written_once(fact):
     assert where == [home], where
 
 
+def test_the_pipeline_schedules_are_listed_once():
+    """The schedules' names are one tuple, trainer/schedules.SCHEDULES; the config and the executor import it."""
+    pattern = r"\(\s*[\"']gpipe[\"'],\s*[\"']1f1b[\"'],\s*[\"']interleaved_1f1b[\"']\s*\)"
+    files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
+    assert sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, f.read_text())}) == \
+        ["trainer/schedules.py"]
+
+
 def _stderr_prints(path: Path) -> list[int]:
     """Lines of `print(..., file=sys.stderr)` (or `file=stderr`) and `sys.stderr.write(...)` calls in a file."""
     def is_stderr(node):

@@ -10,6 +10,7 @@ import pytest
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.config import load_config
 from trainer.plan.hlo import collective_bytes, collective_ops
+from trainer.plan.verify import table_weights
 from trainer.state import make_setup
 from trainer.step import jit_train_step
 
@@ -77,7 +78,7 @@ def _data_sync(overrides, n):
     with jax.set_mesh(s.mesh):
         text = jit_train_step(s).lower(s.shapes, batch).compile().as_text()
     out = {}
-    for kind, axes, sent, line in collective_ops(text, dict(s.mesh.shape)):
+    for kind, axes, sent, line in collective_ops(text, dict(s.mesh.shape), *table_weights(s)):
         result = re.search(r"=\s*\(?([a-z]+)\d*\[", line).group(1)
         if "data" in axes and result in ("f", "bf"):
             out[kind] = out.get(kind, 0) + sent
@@ -115,3 +116,17 @@ def test_hlo_parser_reads_mesh_groups_with_device_ids():
             "device_ids=([2,4]T(1,0)) {'axis_1'}, use_global_device_ids=true, to_apply=%add")
     hlo = f"HloModule m\n\nENTRY %main (a: f32[64]) -> f32[64] {{\n  {line}\n}}\n"
     assert collective_bytes(hlo, {"data": 2, "stage": 4, "model": 1}) == {("all-reduce", ("data",)): 64 * 4}
+
+
+@pytest.mark.parametrize("overrides,sync", [
+    (["mesh.data=2", "mesh.stage=2", "train.zero_stage=1"], "sync explicit all-reduce, once per step"),
+    (["mesh.data=2", "mesh.stage=2", "train.zero_stage=3"], "sync explicit reduce-scatter (ZeRO-2/3), once per step"),
+    (["mesh.data=2", "mesh.stage=2", "train.grad_sync=ring"], "sync ring, once per step"),
+    (["mesh.data=4", "mesh.stage=1"], "sync auto (compiler all-reduce) |")])
+def test_start_up_line_names_the_pipelines_sync(overrides, sync):
+    """Every pipeline syncs over `data` itself, once per step: the start-up line says so (the compiler's
+    all-reduce is only the no-pipeline step's)."""
+    from trainer.loop import describe
+    cfg = load_config(TINY + ["mesh.model=1", "train.microbatches=2"] + overrides)
+    s = make_setup(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage])
+    assert sync in describe(s), describe(s)

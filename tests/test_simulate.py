@@ -95,13 +95,10 @@ def test_documented_comparisons_simulate(path):
 
 
 @pytest.mark.parametrize("sched,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)])
-def test_table_executor_step_follows_its_table(sched, v, monkeypatch):
-    """On the table executor (gpipe too, once it leaves trainer/plan/schedule.AUTODIFF): the bubble is the
-    table's idle cells, both hops run every tick of the table, the top gradients are summed over `stage`,
-    and the stage's share of the gradients (its layers, the whole top) syncs once, after the tick loop."""
+def test_table_executor_step_follows_its_table(sched, v):
+    """On the table executor (every schedule, gpipe too): the bubble is the table's idle cells, both hops
+    run every tick of the table, the top gradients are summed over `stage`, and the stage's share of the gradients (its layers, the whole top) syncs once, after the tick loop."""
     from trainer import schedules
-    from trainer.plan import schedule
-    monkeypatch.setattr(schedule, "AUTODIFF", ())
     S, M, K = 4, 8, 2
     cfg = load_config(BASE + ["mesh.data=2", "mesh.stage=4", "train.microbatches=8", f"train.pipeline_schedule={sched}",
                               f"train.pipeline_repeats={v}", "train.zero_stage=3", "sim.overlap=0.5"])
@@ -121,18 +118,3 @@ def test_table_executor_step_follows_its_table(sched, v, monkeypatch):
     share = (param_count(mc) - top) / S + top
     assert p.data_comm.bytes == pytest.approx(2 * (K - 1) / K * share * 4, rel=1e-12)  # ZeRO-3: gather + scatter
     assert p.data_exposed == p.data_comm.seconds  # nothing left to overlap after the loop
-
-
-def test_autodiff_executor_keeps_its_model(monkeypatch):
-    """A schedule in trainer/plan/schedule.AUTODIFF keeps the autodiff executor's costs: one send each way
-    per microbatch, 1.5 rings for ZeRO-3, sim.overlap of it hidden."""
-    from trainer.plan import schedule
-    monkeypatch.setattr(schedule, "AUTODIFF", ("1f1b",))
-    cfg = load_config(BASE + ["mesh.data=2", "mesh.stage=4", "train.microbatches=8", "train.pipeline_schedule=1f1b",
-                              "train.zero_stage=3", "sim.overlap=0.5"])
-    mc, hw = model_config(cfg), get_device("h100")
-    p = point(cfg, mc, hw, (2, 4, 1), 2)
-    act = 64 // 2 // 8 * mc.seq_len * mc.d_model * 2
-    assert p.pipeline == pytest.approx(8 * 2 * (hw.fast_lat + act / hw.fast_bw), rel=1e-12)
-    assert p.data_comm.bytes == pytest.approx(1.5 * 2 * 1 / 2 * param_count(mc) / 4 * 4, rel=1e-12)
-    assert p.bubble == pytest.approx(p.compute * 3 / 8, rel=1e-12)

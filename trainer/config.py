@@ -21,11 +21,11 @@ from models.config import ATTENTION_IMPLS, KERNELS
 from trainer import guard
 from trainer.errors import UserError
 from trainer.observe.profiling import parse_steps
+from trainer.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DTYPES = ("float32", "bfloat16")
 
 

@@ -65,9 +65,12 @@ def evaluate(s: Setup, eval_fn, params, batches: Batches) -> float:
 
 def describe(s: Setup) -> str:
     t, mc = s.cfg.train, s.model
-    sync = t.grad_sync if uses_manual_sync(s) else "auto (compiler all-reduce)"
-    if t.grad_sync == "auto" and uses_manual_sync(s):
-        sync = "explicit reduce-scatter (ZeRO-2/3)"
+    manual = uses_manual_sync(s)
+    sync = t.grad_sync if manual else "auto (compiler all-reduce)"
+    if t.grad_sync == "auto" and manual:
+        sync = "explicit reduce-scatter (ZeRO-2/3)" if t.zero_stage >= 2 else "explicit all-reduce"
+    if s.mesh.shape["stage"] > 1:  # trainer/pipeline_1f1b.py syncs the stage's share after its tick loop
+        sync += ", once per step"
     if t.sync != "every_step":
         sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
     return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "

@@ -36,11 +36,6 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / num_ticks(stages, microbatches, repeats)
 
 
-def bubble_overhead(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle time per unit of busy time: (S-1) / (M*V) = bubble / (1 - bubble)."""
-    return (stages - 1) / (microbatches * repeats)
-
-
 def describe(stages: int, microbatches: int, repeats: int, schedule: str = "gpipe") -> str:
     """The start-up line: ticks and idle share read off the schedule's table."""
     table = build(schedule, stages, microbatches, repeats)

@@ -9,9 +9,9 @@ Gradients come from one of two paths:
             gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
             arrive sharded and are all-gathered one layer at a time inside the layer scan;
             the transpose of that all-gather is the gradient's reduce-scatter.
-A pipeline on the table executor (trainer/pipeline_1f1b.py) is manual over `stage` and `data` and
-syncs with the same reducers once per step, after its tick loop (ZeRO 2/3 included, whatever
-grad_sync); the autodiff GPipe leaves the data-axis sync to the compiler.
+A pipeline (every schedule runs on the table executor, trainer/pipeline_1f1b.py) is manual over
+`stage` and `data` and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
+included, whatever grad_sync).
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
 dynamic-slice into a reduce-scatter, and the explicit form keeps the gradient sharded on
 every backend.
@@ -39,16 +39,11 @@ def _constrain_tree(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def table_executor(s: Setup) -> bool:
-    """Whether the pipeline runs on the table executor (trainer/pipeline_1f1b.py), data-axis sync included."""
-    return s.mesh.shape["stage"] > 1 and s.cfg.train.pipeline_schedule in pipeline_1f1b.SCHEDULES
-
-
 def uses_manual_sync(s: Setup) -> bool:
+    """Whether the step reduces gradients over `data` itself (else the compiler inserts the all-reduce)."""
     t = s.cfg.train
-    if s.mesh.shape["stage"] > 1 and not table_executor(s):  # autodiff GPipe leaves data-axis sync to the compiler
-        return False
-    return t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
+    # a pipeline (trainer/pipeline_1f1b.py) always does, once per step after its tick loop
+    return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
 
 
 # ----------------------------------------------------------------------------- compiler path
@@ -147,7 +142,7 @@ def _manual_grads(s: Setup, params, batch):
 
 def loss_and_grads(s: Setup, params, batch):
     """Mean loss over the global batch and its gradient, synced over `data`."""
-    if table_executor(s):  # every pipeline schedule runs from its table, synced over `data` once per step
+    if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
         return pipeline_1f1b.loss_and_grads(s, params, batch)
     if uses_manual_sync(s):
         return _manual_grads(s, params, batch)

@@ -8,7 +8,7 @@ bandwidth, and MFU of the 1B model at several remat/batch settings.
 0. Runs `meshtrain train model.preset=1b train.dtype=bfloat16` (seq 2048, global batch 8, synthetic
    data, --cli-steps steps, one device) as a subprocess of the real CLI, before this process starts
    jax (which would take the GPU's memory), and prints tokens/s, model TFLOP/s and MFU against the
-   H200's 989 TFLOP/s (dense bf16) from its metrics.jsonl (median of the steps after the first 3).
+   H200's dense bf16 peak (trainer/plan/devices.py) from its metrics.jsonl (median of the steps after the first 3).
    The run directory is a temporary folder, deleted afterwards (the CLI saves a final checkpoint).
 1. Measures the bfloat16 matmul rate (8192^3, best of 10) and the HBM copy bandwidth (a 4 GiB
    array copied: bytes read + written over time), in this process.
@@ -16,7 +16,7 @@ bandwidth, and MFU of the 1B model at several remat/batch settings.
    one device) for --steps steps at each remat:batch setting, through the trainer's own setup,
    init and jitted step (the state donated, the next batch put on the device while a step runs).
    A setting that does not fit prints OOM and the script goes on.
-3. Prints, last, one table: tokens/s, model TFLOP/s, MFU against the datasheet peak (989 TFLOP/s
+3. Prints, last, one table: tokens/s, model TFLOP/s, MFU against the datasheet peak (trainer/plan/devices.py
    dense bf16 for H100/H200 SXM), MFU against the measured matmul rate, and which attention
    kernel XLA used (cuDNN fused attention or XLA's own).
 --budget (seconds, default 470: the whole check in under 8 minutes) skips the settings of step 2
@@ -43,7 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
              "--xla_gpu_enable_highest_priority_async_stream=true")
-H200_BF16 = 989e12  # dense bf16 FLOP/s, NVIDIA H200 SXM datasheet (trainer/plan/devices.py)
+from trainer.plan.devices import get_device  # noqa: E402  (the datasheet peak lives in the device table)
+
+H200_BF16 = get_device("h200").peak_bf16  # dense bf16 FLOP/s
 SETTING_S = 100  # a setting of step 2 that starts with less than this left of --budget is skipped
 
 
@@ -121,7 +123,7 @@ def cli_run(log, a):
                mfu_h200=flops / H200_BF16,
                mfu_cli=statistics.median(mfu) if mfu else None, loss=recs[-1]["loss"], wall=wall, steps=len(timed))
     log(f"meshtrain train: {row['steps']} timed steps, median {row['step_ms']:.1f} ms | {tok_s:,.0f} tokens/s | "
-        f"{row['tflops']:.3g} model TFLOP/s | MFU {row['mfu_h200']:.1%} of the H200's 989 TFLOP/s"
+        f"{row['tflops']:.3g} model TFLOP/s | MFU {row['mfu_h200']:.1%} of the H200's {H200_BF16 / 1e12:.0f} TFLOP/s"
         + (f" (the CLI's own mfu: {row['mfu_cli']:.1%})" if row["mfu_cli"] is not None else "")
         + f" | loss {row['loss']:.3f} | {wall:.0f} s wall, start-up and final checkpoint included")
     return row
@@ -228,7 +230,7 @@ def main():
             f"{ds:>15s} {r['tflops'] * 1e12 / rate:12.1%} {r['hw_tflops'] * 1e12 / rate:12.1%} {r['attention']}")
     if cli:
         log(f"meshtrain train (bf16, remat none, batch {cli['batch']} x {cli['seq']}): {cli['tok_s']:,.0f} tokens/s, "
-            f"{cli['step_ms']:.1f} ms, {cli['tflops']:.3g} TFLOP/s, MFU {cli['mfu_h200']:.1%} of 989 TFLOP/s (H200 bf16 dense)"
+            f"{cli['step_ms']:.1f} ms, {cli['tflops']:.3g} TFLOP/s, MFU {cli['mfu_h200']:.1%} of {H200_BF16 / 1e12:.0f} TFLOP/s (H200 bf16 dense)"
             + (" -- CPU smoke run: not a GPU figure" if a.smoke else ""))
     log(f"whole check: {time.perf_counter() - t_start:.0f} s")
 

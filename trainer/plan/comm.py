@@ -2,11 +2,10 @@
 
 Bus bytes are what one device sends with ring algorithms (trainer/collectives.py: all-reduce
 2(K-1)/K x S, the others (K-1)/K x S, S the unsharded array), a pipeline hop S. These rules
-follow the HLO that step.py, sync.py and pipeline.py compile to (trainer/plan/hlo.py reads the same
-quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
-more than the textbook, the rule says so. A pipeline follows its executor: the table executor
-(trainer/pipeline_1f1b.py, `_table_transfers`) or, for the schedules in
-trainer/plan/schedule.AUTODIFF, the autodiff one (trainer/pipeline.py, `_pipeline_transfers`).
+follow the HLO that step.py, sync.py and pipeline_1f1b.py compile to (trainer/plan/hlo.py reads the
+same quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
+more than the textbook, the rule says so. A pipeline (any schedule) follows the table executor
+(trainer/pipeline_1f1b.py, `_table_transfers`).
 
 Letters: K = data, S = stage, tp = model, M microbatches, n tokens per device and microbatch,
 a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
@@ -15,9 +14,9 @@ from __future__ import annotations
 
 from models import ModelConfig
 from trainer.collectives import bus_factor
-from trainer.pipeline import circular_moves, num_ticks
+from trainer.pipeline import circular_moves
 from trainer.plan.memory import Leaf, leaves
-from trainer.plan.schedule import cost, on_autodiff
+from trainer.plan.schedule import cost
 from trainer.plan.types import Strategy, Transfer
 
 
@@ -26,7 +25,7 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
     ls = leaves(mc, train, st)
     n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
     if st.stage > 1:
-        out = (_pipeline_transfers if on_autodiff(st.schedule) else _table_transfers)(mc, st, ls, n, a)
+        out = _table_transfers(mc, st, ls, n, a)
     else:
         out = ((_data_transfers(mc, st, ls, n) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
@@ -143,73 +142,6 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
                      2 * bus_factor("all-reduce", g) * head, 1),
             Transfer("model", "all-gather", "dK, dV gathered over the kv heads",
                      2 * bus_factor("all-gather", K) * K * head, 2)]
-
-
-def _pipeline_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
-    """The pipeline step (trainer/pipeline.py) as XLA partitions it: the data-axis sync is the compiler's.
-
-    XLA reduces (and under ZeRO-3 gathers: forward, recompute, backward) one repeat's layer weights
-    inside every tick of the schedule, not once per step.
-    """
-    k, S, tp, m, zero = st.data, st.stage, st.model, st.microbatches, st.zero
-    ticks, body = num_ticks(S, m, st.repeats), mc.n_layers // (S * st.repeats)
-    act = n * mc.d_model * a
-    whole = m * act  # the local batch's residual stream, before and after the schedule
-    out = [Transfer("stage", "collective-permute", "pipeline hops (activations forward, gradients back)",
-                    2 * ticks * act, 2 * ticks),
-           Transfer("stage", "collective-permute", "last stage's output picked (and its gradient)", 2 * whole / S, 2),
-           Transfer("stage", "all-reduce", "pipeline output shared over stage (and its gradient)",
-                    2 * bus_factor("all-reduce", S) * whole, 2)]
-    if st.repeats > 1:  # pipeline.circular_blocks: each stage's stored layers to its blocks, gradients back
-        groups = [g for g in circular_moves(S, st.repeats) if g[0]]
-        moved = sum(b // st.repeats != b % S for b in range(S * st.repeats)) / (S * st.repeats)
-        stored = sum(x.bytes / (k if zero >= 3 and x.zero else 1) for x in ls if x.layers)
-        out.append(Transfer("stage", "collective-permute",
-                            "layer weights to their circular blocks (and gradients back)", 2 * moved * stored,
-                            2 * len(groups)))
-    if k > 1:
-        ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
-        layer = sum(x.bytes for x in ls if x.layers) / st.repeats
-        out += [Transfer("data", "all-reduce", "layer gradients all-reduced every tick", ticks * ar * layer, ticks),
-                Transfer("data", "all-to-all", "microbatches split and merged over data", 2 * ag * whole, 2)]
-        top = sum(x.bytes for x in ls if not x.layers)
-        embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
-        if zero == 0 or not embed:  # the lookup's and the head's embedding gradients are reduced apart
-            out.append(Transfer("data", "all-reduce", "embedding and head gradients", ar * (top + embed), 1))
-        else:  # the lookup's gradient rows go all-to-all; the head's, in ZeRO shards, over data and stage
-            out += [Transfer("data,stage", "all-reduce", "head gradient shards",
-                             bus_factor("all-reduce", k * S) * embed / k, 1),
-                    Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * m * n * mc.d_model * 4, 1),
-                    Transfer("data,stage", "collective-permute", "head gradient moved to its stage", embed / k, 1),
-                    Transfer("stage", "all-reduce", "head gradient summed over stage",
-                             bus_factor("all-reduce", S) * embed / k, 1)]
-        zeroed = sum(x.bytes for x in ls if x.zero)
-        if zero in (1, 2):
-            out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
-        if zero >= 3:
-            lay = sum(x.bytes for x in ls if x.zero and x.layers) / st.repeats
-            # the last layer of a stage body is not recomputed, so its w_down is gathered twice, not three times
-            last = sum(x.bytes for x in ls if x.zero and x.name.endswith("['w_down']")) / (mc.n_layers // S)
-            # with one repeat the stage's weights do not change between ticks: XLA hoists the gathers
-            times = ticks if st.repeats > 1 else 1
-            out.append(Transfer("data", "all-gather", "ZeRO-3 weights gathered (forward, recompute, backward)"
-                                + (" every tick" if times > 1 else ""), times * ag * (3 * lay - last), 3 * times))
-            if embed:  # the data-sharded embedding is looked up by all-to-all and gathered over stage for the head
-                out += [Transfer("data", "all-to-all", "ZeRO-3 embedding lookup", ag * m * n * mc.d_model * 4, 1),
-                        Transfer("data,stage", "collective-permute", "ZeRO-3 head weights moved to their stage",
-                                 embed / S, 1),
-                        Transfer("stage", "all-gather", "ZeRO-3 embedding gathered over stage",
-                                 bus_factor("all-gather", S) * (embed * tp + m * n * mc.d_model * 4), 2)]
-    if tp > 1:
-        ar = bus_factor("all-reduce", tp)
-        # forward, recompute (not the last), backward: one per projection group
-        per_tick = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
-        out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_tick} per tick)",
-                         ticks * per_tick * ar * act, ticks * per_tick)]
-        out += [t.times(ticks * body) for t in _shared_kv_transfers(mc, tp, n, a)]
-        out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
-                            ar * (2 * whole + m * n * 4), 3))
-    return out
 
 
 def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:

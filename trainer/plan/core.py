@@ -101,7 +101,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     tokens = batch * mc.seq_len
     flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
     flops = hardware_flops_per_token(flop_mc) * tokens / st.devices
-    if st.stage > 1:  # the slowest stage runs the whole head: replicated over `stage`, or the last one's
+    if st.stage > 1:  # the last stage, the slowest, runs the whole head (trainer/pipeline_1f1b.py)
         flops += 6 * mc.d_model * mc.vocab_size * tokens * (st.stage - 1) / st.devices
     peak = device.peak(dtype) / (st.devices if device.shared else 1)
     lk = links(st, device, hosts)

@@ -5,6 +5,9 @@ ring algorithms, trainer/collectives.py; S = the full, unsharded array), collect
 per sending device (averaged over all devices). A conditional runs one branch per call: without
 `branch_weights` each branch counts as if it ran every call (an upper bound); the table executor's
 tick switch runs branch i on a share of the (tick, stage) cells its table says (trainer/plan/verify.py).
+A while loop without a known trip count is one of the executor's 0-or-1-trip steps: `loop_trips`
+gives the mean trips of the one whose body was traced from a given Python function (the module's
+stack frame table names it), the share of cells that run that step.
 """
 from __future__ import annotations
 
@@ -39,19 +42,57 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _multiplicity(comps: dict[str, list[str]], entry: str, branch_weights=None) -> dict[str, float]:
+def _frame_functions(text: str) -> dict[int, set[str]]:
+    """Stack frame id -> the Python functions on its stack (each `a.<locals>.b` split into a, b)."""
+    def table(title):
+        body = text.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0] if f"\n{title}\n" in text else ""
+        return {int(line.split(" ", 1)[0]): line.split(" ", 1)[1] for line in body.splitlines() if line.strip()}
+    names = {i: set(v.strip('"').split(".<locals>.")) for i, v in table("FunctionNames").items()}
+    locs = {i: int(re.search(r"function_name_id=(\d+)", v).group(1)) for i, v in table("FileLocations").items()}
+    frames = {i: tuple(int(x) for x in re.findall(r"=(\d+)", v)[:2]) for i, v in table("StackFrames").items()}
+    out = {}
+    for i in frames:
+        seen, f = set(), i
+        while f in frames and f not in seen:  # the text prints a frame's parent as its id + 1 (0: none)
+            seen.add(f)
+            f = frames[f][1] - 1
+        out[i] = set().union(*(names.get(locs.get(frames[f][0]), set()) for f in seen))
+    return out
+
+
+def _trips(comps, body: str, loop_trips, functions) -> float:
+    """Mean trips of a while loop with no known trip count: loop_trips of the one function its body came from."""
+    todo, seen, found = [body], set(), set()
+    while todo:  # the body and what it calls
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += re.findall(r"(?:body|to_apply|calls|condition|computations)=\{?%([\w.\-]+)", line)
+            if f := re.search(r"stack_frame_id=(\d+)", line):
+                found |= functions.get(int(f.group(1)), set()) & set(loop_trips or ())
+    if len(found) != 1:
+        raise ValueError(f"while loop calling {body} has no known trip count"
+                         + (f" (its body comes from {sorted(found)})" if found else ""))
+    return loop_trips[found.pop()]
+
+
+def _multiplicity(comps: dict[str, list[str]], entry: str, branch_weights=None, loop_trips=None,
+                  functions=None) -> dict[str, float]:
     """How many times each computation runs per call of the entry (while bodies x trip count), on
     average over the devices; a conditional with len(branch_weights) branches runs branch i a share
-    branch_weights[i] of its calls."""
+    branch_weights[i] of its calls; a while loop of unknown trip count runs loop_trips[f] times, f
+    the function its body was traced from."""
     calls = collections.defaultdict(list)  # caller -> [(callee, times)]
     for name, lines in comps.items():
         for line in lines:
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             for key in ("body", "to_apply", "calls", "true_computation", "false_computation"):
                 for callee in re.findall(rf"\b{key}=%([\w.\-]+)", line):
-                    n = int(trip.group(1)) if key == "body" and trip else 1
-                    if key == "body" and not trip:
-                        raise ValueError(f"while loop calling {callee} has no known trip count")
+                    n = 1
+                    if key == "body":
+                        n = int(trip.group(1)) if trip else _trips(comps, callee, loop_trips, functions or {})
                     calls[name].append((callee, n))
             for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
                 names = [c.strip().lstrip("%") for c in group.split(",")]
@@ -110,20 +151,20 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, 
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
-def collective_bytes(text: str, mesh_shape: dict[str, int],
-                     branch_weights=None) -> dict[tuple[str, tuple[str, ...]], float]:
+def collective_bytes(text: str, mesh_shape: dict[str, int], branch_weights=None,
+                     loop_trips=None) -> dict[tuple[str, tuple[str, ...]], float]:
     """{(kind, mesh axes): bytes one device sends per call} over every collective in the HLO."""
     out = collections.Counter()
-    for kind, axes, sent, _ in collective_ops(text, mesh_shape, branch_weights):
+    for kind, axes, sent, _ in collective_ops(text, mesh_shape, branch_weights, loop_trips):
         out[(kind, axes)] += sent
     return dict(out)
 
 
-def collective_ops(text: str, mesh_shape: dict[str, int],
-                   branch_weights=None) -> list[tuple[str, tuple[str, ...], float, str]]:
+def collective_ops(text: str, mesh_shape: dict[str, int], branch_weights=None,
+                   loop_trips=None) -> list[tuple[str, tuple[str, ...], float, str]]:
     """(kind, mesh axes, bytes one device sends per call, HLO line) of every collective op."""
     comps, entry = _computations(text)
-    mult = _multiplicity(comps, entry, branch_weights)
+    mult = _multiplicity(comps, entry, branch_weights, loop_trips, _frame_functions(text) if loop_trips else None)
     n = int(np.prod(list(mesh_shape.values())))
     out = []
     for name, lines in comps.items():

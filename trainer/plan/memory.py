@@ -18,8 +18,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from meshes import AXES, Layout
 from models import ModelConfig
-from trainer.pipeline import num_ticks
-from trainer.plan.schedule import cost, on_autodiff
+from trainer.plan.schedule import cost
 from trainer.plan.types import Strategy
 
 
@@ -64,8 +63,8 @@ def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, flo
     """(params, grads, optimizer state) bytes per device."""
     _, _, tx, opt = _abstract(_no_remat(mc), train)
     p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
-    # the pipeline's gradients come back whole from autodiff; only the update is ZeRO-sharded
-    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad" if st.stage == 1 else "compute")))
+    # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3)
+    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
     o = optax.tree_map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
                               transform_non_params=lambda x: x.size * x.dtype.itemsize)
     return float(p), float(g), float(sum(jax.tree.leaves(o)))
@@ -196,13 +195,7 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     recompute = body * _saved(mc, st.model, dtype, "none", b)  # a stage body's residuals, rebuilt for its vjp
-    if on_autodiff(st.schedule):
-        # trainer/pipeline.py: the scan saves its carry (a stage input) at every tick; the embedded
-        # batch, the wrap-around buffer and the output are (M, b, T, D) each; embedding and head run
-        # on all microbatches at once, and the head's backward is over before the scan's starts
-        ticks = num_ticks(st.stage, st.microbatches, st.repeats)
-        return (ticks + 3 * st.microbatches) * n + max(recompute, head_bytes(mc, st, dtype, b * st.microbatches))
-    # table executor: live inputs and cotangents; the tick's stage input, cotangent and output (the
+    # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
     # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
@@ -216,12 +209,15 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
     top = sum(x.bytes for x in ls if x.zero and not x.layers)
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
     zero3 = st.zero >= 3 and st.data > 1
-    if st.stage > 1:  # gradients are already counted whole; ZeRO-3 gathers one repeat of the stage's layers
+    if st.stage > 1:  # ZeRO-3 gathers one repeat of the stage's layers
+        # under ZeRO-2/3 the step's whole gradient accumulates before its reduce-scatter; its shard is
+        # already state (XLA's scratch grows by about nothing from ZeRO-1 to ZeRO-2)
+        whole = sum(x.bytes for x in ls) - sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
         # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
-        # table executor accumulates it in circular order, then moves it back: one more copy)
+        # table executor accumulates it in circular order; moved back, it is the gradient counted above)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
-        circ = (2 if on_autodiff(st.schedule) else 3) * stored if st.repeats > 1 else 0.0
-        return circ + ((top + lay / st.repeats) if zero3 else 0.0)
+        circ = 2 * stored if st.repeats > 1 else 0.0
+        return circ + ((top + lay / st.repeats) if zero3 else 0.0) + whole
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters

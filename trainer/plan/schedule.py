@@ -5,8 +5,8 @@ The planner's pipeline memory is about the schedule, not one executor: a stage k
 microbatch's stage input from its arrival until its backward (GPipe: all M*V; 1F1B: at most S;
 interleaved: what its table says), each cotangent from its arrival until the backward reads it (on
 the last stage the loss's gradient from the forward on: GPipe holds M*V of them), and the working
-set of one tick (trainer/plan/memory.py). `AUTODIFF` names the schedules trainer/step.py still runs
-through the autodiff executor (trainer/pipeline.py), whose scan saves its carry at every tick.
+set of one tick (trainer/plan/memory.py). Every schedule runs on the table executor
+(trainer/pipeline_1f1b.py), so its table is the whole story.
 """
 from __future__ import annotations
 
@@ -14,15 +14,6 @@ import functools
 from typing import NamedTuple
 
 from trainer import schedules
-
-# gpipe runs on trainer/pipeline.py's autodiff scan today; empty this when it moves onto the table executor
-AUTODIFF = ()
-
-
-def on_autodiff(schedule: str) -> bool:
-    """Whether trainer/step.py runs this schedule on the autodiff executor (else the table executor)."""
-    return schedule in AUTODIFF
-
 
 class Cost(NamedTuple):
     """One schedule's peak live stage inputs and cotangents on any stage, ticks and idle share."""

@@ -7,16 +7,15 @@ Per step and device:
   compute   hardware FLOPs (remat included) / (peak x sim.efficiency), times a straggler factor
             drawn per device and step: lognormal exp(sigma z) and/or, with probability
             slow_fraction, slow_factor x slower.
-  bubble    the schedule table's idle share (trainer/plan/schedule.cost); on the autodiff executor
-            (trainer/plan/schedule.AUTODIFF) (S-1)/V microbatch times.
+  bubble    the schedule table's idle share (trainer/plan/schedule.cost).
   tensor    4 activation all-reduces per layer and microbatch (6 with full remat), not overlapped.
-  pipeline  the table executor: one activation send forward and one cotangent send back every tick
-            of the table (idle ticks too), the stage all-reduce of the embedding/head gradients and,
-            with V > 1, the layer blocks moved to their circular stages and back; the autodiff
-            executor: one send each way per microbatch.
+  pipeline  the table executor (trainer/pipeline_1f1b.py): one activation send forward and one
+            cotangent send back every tick of the table (idle ticks too), the stage all-reduce of
+            the embedding/head gradients and, with V > 1, the layer blocks moved to their circular
+            stages and back.
   data      the gradient ring all-reduce (ZeRO-3: all-gather twice + reduce-scatter = 1.5x),
-            sim.overlap x compute of it hidden behind the backward pass. The table executor syncs
-            the stage's share once, after its tick loop (ZeRO-3: one all-gather before it, one
+            sim.overlap x compute of it hidden behind the backward pass. A pipeline syncs the
+            stage's share once, after its tick loop (ZeRO-3: one all-gather before it, one
             reduce-scatter after: 1x), with nothing left to hide it behind.
 A ring all-reduce of S bytes over K devices takes 2(K-1) steps of S/K bytes, each costing latency +
 S/K / bandwidth (trainer/collectives.py); the devices' figures are trainer/plan/devices.py's. Groups
@@ -38,9 +37,9 @@ from models import ModelConfig, flops_per_token, hardware_flops_per_token, param
 from trainer.config import Config, model_config, validate
 from trainer.collectives import bus_factor, ring_seconds
 from trainer.errors import UserError
-from trainer.pipeline import bubble_overhead, circular_moves
+from trainer.pipeline import circular_moves
 from trainer.plan.devices import GB, Device, get_device
-from trainer.plan.schedule import cost, on_autodiff
+from trainer.plan.schedule import cost
 from trainer.plan.types import Transfer
 
 
@@ -109,25 +108,24 @@ def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int],
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
     compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
     v = getattr(t, "pipeline_repeats", 1)
-    table = s > 1 and not on_autodiff(t.pipeline_schedule)  # trainer/pipeline_1f1b.py runs it
-    idle = cost(t.pipeline_schedule, s, mb, v).bubble if table else 0.0
-    bubble = compute * (idle / (1 - idle) if table else bubble_overhead(s, mb, v))
+    piped = s > 1  # trainer/pipeline_1f1b.py runs every schedule from its table
+    idle = cost(t.pipeline_schedule, s, mb, v).bubble if piped else 0.0
+    bubble = compute * idle / (1 - idle)
     act_bytes = 4 if t.dtype == "float32" else 2
     act = rows / mb * mc.seq_len * mc.d_model * act_bytes  # one microbatch's activations
     per_layer = 6 if mc.remat == "full" else 4
     tensor = mb * (mc.n_layers // s) * per_layer * group_allreduce(hw, act, m, 1).seconds
-    pbw, plat = hop(hw, 2, m)
-    pipeline = mb * 2 * (plat + act / pbw) if s > 1 else 0.0
+    pipeline = 0.0
     grad = param_count(mc) / (s * m) * 4  # float32 gradients, this device's (stage, model) slice
-    if table:  # every stage holds (and syncs) the whole embedding, head and final norm beside its layers
+    if piped:  # every stage holds (and syncs) the whole embedding, head and final norm beside its layers
         pipeline = _table_pipeline(mc, hw, t.pipeline_schedule, s, m, mb, v, act)
         grad = (param_count(mc) + (s - 1) * _top_params(mc)) / (s * m) * 4
     plain = ring = group_allreduce(hw, grad, data, s * m)
-    if t.zero_stage >= 3 and not table:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
+    if t.zero_stage >= 3 and not piped:  # all-gather in the forward and the backward, reduce-scatter: 1.5 rings
         ring = dataclasses.replace(ring.times(1.5), kind="all-gather x2, reduce-scatter", count=3)
     elif t.zero_stage >= 3:  # once per step: all-gather before the tick loop, reduce-scatter after it
         ring = dataclasses.replace(ring, kind="all-gather, reduce-scatter", count=2)
-    exposed = max(0.0, ring.seconds - (0.0 if table else sim.overlap) * compute)
+    exposed = max(0.0, ring.seconds - (0.0 if piped else sim.overlap) * compute)
     bw, lat = hop(hw, data, s * m)
     push_pull = 2 * grad / bw + 2 * lat if data > 1 else 0.0
     return Point(k, data, rows * data, model_flops, hw_flops, compute, bubble, tensor, pipeline, ring, plain,

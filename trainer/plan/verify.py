@@ -4,7 +4,7 @@ Nothing runs: the train step is lowered with abstract inputs and compiled for th
 CPU devices; `memory_analysis()` gives the bytes of its arguments (parameters, optimizer state,
 step and batch) and a second compile of the gradient function gives the gradients' bytes as the
 implementation holds them. The HLO gives every collective's bytes (trainer/plan/hlo.py); in the
-table executor's tick switch each branch counts as often as the schedule table runs it.
+table executor's tick each branch and 0-or-1-trip step counts as often as the schedule table runs it.
 """
 from __future__ import annotations
 
@@ -76,20 +76,24 @@ def measure(cfg, devices=None, grads: bool = True) -> Measured:
         grads_bytes=g_bytes,
         temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
         output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
-        collectives=collective_bytes(text, dict(s.mesh.shape), branch_weights(s)), mesh_shape=dict(s.mesh.shape),
+        collectives=collective_bytes(text, dict(s.mesh.shape), *table_weights(s)), mesh_shape=dict(s.mesh.shape),
         text=text)
 
 
-def branch_weights(s) -> list[float] | None:
-    """Share of the (tick, stage) cells of the table executor's schedule that run each branch of its
-    tick switch (None without it): a device runs one branch per tick, not all of them."""
-    from trainer import pipeline_1f1b, schedules
-    from trainer.step import table_executor
-    if not table_executor(s):
-        return None
+def table_weights(s) -> tuple[list[float] | None, dict[str, float] | None]:
+    """How often a device runs each part of the table executor's tick (None, None without it): the
+    share of the schedule's (tick, stage) cells that take each branch of the forward switch (none,
+    forward, forward with embedding), and the mean trips of the 0-or-1-trip loops of the steps that
+    add to the gradients, named by the function of trainer/pipeline_1f1b.py they run."""
+    from trainer import pipeline_1f1b, schedules as sc
+    if s.mesh.shape["stage"] == 1:
+        return None, None
     t = s.cfg.train
     _, pl = pipeline_1f1b.table_plan(t.pipeline_schedule, s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats)
-    branches = 1 + max(schedules.IDLE, schedules.FWD, schedules.FWD_EMBED, schedules.FWD_LOSS, schedules.BWD,
-                       schedules.BWD_EMBED)  # the switch has them all, used or not
-    counts = np.bincount(np.asarray(pl.branch).ravel(), minlength=branches)
-    return (counts / counts.sum()).tolist()
+    share = np.bincount(np.asarray(pl.branch).ravel(), minlength=1 + max(sc.IDLE, sc.FWD, sc.FWD_EMBED,
+                                                                       sc.FWD_LOSS, sc.BWD, sc.BWD_EMBED))
+    share = share / share.sum()
+    switch = [share[sc.IDLE] + share[sc.BWD] + share[sc.BWD_EMBED], share[sc.FWD] + share[sc.FWD_LOSS],
+              share[sc.FWD_EMBED]]
+    loops = {"loss_step": share[sc.FWD_LOSS], "bwd_step": share[sc.BWD], "bwd_embed_step": share[sc.BWD_EMBED]}
+    return [float(x) for x in switch], {k: float(x) for k, x in loops.items()}
