@@ -150,10 +150,12 @@ def loss_and_grads(s, params, batch):
             xbuf, gbuf, dblk, dtop, loss = carry
             r = {k: a[me] for k, a in row.items()}
             br, m, v = r["branch"], r["m"], r["v"]
-            h, g = xbuf[r["slot"]], gbuf[r["cot_slot"]]
+            h = xbuf[r["slot"]]
             y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: h, fwd, fwd_embed], h, m, v)
             gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
                                       gbuf, dtop, loss)
+            # read after the loss step's write (never on a backward's tick), which then needs no copy
+            g = gbuf[r["cot_slot"]]
             # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
             # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
             # where a spare row to take them would cost a stage input (cotangent) of memory. The output
