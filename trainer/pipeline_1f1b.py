@@ -65,6 +65,12 @@ def _cross_entropy(logits_BTV, targets_BT):
     return jnp.mean(logz - tgt)
 
 
+def _put(buf, i, x):
+    """buf[i] = x in place, nothing where i == len(buf) (a scatter's mode="drop" is a while loop on CPU)."""
+    j = jnp.minimum(i, buf.shape[0] - 1)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i < buf.shape[0], x, buf[j]), j, 0)
+
+
 def loss_and_grads(s, params, batch):
     """Mean next-token loss of a (B, T+1) batch and its gradient, pipelined over `stage` by the
     table of train.pipeline_schedule."""
@@ -93,7 +99,6 @@ def loss_and_grads(s, params, batch):
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
         emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
-        zeros_h = jnp.zeros(h0.shape, h0.dtype)
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
@@ -113,7 +118,7 @@ def loss_and_grads(s, params, batch):
         def loss_step(ins, gbuf, dtop, loss):
             tp, y, m, slot = ins
             ls, (dy, dt) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, tp, m)
-            gbuf = jax.lax.dynamic_update_index_in_dim(gbuf, dy.astype(y.dtype), slot, 0)
+            gbuf = _put(gbuf, slot, dy.astype(y.dtype))
             return gbuf, add(dtop, dt), loss + ls
 
         def bwd_step(ins, dblk, dh):
@@ -145,18 +150,24 @@ def loss_and_grads(s, params, batch):
             xbuf, gbuf, dblk, dtop, loss = carry
             r = {k: a[me] for k, a in row.items()}
             br, m, v = r["branch"], r["m"], r["v"]
-            h, g = xbuf[r["slot"]], gbuf[r["cot_slot"]]
-            y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: zeros_h, fwd, fwd_embed], h, m, v)
+            h = xbuf[r["slot"]]
+            y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: h, fwd, fwd_embed], h, m, v)
             gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
                                       gbuf, dtop, loss)
-            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, zeros_h)
+            # read after the loss step's write (never on a backward's tick), which then needs no copy
+            g = gbuf[r["cot_slot"]]
+            # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
+            # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
+            # where a spare row to take them would cost a stage input (cotangent) of memory. The output
+            # is sent before the backward, whose input cotangent then takes its buffer.
+            xbuf = _put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", fwd_pairs))
+            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, y)
             dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
-            # the last row of each buffer is a dummy that takes the writes nobody reads
-            xbuf = xbuf.at[r["recv_act"]].set(jax.lax.ppermute(y, "stage", fwd_pairs))
-            gbuf = gbuf.at[r["recv_cot"]].set(jax.lax.ppermute(dh, "stage", bwd_pairs))
+            gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", bwd_pairs))
             return (xbuf, gbuf, dblk, dtop, loss), None
 
-        carry = (jnp.zeros((pl.n_act + 1,) + h0.shape, h0.dtype), jnp.zeros((pl.n_cot + 1,) + h0.shape, h0.dtype),
+        rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
+        carry = (rows(pl.n_act), rows(pl.n_cot),
                  jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32))
         (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
         return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)

@@ -142,7 +142,7 @@ class Plan(NamedTuple):
     loss_slot: np.ndarray  # (T, S) cotangent slot the loss's gradient goes to (FWD_LOSS), else dummy
     recv_act: np.ndarray  # (T, S) slot the activation received at the end of the tick goes to, else dummy
     recv_cot: np.ndarray  # (T, S) slot the cotangent received at the end of the tick goes to, else dummy
-    n_act: int  # activation slots (the dummy is slot n_act)
+    n_act: int  # activation slots (the dummy is slot n_act: the executor drops what is written there)
     n_cot: int
 
 

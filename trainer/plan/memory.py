@@ -195,12 +195,12 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     recompute = body * _saved(mc, st.model, dtype, "none", b)  # a stage body's residuals, rebuilt for its vjp
-    # live inputs and cotangents, each buffer's spare row, the tick's output, input
-    # cotangent and loss gradient and the two it receives; the vjp's block gradient; the head and loss
-    # of one microbatch on the last stage
+    # live inputs and cotangents; the tick's stage input, cotangent and output (the
+    # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
+    # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
-    return ((c.inputs + c.cotangents + 7) * n + recompute + body * _layer_weight_bytes(mc, st.model)
-            + head_bytes(mc, st, dtype, b, tiled=False))  # trainer/pipeline_1f1b.py: whole logits
+    return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model),
+                                                    head_bytes(mc, st, dtype, b, tiled=False)))  # whole logits
 
 
 def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
@@ -214,9 +214,9 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
         # already state (XLA's scratch grows by about nothing from ZeRO-1 to ZeRO-2)
         whole = sum(x.bytes for x in ls) - sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
         # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
-        # table executor accumulates it in circular order, then moves it back: one more copy)
+        # table executor accumulates it in circular order; moved back, it is the gradient counted above)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
-        circ = 3 * stored if st.repeats > 1 else 0.0
+        circ = 2 * stored if st.repeats > 1 else 0.0
         return circ + ((top + lay / st.repeats) if zero3 else 0.0) + whole
     out = 0.0
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
