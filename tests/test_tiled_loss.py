@@ -85,3 +85,17 @@ def test_tiled_loss_needs_40_percent_less_temp_memory():
     whole = temp_bytes(shape + ["model.loss_chunk=0"])
     tiled = temp_bytes(shape)  # default rule: 1024-token chunks
     assert tiled <= 0.6 * whole, (tiled, whole)
+
+
+def test_pipeline_last_stage_tiles_its_microbatch_loss():
+    """The pipeline's last stage computes each microbatch's loss tiled as model.loss_chunk says:
+    vocabulary 32768, 4 stages, microbatches of 1024 tokens (128 MB of float32 logits and as much
+    gradient, whole): the compiled step's scratch falls by most of that with 128-token chunks."""
+    from loss_memory import temp_bytes
+    shape = ["model.preset=tiny", "model.vocab_size=32768", "model.seq_len=32", "train.batch_size=128",
+             "model.n_layers=4", "mesh.data=1", "mesh.stage=4", "mesh.model=1", "train.microbatches=4",
+             "train.pipeline_schedule=1f1b"]
+    whole = temp_bytes(shape + ["model.loss_chunk=0"], jax.devices()[:4])
+    tiled = temp_bytes(shape + ["model.loss_chunk=128"], jax.devices()[:4])
+    logits = 1024 * 32768 * 4
+    assert whole - tiled >= logits, (tiled, whole)

@@ -32,12 +32,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import embed, head, layer_stack
+from models.loss import _token_losses, chunk_tokens
+from models.transformer import embed, head, head_loss, layer_stack
 from trainer import schedules, sync
 from trainer.pipeline import circular_blocks, split_microbatches
-
-
-SCHEDULES = schedules.SCHEDULES  # the schedules step.py runs through this executor: all of them
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,10 +57,10 @@ def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
 
 
 def _cross_entropy(logits_BTV, targets_BT):
-    """`cross_entropy` with the target logit picked by a one-hot sum (no gather, as above)."""
-    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
-    tgt = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype), -1)
-    return jnp.mean(logz - tgt)
+    """`cross_entropy` with the target logit picked by comparing with an iota (models/loss.py), not
+    gathered (as above); XLA fuses the compare into the sum, so no (B, T, V) one-hot exists."""
+    V = logits_BTV.shape[-1]
+    return jnp.mean(_token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)))
 
 
 def _put(buf, i, x):
@@ -102,6 +100,8 @@ def loss_and_grads(s, params, batch):
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
+            if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
+                return head_loss(c, tp, y, targets[m], constrain) / M
             return _cross_entropy(head(c, tp, y, constrain), targets[m]) / M
 
         # The forward runs in a conditional (output only). The steps that add to the gradient sums

@@ -152,8 +152,10 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
     return fixed + per * rows
 
 
-def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, tiled: bool = True) -> float:
+def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool = False) -> float:
     """The head and loss at `rows` sequences per device: JAX's residuals and the backward's working set.
+    The tiling rule sees the step's tokens, or with `local` (the pipeline's loss, inside a shard_map
+    manual over `data`) this device's.
 
     Whole logits: the residuals hold the (N, V) float32 logits and the backward adds their gradient.
     Tiled (model.loss_chunk, models/loss.py): each token's logsumexp instead of its logits; the
@@ -165,10 +167,11 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, tiled: bool
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
     res = _saved(mc, st.model, dtype, "head", rows)
-    n = chunk_tokens(mc.loss_chunk, N * st.data, mc.vocab_size) if tiled else 0  # as the step sees the batch
+    seen = N if local else N * st.data
+    n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
         return res + logits
-    blocks = _vocab_blocks(mc.vocab_size, -(-N * st.data // n))
+    blocks = _vocab_blocks(mc.vocab_size, -(-seen // n))
     return res - logits + 4.0 * N + 3 * logits / blocks + 4.0 * N * D + 4.0 * V * D
 
 
@@ -200,7 +203,7 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
     return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model),
-                                                    head_bytes(mc, st, dtype, b, tiled=False)))  # whole logits
+                                                    head_bytes(mc, st, dtype, b, local=True)))
 
 
 def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
