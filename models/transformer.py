@@ -237,10 +237,28 @@ REMAT = {
 }
 
 
-def sublayer_remat(prevent_cse: bool = True) -> Callable:
-    """model.remat=sublayer: a layer half saves only its input, so a backward holds one half's internals."""
-    return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable,
-                             prevent_cse=prevent_cse)
+def sublayer_remat(f: Callable) -> Callable:
+    """model.remat=sublayer on a layer half f(p, x): only its input is saved, and its backward
+    recomputes it once the output's cotangent has arrived, so one half's internals live at a time.
+
+    A custom vjp rather than jax.checkpoint: the recomputation passes an optimization barrier
+    with the cotangent, or XLA may schedule it early (both halves' internals live at once again).
+    """
+    def half(p, x):
+        g, consts = jax.closure_convert(f, p, x)  # the tables and indices it closes over, as arguments
+
+        @jax.custom_vjp
+        def run(p, x, *consts):
+            return g(p, x, *consts)
+
+        def bwd(res, dy):
+            *res, dy = jax.lax.optimization_barrier((*res, dy))
+            return jax.vjp(g, *res)[1](dy)
+
+        run.defvjp(lambda *a: (g(*a), a), bwd)
+        return run(p, x, *consts)
+
+    return half
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
@@ -260,14 +278,14 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
     # seen to merge a recomputed ZeRO-3 all-gather with the forward one (memory not freed).
     scan = c.scan_layers or (c.scan_layers is None and (L > 8 or remat != "none"))
-    # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
-    # pass (remat undone); inside one it cannot, and the barrier only costs.
-    half = sublayer_remat(not scan) if remat == "sublayer" else _identity
+    half = sublayer_remat if remat == "sublayer" else _identity
 
     def body(x, p):
         return layer(c, gather(p), x, rope, constrain, kernels, half), None
 
     if remat in REMAT:
+        # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
+        # pass (remat undone); inside one it cannot, and the barrier only costs.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)
     if scan:
         x_BTD, _ = jax.lax.scan(body, x_BTD, layers)

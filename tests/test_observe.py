@@ -34,7 +34,7 @@ def _unrolled_loss(c, params, batch_BT1):
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta)
     f = functools.partial(layer, c, rope=rope)
     if c.remat == "sublayer":
-        f = functools.partial(layer, c, rope=rope, half=sublayer_remat(prevent_cse=True))
+        f = functools.partial(layer, c, rope=rope, half=sublayer_remat)
     elif c.remat != "none":
         f = jax.checkpoint(f, policy=REMAT[c.remat], prevent_cse=True)
     for i in range(c.n_layers):
