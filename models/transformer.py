@@ -252,8 +252,20 @@ def sublayer_remat(f: Callable) -> Callable:
             return g(p, x, *consts)
 
         def bwd(res, dy):
-            *res, dy = jax.lax.optimization_barrier((*res, dy))
-            return jax.vjp(g, *res)[1](dy)
+            def recompute(carry):
+                i, args = jax.lax.optimization_barrier((carry[0], res))
+                dp, dx, *dconsts = jax.vjp(g, *args)[1](carry[1])
+                return i + 1, dx, dp, tuple(dconsts)
+
+            # A loop of one trip that XLA cannot count (it would inline it), its inputs tied to the
+            # trip counter by a barrier (else hoisted out of it): XLA:CPU drops barriers before CSE,
+            # which then merges a recomputation with the forward pass (remat undone), but not
+            # across a loop. dy enters as the carry that leaves as dx (same shape): no zeros for it.
+            trips = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ())
+            p, _, *consts = res
+            init = (jnp.int32(0), dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts)))
+            _, dx, dp, dconsts = jax.lax.while_loop(lambda c: c[0] < trips, recompute, init)
+            return dp, dx, *dconsts
 
         run.defvjp(lambda *a: (g(*a), a), bwd)
         return run(p, x, *consts)
