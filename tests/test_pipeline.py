@@ -27,6 +27,9 @@ LAYOUTS = [
                      "train.pipeline_schedule=1f1b"]),
     ("1,2,1", SGD + ["mesh.data=1", "mesh.stage=2", "train.microbatches=4", "train.pipeline_repeats=2",
                      "train.pipeline_schedule=interleaved_1f1b"]),
+    # the stage body (two layers) with each layer half recomputed in the backward tick
+    ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_schedule=1f1b",
+                     "model.remat=sublayer"]),
 ]
 
 
