@@ -252,19 +252,19 @@ def sublayer_remat(f: Callable) -> Callable:
             return g(p, x, *consts)
 
         def bwd(res, dy):
-            def recompute(carry):
-                i, args = jax.lax.optimization_barrier((carry[0], res))
-                dp, dx, *dconsts = jax.vjp(g, *args)[1](carry[1])
-                return i + 1, dx, dp, tuple(dconsts)
+            def recompute(dy):
+                dp, dx, *dconsts = jax.vjp(g, *res)[1](dy)
+                return dx, dp, tuple(dconsts)
 
-            # A loop of one trip that XLA cannot count (it would inline it), its inputs tied to the
-            # trip counter by a barrier (else hoisted out of it): XLA:CPU drops barriers before CSE,
-            # which then merges a recomputation with the forward pass (remat undone), but not
-            # across a loop. dy enters as the carry that leaves as dx (same shape): no zeros for it.
-            trips = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ())
-            p, _, *consts = res
-            init = (jnp.int32(0), dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts)))
-            _, dx, dp, dconsts = jax.lax.while_loop(lambda c: c[0] < trips, recompute, init)
+            def never(dy):
+                p, _, *consts = res
+                return dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
+
+            # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
+            # which would then merge a recomputation with the forward pass (remat undone), but it
+            # does not merge across computations.
+            taken = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ()) == 1  # always
+            dx, dp, dconsts = jax.lax.cond(taken, recompute, never, dy)
             return dp, dx, *dconsts
 
         run.defvjp(lambda *a: (g(*a), a), bwd)

@@ -71,12 +71,14 @@ def test_against_xla(name):
 def test_activations_follow_remat_as_xla_does():
     """Remat policies order the predicted activations as they order XLA's scratch, which the estimate tracks."""
     temps, preds = {}, {}
-    for remat in ("none", "dots", "full"):
+    for remat in ("none", "dots", "full", "sublayer"):
         cfg, plan = _plan(["mesh.data=8", "train.batch_size=64", f"model.remat={remat}"])
         temps[remat] = measure(cfg, grads=False).temp_bytes
         preds[remat] = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
         assert abs(preds[remat] / temps[remat] - 1) < 0.35, (remat, preds[remat], temps[remat])
     assert preds["none"] > preds["dots"] > preds["full"] and temps["none"] > temps["dots"] > temps["full"]
+    # sublayer saves two half inputs a layer where full saves one, and rebuilds one half, not the layer
+    assert preds["none"] > preds["sublayer"] and temps["none"] > temps["sublayer"], (preds, temps)
 
 
 def test_hlo_parser_counts_loops_and_groups():
