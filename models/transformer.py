@@ -161,8 +161,7 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
           kernels: Kernels | None = None, half: Callable = _identity):
-    """One decoder layer on weights `p` (no leading layers axis): its attention half, then its MLP
-    half, each passed through `half` first (model.remat=sublayer checkpoints each)."""
+    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through `half`."""
     kn = kernels or kernels_for(c)
     x_BTD = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kn))(p, x_BTD)
     return half(functools.partial(mlp_half, c, constrain=constrain, kernels=kn))(p, x_BTD)
@@ -238,12 +237,9 @@ REMAT = {
 
 
 def sublayer_remat(f: Callable) -> Callable:
-    """model.remat=sublayer on a layer half f(p, x): only its input is saved, and its backward
-    recomputes it once the output's cotangent has arrived, so one half's internals live at a time.
-
-    A custom vjp rather than jax.checkpoint: the recomputation passes an optimization barrier
-    with the cotangent, or XLA may schedule it early (both halves' internals live at once again).
-    """
+    """model.remat=sublayer on a layer half f(p, x): its backward recomputes it from its saved input."""
+    # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
+    # with the forward pass (both halves' internals live at once again; measured: no memory saved).
     def half(p, x):
         g, consts = jax.closure_convert(f, p, x)  # the tables and indices it closes over, as arguments
 
