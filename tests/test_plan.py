@@ -30,6 +30,7 @@ AGAINST_XLA = {
     "d8-z3-full": ["mesh.data=8", "train.zero_stage=3", "model.remat=full"],
     "d4m2-z0-m4": ["mesh.data=4", "mesh.model=2", "train.microbatches=4", "train.batch_size=32"],
     "d4m2-z3": ["mesh.data=4", "mesh.model=2", "train.zero_stage=3"],
+    "d4m2-z3-sublayer": ["mesh.data=4", "mesh.model=2", "train.zero_stage=3", "model.remat=sublayer"],
     "d2m4-z2": ["mesh.data=2", "mesh.model=4", "train.zero_stage=2"],
     "m8-z0": ["mesh.data=1", "mesh.model=8", "model.n_kv_heads=8"],
     "d2s2m2-z0-m4": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=4"],
