@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "sublayer")
 ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn")
 KERNELS = ("auto", "reference", "fast")
 
@@ -114,10 +114,12 @@ def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> floa
 
     full: the layer forward runs again, except its last projection (w_down), whose output the
     backward pass does not need; dots: projection outputs are saved, but the attention
-    score/value products (batched dots) are recomputed.
+    score/value products (batched dots) are recomputed; sublayer: as full, less the attention's
+    output projection too (each half's backward needs its input, not its output).
     """
     t = seq_len or c.seq_len
     attn_fwd = 2 * c.n_layers * t * c.n_heads * c.head_dim
     full = 2 * c.n_layers * (layer_matmul_params(c) - c.d_model * c.d_ff) + attn_fwd
-    extra = {"none": 0, "full": full, "dots": attn_fwd}[c.remat]
+    wo = 2 * c.n_layers * c.n_heads * c.head_dim * c.d_model
+    extra = {"none": 0, "full": full, "dots": attn_fwd, "sublayer": full - wo}[c.remat]
     return flops_per_token(c, seq_len) + extra

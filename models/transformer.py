@@ -160,16 +160,24 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
-          kernels: Kernels | None = None):
-    """One decoder layer on weights `p` (no leading layers axis)."""
+          kernels: Kernels | None = None, half: Callable = _identity):
+    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through `half`."""
     kn = kernels or kernels_for(c)
-    p = jax.tree.map(lambda w: w.astype(x_BTD.dtype), p)
+    x_BTD = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kn))(p, x_BTD)
+    return half(functools.partial(mlp_half, c, constrain=constrain, kernels=kn))(p, x_BTD)
+
+
+def attention_half(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
+                   kernels: Kernels | None = None):
+    """x + attention(norm(x)): norm, q/k/v, RoPE, attention, output projection, residual add."""
+    kn = kernels or kernels_for(c)
+    p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo")}
     q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain, kernels=kn)
     if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
                           for a in (k_BTKE, v_BTKE))
     o_BTHE = kn.attention(q_BTHE, k_BTKE, v_BTKE)
-    return attn_out_mlp(c, p, x_BTD, o_BTHE, constrain, kn)
+    return attn_out(c, p, x_BTD, o_BTHE, constrain, kn)
 
 
 def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0,
@@ -192,16 +200,31 @@ def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = 
                  kernels: Kernels | None = None):
     """The layer after attention: output projection and SwiGLU MLP, each added to the residual."""
     kn = kernels or kernels_for(c)
+    return mlp_half(c, p, attn_out(c, p, x_BTD, o_BTHE, constrain, kn), constrain, kn)
+
+
+def attn_out(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain,
+             kernels: Kernels | None = None):
+    """x + the attention output projected back to d_model."""
+    kn = kernels or kernels_for(c)
     B, T, D = x_BTD.shape
     HE = c.n_heads * c.head_dim
     o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)
-    (o_BTD,) = kn.project(o_BTX, (p["wo"].reshape(HE, D),))
-    x_BTD = constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+    (o_BTD,) = kn.project(o_BTX, (p["wo"].astype(x_BTD.dtype).reshape(HE, D),))
+    return constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+
+
+def mlp_half(c: ModelConfig, p: dict, x_BTD, constrain: Constrain = _no_constrain,
+             kernels: Kernels | None = None):
+    """x + SwiGLU(norm(x))."""
+    kn = kernels or kernels_for(c)
+    p = {k: p[k].astype(x_BTD.dtype) for k in ("mlp_norm", "w_gate", "w_up", "w_down")}
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
     gate_BTF, up_BTF = kn.project(h_BTD, (p["w_gate"], p["w_up"]))
     a_BTF = constrain(kn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
     return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
+
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -211,6 +234,39 @@ REMAT = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("projection")),
 }
+
+
+def sublayer_remat(f: Callable) -> Callable:
+    """model.remat=sublayer on a layer half f(p, x): its backward recomputes it from its saved input."""
+    # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
+    # with the forward pass (both halves' internals live at once again; measured: no memory saved).
+    def half(p, x):
+        g, consts = jax.closure_convert(f, p, x)  # the tables and indices it closes over, as arguments
+
+        @jax.custom_vjp
+        def run(p, x, *consts):
+            return g(p, x, *consts)
+
+        def bwd(res, dy):
+            def recompute(dy):
+                dp, dx, *dconsts = jax.vjp(g, *res)[1](dy)
+                return dx, dp, tuple(dconsts)
+
+            def never(dy):
+                p, _, *consts = res
+                return dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
+
+            # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
+            # which would then merge a recomputation with the forward pass (remat undone), but it
+            # does not merge across computations.
+            taken = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ()) == 1  # always
+            dx, dp, dconsts = jax.lax.cond(taken, recompute, never, dy)
+            return dp, dx, *dconsts
+
+        run.defvjp(lambda *a: (g(*a), a), bwd)
+        return run(p, x, *consts)
+
+    return half
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
@@ -226,14 +282,16 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
 
-    def body(x, p):
-        return layer(c, gather(p), x, rope, constrain, kernels), None
-
     L = jax.tree.leaves(layers)[0].shape[0]
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
     # seen to merge a recomputed ZeRO-3 all-gather with the forward one (memory not freed).
     scan = c.scan_layers or (c.scan_layers is None and (L > 8 or remat != "none"))
-    if remat != "none":
+    half = sublayer_remat if remat == "sublayer" else _identity
+
+    def body(x, p):
+        return layer(c, gather(p), x, rope, constrain, kernels, half), None
+
+    if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
         # pass (remat undone); inside one it cannot, and the barrier only costs.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)

@@ -51,6 +51,25 @@ def test_remat_on_off_same_loss_and_grads():
         assert max_rel(out[remat][1], out["none"][1]) < 1e-5
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_sublayer_remat_same_loss_and_grads_and_saves_two_inputs_per_layer(scan):
+    """model.remat=sublayer recomputes each layer half from its input: the loss and gradients of
+    remat=none (scanned or unrolled), and per layer only the two half inputs are saved."""
+    from jax._src.ad_checkpoint import saved_residuals
+    from trainer.config import load_config, model_config
+    assert model_config(load_config(["model.preset=tiny", "model.remat=sublayer"])).remat == "sublayer"
+    c, p = _tiny_params(scan_layers=scan)
+    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    out = {r: jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch, remat=r)))(p) for r in ("none", "sublayer")}
+    np.testing.assert_allclose(float(out["sublayer"][0]), float(out["none"][0]), rtol=1e-6)
+    assert max_rel(out["sublayer"][1], out["none"][1]) < 1e-6
+    x = jnp.ones((4, 32, c.d_model))
+    layers = p["layers"]
+    saved = [r for r in saved_residuals(lambda w, x: layer_stack(c, w, x, remat="sublayer"), layers, x)
+             if r[0].shape[-3:] == x.shape]  # activations (stacked when scanned), not weights or tables
+    assert sum(r[0].size for r in saved) == 2 * c.n_layers * x.size, saved
+
+
 def test_model_is_causal():
     c, p = _tiny_params()
     tokens = jnp.asarray(corpus().train[:2 * 32].reshape(2, 32).astype(np.int32))

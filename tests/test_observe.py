@@ -16,7 +16,7 @@ from rich.console import Console
 
 from conftest import TINY
 from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
-from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables
+from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables, sublayer_remat
 from trainer import UserError, load_config, train
 from trainer.data import Batches
 from trainer.observe.metrics import MetricsWriter
@@ -33,7 +33,9 @@ def _unrolled_loss(c, params, batch_BT1):
     x = embed(c, params, batch_BT1[:, :-1], jnp.float32)
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta)
     f = functools.partial(layer, c, rope=rope)
-    if c.remat != "none":
+    if c.remat == "sublayer":
+        f = functools.partial(layer, c, rope=rope, half=sublayer_remat)
+    elif c.remat != "none":
         f = jax.checkpoint(f, policy=REMAT[c.remat], prevent_cse=True)
     for i in range(c.n_layers):
         x = f(jax.tree.map(lambda w: w[i], params["layers"]), x)
@@ -87,7 +89,7 @@ def _recompute_gap(c, hfu_over_mfu: float) -> float:
     return (recomputed - masked - (hfu_over_mfu - 1) * flops_per_token(c)) / step
 
 
-@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+@pytest.mark.parametrize("remat", ["none", "dots", "full", "sublayer"])
 def test_recomputed_flops_match_xla(remat):
     """hfu counts what the backward pass recomputes: XLA's count, up to elementwise work under 2% of the step."""
     c = from_preset("tiny", remat=remat)

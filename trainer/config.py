@@ -44,7 +44,7 @@ class ModelSection:
     norm_eps: Optional[float] = None
     # llama3 RoPE scaling [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
     rope_scaling: Optional[List[float]] = None
-    remat: str = "none"  # none | full | dots
+    remat: str = "none"  # none | full | dots | sublayer
     scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
     attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)

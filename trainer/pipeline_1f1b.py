@@ -84,9 +84,13 @@ def loss_and_grads(s, params, batch):
     fwd_pairs = [(j, j + 1) for j in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
     bwd_pairs = [(b, a) for a, b in fwd_pairs]
 
+    # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
+    # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
+    remat = "sublayer" if c.remat == "sublayer" else "none"
+
     def body(blocks, v, h):
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
-        return layer_stack(c, p, h, constrain=constrain, remat="none")
+        return layer_stack(c, p, h, constrain=constrain, remat=remat)
 
     def local(layers, top, tokens, targets):
         if V == 1:

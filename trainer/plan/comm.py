@@ -67,7 +67,8 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
             out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                                 ar * grads * wire, 1))
         if zero >= 3:
-            again = 1 if st.remat == "none" else 2  # the backward pass gathers again under remat
+            # the backward pass gathers again under full/dots remat (sublayer's halves get gathered weights)
+            again = 1 if st.remat in ("none", "sublayer") else 2
             top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
             out += [Transfer("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
                              + (", again in backward)" if again > 1 else ")"),

@@ -123,8 +123,10 @@ def _residuals(fn, *args) -> float:
 
 @functools.lru_cache(maxsize=512)
 def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, float]:
-    """(fixed, per sequence) residual bytes of one layer under a remat policy, or of the head and loss."""
-    from models.transformer import REMAT, cross_entropy, head, layer, rope_tables
+    """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
+    without remat ("attention", "mlp"), or of the head and loss."""
+    from models.transformer import (REMAT, attention_half, cross_entropy, head, layer, mlp_half, rope_tables,
+                                    sublayer_remat)
     c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
@@ -140,8 +142,13 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
         weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
                    "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
                    "w_down": w((F, D))}
-        fn = lambda x, weights: layer(c, weights, x, rope_tables(T, E, c.rope_theta, c.rope_scaling))  # noqa: E731
-        if what != "none":
+        rope = rope_tables(T, E, c.rope_theta, c.rope_scaling)
+        fn = lambda x, weights: layer(c, weights, x, rope)  # noqa: E731
+        if what in ("attention", "mlp", "sublayer"):
+            fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope),
+                  "mlp": lambda x, weights: mlp_half(c, weights, x),
+                  "sublayer": lambda x, weights: layer(c, weights, x, rope, half=sublayer_remat)}[what]
+        elif what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
         out.append(_residuals(fn, x, weights))
     return 2 * out[0] - out[1], out[1] - out[0]
@@ -180,9 +187,16 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> f
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
         saved = mc.n_layers * _saved(mc, st.model, dtype, st.remat, b)
-        recompute = _saved(mc, st.model, dtype, "none", b) if st.remat != "none" else 0.0
+        recompute = _recompute(mc, st, dtype, b) if st.remat != "none" else 0.0
         return saved + recompute + head_bytes(mc, st, dtype, b)
     return pipeline_activation_bytes(mc, st, b, dtype)
+
+
+def _recompute(mc: ModelConfig, st: Strategy, dtype: str, b: int) -> float:
+    """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's."""
+    if st.remat == "sublayer":
+        return max(_saved(mc, st.model, dtype, half, b) for half in ("attention", "mlp"))
+    return _saved(mc, st.model, dtype, "none", b)
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
@@ -197,7 +211,10 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
     its schedule keeps live (trainer/plan/schedule.py) plus one tick's working set."""
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
-    recompute = body * _saved(mc, st.model, dtype, "none", b)  # a stage body's residuals, rebuilt for its vjp
+    # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's
+    recompute = body * _saved(mc, st.model, dtype, "none", b)
+    if st.remat == "sublayer":
+        recompute = body * _saved(mc, st.model, dtype, "sublayer", b) + _recompute(mc, st, dtype, b)
     # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
     # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
@@ -226,6 +243,6 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
         # each layer's inside the scan, so its whole gradient never exists)
         out += sum(x.bytes for x in ls)
-    if zero3:  # gathered layer weights: kept for the backward without remat, one layer at a time with it
-        out += top + (lay if st.remat == "none" else lay / mc.n_layers)
+    if zero3:  # gathered layer weights: kept for the backward without remat (or sublayer's), else one layer's
+        out += top + (lay if st.remat in ("none", "sublayer") else lay / mc.n_layers)
     return out
