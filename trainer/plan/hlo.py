@@ -61,21 +61,27 @@ def _frame_functions(text: str) -> dict[int, set[str]]:
 
 
 def _trips(comps, body: str, loop_trips, functions) -> float:
-    """Mean trips of a while loop with no known trip count: loop_trips of the one function its body came from."""
-    todo, seen, found = [body], set(), set()
-    while todo:  # the body and what it calls
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            todo += re.findall(r"(?:body|to_apply|calls|condition|computations)=\{?%([\w.\-]+)", line)
-            if f := re.search(r"stack_frame_id=(\d+)", line):
-                found |= functions.get(int(f.group(1)), set()) & set(loop_trips or ())
-    if len(found) != 1:
-        raise ValueError(f"while loop calling {body} has no known trip count"
-                         + (f" (its body comes from {sorted(found)})" if found else ""))
-    return loop_trips[found.pop()]
+    """Mean trips of a while loop with no known trip count: loop_trips of the one function its body
+    came from. Read level by level (the body's own instructions first, then what it calls): XLA may
+    share one called computation between loops from different functions."""
+    level, seen = [body], set()
+    while level:
+        found, nxt = set(), []
+        for name in level:
+            if name in seen or name not in comps:
+                continue
+            seen.add(name)
+            for line in comps[name]:
+                nxt += re.findall(r"(?:body|to_apply|calls|condition|computations)=\{?%([\w.\-]+)", line)
+                if f := re.search(r"stack_frame_id=(\d+)", line):
+                    found |= functions.get(int(f.group(1)), set()) & set(loop_trips or ())
+        if len(found) == 1:
+            return loop_trips[found.pop()]
+        if found:
+            break
+        level = nxt
+    raise ValueError(f"while loop calling {body} has no known trip count"
+                     + (f" (its body comes from {sorted(found)})" if found else ""))
 
 
 def _multiplicity(comps: dict[str, list[str]], entry: str, branch_weights=None, loop_trips=None,
