@@ -113,13 +113,13 @@ def work_b(job):
 def work_c(job):
     """temp and argument bytes of the compiled 125m step at one vocabulary, whole and tiled logits."""
     from loss_memory import memory_analysis
-    from trainer.plan.verify import FAST_COMPILE
+    from trainer.plan.verify import fast_compile
     out = {}
     for name, extra in (("whole", ["model.loss_chunk=0"]), ("tiled", [])):
         t = time.perf_counter()
-        # FAST_COMPILE: about 3x faster; XLA:CPU's scratch differs by < 0.1% (trainer/plan/verify.py)
+        # fast_compile(): about 3x faster; XLA:CPU's scratch differs by < 0.1% (trainer/plan/verify.py)
         m = memory_analysis(C_SHAPE + [f"model.vocab_size={job['vocab']}"] + extra + job["extra"],
-                            compiler_options=FAST_COMPILE)
+                            compiler_options=fast_compile())
         out[name] = dict(temp=m.temp_size_in_bytes, args=m.argument_size_in_bytes,
                          compile_s=time.perf_counter() - t)
     return out
