@@ -37,9 +37,10 @@ def _close(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
 
 
-# behind -m slow (keeps the default run short): GPipe at S=2 and S=8, 1F1B at M=4; the default run keeps
-# GPipe at S=4, every other schedule, and the data/model compositions
-SLOW = {0, 2, 6}
+# behind -m slow (keeps the default run short): GPipe at S=2 and S=8, ZeRO-3 over (4,2,1), 1F1B at M=4, M=8
+# and on (2,2,2) (one executor runs every schedule); the default run keeps GPipe at S=4 and on (2,2,2),
+# circular GPipe, interleaved 1F1B, 1F1B with sub-layer remat (tests/test_pipeline_sync.py: more 1F1B)
+SLOW = {0, 2, 4, 6, 7, 8}
 CASES = [pytest.param(n, ov, marks=[pytest.mark.slow] if i in SLOW else [],
                       id="-".join(o for o in ov if not o.startswith("train.grad_clip")))
          for i, (n, ov) in enumerate(LAYOUTS)]
@@ -262,7 +263,7 @@ def _xla_counts_loop_bodies_once():
     return ten == pytest.approx(one, rel=1e-3) and pick == pytest.approx(2 * one, rel=1e-3)  # + index arithmetic
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_head_flops_once_per_step_not_once_per_stage(schedule):
     """Vocabulary 32k, S=4: the FLOPs that grow with the vocabulary (embedding, head and loss,
     forward and backward), per device as cost_analysis counts them. One device without
