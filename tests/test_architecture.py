@@ -76,9 +76,6 @@ FACTS = {
     "the ring's (K-1)/K": (r"\(\s*(\w+)\s*-\s*1\s*\)\s*/\s*\1\b", "trainer/collectives.py"),
     "the Transfer type (bytes a device sends per collective, and their time)":
         (r"\bclass\s+Transfer\b", "trainer/plan/types.py"),
-    "the pipeline's ticks M*V + S - 1": (r"\*\s*[\w.]*repeats\s*\+\s*([\w.]*stages?|S)\s*-\s*1", "trainer/pipeline.py"),
-    "the bubble (S-1)/(M*V + S-1)": (r"\(\s*([\w.]*stages?|s|S)\s*-\s*1\s*\)\s*/\s*(\(|num_ticks|[\w.]*v\b)",
-                                     "trainer/pipeline.py"),
 }
 
 

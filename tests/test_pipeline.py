@@ -7,7 +7,8 @@ import pytest
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.ckpt.checkpoint import Checkpointer, list_steps
 from trainer.config import load_config
-from trainer.pipeline import bubble_fraction, describe, num_ticks
+from trainer.pipeline import describe
+from trainer.schedules import build, idle_fraction
 from trainer.state import init_state, make_setup
 from trainer.step import jit_train_step
 
@@ -46,9 +47,8 @@ CASES = [pytest.param(n, ov, marks=[pytest.mark.slow] if i in SLOW else [],
          for i, (n, ov) in enumerate(LAYOUTS)]
 
 
-@pytest.mark.parametrize("name,overrides", CASES)
-def test_pipeline_matches_single_device(name, overrides):
-    over = EIGHT + overrides
+def assert_matches_single_device(name, over):
+    """3 steps on mesh `name` ("d,s,m"): losses, grad_norm and parameters within 1e-5 of one device's."""
     ref_losses, ref_params, ref_norms = single_device(over)
     r = run_steps(over)
     assert tuple(r.setup.mesh.shape.values()) == tuple(int(x) for x in name.split(","))
@@ -56,6 +56,11 @@ def test_pipeline_matches_single_device(name, overrides):
     assert _close(r.grad_norms, ref_norms) < 1e-5, (r.grad_norms, ref_norms)
     assert max_rel(r.params, ref_params) < 1e-5
     assert ref_losses[-1] != ref_losses[0]  # the parameters moved
+
+
+@pytest.mark.parametrize("name,overrides", CASES)
+def test_pipeline_matches_single_device(name, overrides):
+    assert_matches_single_device(name, EIGHT + overrides)
 
 
 def _scan_lengths(jaxpr):
@@ -104,8 +109,9 @@ def test_schedule_length_and_bubble_match_a_simulation(S, M, V):
     ticks, idle = _simulated_schedule(S, M, V)
     # the program's tick scan: the forward's ticks, then as many for the backward (GPipe's table)
     assert 2 * ticks in _scan_lengths(jaxpr), (ticks, _scan_lengths(jaxpr))
-    assert num_ticks(S, M, V) == ticks
-    frac = bubble_fraction(S, M, V)
+    table = build("gpipe", S, M, V)
+    assert len(table) == 2 * ticks
+    frac = idle_fraction(table)
     assert frac == pytest.approx(idle / (S * ticks), rel=1e-12)
     assert f"bubble {100 * frac:.1f}%" in describe(S, M, V)
 
@@ -113,7 +119,7 @@ def test_schedule_length_and_bubble_match_a_simulation(S, M, V):
 def test_circular_schedule_shrinks_bubble():
     (t1, idle1), (t2, idle2) = _simulated_schedule(4, 8, 1), _simulated_schedule(4, 8, 2)
     assert idle2 / t2 < idle1 / t1
-    assert bubble_fraction(4, 8, 2) < bubble_fraction(4, 8, 1)
+    assert idle_fraction(build("gpipe", 4, 8, 2)) < idle_fraction(build("gpipe", 4, 8, 1))
 
 
 @pytest.mark.parametrize("S,V", [(4, 2), (2, 3), (4, 3)])

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY, max_rel, run_steps, single_device
+from conftest import SGD, TINY
+from test_pipeline import assert_matches_single_device
 from trainer.config import load_config
 from trainer.plan.hlo import collective_bytes, collective_ops
 from trainer.plan.verify import table_weights
@@ -54,20 +55,9 @@ CASES = [pytest.param(name, ov, opt, marks=[] if (i, opt) in DEFAULT else [pytes
 CASES += [pytest.param(name, ov, "sgd", marks=[pytest.mark.slow], id=_id("sgd", name, ov)) for name, ov in EXTRA]
 
 
-def _close(a, b):
-    return np.abs(a - b).max() / np.abs(b).max()
-
-
 @pytest.mark.parametrize("name,overrides,opt", CASES)
 def test_table_pipeline_with_data_sync_matches_single_device(name, overrides, opt):
-    over = EIGHT + overrides + (SGD if opt == "sgd" else [])
-    ref_losses, ref_params, ref_norms = single_device(over)
-    r = run_steps(over)
-    assert tuple(r.setup.mesh.shape.values()) == tuple(int(x) for x in name.split(","))
-    assert _close(r.losses, ref_losses) < 1e-5, (r.losses, ref_losses)
-    assert _close(r.grad_norms, ref_norms) < 1e-5, (r.grad_norms, ref_norms)
-    assert max_rel(r.params, ref_params) < 1e-5
-    assert ref_losses[-1] != ref_losses[0]  # the parameters moved
+    assert_matches_single_device(name, EIGHT + overrides + (SGD if opt == "sgd" else []))
 
 
 def _data_sync(overrides, n):

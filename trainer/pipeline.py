@@ -27,15 +27,6 @@ def split_microbatches(batch, m: int):
     return batch.reshape(b // m, m, *batch.shape[1:]).swapaxes(0, 1)
 
 
-def num_ticks(stages: int, microbatches: int, repeats: int = 1) -> int:
-    return microbatches * repeats + stages - 1
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle share of each stage's ticks: (S-1) / (M*V + S-1)."""
-    return (stages - 1) / num_ticks(stages, microbatches, repeats)
-
-
 def describe(stages: int, microbatches: int, repeats: int, schedule: str = "gpipe") -> str:
     """The start-up line: ticks and idle share read off the schedule's table."""
     table = build(schedule, stages, microbatches, repeats)
