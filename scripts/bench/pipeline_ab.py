@@ -4,7 +4,7 @@
 
 Loads trainer/pipeline.py and trainer/pipeline_1f1b.py as they were at REV into side modules; for each
 schedule builds the train step twice on 4 of 8 simulated CPU devices (mesh (1,4,1), model.preset=tiny
-plus the overrides): once with REV's pipeline (its GPipe was autodiff through pipeline.pipeline_loss
+with 4 layers, 8 microbatches, batch 16, plus the overrides): once with REV's pipeline (its GPipe was autodiff through pipeline.pipeline_loss
 where REV has it) and once with this checkout's. Then times 3 steps of every variant in turn per round
 (the same host load for all) and prints each one's median and best step time, compiled temp memory,
 and its first step's loss and grad_norm (which must agree).
@@ -62,7 +62,8 @@ def main():
     runs = []
     for schedule in a.schedules:
         for label, impl in ((a.rev, theirs(schedule)), ("worktree", ours)):
-            cfg = load_config(["model.preset=tiny", "run.progress=false", "mesh.data=1", "mesh.stage=4",
+            cfg = load_config(["model.preset=tiny", "model.n_layers=4", "train.microbatches=8", "train.batch_size=16",
+                               "run.progress=false", "mesh.data=1", "mesh.stage=4",
                                f"train.pipeline_schedule={schedule}"] + a.overrides)
             s = make_setup(cfg, jax.devices()[:4])
             batch = jax.device_put(Batches(load_corpus("synthetic"), 0, cfg.train.batch_size, s.model.seq_len,
