@@ -1,0 +1,102 @@
+"""Is the compiled train step the same program on two revisions? (a refactor must not change it)
+
+  python scripts/hlo_same.py REV [REV_B]      # REV against the working tree, or REV against REV_B
+
+Each revision runs in its own process (a revision's tree from `git archive`; the working tree as it is),
+on 8 simulated CPU devices, and compiles two steps ahead of time from abstract inputs: the default
+`meshtrain train` step (the default config on one device) and a (2,2,2) ZeRO-3 step (data x stage x
+model, two pipeline microbatches). The optimized HLO text of each is compared after dropping what
+says where the code came from, not what it computes: `metadata={...}` (source file, line, op name),
+the module's tables of source files and stack frames, and the module's name. Prints one line per case and exits 1 if any differs (the first differing
+lines are shown).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {
+    "default (1 device)": (1, []),
+    "(2,2,2) ZeRO-3": (8, ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
+                           "train.microbatches=2"]),
+}
+
+STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")  # where each op came from
+
+# Run inside the revision's tree: only names both layouts have (trainer.config, trainer.state, trainer.step).
+CHILD = r"""
+import json, sys
+import jax, numpy as np
+from trainer.config import load_config
+from trainer.state import make_setup
+from trainer.step import jit_train_step
+out = {}
+for name, (n, overrides) in json.loads(sys.argv[1]).items():
+    s = make_setup(load_config(overrides + ["run.progress=false"]), jax.devices()[:n])
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes, s.shardings)
+    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    with jax.set_mesh(s.mesh):
+        out[name] = jit_train_step(s).lower(state, batch).compile().as_text()
+json.dump(out, sys.stdout)
+"""
+
+
+def normalise(hlo: str) -> list[str]:
+    """HLO lines without source metadata (the `metadata={...}` of each op and the module's tables of
+    files, functions and stack frames) and without the module's name."""
+    blocks = [b for b in hlo.split("\n\n") if b.split("\n", 1)[0].strip() not in STACK_TABLES]
+    hlo = re.sub(r",?\s*metadata=\{[^{}]*\}", "", "\n\n".join(blocks))
+    hlo = re.sub(r"^HloModule \S+", "HloModule m", hlo, flags=re.M)
+    return [ln.rstrip() for ln in hlo.splitlines() if ln.strip()]
+
+
+def compile_in(tree: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], capture_output=True, text=True,
+                         env=env, cwd=tree)
+    if out.returncode:
+        raise SystemExit(f"hlo_same: compiling in {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
+
+
+def checkout(rev: str, into: Path) -> Path:
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("rev", help="a git revision (e.g. the commit before a refactor)")
+    ap.add_argument("rev_b", nargs="?", help="a second revision (default: the working tree)")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        left = compile_in(checkout(a.rev, Path(tmp) / "a"))
+        right = compile_in(checkout(a.rev_b, Path(tmp) / "b") if a.rev_b else ROOT)
+    same = True
+    for name in CASES:
+        x, y = normalise(left[name]), normalise(right[name])
+        if x == y:
+            print(f"{name}: same optimized HLO ({len(x)} lines)")
+            continue
+        same = False
+        diff = list(difflib.unified_diff(x, y, a.rev, a.rev_b or "working tree", lineterm="", n=0))
+        print(f"{name}: DIFFERENT ({sum(ln[:1] in '+-' for ln in diff[2:])} lines differ)")
+        print("\n".join(diff[:40]))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
