@@ -50,16 +50,16 @@ class Stack(nnx.Module):
 
         # (L, ...) whatever the parallel layout or pipeline schedule, so that any checkpoint
         # restores onto any of them; a schedule that needs another order re-lays them out itself
-        def param(init, shape, axes):
-            return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes)
+        def param(init, shape, axes, decay=True):
+            return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=decay)
 
         ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
-        self.attn_norm = param(ones, (L, D), ("layers", "embed"))
+        self.attn_norm = param(ones, (L, D), ("layers", "embed"), decay=False)
         self.wq = param(normal, (L, D, H, E), ("layers", "embed", "heads", "head_dim"))
         self.wk = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
         self.wv = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
         self.wo = param(out_init, (L, H, E, D), ("layers", "heads", "head_dim", "embed"))
-        self.mlp_norm = param(ones, (L, D), ("layers", "embed"))
+        self.mlp_norm = param(ones, (L, D), ("layers", "embed"), decay=False)
         self.w_gate = param(normal, (L, D, F), ("layers", "embed", "mlp"))
         self.w_up = param(normal, (L, D, F), ("layers", "embed", "mlp"))
         self.w_down = param(out_init, (L, F, D), ("layers", "mlp", "embed"))
@@ -70,13 +70,14 @@ class Transformer(nnx.Module):
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c
+        # weight_decay: declared with each parameter; the optimizer reads it (trainer/optim.py)
         self.embed = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.vocab_size, c.d_model)),
-                               logical_axes=("vocab", "embed"))
+                               logical_axes=("vocab", "embed"), weight_decay=True)
         self.layers = Stack(c, rngs)
-        self.final_norm = nnx.Param(jnp.ones((c.d_model,)), logical_axes=("embed",))
+        self.final_norm = nnx.Param(jnp.ones((c.d_model,)), logical_axes=("embed",), weight_decay=False)
         if not c.tie_embeddings:
             self.lm_head = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.d_model, c.vocab_size)),
-                                     logical_axes=("embed", "vocab"))
+                                     logical_axes=("embed", "vocab"), weight_decay=True)
 
     def __call__(self, tokens_BT, dtype=jnp.float32):
         return forward(self.config, params_of(self), tokens_BT, dtype=dtype)
@@ -92,6 +93,34 @@ def logical_axes_of(model: nnx.Module) -> dict:
     state = nnx.state(model, nnx.Param)
     return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _metadata_of(model: nnx.Module, key: str) -> dict:
+    """One metadata field of every parameter, as a dict shaped like params_of(); each must declare it."""
+    def get(path, v):
+        if key not in v.get_metadata():
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} does not declare {key}; declare it where "
+                             "the parameter is created")
+        return v.get_metadata()[key]
+    return nnx.to_pure_dict(jax.tree_util.tree_map_with_path(get, nnx.state(model, nnx.Param),
+                                                             is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def weight_decay_of(model: nnx.Module) -> dict:
+    """Whether each parameter is weight-decayed, as declared where it was created (a dict like params_of())."""
+    return _metadata_of(model, "weight_decay")
+
+
+class Abstract(NamedTuple):
+    params: dict  # ShapeDtypeStructs
+    logical: dict  # logical axis names
+    decay: dict  # weight decay on or off
+
+
+def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
+    """Parameter shapes, logical axes and weight-decay declarations, without allocating anything."""
+    m = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(seed)))
+    return Abstract(params_of(m), logical_axes_of(m), weight_decay_of(m))
 
 
 # ----------------------------------------------------------------------------- math

@@ -38,7 +38,7 @@ class Run(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def corpus(source="builtin"):
-    from trainer.data import load_corpus
+    from trainer.data.batches import load_corpus
     return load_corpus(source)
 
 
@@ -48,7 +48,7 @@ def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
     n_devices defaults to the mesh's product when every axis is given, else 8.
     """
     from trainer.config import load_config
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
     cfg = load_config(TINY + list(overrides))

@@ -1,4 +1,4 @@
-"""The package layout: dependencies point one way (meshes <- models <- trainer), files stay short."""
+"""The package layout: layers import only downward and without cycles, files stay short, facts live once."""
 import ast
 import io
 import re
@@ -13,36 +13,144 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("meshes", "models", "trainer")
 
 
-def _imports(path: Path) -> set[str]:
-    """Top-level project modules a file imports (absolute imports only: the project uses no others)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] in PACKAGES}
+# The house, lowest layer first: a module may import only modules of its own layer or of lower ones
+# (DESIGN.md). A module belongs to the layer of the longest prefix that names it; each must have one.
+LAYERS = [
+    ("errors, logs, hardware", ["trainer.errors", "trainer.logs", "trainer.hardware"]),
+    ("meshes", ["meshes"]),
+    ("models", ["models"]),
+    ("config (pure)", ["trainer.config"]),
+    ("training core", ["trainer.state", "trainer.step", "trainer.optim", "trainer.guard", "trainer.parallel",
+                       "trainer.data"]),
+    ("ckpt, observe, plan", ["trainer.ckpt", "trainer.observe", "trainer.plan", "trainer.sources"]),
+    ("running a job", ["trainer.run"]),
+    ("cli and the Python API", ["trainer.cli", "trainer"]),
+]
 
 
 def _files(pkg):
     return sorted((ROOT / pkg).rglob("*.py"))
 
 
-@pytest.mark.parametrize("pkg,forbidden", [("meshes", ("models", "trainer")), ("models", ("trainer",))])
-def test_dependencies_point_one_way(pkg, forbidden):
-    bad = [(str(f.relative_to(ROOT)), m) for f in _files(pkg) for m in _imports(f) if m.split(".")[0] in forbidden]
-    assert not bad, bad
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            out[".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")] = f
+    return out
 
 
-def test_training_path_does_not_import_the_planner():
-    """plan/ (planner, simulator) is for `meshtrain plan`/`simulate`; training runs without it."""
-    core = [ROOT / "trainer" / n for n in ("state.py", "step.py", "loop.py", "pipeline.py", "sync.py", "data.py")]
-    bad = [(f.name, m) for f in core for m in _imports(f) if m.startswith("trainer.plan")]
-    assert not bad, bad
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """{module: {module it imports: line}} over every .py file of the packages, read with ast: imports
+    inside functions count. `from P import n` is an import of P.n where that is a module, else of P."""
+    mods = _modules(root)
+
+    def known(name):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for m, f in mods.items():
+        base = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        edges = {}
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [known(a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level:
+                    mod = ".".join(base.split(".")[:len(base.split(".")) - node.level + 1] + ([mod] if mod else []))
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else known(mod) for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t and t != m:
+                    edges.setdefault(t, node.lineno)
+        graph[m] = edges
+    return graph
 
 
-def test_importing_models_does_not_import_trainer():
-    code = "import sys, models, meshes; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer'))"
+def layer_of(module: str) -> int | None:
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph) -> list[str]:
+    """'a (layer) imports b (higher layer) at line n' for every import from a lower layer to a higher one."""
+    out = []
+    for a, edges in graph.items():
+        for b, line in edges.items():
+            if layer_of(b) > layer_of(a):
+                out.append(f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}) at line {line}")
+    return sorted(out)
+
+
+def cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in import_graph() if layer_of(m) is None] == []
+
+
+def test_layers_import_only_downward_and_without_cycles():
+    graph = import_graph()
+    assert upward_imports(graph) == []
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("target,added,found", [
+    # the config reading an HF folder through the checkpoint code: upward, and a circle back to the config
+    ("trainer/config.py", "from trainer.ckpt.hf import with_hf_shapes", "both"),
+    # two modules of one layer importing each other: no upward import, but a circle
+    ("trainer/data/batches.py", "from trainer.data.prepare import load_tokenizer", "cycle"),
+])
+def test_the_check_sees_an_added_cycle_or_upward_import(tmp_path, target, added, found):
+    """The import check fails on a copy of the packages with one function-local import added."""
+    import shutil
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg)
+    with open(tmp_path / target, "a") as f:
+        f.write(f"\n\ndef _added():\n    {added}\n")
+    graph = import_graph(tmp_path)
+    assert bool(upward_imports(graph)) == (found == "both"), upward_imports(graph)
+    assert cycles(graph), "the added circle was not seen"
+
+
+@pytest.mark.parametrize("module,forbidden", [
+    ("models", ("trainer",)),
+    ("trainer.config", ("trainer.ckpt", "trainer.data", "trainer.parallel", "trainer.plan", "trainer.run",
+                        "trainer.observe")),
+    ("trainer.step", ("trainer.ckpt", "trainer.plan", "trainer.run", "trainer.observe", "trainer.sources")),
+])
+def test_importing_a_layer_loads_no_higher_one(module, forbidden):
+    """At run time too: importing a module (the package __init__s included) loads no module of a higher layer."""
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith({forbidden!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -70,10 +178,10 @@ def _code(path: Path) -> str:
 # A fact's pattern in code -> the one file allowed to hold it.
 FACTS = {
     "a device's datasheet peak (H100 989, A100 312, v5p 459, ... TFLOP/s)":
-        (r"\b(989|494|312|156|459|197|275)(\.0)?\s*(e12|\*\s*1e12)", "trainer/plan/devices.py"),
-    "a link bandwidth in GB/s": (r"\b(450|300|600|200)\s*\*\s*GB\b", "trainer/plan/devices.py"),
-    "the ring all-reduce's 2(K-1)": (r"\b2\s*\*\s*\(\s*[\w.]+\s*-\s*1\s*\)", "trainer/collectives.py"),
-    "the ring's (K-1)/K": (r"\(\s*(\w+)\s*-\s*1\s*\)\s*/\s*\1\b", "trainer/collectives.py"),
+        (r"\b(989|494|312|156|459|197|275)(\.0)?\s*(e12|\*\s*1e12)", "trainer/hardware.py"),
+    "a link bandwidth in GB/s": (r"\b(450|300|600|200)\s*\*\s*GB\b", "trainer/hardware.py"),
+    "the ring all-reduce's 2(K-1)": (r"\b2\s*\*\s*\(\s*[\w.]+\s*-\s*1\s*\)", "trainer/parallel/collective_costs.py"),
+    "the ring's (K-1)/K": (r"\(\s*(\w+)\s*-\s*1\s*\)\s*/\s*\1\b", "trainer/parallel/collective_costs.py"),
     "the Transfer type (bytes a device sends per collective, and their time)":
         (r"\bclass\s+Transfer\b", "trainer/plan/types.py"),
 }
@@ -89,11 +197,11 @@ def test_each_fact_is_written_once(fact):
 
 
 def test_the_pipeline_schedules_are_listed_once():
-    """The schedules' names are one tuple, trainer/schedules.SCHEDULES; the config and the executor import it."""
+    """The schedules' names are one tuple, trainer/config.SCHEDULES, with the config's other choices."""
     pattern = r"\(\s*[\"']gpipe[\"'],\s*[\"']1f1b[\"'],\s*[\"']interleaved_1f1b[\"']\s*\)"
     files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
     assert sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, f.read_text())}) == \
-        ["trainer/schedules.py"]
+        ["trainer/config.py"]
 
 
 def _stderr_prints(path: Path) -> list[int]:

@@ -20,7 +20,8 @@ import pytest
 import tensorstore
 from conftest import TINY
 
-from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt import checkpoint as ckpt, store
+from trainer.ckpt.initial import initial_state
 from trainer.ckpt.params import load_params
 from trainer.cli import main
 from trainer.config import load_config, model_config
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def warnings(caplog) -> str:
     """The checkpoint module's warnings, logged (library code leaves the handlers to the CLI or the caller)."""
     return "\n".join(r.getMessage() for r in caplog.records
-                     if r.name == "trainer.ckpt.checkpoint" and r.levelno == logging.WARNING)
+                     if r.name in ("trainer.ckpt.checkpoint", "trainer.ckpt.store") and r.levelno == logging.WARNING)
 # Subprocess runs: synthetic data (no corpus to read), a metrics line every step, 20 steps.
 RUN = ["model.preset=tiny", "train.batch_size=16", "train.warmup_steps=2", "train.lr=1e-2", "train.steps=20",
        "train.eval_every=0", "run.log_every=1", "run.progress=false", "data.source=synthetic", "mesh.data=8"]
@@ -119,7 +120,7 @@ def test_resume_is_bit_exact_after_sigterm(tmp_path, env, run_a):
     p.send_signal(signal.SIGTERM)  # arrives during step 10 (or 11): that step finishes, is saved, exit 0
     assert finish(p) == 0, log_of(run)
     stopped = logged_steps(run)[-1]
-    assert 9 <= stopped < 20 and ckpt.list_steps(run)[-1] == stopped, (stopped, ckpt.list_steps(run))
+    assert 9 <= stopped < 20 and store.list_steps(run)[-1] == stopped, (stopped, store.list_steps(run))
     assert finish(start(run, env, "checkpoint.every=10")) == 0, log_of(run)
     assert f"resumed from {run}/checkpoints/{stopped} " in log_of(run)
     b = losses(run)
@@ -157,10 +158,10 @@ def test_kill9_during_async_saves_resumes_from_complete_checkpoints(tmp_path, en
         p.kill()
         p.wait()
         partial += bool(tmp_dirs(run))
-        newest = ckpt.list_steps(run)[-1]
+        newest = store.list_steps(run)[-1]
         if kill < 2:
             p = start(run, env, "checkpoint.every=1")
-    _, step = ckpt.Checkpointer(tiny[0], run).restore_or_init(lambda: pytest.fail("no checkpoint"))
+    _, step = ckpt.Checkpointer(tiny[0], run).restore()
     assert step == newest and "incomplete or corrupt" not in log_of(run) + warnings(caplog)
     assert partial >= 1, "no kill landed while a save was being written"
 
@@ -216,11 +217,11 @@ def _files(run: Path) -> dict:
 def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, caplog, damage):
     run, s, states = _saved_run(tmp_path, tiny)
     _damage(run / "checkpoints" / "2", damage)
-    state, step = ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
+    state, step = ckpt.Checkpointer(s, run).restore()
     err = warnings(caplog)
     assert step == 1 and _equal(state, states[1])
     assert f"checkpoint {run}/checkpoints/2 is incomplete or corrupt" in err and "falling back to step 1" in err
-    assert ckpt.list_steps(run) == [1] and list((run / "checkpoints").glob("2.corrupt-*"))
+    assert store.list_steps(run) == [1] and list((run / "checkpoints").glob("2.corrupt-*"))
 
 
 # Failures that say nothing about the checkpoint's bytes, raised from inside Orbax's restore: where
@@ -272,7 +273,7 @@ def test_restore_failure_that_is_not_damage_stops_and_moves_nothing(tmp_path, ti
     assert last.startswith(f"meshtrain: error: checkpoint {run}/checkpoints/2 could not be restored (") and \
         cause in last and "no checkpoint was moved or skipped" in last, err
     assert "Traceback" not in err and "corrupt" not in err and "falling back" not in err, err
-    assert _files(run) == before and ckpt.list_steps(run) == [1, 2]
+    assert _files(run) == before and store.list_steps(run) == [1, 2]
 
 
 def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, caplog, monkeypatch):
@@ -281,7 +282,7 @@ def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, caplog, monk
     before = _files(run)
     _inject(monkeypatch, "arrays", lambda: OSError(errno.EIO, "Input/output error"), "/checkpoints/1/")
     with pytest.raises(CheckpointUnreadable) as e:
-        ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
+        ckpt.Checkpointer(s, run).restore()
     assert str(e.value).startswith(f"checkpoint {run}/checkpoints/1 could not be restored (OSError: [Errno 5]"), e.value
     assert "checkpoints/2 is incomplete or corrupt" in warnings(caplog)
     assert _files(run) == before  # the damaged step 2 is only moved aside once an older one restores
@@ -293,7 +294,7 @@ def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, 
         _damage(run / "checkpoints" / str(st))
     before = _files(run)
     with pytest.raises(UserError) as e:
-        ckpt.Checkpointer(s, run).restore_or_init(lambda: pytest.fail("must not start fresh"))
+        ckpt.Checkpointer(s, run).restore()
     msg = str(e.value)
     assert "none of its 2 checkpoint(s) can be restored" in msg and "checkpoint.on_unreadable=fresh" in msg, msg
     for st in (2, 1):
@@ -302,11 +303,11 @@ def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, 
     assert _files(run) == before
     caplog.clear()
     fresh = dataclasses.replace(s, cfg=load_config(TINY + ["mesh.data=8", "checkpoint.on_unreadable=fresh"]))
-    assert ckpt.Checkpointer(fresh, run).restore_or_init(lambda: "new") == ("new", 0)
+    assert ckpt.Checkpointer(fresh, run).restore() is None
     err = warnings(caplog)
     assert "none of its checkpoints can be restored" in err and "starts again from step 0" in err, err
     aside = sorted(p.name.split(".")[0] for p in (run / "checkpoints").glob("*.corrupt-*"))
-    assert ckpt.list_steps(run) == [] and aside == ["1", "2"]
+    assert store.list_steps(run) == [] and aside == ["1", "2"]
 
 
 # Two processes restore a run's checkpoints (8,1,1) with a fault on process 1 only, at step 2: an I/O
@@ -314,13 +315,13 @@ def test_all_checkpoints_damaged_stop_listing_them_unless_fresh(tmp_path, tiny, 
 AGREE = """
 import errno, os, sys
 from trainer.config import load_config
-from trainer.distributed import initialize
+from trainer.run.distributed import initialize
 from trainer.logs import configure
 configure()  # as `meshtrain` does
 cfg = load_config(sys.argv[2:])
 initialize(cfg.dist)
 import jax, tensorstore
-from trainer.ckpt import checkpoint
+from trainer.ckpt import checkpoint, store
 from trainer.errors import UserError
 from trainer.state import make_setup
 if jax.process_index() == 1 and os.environ["FAULT"] == "eio":
@@ -335,12 +336,12 @@ if jax.process_index() == 1 and os.environ["FAULT"] == "damage":
     def fake_verify(tree, leaves):
         calls.append(1)
         if len(calls) == 1:
-            raise checkpoint.CorruptCheckpoint("a shard read by process 1 does not match its checksum")
+            raise store.CorruptCheckpoint("a shard read by process 1 does not match its checksum")
         return real_verify(tree, leaves)
     checkpoint.verify = fake_verify
 c = checkpoint.Checkpointer(make_setup(cfg), cfg.run.dir)
 try:
-    state, step = c.restore_or_init(lambda: sys.exit("started fresh"))
+    state, step = c.restore() or sys.exit("started fresh")
 except UserError as e:
     print("ERROR", e, flush=True)
     sys.exit(e.exit_code)
@@ -377,13 +378,13 @@ def test_processes_take_the_same_decision(tmp_path, tiny, fault):
         for i, why in ((0, "damaged on another process"), (1, "a shard read by process 1 does not match its checksum")):
             assert f"[{i}] meshtrain: process {i}: warning: checkpoint {run}/checkpoints/2 is incomplete or corrupt " \
                    f"({why}); falling back to step 1" in out, out
-        assert ckpt.list_steps(run) == [1] and len(list((run / "checkpoints").glob("2.corrupt-*"))) == 1
+        assert store.list_steps(run) == [1] and len(list((run / "checkpoints").glob("2.corrupt-*"))) == 1
 
 
 def test_reshard_restore_is_bitwise_and_training_continues(tmp_path, tiny):
     """Save on (8,1,1) ZeRO-3 after one step; restore on (2,1,4) ZeRO-1 and on 1 device ZeRO-0."""
     from conftest import corpus
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     from trainer.step import jit_train_step
 
     def setup(over, n):
@@ -404,7 +405,7 @@ def test_reshard_restore_is_bitwise_and_training_continues(tmp_path, tiny):
     ref = float(step(s, state, 1)[1]["loss"])
     for over, n in ((["mesh.data=2", "mesh.model=4", "train.zero_stage=1"], 8), (["mesh.data=1"], 1)):
         s2 = setup(over, n)
-        got, at = ckpt.Checkpointer(s2, tmp_path / "run").restore_or_init(lambda: pytest.fail("no checkpoint"))
+        got, at = ckpt.Checkpointer(s2, tmp_path / "run").restore()
         assert at == 1 and _equal(got, saved), over
         for x, sh in zip(jax.tree.leaves(got), jax.tree.leaves(s2.shardings)):
             assert x.sharding == sh, over  # read into the target layout, never whole on one device
@@ -417,7 +418,7 @@ def test_shape_mismatch_names_parameter_and_both_shapes(tmp_path, tiny):
     run, _, _ = _saved_run(tmp_path, tiny, steps=(1,))
     s2 = make_setup(load_config(TINY + ["mesh.data=8", "model.d_ff=256"]))
     with pytest.raises(UserError) as e:
-        ckpt.Checkpointer(s2, run).restore_or_init(lambda: None)
+        ckpt.Checkpointer(s2, run).restore()
     msg = str(e.value)
     assert "parameter 'layers.w_down'" in msg and "(2, 128, 64)" in msg and "(2, 256, 64)" in msg, msg
     assert "\n" not in msg
@@ -425,7 +426,7 @@ def test_shape_mismatch_names_parameter_and_both_shapes(tmp_path, tiny):
 
 def test_keep_newest_and_every_mth(tmp_path, tiny):
     run, _, _ = _saved_run(tmp_path, tiny, steps=range(1, 8), overrides=["checkpoint.keep=2", "checkpoint.keep_every=3"])
-    assert ckpt.list_steps(run) == [3, 6, 7]
+    assert store.list_steps(run) == [3, 6, 7]
 
 
 def test_export_inspect_and_init_from(tmp_path, tiny, capsys):
@@ -449,7 +450,8 @@ def test_export_inspect_and_init_from(tmp_path, tiny, capsys):
     assert _equal(params, states[2]["params"])
 
     s2 = make_setup(load_config(TINY + ["mesh.data=2", "mesh.model=4", f"model.init_from={out}"]))
-    state, step = ckpt.Checkpointer(s2, tmp_path / "new").restore_or_init(lambda: pytest.fail("init_from ignored"))
+    assert ckpt.Checkpointer(s2, tmp_path / "new").restore() is None  # nothing to resume: init_from starts it
+    state, step = initial_state(s2), 0
     assert step == 0 and int(state["step"]) == 0
     assert _equal(state["params"], jax.tree.map(lambda x: x.astype(np.float32), want))
     assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(state["opt_state"]))  # fresh optimizer

@@ -9,7 +9,7 @@ from conftest import TINY, corpus
 from meshes import preset_names
 from trainer import load_config, train
 from trainer.config import validate
-from trainer.data import Batches, _split_files, stdlib_files
+from trainer.data.batches import Batches, _split_files, stdlib_files
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -86,7 +86,7 @@ def _offsets(rows: np.ndarray, data: bytes) -> set:
 
 @pytest.mark.parametrize("layout", ["one-file-folder", "small-file"])
 def test_eval_reads_only_bytes_no_training_batch_reads(layout, tmp_path):
-    from trainer.data import load_corpus
+    from trainer.data.batches import load_corpus
     data = np.random.default_rng(0).integers(0, 256, 600, dtype=np.uint8).tobytes()  # 5% = 30 < one window
     path = tmp_path / "only.txt"
     if layout == "one-file-folder":
@@ -101,7 +101,7 @@ def test_eval_reads_only_bytes_no_training_batch_reads(layout, tmp_path):
 
 
 def test_too_little_data_for_train_and_eval_is_refused_unless_nothing_evaluates(tmp_path):
-    from trainer.data import load_corpus
+    from trainer.data.batches import load_corpus
     from trainer.errors import UserError
     (tmp_path / "small.txt").write_bytes(bytes(range(50)))
     c = load_corpus(str(tmp_path / "small.txt"))

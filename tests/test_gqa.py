@@ -12,7 +12,7 @@ import pytest
 from conftest import SGD, TINY, max_rel, run_steps, single_device
 from trainer.config import load_config, model_config
 from trainer.plan.core import estimate, strategy_of
-from trainer.plan.devices import get_device
+from trainer.hardware import get_device
 from trainer.plan.hlo import collective_ops
 from trainer.plan.memory import leaf_bytes
 from trainer.plan.verify import measure

@@ -59,11 +59,11 @@ def loaded(name, layout):
     """(setup, params) of a fixture imported into a layout's parameter shardings (seq_len 23: the
     reference tokens are one (2, 24) batch)."""
     from trainer.ckpt.params import init_params
-    from trainer.config import load_config
+    from trainer import load_config, resolve
     from trainer.state import make_setup
     mesh = PIPE_3_LAYERS if (layout == "pipe_2x2x2" and name == "sharded_f32") else LAYOUTS[layout]
-    cfg = load_config(TINY + SGD + ["train.batch_size=4"] + mesh + [f"model.init_from={FIX / name}",
-                                                                    "model.seq_len=23"])
+    cfg = resolve(load_config(TINY + SGD + ["train.batch_size=4"] + mesh + [f"model.init_from={FIX / name}",
+                                                                            "model.seq_len=23"]))
     n = int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))
     s = make_setup(cfg, jax.devices()[:n])
     return s, init_params(s, cfg.model.init_from)
@@ -93,7 +93,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
     assert np.abs(got - ref["logits"]).max() < 1e-4
     np.testing.assert_array_equal(greedy, ref["greedy"][0])
     if layout == "pipe_2x2x2" and name == "tied_llama3_bf16":
-        from trainer.ckpt.checkpoint import state_from_params
+        from trainer.ckpt.initial import state_from_params
         from trainer.step import jit_train_step
         batch = np.concatenate([ref["tokens"]] * 2)  # batch_size 4: a microbatch per data rank and stage fill
         with jax.set_mesh(s.mesh):
@@ -108,7 +108,8 @@ def _cli(*args):
 
 def _save_run(name, run_dir):
     """A run.dir whose checkpoint holds exactly the fixture's parameters (no training step)."""
-    from trainer.ckpt.checkpoint import Checkpointer, state_from_params
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.ckpt.initial import state_from_params
     s, params = loaded(name, "zero3_2x1x4")
     ck = Checkpointer(s, run_dir, log=lambda m: None)
     ck.save(1, state_from_params(s, params))
@@ -147,8 +148,8 @@ def test_import_export_round_trip_is_bitwise(name, tmp_path):
 def test_trained_run_exported_and_reimported_is_bitwise_equal(tmp_path):
     """5 steps from the GQA fixture on ZeRO-3, exported to HF, imported by a new run on another layout."""
     from trainer.ckpt.params import init_params, load_params
-    from trainer.config import load_config
-    from trainer.loop import train
+    from trainer import load_config, resolve
+    from trainer.run.loop import train
     from trainer.state import make_setup
     run = tmp_path / "run"
     train(load_config(TINY + LAYOUTS["zero3_2x1x4"] + [f"model.init_from={FIX / 'gqa_untied_f32'}",
@@ -157,7 +158,7 @@ def test_trained_run_exported_and_reimported_is_bitwise_equal(tmp_path):
     start = read_folder(FIX / "gqa_untied_f32")["model.embed_tokens.weight"][1]
     assert not np.array_equal(np.asarray(trained["embed"]), start)  # it trained
     assert _cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
-    cfg = load_config(TINY + LAYOUTS["pipe_2x2x2"] + [f"model.init_from={tmp_path / 'hf'}"])
+    cfg = resolve(load_config(TINY + LAYOUTS["pipe_2x2x2"] + [f"model.init_from={tmp_path / 'hf'}"]))
     s = make_setup(cfg, jax.devices())
     again = init_params(s, cfg.model.init_from)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(trained)):
@@ -237,8 +238,9 @@ def test_explicit_model_key_contradicting_config_json_names_both(tmp_path, capsy
 def test_plan_takes_shapes_from_config_json(capsys):
     assert _cli("plan", *TINY, f"model.init_from={FIX / 'sharded_f32'}", "mesh.data=8") == 0
     out = capsys.readouterr().out
-    from trainer.config import load_config, model_config
-    mc = model_config(load_config(TINY + [f"model.init_from={FIX / 'sharded_f32'}"]))
+    from trainer import load_config, resolve
+    from trainer.config import model_config
+    mc = model_config(resolve(load_config(TINY + [f"model.init_from={FIX / 'sharded_f32'}"])))
     assert (mc.n_layers, mc.d_model, mc.n_kv_heads, mc.d_ff) == (3, 64, 4, 96) and out
 
 
@@ -271,7 +273,7 @@ def test_generate_from_an_hf_folder(with_tokenizer, tmp_path):
     """`meshtrain generate --run HF_FOLDER` decodes greedily from the folder's weights: the tokens equal KV-cache
     decoding from the parity-checked import; with a tokenizer.json in the folder, prompt and output go through it."""
     from models.decode import generate
-    from trainer.generate import generate_text
+    from trainer.run.generate import generate_text
     d = tmp_path / "hf"
     shutil.copytree(FIX / "gqa_untied_f32", d)
     s, params = loaded("gqa_untied_f32", "1dev")

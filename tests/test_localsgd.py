@@ -22,7 +22,7 @@ def _trajectory(overrides: tuple, steps: int = 3):
     """(losses, parameters after each step, DiLoCo's outer parameters after each step or None): one
     compile per configuration, shared by the tests."""
     from trainer.config import load_config
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(TINY + list(overrides)))
@@ -91,7 +91,7 @@ def _all_reduce_bytes(hlo: str):
 
 def test_replicas_train_apart_and_all_reduce_parameters_only_every_h_steps():
     from trainer.config import load_config
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(TINY + ["mesh.data=8", "train.sync=local_sgd", "train.sync_every=2"]))

@@ -9,8 +9,9 @@ from conftest import TINY, corpus, max_rel
 from models import PRESETS, Transformer, from_preset, param_count, params_of
 from models.transformer import embed, head, layer_stack, loss_fn
 from trainer.config import load_config
-from trainer.data import Batches
-from trainer.state import abstract_model, init_state, make_setup
+from trainer.data.batches import Batches
+from models import abstract_model
+from trainer.state import init_state, make_setup
 from trainer.step import loss_and_grads
 
 
@@ -93,7 +94,7 @@ def test_gqa_heads_shapes():
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_builds_abstractly(preset):
     c = from_preset(preset)
-    shapes, logical = abstract_model(c)
+    shapes, logical, _ = abstract_model(c)
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
     assert n == param_count(c)
     assert jax.tree.structure(shapes) == jax.tree.structure(logical, is_leaf=lambda x: isinstance(x, tuple))

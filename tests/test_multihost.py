@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from conftest import SGD, TINY, corpus, run_steps
 
-from trainer import distributed
-from trainer.ckpt.checkpoint import Checkpointer, checksums, list_steps, read_meta
+from trainer.run import distributed
+from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.store import checksums, list_steps, read_meta
 from trainer.config import load_config
-from trainer.data import Batches
+from trainer.data.batches import Batches
 from trainer.errors import UserError
 from trainer.state import make_setup
 
@@ -37,15 +38,16 @@ HYBRID = ["mesh.preset=cpu-8-2x2x2", "mesh.dcn_stage=2"]  # stage across the 2 p
 RESTORE = """
 import json, sys
 from trainer.config import load_config
-from trainer.distributed import initialize
+from trainer.run.distributed import initialize
 cfg = load_config(sys.argv[2:])
 initialize(cfg.dist)
 import jax
-from trainer.ckpt.checkpoint import Checkpointer, checksums
+from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.store import checksums
 from trainer.state import make_setup
 s = make_setup(cfg)
 ckpt = Checkpointer(s, cfg.run.dir)
-state, step = ckpt.restore_or_init(lambda: sys.exit("no checkpoint"))
+state, step = ckpt.restore() or sys.exit("no checkpoint")
 ckpt.close()
 sums = checksums(state["params"])
 if jax.process_index() == 0:
@@ -183,7 +185,7 @@ def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
     cfg = load_config(RUN + ["mesh.data=2", "mesh.model=4", f"run.dir={d}"])
     s = make_setup(cfg)
     ckpt = Checkpointer(s, d)
-    state, step = ckpt.restore_or_init(lambda: pytest.fail("no checkpoint restored"))
+    state, step = ckpt.restore()
     ckpt.close()
     assert meta["processes"] == 2 and step == STEPS and checksums(state["params"]) == saved
     assert str(state["params"]["embed"].sharding.spec) != meta["leaves"]["params.embed"]["spec"]

@@ -18,10 +18,10 @@ from conftest import TINY
 from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
 from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables, sublayer_remat
 from trainer import UserError, load_config, train
-from trainer.data import Batches
+from trainer.data.batches import Batches
 from trainer.observe.metrics import MetricsWriter
-from trainer.observe.profiling import parse_steps
-from trainer.state import abstract_model
+from trainer.config import step_range
+from models import abstract_model
 
 DATA_DELAY_S = 0.05
 WRITE_DELAY_S = 0.05  # each metrics line written: time outside every measured part, so "other"
@@ -44,7 +44,7 @@ def _unrolled_loss(c, params, batch_BT1):
 
 def _xla_flops_per_token(c, loss, batch=4):
     """XLA's FLOP count of value_and_grad(loss) on one device, per token."""
-    shapes, _ = abstract_model(c)
+    shapes = abstract_model(c).params
     tokens = jax.ShapeDtypeStruct((batch, c.seq_len + 1), jnp.int32)
     compiled = jax.jit(jax.value_and_grad(functools.partial(loss, c))).lower(shapes, tokens).compile()
     cost = compiled.cost_analysis()
@@ -177,10 +177,15 @@ def test_profile_trace_covers_requested_steps(traced_run):
 
 def test_profile_steps_parsing():
     assert load_config(["train.profile_steps=5:8"]).train.profile_steps == "5:8"  # not YAML's 308
-    assert parse_steps("5:8") == (5, 8) and parse_steps("") is None
+    key = "train.profile_steps"
+    assert step_range("5:8", key) == (5, 8) and step_range("", key) is None
     for bad in ("8:5", "0:3", "5", "a:b"):
         with pytest.raises(UserError, match="train.profile_steps"):
-            parse_steps(bad)
+            step_range(bad, key)
+    # the same parser reads train.inject_nan_at, where a single step is allowed too
+    assert step_range("5", "train.inject_nan_at", single=True) == (5, 5)
+    with pytest.raises(UserError, match="train.inject_nan_at='5:2' is not STEP or A:B"):
+        step_range("5:2", "train.inject_nan_at", single=True)
 
 
 def _color_pixels(img, rgb):

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from conftest import SGD, TINY, max_rel, run_steps, single_device
-from trainer.ckpt.checkpoint import Checkpointer, list_steps
+from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.store import list_steps
 from trainer.config import load_config
-from trainer.pipeline import describe
-from trainer.schedules import build, idle_fraction
+from trainer.parallel.schedules import describe
+from trainer.parallel.schedules import build, idle_fraction
 from trainer.state import init_state, make_setup
 from trainer.step import jit_train_step
 
@@ -127,7 +128,7 @@ def test_circular_blocks_give_stage_s_blocks_s_plus_multiples_of_S(S, V):
     """Stored (L, ...) in contiguous stage slices -> stage s runs blocks s, s+S, ...; gradients go back."""
     from jax.sharding import PartitionSpec as P
     from meshes import build_mesh
-    from trainer.pipeline import circular_blocks
+    from trainer.parallel.circular import circular_blocks
     L, blk = 2 * S * V, 2
     mesh = build_mesh(1, S, 1, devices=jax.devices()[:S])
     f = jax.jit(jax.shard_map(lambda w: circular_blocks(w, S, V), mesh=mesh, in_specs=P("stage"),
@@ -174,8 +175,8 @@ def test_circular_checkpoint_restores_onto_any_schedule(tmp_path):
     """Train circular (S=2, V=2) with the train API; its checkpoint restores bit for bit as plain
     data parallel and as circular V=4, and one more step agrees between the two."""
     from conftest import corpus
-    from trainer.data import Batches
-    from trainer.loop import train
+    from trainer.data.batches import Batches
+    from trainer.run.loop import train
     run = tmp_path / "run"
     base = TINY + EIGHT + ["train.microbatches=4", "train.eval_every=0", f"run.dir={run}"]
     r = train(load_config(base + ["mesh.data=1", "mesh.stage=2", "train.pipeline_repeats=2", "train.steps=2"]),
@@ -187,7 +188,7 @@ def test_circular_checkpoint_restores_onto_any_schedule(tmp_path):
     for over in (["mesh.data=2", "mesh.stage=1"], ["mesh.data=1", "mesh.stage=2", "train.pipeline_repeats=4"]):
         s = make_setup(load_config(base + over + ["train.steps=3"]), jax.devices()[:2])
         c = Checkpointer(s, run)
-        state, at = c.restore_or_init(lambda: pytest.fail("no checkpoint found"))
+        state, at = c.restore()
         c.close()
         assert at == 2 and _bitwise_equal(state, saved), over
         with jax.set_mesh(s.mesh):
@@ -217,7 +218,7 @@ def _planned_temp(overrides):
     """The planner's scratch for the step: activations, gradients and buffers."""
     from trainer.config import model_config
     from trainer.plan.core import estimate, strategy_of
-    from trainer.plan.devices import get_device
+    from trainer.hardware import get_device
     cfg = load_config(TINY + overrides)
     p = estimate(model_config(cfg), cfg.train, strategy_of(cfg, 4), get_device("h100-80g"), 1, "float32")
     return p.activations_bytes + p.grads_bytes + p.buffers_bytes
@@ -280,7 +281,7 @@ def test_head_flops_once_per_step_not_once_per_stage(schedule):
     in part) and from a one-hot embedding matmul on stage 0 as costly as the head (1F1B)."""
     if not _xla_counts_loop_bodies_once():
         pytest.skip("this XLA's cost_analysis counts loop trips; the figures below assume it does not")
-    from trainer.schedules import FWD_LOSS, build, plan
+    from trainer.parallel.schedules import FWD_LOSS, build, plan
     S, M = 4, 4
     base = SGD + ["mesh.data=1", "model.n_layers=4", "model.loss_chunk=0"]
 

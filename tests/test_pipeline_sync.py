@@ -116,7 +116,7 @@ def test_hlo_parser_reads_mesh_groups_with_device_ids():
 def test_start_up_line_names_the_pipelines_sync(overrides, sync):
     """Every pipeline syncs over `data` itself, once per step: the start-up line says so (the compiler's
     all-reduce is only the no-pipeline step's)."""
-    from trainer.loop import describe
+    from trainer.run.loop import describe
     cfg = load_config(TINY + ["mesh.model=1", "train.microbatches=2"] + overrides)
     s = make_setup(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage])
     assert sync in describe(s), describe(s)

@@ -14,7 +14,7 @@ from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
 from trainer.plan.core import estimate, links, strategy_of
-from trainer.plan.devices import get_device
+from trainer.hardware import get_device
 from trainer.plan.hlo import collective_bytes
 from trainer.plan.report import by_axis
 from trainer.plan.verify import measure
@@ -246,14 +246,14 @@ def test_plan_search_where_nothing_fits_shows_the_closest_layout_and_its_shortfa
 
 
 def test_plan_simulate_and_mfu_read_the_one_device_table(monkeypatch):
-    """A figure changed in trainer/plan/devices.py reaches `plan`, `simulate` and the training MFU alike."""
+    """A figure changed in trainer/hardware.py reaches `plan`, `simulate` and the training MFU alike."""
     import dataclasses
     import types
 
     import jax
 
     from trainer.observe import metrics
-    from trainer.plan import devices
+    from trainer import hardware as devices
     from trainer.plan.cli import _local_device
     from trainer.plan.simulate import hardware
     row = dataclasses.replace(devices.DEVICES["h100-80g"], peak_bf16=123e12, fast_bw=7e9)
@@ -276,8 +276,8 @@ def test_plan_simulate_and_mfu_read_the_one_device_table(monkeypatch):
 def test_schedule_cost_is_read_off_the_table(sched, S, M, V, inputs, cots):
     """GPipe holds all M*V stage inputs (and, on the last stage, M loss gradients), 1F1B at most S; the
     counts equal the executor's buffer slots, found by interval colouring (trainer/schedules.plan)."""
-    from trainer.plan.schedule import cost
-    from trainer.schedules import build, idle_fraction, plan
+    from trainer.plan.schedule_cost import cost
+    from trainer.parallel.schedules import build, idle_fraction, plan
     c = cost(sched, S, M, V)
     table = build(sched, S, M, V)
     p = plan(table, V)
@@ -322,7 +322,7 @@ def test_every_schedule_runs_one_scan_of_its_table(sched, v):
 
     import jax
 
-    from trainer.plan.schedule import cost
+    from trainer.plan.schedule_cost import cost
     from trainer.plan.verify import _abstract_inputs
     from trainer.state import make_setup
     from trainer.step import loss_and_grads

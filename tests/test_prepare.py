@@ -25,7 +25,7 @@ def _docs(root):
 
 
 def _held(root) -> set[str]:
-    """The held-out file names by the rule documented in trainer/data.py: crc32 of the relative path."""
+    """The held-out file names by the rule documented in trainer/data/batches.py: crc32 of the relative path."""
     return {p.name for p in root.iterdir() if zlib.crc32(p.name.encode()) % 10_000 < HELDOUT * 10_000}
 
 
@@ -135,7 +135,7 @@ def test_training_logs_eval_bpb(prepared):
 
 
 def test_bits_per_byte_by_hand():
-    from trainer.data import bits_per_byte
+    from trainer.data.batches import bits_per_byte
     assert bits_per_byte(math.log(8), 1.0) == pytest.approx(3.0)  # 8 equally likely bytes: 3 bits each
     assert bits_per_byte(math.log(8), 1.5) == pytest.approx(2.0)  # a token of 1.5 bytes carries 3 bits
 

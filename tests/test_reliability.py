@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import TINY, corpus
 
-from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt import store as ckpt
 from trainer.ckpt.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _equal(a, b) -> bool:
 
 def test_nan_and_spike_skip_the_update_and_leave_the_state_untouched():
     from trainer.config import load_config
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
     cfg = load_config(TINY + ["mesh.data=8", "train.zero_stage=1", "train.steps=20", "train.inject_nan_at=2",
@@ -83,7 +83,7 @@ def _records(run: Path) -> dict:
 def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
     from models.transformer import loss_fn
     from trainer.config import model_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     ref = Path(drill["workdir"]) / "ref"
     log = (ref.parent / "ref.log").read_text()
     # steps 9, 10 are bad; at 10 it rolls back to the newest checkpoint (8): data offset 2
@@ -136,7 +136,7 @@ def test_cli_prints_library_warnings_through_logging(tmp_path, capsys, caplog):
             "(train.on_nan=skip)")
     assert code == 0 and [ln for ln in err.splitlines() if "warning" in ln] == [f"meshtrain: warning: {want}"], err
     logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("trainer")]
-    assert logged == [("trainer.guard", "WARNING", want)], logged
+    assert logged == [("trainer.run.guard", "WARNING", want)], logged
 
 
 class _Audit:
@@ -228,7 +228,7 @@ def skip_run(tmp_path_factory):
 
     from trainer.observe import metrics
     from trainer.config import load_config
-    from trainer.loop import train
+    from trainer.run.loop import train
     calls, measure = [], metrics.measure_matmul_rate
 
     def counted(*args, **kw):

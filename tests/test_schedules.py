@@ -1,11 +1,11 @@
-"""Pipeline schedule tables (trainer/schedules.py): dependencies, liveness, idle share, rendering."""
+"""Pipeline schedule tables (trainer/parallel/schedules.py): dependencies, liveness, idle share, rendering."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainer.schedules import BWD_EMBED, FWD_EMBED, build, idle_fraction, main, plan, render
+from trainer.parallel.schedules import BWD_EMBED, FWD_EMBED, build, idle_fraction, main, plan, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_render_s4_m8():
     assert len(lines) == 4
     assert lines[0].split()[2:] == "F0 F1 F2 F3 . . . B0 F4 B1 F5 B2 F6 B3 F7 B4 . B5 . B6 . B7".split()
     assert lines[3].split()[2:9] == ". . . F0 B0 F1 B1".split()
-    out = subprocess.run([sys.executable, "-m", "trainer.schedules", "4", "8", "1f1b"],
+    out = subprocess.run([sys.executable, "-m", "trainer.parallel.schedules", "4", "8", "1f1b"],
                          capture_output=True, text=True, check=True).stdout
     assert text in out and "22 ticks" in out
 
@@ -125,7 +125,7 @@ def test_plan_slots_hold_the_right_inputs(sched, S, M, V):
 
 
 def test_start_up_line_reads_the_table():
-    from trainer.pipeline import describe
+    from trainer.parallel.schedules import describe
     assert describe(4, 8, 1, "1f1b") == "pipeline 1f1b x1: 4 stages, 8 microbatches, 22 ticks, bubble 27.3%"
 
 
@@ -137,7 +137,7 @@ def test_unknown_schedule():
 @pytest.mark.parametrize("doc,schedules", [("README.md", ["gpipe", "1f1b", "interleaved_1f1b"]),
                                            ("docs/parallelism.md", ["gpipe", "1f1b", "interleaved_1f1b"])])
 def test_docs_show_the_tables_the_code_builds(doc, schedules, capsys):
-    """The S=4, M=8 tables in the docs are `python -m trainer.schedules 4 8 SCHEDULE`'s output, verbatim."""
+    """The S=4, M=8 tables in the docs are `python -m trainer.parallel.schedules 4 8 SCHEDULE`'s output, verbatim."""
     text = (ROOT / doc).read_text(encoding="utf-8")
     for sched in schedules:
         main(["4", "8", sched])

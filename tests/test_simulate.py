@@ -6,7 +6,7 @@ import pytest
 from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
-from trainer.plan.devices import get_device
+from trainer.hardware import get_device
 from trainer.plan.simulate import point, ring_allreduce, simulate
 
 BASE = ["model.preset=1b", "mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.batch_size=64",
@@ -15,14 +15,14 @@ BASE = ["model.preset=1b", "mesh.data=8", "mesh.stage=1", "mesh.model=1", "train
 
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_ring_traffic_is_what_the_compiled_ring_sends(k):
-    """Bytes per device and hops of the simulator's ring against trainer/sync.py's ring all-reduce as
+    """Bytes per device and hops of the simulator's ring against trainer/parallel/sync.py's ring all-reduce as
     XLA compiles it on k devices: its collective-permutes, counted in the HLO."""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
     from meshes import build_mesh
-    from trainer import sync
+    from trainer.parallel import sync
     from trainer.plan.hlo import collective_ops
     mesh, n = build_mesh(k, 1, 8 // k), 8 * 1000  # floats per device
     r = sync.make("ring", "data", k)
@@ -98,7 +98,7 @@ def test_documented_comparisons_simulate(path):
 def test_table_executor_step_follows_its_table(sched, v):
     """On the table executor (every schedule, gpipe too): the bubble is the table's idle cells, both hops
     run every tick of the table, the top gradients are summed over `stage`, and the stage's share of the gradients (its layers, the whole top) syncs once, after the tick loop."""
-    from trainer import schedules
+    from trainer.parallel import schedules
     S, M, K = 4, 8, 2
     cfg = load_config(BASE + ["mesh.data=2", "mesh.stage=4", "train.microbatches=8", f"train.pipeline_schedule={sched}",
                               f"train.pipeline_repeats={v}", "train.zero_stage=3", "sim.overlap=0.5"])

@@ -46,7 +46,7 @@ def _split(x, d, k):
 def test_collectives_on_mixed_leaves(kind):
     """All-reduce, reduce-scatter, all-gather and the all-gather's gradient, against numpy, on (4,1,2)."""
     from meshes import build_mesh
-    from trainer import sync
+    from trainer.parallel import sync
     mesh, k = build_mesh(4, 1, 2), 4
     r, rng = sync.make(kind, "data", k), np.random.default_rng(0)
     g = {n: rng.normal(size=(k,) + sh).astype(np.float32) for n, (sh, _, _) in LEAVES.items()}
@@ -75,9 +75,9 @@ def test_collectives_on_mixed_leaves(kind):
 
 
 def test_ring_bf16_error_within_documented_bound():
-    """|error| <= K * 2^-8 * sum_i |g_i| per element (trainer/sync.py), and replicas agree bitwise."""
+    """|error| <= K * 2^-8 * sum_i |g_i| per element (trainer/parallel/sync.py), and replicas agree bitwise."""
     from meshes import build_mesh
-    from trainer import sync
+    from trainer.parallel import sync
     mesh, k = build_mesh(8, 1, 1), 8
     rng = np.random.default_rng(1)
     scale = 10.0 ** rng.uniform(-3, 3, size=(1, 1, 48))  # magnitudes spread over 6 decades
@@ -114,7 +114,7 @@ def _opt(overrides: tuple) -> tuple:
 
 
 def _batches(s):
-    from trainer.data import Batches
+    from trainer.data.batches import Batches
     t = s.cfg.train
     return Batches(corpus(), t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size)
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from trainer.ckpt import checkpoint as ckpt
+from trainer.ckpt import store as ckpt
 from trainer.ckpt.params import load_params
-from trainer.watchdog import EXIT_CODE, FACTOR, StepWatchdog
+from trainer.run.watchdog import EXIT_CODE, FACTOR, StepWatchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = TINY + ["train.steps=1000", "train.eval_every=0", "run.log_every=1", "data.source=synthetic"]
@@ -71,7 +71,7 @@ def test_watchdog_fires_on_a_step_that_does_not_finish_after_the_scaled_limit(ca
         assert exited.wait(30)
         code, when = fired[0]
         assert code == EXIT_CODE and 0.1 * FACTOR <= when - t0 < 0.2 * FACTOR + 1, when - t0
-        said = [r for r in caplog.records if r.name == "trainer.watchdog"]  # logged before the exit
+        said = [r for r in caplog.records if r.name == "trainer.run.watchdog"]  # logged before the exit
         assert len(said) == 1 and said[0].levelname == "ERROR" and said[0].getMessage().startswith(
             "step 6 did not finish after "), [r.getMessage() for r in said]
     finally:

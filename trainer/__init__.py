@@ -1,6 +1,16 @@
-"""Config, state, train step, data, metrics and the loop; `train(cfg)` is the entry point."""
-from trainer.config import Config, load_config, replace
-from trainer.errors import UserError
-from trainer.loop import train
+"""meshtrain's Python API: `load_config` (pure), `resolve` (what a config points at) and `train(cfg)`.
 
-__all__ = ["Config", "UserError", "load_config", "replace", "train"]
+The names load on first use, so that importing one layer of the package (trainer.errors, trainer.config,
+...) does not import the layers above it (the loop, checkpoints, the planner).
+"""
+import importlib
+
+_API = {"Config": "trainer.config", "load_config": "trainer.config", "replace": "trainer.config",
+        "UserError": "trainer.errors", "resolve": "trainer.sources", "train": "trainer.run.loop"}
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute '{name}'")

@@ -28,8 +28,8 @@ class ArgParser(argparse.ArgumentParser):
 
 def _train(args: list[str]) -> int:
     from trainer.config import all_keys, load_config
-    from trainer.distributed import initialize
-    from trainer.loop import train
+    from trainer.run.distributed import initialize
+    from trainer.run.loop import train
     if args and args[0] in ("-h", "--help"):
         print(USAGE + "\nkeys:\n  " + "\n  ".join(all_keys()))
         return 0
@@ -42,12 +42,13 @@ def _train(args: list[str]) -> int:
 def _simulate(args: list[str]) -> int:
     from trainer.config import all_keys, load_config
     from trainer.plan.simulate import plot, simulate
+    from trainer.sources import resolve
     if args and args[0] in ("-h", "--help"):
         print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
               "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot.\n\n"
               "keys:\n  " + "\n  ".join(k for k in all_keys() if k.startswith("sim.")))
         return 0
-    cfg = load_config(args)
+    cfg = resolve(load_config(args))
     rows = simulate(cfg)
     path = plot(rows, cfg.sim.plot or os.path.join(cfg.run.dir, "simulate.png"), " ".join(args) or "default")
     print(f"plot: {path}" if path else "plot skipped: install the plot extra (pip install -e '.[plot]')")
@@ -107,7 +108,7 @@ def _generate(args: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     ns = p.parse_args(args)
-    from trainer.generate import generate_text
+    from trainer.run.generate import generate_text
     generate_text(ns.run, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed, ns.step)
     return 0
 
@@ -124,7 +125,7 @@ def _prepare(args: list[str]) -> int:
     p.add_argument("--heldout", type=float, default=0.05, help="share of documents held out (default: 0.05)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ns = p.parse_args(args)
-    from trainer.prepare import prepare
+    from trainer.data.prepare import prepare
     prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress)
     return 0
 

@@ -18,15 +18,14 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshes import load_preset, resolve_shape, MeshError
 from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.config import ATTENTION_IMPLS, KERNELS
-from trainer import guard
 from trainer.errors import UserError
-from trainer.observe.profiling import parse_steps
-from trainer.schedules import SCHEDULES as PIPELINE_SCHEDULES
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (tables: trainer/parallel/schedules.py)
+ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +70,7 @@ class TrainSection:
     zero_stage: int = 0
     grad_sync: str = "auto"  # auto | psum | ring | ring_bf16
     pipeline_repeats: int = 1  # V: circular pipeline schedule when > 1 (needs mesh.stage > 1)
-    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b | interleaved_1f1b (trainer/schedules.py)
+    pipeline_schedule: str = "gpipe"  # gpipe | 1f1b | interleaved_1f1b (trainer/parallel/schedules.py)
     seed: int = 0
     # The small model's 200-step default run, batch 32 (eval loss, scripts/labs/local_sgd.py --modes every_step):
     # lr 1.5e-3 / warmup 60: 1.5465; 1e-3 / 60: 1.5659; 3e-3 / 60: 1.5778; 6e-3 / 60: 1.7517;
@@ -84,7 +83,7 @@ class TrainSection:
     b2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
     optimizer: str = "adamw"  # adamw | sgd (momentum b1, linear in the gradient)
-    sync: str = "every_step"  # every_step | local_sgd | diloco (trainer/localsgd.py)
+    sync: str = "every_step"  # every_step | local_sgd | diloco (trainer/parallel/localsgd.py)
     sync_every: int = 1  # H: optimizer steps each replica takes on its own between syncs
     sync_warmup: int = 0  # local_sgd/diloco: average the replicas after every step up to this step first
     outer_lr: float = 0.7  # diloco: Nesterov step on the replicas' mean parameter delta
@@ -98,7 +97,7 @@ class TrainSection:
     spike_factor: float = 0.0  # skip a step whose loss > factor x the running median; 0 = off
     spike_window: int = 32  # losses in that running median
     inject_nan_at: str = ""  # STEP or A:B: NaN loss at those data positions (drills and tests)
-    step_timeout_s: float = 300.0  # a step running past max(this, 20 x median) exits 4 (trainer/watchdog.py); 0: off
+    step_timeout_s: float = 300.0  # a step running past max(this, 20 x median) exits 4 (trainer/run/watchdog.py); 0: off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +125,7 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistSection:
-    """Joining a multi-process run (trainer/distributed.py); one process needs none of it."""
+    """Joining a multi-process run (trainer/run/distributed.py); one process needs none of it."""
     coordinator: Optional[str] = None  # HOST:PORT of process 0; with num_processes and process_id
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
@@ -138,7 +137,7 @@ class DistSection:
 @dataclasses.dataclass(frozen=True)
 class SimSection:
     """The machine `meshtrain simulate` models (trainer/plan/simulate.py); training ignores it."""
-    hardware: str = "h100"  # a row of trainer/plan/devices.py (plan.device's names): peak, links, latencies
+    hardware: str = "h100"  # a row of trainer/hardware.py (plan.device's names): peak, links, latencies
     devices: Optional[int] = None  # cluster size when a mesh axis is -1
     devices_per_node: Optional[int] = None  # override; on TPU the chips of one ICI slice
     intra_bw: Optional[float] = None  # override: GB/s a device sends inside a node
@@ -157,7 +156,7 @@ class SimSection:
 
 @dataclasses.dataclass(frozen=True)
 class PlanSection:
-    """The device `meshtrain plan` plans for (trainer/plan/devices.py); training ignores it."""
+    """The device `meshtrain plan` plans for (trainer/hardware.py); training ignores it."""
     device: str = "auto"  # auto (this machine's) | h100-80g | h200 | a100-80g | tpu-v5p | tpu-v5e | tpu-v4 | cpu
     hbm_gb: Optional[float] = None  # override the device's memory, in GB
 
@@ -227,7 +226,8 @@ def _load_yaml(path: str):
 
 
 def load_config(args: list[str] = (), base: dict | None = None) -> Config:
-    """Config from the schema defaults, YAML files and key=value overrides, in order."""
+    """Config from the schema defaults, YAML files and key=value overrides, in order. Pure: what the
+    config points at (a data sidecar, a Hugging Face folder) is read by trainer/sources.py."""
     files, pairs = [], []
     for a in args:
         if a.startswith("-"):
@@ -262,12 +262,20 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
         cfg = _merge(cfg, OmegaConf.load(path), f"mesh preset {preset}")
     for node, where in layers:
         cfg = _merge(cfg, node, where)
-    cfg = OmegaConf.to_object(cfg)
-    if cfg.model.init_from and base is None:  # a Hugging Face folder supplies the model shape keys (a
-        # checkpoint's config, the base, holds them already: the folder may have changed or gone since)
-        from trainer.ckpt.hf import with_hf_shapes
-        cfg = with_hf_shapes(cfg)
-    return cfg
+    return OmegaConf.to_object(cfg)
+
+
+def step_range(spec, key: str, single: bool = False) -> tuple[int, int] | None:
+    """The one parser of step ranges: 'A:B' (or, with `single`, also 'A') -> (A, B) with 1 <= A <= B;
+    '' -> None; anything else a UserError naming `key` and the fix."""
+    if spec in ("", None):
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(spec))
+    if not m or not (single or m.group(2)) or not 1 <= int(m.group(1)) <= int(m.group(2) or m.group(1)):
+        form, eg = ("STEP or A:B", "7") if single else ("A:B", "5:8")
+        raise UserError(f"{key}='{spec}' is not {form} with 1 <= A <= B; write e.g. {key}={eg} "
+                        f"(in YAML quote a range: '{'7:9' if single else '5:8'}')")
+    return int(m.group(1)), int(m.group(2) or m.group(1))
 
 
 def to_yaml(cfg: Config) -> str:
@@ -343,8 +351,8 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
                                    f"use a mesh.stage that divides {mc.n_layers}"),
         (t.pipeline_repeats >= 1, f"train.pipeline_repeats={t.pipeline_repeats} must be >= 1"),
-        (t.pipeline_schedule in PIPELINE_SCHEDULES, f"train.pipeline_schedule='{t.pipeline_schedule}' is "
-                                                    f"unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}"),
+        (t.pipeline_schedule in SCHEDULES, f"train.pipeline_schedule='{t.pipeline_schedule}' is "
+                                           f"unknown; choose one of {', '.join(SCHEDULES)}"),
         (t.pipeline_schedule != "interleaved_1f1b" or t.pipeline_repeats > 1,
          "train.pipeline_schedule=interleaved_1f1b needs train.pipeline_repeats > 1; set it or use 1f1b"),
         (t.pipeline_schedule != "1f1b" or t.pipeline_repeats == 1,
@@ -370,9 +378,23 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         (math.prod(shape) == n_devices, "mesh size mismatch"),
     ]
-    parse_steps(t.profile_steps)  # a UserError naming the fix if it is not A:B
-    guard.validate(t)
+    step_range(t.profile_steps, "train.profile_steps")  # a UserError naming the fix if it is not A:B
+    _validate_guard(t)
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
     return shape
+
+
+def _validate_guard(t):
+    """UserError naming the key and the fix for a bad NaN/spike guard setting (trainer/guard.py)."""
+    for ok, msg in (
+            (t.on_nan in ON_NAN, f"train.on_nan='{t.on_nan}' is unknown; choose one of {', '.join(ON_NAN)}"),
+            (t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps} must be >= 1 (consecutive bad steps "
+                                   "before train.on_nan acts)"),
+            (t.spike_factor == 0 or t.spike_factor > 1, f"train.spike_factor={t.spike_factor} must be 0 (off) or "
+             "> 1 (skip a loss above factor x the running median); e.g. train.spike_factor=2"),
+            (t.spike_window >= 1, f"train.spike_window={t.spike_window} must be >= 1 (losses in the running median)")):
+        if not ok:
+            raise UserError(msg)
+    step_range(t.inject_nan_at, "train.inject_nan_at", single=True)

@@ -5,23 +5,19 @@ import jax
 import optax
 
 
-def _decay_mask(params):
-    """Weight decay on matrices only: norms (and anything 1-D per layer) are not decayed."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
-
-
-def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(t, decay: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and its schedule; `decay` says, per parameter (a tree like the parameters', declared
+    where each was created: models.weight_decay_of), whether weight decay applies to it."""
     warmup = min(t.warmup_steps, max(t.steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
         decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
     if getattr(t, "optimizer", "adamw") == "sgd":
         # Every step of this chain is linear in the gradient (clipping aside): local SGD relies on it.
-        update = optax.chain(optax.add_decayed_weights(t.weight_decay, mask=_decay_mask),
+        update = optax.chain(optax.add_decayed_weights(t.weight_decay, mask=decay),
                              optax.sgd(schedule, momentum=t.b1 or None))
     else:
-        update = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+        update = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=decay)
     clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
     return optax.chain(clip, update), schedule
 

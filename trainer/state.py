@@ -11,8 +11,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshes import Layout, MeshError, build_mesh
-from models import ModelConfig, Transformer, logical_axes_of, params_of
-from trainer import guard, localsgd
+from models import ModelConfig, Transformer, abstract_model, params_of
+from trainer import guard
+from trainer.parallel import localsgd
 from trainer.config import Config, compute_dtype, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
@@ -40,12 +41,6 @@ class Setup:
         return self.layout.sharding(self.layout.batch_spec())
 
 
-def abstract_model(mc: ModelConfig, seed: int = 0):
-    """Parameter shapes and logical axes, without allocating anything."""
-    m = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(seed)))
-    return params_of(m), logical_axes_of(m)
-
-
 def make_setup(cfg: Config, devices=None) -> Setup:
     devices = list(jax.devices() if devices is None else devices)
     data, stage, model = validate(cfg, len(devices))
@@ -57,8 +52,8 @@ def make_setup(cfg: Config, devices=None) -> Setup:
     if mc.n_kv_heads < model:  # kv heads replicated over `model`: each rank takes the one it needs
         mc = dataclasses.replace(mc, kv_repeat=model // mc.n_kv_heads)
     layout = Layout(mesh, cfg.train.zero_stage)
-    tx, schedule = make_optimizer(cfg.train)
-    pshapes, logical = abstract_model(mc, cfg.train.seed)
+    pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
+    tx, schedule = make_optimizer(cfg.train, decay)
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
               "opt_state": jax.eval_shape(tx.init, pshapes), "guard": guard.shapes(cfg.train)}
     opt_param_sh = layout.tree("opt", pshapes, logical)

@@ -9,7 +9,7 @@ Gradients come from one of two paths:
             gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
             arrive sharded and are all-gathered one layer at a time inside the layer scan;
             the transpose of that all-gather is the gradient's reduce-scatter.
-A pipeline (every schedule runs on the table executor, trainer/pipeline_1f1b.py) is manual over
+A pipeline (every schedule runs on the table executor, trainer/parallel/pipeline.py) is manual over
 `stage` and `data` and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
 included, whatever grad_sync).
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
@@ -29,9 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
-from trainer import guard, localsgd, pipeline_1f1b, sync
+from trainer import guard
+from trainer.parallel import localsgd, pipeline as pipeline_1f1b, sync
 from trainer.optim import schedule_count
-from trainer.pipeline import split_microbatches
+from trainer.parallel.microbatch import split_microbatches
 from trainer.state import Setup
 
 
@@ -42,7 +43,7 @@ def _constrain_tree(tree, shardings):
 def uses_manual_sync(s: Setup) -> bool:
     """Whether the step reduces gradients over `data` itself (else the compiler inserts the all-reduce)."""
     t = s.cfg.train
-    # a pipeline (trainer/pipeline_1f1b.py) always does, once per step after its tick loop
+    # a pipeline (trainer/parallel/pipeline.py) always does, once per step after its tick loop
     return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
 
 

@@ -49,7 +49,7 @@ def time_steps(fn, state, batch, steps):
 def matmul_rates() -> dict:
     """float32 and bfloat16 matmul FLOP/s measured now in this process (the MFU denominators)."""
     import jax.numpy as jnp
-    from trainer.observe.metrics import measure_matmul_rate
+    from trainer.hardware import measure_matmul_rate
     # the best of two sizes: on this CPU 1024^3 runs a few % faster than 2048^3
     return {"float32": max(measure_matmul_rate(jnp.float32, n, 5) for n in (1024, 2048)),
             "bfloat16": max(measure_matmul_rate(jnp.bfloat16, n, 5) for n in (1024, 2048))}
@@ -82,7 +82,7 @@ def main():
     import numpy as np
     from models import flops_per_token
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

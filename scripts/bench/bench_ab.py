@@ -35,8 +35,8 @@ def main():
     import jax.numpy as jnp
     from models import flops_per_token
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
-    from trainer.observe.metrics import measure_matmul_rate
+    from trainer.data.batches import Batches, load_corpus
+    from trainer.hardware import measure_matmul_rate
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

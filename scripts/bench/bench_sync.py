@@ -40,9 +40,9 @@ def main():
     global jax
     import jax
     from jax.sharding import PartitionSpec as P
-    from trainer import sync
+    from trainer.parallel import sync
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     from trainer.plan.hlo import collective_bytes
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step

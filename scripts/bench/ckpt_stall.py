@@ -20,7 +20,7 @@ import jax  # noqa: E402
 
 from trainer.ckpt.checkpoint import Checkpointer  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.data import Batches, load_corpus  # noqa: E402
+from trainer.data.batches import Batches, load_corpus  # noqa: E402
 from trainer.state import init_state, make_setup  # noqa: E402
 from trainer.step import jit_train_step  # noqa: E402
 

@@ -8,7 +8,7 @@ bandwidth, and MFU of the 1B model at several remat/batch settings.
 0. Runs `meshtrain train model.preset=1b train.dtype=bfloat16` (seq 2048, global batch 8, synthetic
    data, --cli-steps steps, one device) as a subprocess of the real CLI, before this process starts
    jax (which would take the GPU's memory), and prints tokens/s, model TFLOP/s and MFU against the
-   H200's dense bf16 peak (trainer/plan/devices.py) from its metrics.jsonl (median of the steps after the first 3).
+   H200's dense bf16 peak (trainer/hardware.py) from its metrics.jsonl (median of the steps after the first 3).
    The run directory is a temporary folder, deleted afterwards (the CLI saves a final checkpoint).
 1. Measures the bfloat16 matmul rate (8192^3, best of 10) and the HBM copy bandwidth (a 4 GiB
    array copied: bytes read + written over time), in this process.
@@ -16,7 +16,7 @@ bandwidth, and MFU of the 1B model at several remat/batch settings.
    one device) for --steps steps at each remat:batch setting, through the trainer's own setup,
    init and jitted step (the state donated, the next batch put on the device while a step runs).
    A setting that does not fit prints OOM and the script goes on.
-3. Prints, last, one table: tokens/s, model TFLOP/s, MFU against the datasheet peak (trainer/plan/devices.py
+3. Prints, last, one table: tokens/s, model TFLOP/s, MFU against the datasheet peak (trainer/hardware.py
    dense bf16 for H100/H200 SXM), MFU against the measured matmul rate, and which attention
    kernel XLA used (cuDNN fused attention or XLA's own).
 --budget (seconds, default 470: the whole check in under 8 minutes) skips the settings of step 2
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
              "--xla_gpu_enable_highest_priority_async_stream=true")
-from trainer.plan.devices import get_device  # noqa: E402  (the datasheet peak lives in the device table)
+from trainer.hardware import get_device  # noqa: E402  (the datasheet peak lives in the device table)
 
 H200_BF16 = get_device("h200").peak_bf16  # dense bf16 FLOP/s
 SETTING_S = 100  # a setting of step 2 that starts with less than this left of --budget is skipped
@@ -133,7 +133,7 @@ def run_setting(log, remat, batch, a):
     import jax
     from models import flops_per_token, hardware_flops_per_token
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 
@@ -189,8 +189,7 @@ def main():
     cli = cli_run(log, a) if a.cli_steps > 0 else None  # first: once jax starts here it holds the GPU's memory
     import jax
     import jax.numpy as jnp
-    from trainer.observe.metrics import measure_matmul_rate
-    from trainer.plan.devices import from_kind
+    from trainer.hardware import from_kind, measure_matmul_rate
 
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, XLA_FLAGS={os.environ['XLA_FLAGS']!r}")

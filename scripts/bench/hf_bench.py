@@ -25,7 +25,7 @@ from models import Transformer, params_of  # noqa: E402
 from trainer.ckpt.hf import leaf_shape, leaves  # noqa: E402
 from trainer.ckpt.hf_export import write_hf  # noqa: E402
 from trainer.ckpt.params import init_params  # noqa: E402
-from trainer.config import load_config  # noqa: E402
+from trainer import load_config, resolve  # noqa: E402
 from trainer.state import make_setup  # noqa: E402
 
 BASE = ["model.preset=1b", "mesh.data=8", "train.zero_stage=3", "run.progress=false"]
@@ -66,7 +66,7 @@ def main(argv):
         print(f"export: {dt:.1f} s, {size / 1e9:.2f} GB written ({DTYPE}), peak RSS above the state "
               f"{peak / 1e6:.0f} MB = {peak / largest:.2f}x the largest tensor")
         del params
-        s2 = make_setup(load_config(BASE + argv + [f"model.init_from={out}"]), jax.devices()[:8])
+        s2 = make_setup(resolve(load_config(BASE + argv + [f"model.init_from={out}"])), jax.devices()[:8])
         base = _reset_peak()
         t = time.perf_counter()
         got = init_params(s2, out)

@@ -2,7 +2,9 @@
 
   python scripts/bench/pipeline_ab.py REV [--rounds 8] [--schedules gpipe 1f1b] [key=value ...]
 
-Loads trainer/pipeline.py and trainer/pipeline_1f1b.py as they were at REV into side modules; for each
+Loads REV's pipeline executor (trainer/parallel/pipeline.py; before the re-layout trainer/pipeline_1f1b.py, with
+trainer/pipeline.py) into side modules (their imports of modules that have moved since are served by this
+checkout's); for each
 schedule builds the train step twice on 4 of 8 simulated CPU devices (mesh (1,4,1), model.preset=tiny
 with 4 layers, 8 microbatches, batch 16, plus the overrides): once with REV's pipeline (its GPipe was autodiff through pipeline.pipeline_loss
 where REV has it) and once with this checkout's. Then times 3 steps of every variant in turn per round
@@ -25,12 +27,24 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def _module_at(rev: str, path: str, name: str):
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True,
-                         check=True).stdout
-    mod = types.ModuleType(name)
-    exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
-    return mod
+# modules that moved in the re-layout -> where they are now (what an old revision's code imports)
+MOVED = {"trainer.schedules": "trainer.parallel.schedules", "trainer.sync": "trainer.parallel.sync",
+         "trainer.pipeline": "trainer.parallel.circular", "trainer.localsgd": "trainer.parallel.localsgd",
+         "trainer.collectives": "trainer.parallel.collective_costs"}
+
+
+def _module_at(rev: str, paths: list[str], name: str):
+    """The first of `paths` that exists at rev, loaded as a side module (None if none exists)."""
+    import importlib
+    for old, new in MOVED.items():  # an old revision's `from trainer import schedules` and friends
+        sys.modules.setdefault(old, importlib.import_module(new))
+    for path in paths:
+        out = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if out.returncode == 0:
+            mod = types.ModuleType(name)
+            exec(compile(out.stdout, f"{rev}:{path}", "exec"), mod.__dict__)
+            return mod
+    return None
 
 
 def main():
@@ -44,18 +58,18 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from trainer import pipeline_1f1b
+    from trainer.parallel import pipeline as pipeline_1f1b
     from trainer import step as step_mod
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     from trainer.state import init_state, make_setup
 
-    old_pipe = _module_at(a.rev, "trainer/pipeline.py", "rev_pipeline")
-    old_exec = _module_at(a.rev, "trainer/pipeline_1f1b.py", "rev_pipeline_1f1b")
+    old_pipe = _module_at(a.rev, ["trainer/pipeline.py"], "rev_pipeline")
+    old_exec = _module_at(a.rev, ["trainer/parallel/pipeline.py", "trainer/pipeline_1f1b.py"], "rev_pipeline_1f1b")
     ours = pipeline_1f1b.loss_and_grads
 
     def theirs(schedule):
-        if schedule == "gpipe" and hasattr(old_pipe, "pipeline_loss"):
+        if schedule == "gpipe" and old_pipe is not None and hasattr(old_pipe, "pipeline_loss"):
             return lambda s, p, b: jax.value_and_grad(functools.partial(old_pipe.pipeline_loss, s))(p, b)
         return old_exec.loss_and_grads
 

@@ -69,7 +69,7 @@ def main():
     os.environ["XLA_FLAGS"] = flags
     import jax
     from trainer.config import load_config
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
 

@@ -62,7 +62,7 @@ def _setup(overrides, n_devices):
 
 def _batch(s):
     import jax
-    from trainer.data import Batches, load_corpus
+    from trainer.data.batches import Batches, load_corpus
     b = Batches(load_corpus("synthetic"), 0, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     return jax.device_put(b.global_train(0), s.batch_sharding())
 
@@ -128,7 +128,7 @@ def work_c(job):
 def work_d(job):
     """Planner and simulator for the D_CASES, fastest searched layout each."""
     from trainer.config import load_config, model_config
-    from trainer.plan.devices import get_device
+    from trainer.hardware import get_device
     from trainer.plan.search import search
     from trainer.plan.simulate import simulate
     rows = []

@@ -107,7 +107,7 @@ def compare(ref: Path, run: Path, steps: int) -> dict:
     """Bitwise state, loss curve and step coverage of `run` against `ref`."""
     import numpy as np
     import jax
-    from trainer.ckpt.checkpoint import read_meta
+    from trainer.ckpt.store import read_meta
     from trainer.ckpt.params import load_params
     loss = {d: [(r["step"], r["loss"]) for r in records(d) if "loss" in r] for d in (ref, run)}
     once = [s for s, _ in loss[run]] == list(range(1, steps + 1))

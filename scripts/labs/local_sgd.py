@@ -71,7 +71,7 @@ def main():
     from models import param_count
     from trainer import load_config
     from trainer.config import model_config
-    from trainer.localsgd import data_bytes_per_step
+    from trainer.parallel.localsgd import data_bytes_per_step
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.devices}"

@@ -2,9 +2,7 @@
 a run's shardings (each process reads only the slices its devices hold, one device's at a time), and `meshtrain export --format hf`."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -12,16 +10,14 @@ import jax
 import numpy as np
 
 from trainer.ckpt import safetensors as st
+from trainer.ckpt.store import kind_of
+from trainer.config import model_config, replace
 from trainer.errors import UserError
 
 ARCH = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size for save_pretrained
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry: RoPE is recomputed from config.json
-
-
-def is_hf(path) -> bool:
-    return (Path(path) / "config.json").is_file()
 
 
 def read_config(path) -> dict:
@@ -88,13 +84,11 @@ def _same(a, b) -> bool:
 def with_hf_shapes(cfg):
     """cfg with the model shape keys of its `model.init_from` when that is an HF folder, whose tensors
     are checked now, before anything is written; an explicit key that contradicts config.json is an error."""
-    from trainer.ckpt.checkpoint import SUBDIR
-    from trainer.ckpt.params import is_export
-    from trainer.config import replace
     p = Path(cfg.model.init_from)
-    if not p.is_dir() or is_export(p) or (p / SUBDIR).is_dir():
+    kind = kind_of(p)
+    if not p.is_dir() or kind in ("export", "run"):
         return cfg  # a path that does not exist is reported when the parameters are read
-    if not is_hf(p):
+    if kind != "hf":
         raise UserError(f"model.init_from='{p}' is neither an export (meshtrain export --out) nor a run.dir with "
                         "checkpoints, and has no config.json of a Hugging Face Llama folder; give one of those")
     where = p / "config.json"
@@ -106,7 +100,6 @@ def with_hf_shapes(cfg):
         if mine is not None and v is None and k == "rope_scaling":
             raise UserError(f"model.rope_scaling={mine} contradicts {where} (no rope scaling); drop it")
     cfg = replace(cfg, model={k: v for k, (v, _) in keys.items()})
-    from trainer.config import model_config
     check_tensors(p, model_config(cfg))
     return cfg
 

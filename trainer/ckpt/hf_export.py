@@ -110,7 +110,7 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
 def _write_tokenizer(path: str, out: Path, mc):
     """The run's tokenizer.json beside the weights, a tokenizer_config.json naming its end-of-text token (so
     that transformers' AutoTokenizer loads the folder), and that token as generation's eos."""
-    from trainer.prepare import load_tokenizer
+    from trainer.data.prepare import load_tokenizer
     tok, src, eot = load_tokenizer(path)
     shutil.copyfile(src, out / "tokenizer.json")
     if (src.parent / "tokenizer_config.json").is_file():

@@ -9,23 +9,16 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from trainer.ckpt.checkpoint import (SUBDIR, _choose, _manager, _read_meta, _restore, check_shapes, config_of, leaf_names,
-                                list_steps, read_meta, verify)
+from models import abstract_model
 from trainer.ckpt.evidence import short as _short
-from trainer.config import Config
+from trainer.ckpt.store import (EXPORT_META, SUBDIR, check_shapes, choose, config_of, kind_of, leaf_names, list_steps,
+                                manager, meta_of, read_meta, restore, verify)
+from trainer.config import Config, model_config
 from trainer.errors import UserError
-
-EXPORT_META = "meta.json"
-
-
-def is_export(path) -> bool:
-    return (Path(path) / EXPORT_META).is_file() and (Path(path) / "params").is_dir()
 
 
 def _shape_tree(cfg: Config):
-    from trainer.config import model_config
-    from trainer.state import abstract_model
-    return abstract_model(model_config(cfg))
+    return abstract_model(model_config(cfg))[:2]
 
 
 def param_shardings(cfg: Config, shardings=None, devices=None):
@@ -85,26 +78,27 @@ def load_params(run_dir, step: int | None = None, shardings=None):
 def load_params_at(run_dir, step: int | None = None, shardings=None):
     """load_params, plus the step the parameters come from."""
     path = Path(run_dir)
-    if is_export(path):
+    kind = kind_of(path)
+    if kind == "export":
         return _load_export(path, shardings)
-    if not (path / SUBDIR).is_dir() and (path / "config.json").is_file():
+    if kind == "hf":
         return _load_hf(path, shardings)
-    if not (path / SUBDIR).is_dir():
+    if kind is None:
         raise UserError(f"'{run_dir}' holds no checkpoints ({path / SUBDIR} is missing) and is not an export; "
                         "give the run.dir of a run that saved checkpoints")
-    mngr = _manager(path / SUBDIR)
+    mngr = manager(path / SUBDIR)
 
     def read(st):
-        meta = _read_meta(mngr, st)
+        meta = meta_of(mngr, st)
         cfg = config_of(meta)
         item = {"params": _params_target(meta["leaves"], param_shardings(cfg, shardings))}
-        return _restore(mngr, st, item, partial=True), meta, cfg
+        return restore(mngr, st, item, partial=True), meta, cfg
 
     def check(st, got):
         verify(got[0], got[1]["leaves"])
         return got[0]["params"], got[2]
 
-    step, found, damaged = _choose(mngr, f"run '{run_dir}'", read, check, step)
+    step, found, damaged = choose(mngr, f"run '{run_dir}'", read, check, step)
     if damaged:
         raise UserError(f"run '{run_dir}': none of its checkpoints can be read ("
                         + "; ".join(f"step {st}: {why}" for st, why in damaged) + ")")
@@ -117,8 +111,9 @@ def _load_hf(path: Path, shardings):
     """(params, Config, 0) of a Hugging Face Llama folder; its tokenizer.json, when there, is the config's
     data.tokenizer (so that `meshtrain generate` encodes and decodes with it)."""
     from trainer.ckpt import hf
-    from trainer.config import load_config, model_config, replace
-    cfg = load_config([f"model.init_from={path}"])
+    from trainer.config import load_config, replace
+    from trainer.sources import resolve
+    cfg = resolve(load_config([f"model.init_from={path}"]))
     if (path / "tokenizer.json").is_file():
         cfg = replace(cfg, data={"tokenizer": str(path / "tokenizer.json")})
     shapes = _shape_tree(cfg)[0]
@@ -129,13 +124,13 @@ def init_params(s, path) -> dict:
     """Parameters for `model.init_from`: an export, a run's checkpoint or an HF folder read into the run's
     parameter shardings and cast to the train state's dtype."""
     p, target = Path(path), s.shapes["params"]
-    if is_export(p):
+    kind = kind_of(p)
+    if kind == "export":
         params = _load_export(p, s.shardings["params"], target)[0]
-    elif (p / "config.json").is_file() and not (p / SUBDIR).is_dir():
+    elif kind == "hf":
         from trainer.ckpt.hf import load as load_hf
-        from trainer.config import model_config
         return load_hf(p, model_config(s.cfg), target, s.shardings["params"])  # already in target's dtypes
-    elif list_steps(p):
+    elif kind == "run" and list_steps(p):
         step = list_steps(p)[-1]
         check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
                      "params.")

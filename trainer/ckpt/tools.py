@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from trainer.ckpt.checkpoint import FORMAT, SUBDIR, CorruptCheckpoint, config_dict, describe_leaves, list_steps, read_meta
+from trainer.ckpt.params import load_params_at
+from trainer.ckpt.store import (EXPORT_META, FORMAT, SUBDIR, CorruptCheckpoint, config_dict, describe_leaves, is_export,
+                                list_steps, read_meta)
 from trainer.config import to_yaml
 from trainer.errors import UserError
-from trainer.ckpt.params import EXPORT_META, is_export, load_params_at
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 

@@ -4,31 +4,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-PEAK_N, PEAK_REPS = 1024, 8  # the CPU peak: an n x n x n matmul, the fastest of reps runs
-
-
-def measure_matmul_rate(dtype=jnp.float32, n: int = PEAK_N, reps: int = PEAK_REPS, device=None) -> float:
-    """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
-    device = device or jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
-    # its own one-device mesh: callable inside a training loop's jax.set_mesh(...) too
-    one = jax.sharding.Mesh(np.array([device]), ("one",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(one):
-        a = jax.device_put(jnp.ones((n, n), dtype), device)
-        f = jax.jit(lambda x, y: x @ y)
-        f(a, a).block_until_ready()
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            f(a, a).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+from trainer.hardware import PEAK_N, PEAK_REPS, from_kind, measure_matmul_rate
 
 
 def device_peak(dtype) -> tuple[float | None, str]:
@@ -39,10 +20,7 @@ def device_peak(dtype) -> tuple[float | None, str]:
         # counted as eval time. Simulated CPU devices share the host's cores: the process-wide rate is the peak.
         rate = measure_matmul_rate(dtype, PEAK_N, PEAK_REPS)
         return rate, f"measured: {jnp.dtype(dtype).name} {PEAK_N}^3 matmul, best of {PEAK_REPS}, on this CPU"
-    # the one device table (datasheet figures with their sources); imported here only, so that
-    # training on CPU never loads the planner's package
-    from trainer.plan.devices import from_kind
-    row = from_kind(dev.device_kind)
+    row = from_kind(dev.device_kind)  # the one device table: datasheet figures with their sources
     if row is None:
         return None, f"unknown peak for {dev.device_kind}"
     return row.peak(jnp.dtype(dtype).name), f"datasheet peak for {dev.device_kind} ({row.source['peak']})"

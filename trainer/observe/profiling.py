@@ -2,30 +2,18 @@
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 import jax
 
-from trainer.errors import UserError
-
-
-def parse_steps(spec: str) -> tuple[int, int] | None:
-    """'A:B' -> (A, B); '' -> None."""
-    if not spec:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(spec))
-    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise UserError(f"train.profile_steps='{spec}' is not A:B with 1 <= A <= B; write e.g. "
-                        "train.profile_steps=5:8 (in YAML quote it: '5:8')")
-    return int(m.group(1)), int(m.group(2))
+from trainer.config import step_range
 
 
 class StepProfiler:
     """Starts a trace before step A and stops it after step B has finished on the devices."""
 
     def __init__(self, spec: str, log_dir: Path):
-        self.steps, self.log_dir, self.active = parse_steps(spec), log_dir, False
+        self.steps, self.log_dir, self.active = step_range(spec, "train.profile_steps"), log_dir, False
 
     def annotate(self, step: int):
         """Marks the step for XProf's step view while tracing."""

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _local_device() -> str:
     import jax
-    from trainer.plan.devices import from_kind
+    from trainer.hardware import from_kind
     row = from_kind(jax.devices()[0].device_kind)
     return row.name if row else "cpu"
 
@@ -53,7 +53,8 @@ def main(args: list[str]) -> int:
     if bad:
         raise UserError(f"unknown option '{bad[0]}' for meshtrain plan; see `meshtrain plan --help`")
     from trainer.config import compute_dtype, load_config, model_config
-    cfg = load_config(rest)
+    from trainer.sources import resolve
+    cfg = resolve(load_config(rest))
     n = _n_devices(cfg, ns)
     if ns.verify and ns.search:
         raise UserError("--verify checks one layout; drop --search, or --verify the layout the search picks")
@@ -62,7 +63,7 @@ def main(args: list[str]) -> int:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from trainer.plan.core import estimate, strategy_of
-    from trainer.plan.devices import get_device
+    from trainer.hardware import get_device
     device = get_device(_local_device() if cfg.plan.device == "auto" else cfg.plan.device, cfg.plan.hbm_gb)
     hosts = ns.hosts or -(-n // device.node)
     if hosts < 1 or n % hosts:

@@ -1,11 +1,11 @@
 """Bus bytes per device of every collective in one step, per mesh axis, as XLA emits them.
 
-Bus bytes are what one device sends with ring algorithms (trainer/collectives.py: all-reduce
+Bus bytes are what one device sends with ring algorithms (trainer/parallel/collective_costs.py: all-reduce
 2(K-1)/K x S, the others (K-1)/K x S, S the unsharded array), a pipeline hop S. These rules
-follow the HLO that step.py, sync.py and pipeline_1f1b.py compile to (trainer/plan/hlo.py reads the
+follow the HLO that step.py, parallel/sync.py and parallel/pipeline.py compile to (trainer/plan/hlo.py reads the
 same quantity from it; tests/test_plan.py holds each to 5%), inefficiencies included: where XLA does
 more than the textbook, the rule says so. A pipeline (any schedule) follows the table executor
-(trainer/pipeline_1f1b.py, `_table_transfers`).
+(trainer/parallel/pipeline.py, `_table_transfers`).
 
 Letters: K = data, S = stage, tp = model, M microbatches, n tokens per device and microbatch,
 a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
@@ -13,10 +13,10 @@ a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
 from __future__ import annotations
 
 from models import ModelConfig
-from trainer.collectives import bus_factor
-from trainer.pipeline import circular_moves
+from trainer.parallel.collective_costs import bus_factor
+from trainer.parallel.circular import circular_moves
 from trainer.plan.memory import Leaf, leaves
-from trainer.plan.schedule import cost
+from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
 
@@ -146,7 +146,7 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
 
 
 def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
-    """The table executor (trainer/pipeline_1f1b.py): two ppermutes every tick of the table, the
+    """The table executor (trainer/parallel/pipeline.py): two ppermutes every tick of the table, the
     stage's top gradients summed over `stage`, the data-axis sync of the stage's share once per step.
 
     The hops run on idle ticks too (zeros): one microbatch each way per tick, whatever the table

@@ -2,7 +2,7 @@
 
 Nothing is allocated and no device is needed (plan 256 devices on a laptop): memory comes from
 trainer/plan/memory.py, collectives from trainer/plan/comm.py, device figures from
-trainer/plan/devices.py. The roofline assumes no overlap: step time = compute at peak / (1 - bubble)
+trainer/hardware.py. The roofline assumes no overlap: step time = compute at peak / (1 - bubble)
 + every collective's bus bytes / the bandwidth of the link its mesh axis crosses.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import dataclasses
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
 from trainer.plan.comm import transfers
-from trainer.plan.devices import Device
+from trainer.hardware import Device
 from trainer.plan.memory import activation_bytes, buffer_bytes, state_bytes
-from trainer.plan.schedule import cost
+from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
 __all__ = ["Plan", "Strategy", "Transfer", "estimate", "links", "strategy_of"]
@@ -101,7 +101,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     tokens = batch * mc.seq_len
     flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
     flops = hardware_flops_per_token(flop_mc) * tokens / st.devices
-    if st.stage > 1:  # the last stage, the slowest, runs the whole head (trainer/pipeline_1f1b.py)
+    if st.stage > 1:  # the last stage, the slowest, runs the whole head (trainer/parallel/pipeline.py)
         flops += 6 * mc.d_model * mc.vocab_size * tokens * (st.stage - 1) / st.devices
     peak = device.peak(dtype) / (st.devices if device.shared else 1)
     lk = links(st, device, hosts)

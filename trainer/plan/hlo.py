@@ -1,7 +1,7 @@
 """Collective bytes in compiled HLO text: per mesh axis, per device, with loop trip counts.
 
 Bytes follow the bus-bytes convention the planner predicts in (what one device sends with
-ring algorithms, trainer/collectives.py; S = the full, unsharded array), collective-permute S
+ring algorithms, trainer/parallel/collective_costs.py; S = the full, unsharded array), collective-permute S
 per sending device (averaged over all devices). A conditional runs one branch per call: without
 `branch_weights` each branch counts as if it ran every call (an upper bound); the table executor's
 tick switch runs branch i on a share of the (tick, stage) cells its table says (trainer/plan/verify.py).
@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from trainer.collectives import bus_factor
+from trainer.parallel.collective_costs import bus_factor
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}

@@ -17,18 +17,17 @@ import optax
 from jax.sharding import AbstractMesh, AxisType
 
 from meshes import AXES, Layout
-from models import ModelConfig
-from trainer.plan.schedule import cost
+from models import ModelConfig, abstract_model
+from trainer.optim import make_optimizer
+from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy
 
 
 @functools.lru_cache(maxsize=64)
 def _abstract(mc: ModelConfig, train):
     """Parameter shapes, logical axes and optimizer-state shapes (cached per model and optimizer)."""
-    from trainer.optim import make_optimizer
-    from trainer.state import abstract_model
-    params, logical = abstract_model(mc)
-    tx, _ = make_optimizer(train)
+    params, logical, decay = abstract_model(mc)
+    tx, _ = make_optimizer(train, decay)
     return params, logical, tx, jax.eval_shape(tx.init, params)
 
 
@@ -208,7 +207,7 @@ def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
 
 def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str) -> float:
     """A pipeline stage's activations for b sequences per microbatch: the stage inputs and cotangents
-    its schedule keeps live (trainer/plan/schedule.py) plus one tick's working set."""
+    its schedule keeps live (trainer/plan/schedule_cost.py) plus one tick's working set."""
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's

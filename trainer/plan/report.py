@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from models import param_count
 from trainer.plan.core import Plan
-from trainer.plan.schedule import cost
+from trainer.plan.schedule_cost import cost
 
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}

@@ -9,7 +9,7 @@ Per step and device:
             slow_fraction, slow_factor x slower.
   bubble    the schedule table's idle share (trainer/plan/schedule.cost).
   tensor    4 activation all-reduces per layer and microbatch (6 with full remat), not overlapped.
-  pipeline  the table executor (trainer/pipeline_1f1b.py): one activation send forward and one
+  pipeline  the table executor (trainer/parallel/pipeline.py): one activation send forward and one
             cotangent send back every tick of the table (idle ticks too), the stage all-reduce of
             the embedding/head gradients and, with V > 1, the layer blocks moved to their circular
             stages and back.
@@ -18,7 +18,7 @@ Per step and device:
             stage's share once, after its tick loop (ZeRO-3: one all-gather before it, one
             reduce-scatter after: 1x), with nothing left to hide it behind.
 A ring all-reduce of S bytes over K devices takes 2(K-1) steps of S/K bytes, each costing latency +
-S/K / bandwidth (trainer/collectives.py); the devices' figures are trainer/plan/devices.py's. Groups
+S/K / bandwidth (trainer/parallel/collective_costs.py); the devices' figures are trainer/hardware.py's. Groups
 that span nodes all-reduce hierarchically: rings inside nodes, then a ring of shards between them.
 Training modes: sync waits for the slowest device every step; local-SGD(H) lets replicas run H
 steps apart, then waits once and all-reduces the parameters; async never waits (each replica
@@ -35,11 +35,11 @@ import numpy as np
 
 from models import ModelConfig, flops_per_token, hardware_flops_per_token, param_count
 from trainer.config import Config, model_config, validate
-from trainer.collectives import bus_factor, ring_seconds
+from trainer.parallel.collective_costs import bus_factor, ring_seconds
 from trainer.errors import UserError
-from trainer.pipeline import circular_moves
-from trainer.plan.devices import GB, Device, get_device
-from trainer.plan.schedule import cost
+from trainer.parallel.circular import circular_moves
+from trainer.hardware import GB, Device, get_device
+from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Transfer
 
 
@@ -108,7 +108,7 @@ def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int],
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
     compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
     v = getattr(t, "pipeline_repeats", 1)
-    piped = s > 1  # trainer/pipeline_1f1b.py runs every schedule from its table
+    piped = s > 1  # trainer/parallel/pipeline.py runs every schedule from its table
     idle = cost(t.pipeline_schedule, s, mb, v).bubble if piped else 0.0
     bubble = compute * idle / (1 - idle)
     act_bytes = 4 if t.dtype == "float32" else 2

@@ -98,8 +98,8 @@ def table_weights(s) -> tuple[list[float] | None, dict[str, float] | None]:
     """How often a device runs each part of the table executor's tick (None, None without it): the
     share of the schedule's (tick, stage) cells that take each branch of the forward switch (none,
     forward, forward with embedding), and the mean trips of the 0-or-1-trip loops of the steps that
-    add to the gradients, named by the function of trainer/pipeline_1f1b.py they run."""
-    from trainer import pipeline_1f1b, schedules as sc
+    add to the gradients, named by the function of trainer/parallel/pipeline.py they run."""
+    from trainer.parallel import pipeline as pipeline_1f1b, schedules as sc
     if s.mesh.shape["stage"] == 1:
         return None, None
     t = s.cfg.train

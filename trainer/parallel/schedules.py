@@ -15,9 +15,9 @@ satisfies the data dependencies by construction and the tests check them indepen
                     forwards walk S microbatches through one repeat, then the next repeat.
 
 `plan` turns a table into the per-(tick, stage) integer arrays the executor scans over
-(trainer/pipeline_1f1b.py), with a buffer slot for every stored stage input and cotangent.
+(trainer/parallel/pipeline.py), with a buffer slot for every stored stage input and cotangent.
 
-`python -m trainer.schedules S M [SCHEDULE [V]]` prints a table.
+`python -m trainer.parallel.schedules S M [SCHEDULE [V]]` prints a table.
 """
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ import sys
 from typing import NamedTuple
 
 import numpy as np
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 class Op(NamedTuple):
@@ -187,6 +185,13 @@ def plan(table: list, V: int = 1) -> Plan:
                 prv = (s - 1) % S
                 arr["recv_cot"][t, prv] = cot_slot[prv][(op.m, op.v - (s == 0))]
     return Plan(**arr, n_act=n_act, n_cot=n_cot)
+
+
+def describe(stages: int, microbatches: int, repeats: int, schedule: str = "gpipe") -> str:
+    """The start-up line: ticks and idle share read off the schedule's table."""
+    table = build(schedule, stages, microbatches, repeats)
+    return (f"pipeline {schedule} x{repeats}: {stages} stages, {microbatches} microbatches, "
+            f"{len(table)} ticks, bubble {100 * idle_fraction(table):.1f}%")
 
 
 def main(argv: list) -> None:

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.transformer import loss_fn
-from trainer.collectives import bus_factor
+from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count
 
 

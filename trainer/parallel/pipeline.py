@@ -1,7 +1,7 @@
 """Table-driven pipeline executor (GPipe, circular GPipe, 1F1B, interleaved 1F1B): loss and
 gradients in one scan, no autodiff through it.
 
-The schedule is a static table (trainer/schedules.py): at each tick a stage runs the forward of a
+The schedule is a static table (trainer/parallel/schedules.py): at each tick a stage runs the forward of a
 microbatch (storing its input in a buffer slot), the backward of one (`jax.vjp` of the stage body
 recomputed from the stored input, with the cotangent received from the next stage), or nothing.
 Every tick each stage sends its output to the next stage and its input cotangent to the previous
@@ -16,7 +16,7 @@ through the vjp of `circular_blocks`).
 
 The shard_map is manual over `stage` and `data` (tensor parallelism over `model` stays with the
 compiler): each data shard accumulates the gradients of its own rows over all ticks, and the
-data-parallel sync (train.grad_sync's reducer, trainer/sync.py) runs once per step after the scan:
+data-parallel sync (train.grad_sync's reducer, trainer/parallel/sync.py) runs once per step after the scan:
 an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for ZeRO 2/3. ZeRO-3
 weights arrive sharded and the stage's whole slice of layers (and the embedding and head) is
 all-gathered once per step before the scan, not per layer: a stage holds its L/S layers unsharded
@@ -34,8 +34,9 @@ from jax.sharding import PartitionSpec as P
 from meshes.rules import RULES, constrainer, without_axes
 from models.loss import _token_losses, chunk_tokens
 from models.transformer import embed, head, head_loss, layer_stack
-from trainer import schedules, sync
-from trainer.pipeline import circular_blocks, split_microbatches
+from trainer.parallel import schedules, sync
+from trainer.parallel.circular import circular_blocks
+from trainer.parallel.microbatch import split_microbatches
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,7 @@ Sources:
   synthetic  uniform random tokens (for benchmarks; nothing to learn).
   PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
              uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
-             A .bin from `meshtrain prepare` has a sidecar DATA.bin.json (trainer/prepare.py) that
+             A .bin from `meshtrain prepare` has a sidecar DATA.bin.json (trainer/data/prepare.py) that
              gives its dtype, vocabulary, tokenizer and held-out documents' token range instead.
 Evaluation never reads training tokens: where the held-out part is shorter than one eval window
 (a one-file folder, a small file), the last heldout_fraction of the tokens, at least one window,
@@ -74,16 +74,6 @@ def tokenizer_of(bin_path, meta: dict) -> str:
     """The sidecar's tokenizer path, as a path from here (it is stored relative to the sidecar)."""
     p = Path(meta["tokenizer"]["path"])
     return str(p if p.is_absolute() else Path(bin_path).parent / p)
-
-
-def resolve_config(cfg):
-    """cfg with data.tokenizer, data.bin_dtype and (if unset) model.vocab_size from a prepared .bin's sidecar."""
-    from trainer.config import replace
-    if not cfg.data.source.endswith(".bin") or not (meta := read_sidecar(cfg.data.source)):
-        return cfg
-    model = {} if cfg.model.vocab_size is not None else {"vocab_size": int(meta["vocab_size"])}
-    return replace(cfg, data={"tokenizer": tokenizer_of(cfg.data.source, meta), "bin_dtype": meta["dtype"]},
-                   model=model)
 
 
 def stdlib_files() -> list[Path]:

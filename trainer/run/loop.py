@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,20 +12,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from models import flops_per_token, hardware_flops_per_token, param_count
-from trainer import pipeline
-from trainer import distributed
 from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.initial import initial_state
+from trainer.ckpt.preempt import StopRequest
 from trainer.config import Config, to_yaml
-from trainer.data import Batches, bits_per_byte, load_corpus, resolve_config
+from trainer.data.batches import Batches, bits_per_byte, load_corpus
+from trainer.data.feed import Feed
 from trainer.errors import UserError
 from trainer.observe.goodput import Goodput, summary
-from trainer.guard import Feed, Guard
 from trainer.observe.metrics import MetricsWriter, device_peak, peak_devices
-from trainer.ckpt.preempt import StopRequest
 from trainer.observe.profiling import StepProfiler
-from trainer.state import Setup, init_state, make_setup
+from trainer.parallel.schedules import describe as describe_pipeline
+from trainer.sources import resolve
+from trainer.run import distributed
+from trainer.run.guard import Guard
+from trainer.run.watchdog import StepWatchdog
+from trainer.state import Setup, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
-from trainer.watchdog import StepWatchdog
 
 
 @dataclasses.dataclass
@@ -69,7 +71,7 @@ def describe(s: Setup) -> str:
     sync = t.grad_sync if manual else "auto (compiler all-reduce)"
     if t.grad_sync == "auto" and manual:
         sync = "explicit reduce-scatter (ZeRO-2/3)" if t.zero_stage >= 2 else "explicit all-reduce"
-    if s.mesh.shape["stage"] > 1:  # trainer/pipeline_1f1b.py syncs the stage's share after its tick loop
+    if s.mesh.shape["stage"] > 1:  # trainer/parallel/pipeline.py syncs the stage's share after its tick loop
         sync += ", once per step"
     if t.sync != "every_step":
         sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
@@ -78,7 +80,7 @@ def describe(s: Setup) -> str:
             f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
             f"{t.microbatches} microbatch(es)"
-            + (f" | {pipeline.describe(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
+            + (f" | {describe_pipeline(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
                if s.mesh.shape["stage"] > 1 else ""))
 
 
@@ -88,7 +90,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     console = console or Console(stderr=True, soft_wrap=True)
     distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
     main = jax.process_index() == 0
-    cfg = resolve_config(cfg)  # a prepared .bin's sidecar: tokenizer, dtype, vocab_size
+    cfg = resolve(cfg)  # an HF init_from folder's shapes; a prepared .bin's sidecar: tokenizer, dtype, vocab_size
     run_dir = prepare_run_dir(cfg.run.dir)
     s = make_setup(cfg, devices)
     t = cfg.train
@@ -102,8 +104,11 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
 
     t0 = time.perf_counter()
     ckpt = Checkpointer(s, run_dir, log=console.print)
-    state, start = ckpt.restore_or_init(lambda: init_state(s))
-    guard = Guard(s, ckpt, state, lambda: init_state(s))
+
+    def initial():
+        return initial_state(s, console.print)
+    state, start = ckpt.restore() or (initial(), 0)
+    guard = Guard(s, ckpt, state, initial)
     feed = Feed(batches, start, t.steps, guard.offset)
     if main:  # only now: a command that fails on its input leaves run.dir as it was
         (run_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -1,4 +1,5 @@
-"""The one device table: peak FLOP/s, memory, links and node size, each with its source.
+"""The hardware: the one device table (peak FLOP/s, memory, links and node size, each with its source)
+and the matmul rate of this host, measured in this process.
 
 Read by `meshtrain plan`, `meshtrain simulate` and the MFU of `meshtrain train`
 (trainer/observe/metrics.py). Bandwidths are bytes/s one device sends in one direction, the
@@ -12,11 +13,16 @@ import functools
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from trainer.errors import UserError
 
 GB = 1e9
 GIB = 2 ** 30
 US = 1e-6
+PEAK_N, PEAK_REPS = 1024, 8  # the CPU peak: an n x n x n matmul, the fastest of reps runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +97,26 @@ def from_kind(device_kind: str) -> Device | None:
     return next((d for k, d in keys if k in kind), None)
 
 
+def measure_matmul_rate(dtype=jnp.float32, n: int = PEAK_N, reps: int = PEAK_REPS, device=None) -> float:
+    """FLOP/s of an n x n x n matmul on one device, measured now in this process."""
+    device = device or jax.local_devices()[0]  # jax.devices()[0] belongs to process 0 only
+    # its own one-device mesh: callable inside a training loop's jax.set_mesh(...) too
+    one = jax.sharding.Mesh(np.array([device]), ("one",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(one):
+        a = jax.device_put(jnp.ones((n, n), dtype), device)
+        f = jax.jit(lambda x, y: x @ y)
+        f(a, a).block_until_ready()
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            f(a, a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
 @functools.lru_cache(maxsize=None)
 def _cpu() -> Device:
     """This host, measured now: simulated CPU devices share its cores, memory and memory bus."""
-    import numpy as np
-    from trainer.observe.metrics import measure_matmul_rate
-    import jax.numpy as jnp
     f32, bf16 = measure_matmul_rate(jnp.float32), measure_matmul_rate(jnp.bfloat16)
     a = np.ones(1 << 24, np.float32)
     best = float("inf")

@@ -1,7 +1,7 @@
 """`meshtrain prepare`: text sources -> a token .bin (train documents, then held-out ones) and its JSON sidecar.
 
-Documents are files; each goes to train or held-out by a hash of its name (trainer/data.py's file split),
-and an end-of-text token follows every document. The sidecar (DATA.bin.json) tells trainer/data.py the
+Documents are files; each goes to train or held-out by a hash of its name (trainer/data/batches.py's file split),
+and an end-of-text token follows every document. The sidecar (DATA.bin.json) tells trainer/data/batches.py the
 dtype, the vocabulary, the held-out token range and the bytes per token, and records the tokenizer.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data import _split_files, sidecar_path, stdlib_files
+from trainer.data.batches import _split_files, sidecar_path, stdlib_files
 from trainer.errors import UserError
 
 VERSION = 1

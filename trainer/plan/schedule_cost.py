@@ -1,4 +1,4 @@
-"""What a pipeline schedule costs, read off its table (trainer/schedules.py): the stage inputs and
+"""What a pipeline schedule costs, read off its table (trainer/parallel/schedules.py): the stage inputs and
 cotangents a stage holds at once, and the idle share.
 
 The planner's pipeline memory is about the schedule, not one executor: a stage keeps each
@@ -6,14 +6,14 @@ microbatch's stage input from its arrival until its backward (GPipe: all M*V; 1F
 interleaved: what its table says), each cotangent from its arrival until the backward reads it (on
 the last stage the loss's gradient from the forward on: GPipe holds M*V of them), and the working
 set of one tick (trainer/plan/memory.py). Every schedule runs on the table executor
-(trainer/pipeline_1f1b.py), so its table is the whole story.
+(trainer/parallel/pipeline.py), so its table is the whole story.
 """
 from __future__ import annotations
 
 import functools
 from typing import NamedTuple
 
-from trainer import schedules
+from trainer.parallel import schedules
 
 class Cost(NamedTuple):
     """One schedule's peak live stage inputs and cotangents on any stage, ticks and idle share."""

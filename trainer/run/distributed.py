@@ -110,7 +110,7 @@ def initialize(d) -> bool:
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise UserError("jax was already using devices when dist.* took effect; join before any jax call "
-                            "(meshtrain train does; in Python call trainer.distributed.initialize first)") from None
+                            "(meshtrain train does; in Python call trainer.run.distributed.initialize first)") from None
         raise
     except ValueError as e:
         raise UserError(f"dist.cluster={d.cluster}: jax found no cluster to join ({str(e).strip()}); give "

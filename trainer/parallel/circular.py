@@ -1,4 +1,4 @@
-"""Pipeline parallelism over `stage`: microbatches, schedule length and bubble, circular blocks.
+"""Circular pipeline schedules (V > 1 repeats): the stage's stored layers re-laid out into its blocks.
 
 Stage s runs layer blocks s, s+S, s+2S, ... (V blocks of L/(S*V) layers; V = 1 is plain GPipe
 with L/S consecutive layers). The layer weights (and their optimizer state) are stored (L, ...)
@@ -8,7 +8,7 @@ blocks (`circular_blocks`) once per step, before the schedule; the gradients go 
 way.
 
 Every schedule (GPipe, circular GPipe, 1F1B, interleaved 1F1B) runs from its static table
-(trainer/schedules.py) in the executor of trainer/pipeline_1f1b.py: stage 0 embeds, the last
+(trainer/parallel/schedules.py) in the executor of trainer/parallel/pipeline.py: stage 0 embeds, the last
 stage applies the head and loss per microbatch. A forward pass of the circular schedule takes
 M*V + S - 1 ticks (microbatch i mod M, repeat i div M at tick i + s on stage s), its backward as
 many; the idle share of each stage is (S-1) / (M*V + S-1).
@@ -17,21 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from trainer.schedules import build, idle_fraction
-
-
-def split_microbatches(batch, m: int):
-    """(B, ...) -> (M, B/M, ...); microbatch j takes rows j, j+M, ... so each spans every data shard."""
-    b = batch.shape[0]
-    return batch.reshape(b // m, m, *batch.shape[1:]).swapaxes(0, 1)
-
-
-def describe(stages: int, microbatches: int, repeats: int, schedule: str = "gpipe") -> str:
-    """The start-up line: ticks and idle share read off the schedule's table."""
-    table = build(schedule, stages, microbatches, repeats)
-    return (f"pipeline {schedule} x{repeats}: {stages} stages, {microbatches} microbatches, "
-            f"{len(table)} ticks, bubble {100 * idle_fraction(table):.1f}%")
 
 
 def circular_moves(stages: int, repeats: int) -> dict:

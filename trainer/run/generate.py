@@ -61,7 +61,7 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
 def _tokenizer_codec(path: str, prompt: str):
     """The prompt's ids under the run's tokenizer and a step function: id -> the text it completes."""
     from tokenizers.decoders import DecodeStream
-    from trainer.prepare import load_tokenizer
+    from trainer.data.prepare import load_tokenizer
     if not Path(path).exists():
         raise UserError(f"the run's tokenizer '{path}' (data.tokenizer) is missing; put the file back "
                         "there (the run's config.yaml names it)")
