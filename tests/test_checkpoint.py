@@ -276,6 +276,67 @@ def test_restore_failure_that_is_not_damage_stops_and_moves_nothing(tmp_path, ti
     assert _files(run) == before and store.list_steps(run) == [1, 2]
 
 
+@pytest.fixture
+def exported(tmp_path, tiny):
+    """An export (`meshtrain export`) of a saved run's newest checkpoint, and its files with their bytes."""
+    from trainer.ckpt.tools import export
+    run, _, states = _saved_run(tmp_path, tiny)
+    out = export(run, tmp_path / "export")
+    return out, {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}, states
+
+
+@pytest.mark.parametrize("case", [c for c in NOT_DAMAGE if NOT_DAMAGE[c][0] == "arrays"] + ["meta-eacces"])
+def test_export_read_failure_that_is_not_damage_is_not_called_corrupt(exported, monkeypatch, case):
+    """Reading an export is judged as run checkpoints are: out of memory, EIO, EACCES are reported as they
+    are (exit 4, the export left alone), not as 'incomplete or corrupt ... export again'."""
+    out, before, _ = exported
+    if case == "meta-eacces":
+        real = Path.read_text
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(
+            PermissionError(errno.EACCES, "Permission denied")) if self.name == "meta.json" else real(self, *a, **k))
+        cause = "Permission denied"
+    else:
+        _, make, cause = NOT_DAMAGE[case]
+        _inject(monkeypatch, "arrays", make, step_dir="/export/params")
+    with pytest.raises(CheckpointUnreadable) as e:
+        load_params(out)
+    msg = str(e.value)
+    assert msg.startswith(f"exported parameters {out} could not be read (") and cause in msg, msg
+    assert "corrupt" not in msg and "export them again" not in msg and "\n" not in msg, msg
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "meta-json"])
+def test_damaged_export_is_called_corrupt(exported, damage):
+    out, _, _ = exported
+    if damage == "meta-json":
+        (out / "meta.json").write_text("{not json")
+    else:
+        _damage(out / "params", damage)
+    with pytest.raises(UserError) as e:
+        load_params(out)
+    assert not isinstance(e.value, CheckpointUnreadable), e.value
+    assert str(e.value).startswith(f"exported parameters {out} are incomplete or corrupt (") and \
+        str(e.value).endswith("export them again"), e.value
+
+
+def test_step_read_agrees_with_the_other_processes(tmp_path, tiny, monkeypatch):
+    """`--step N` (export, generate) ends each stage of its read in the agreement the newest-checkpoint
+    path has: told that another process could not read, this one stops too instead of going on to the
+    checksums, a collective that process would never join."""
+    run, _, _ = _saved_run(tmp_path, tiny)
+    asked = []
+
+    def another_process_failed(flag):
+        asked.append(flag)
+        return True
+    monkeypatch.setattr(store, "any_process", another_process_failed)
+    with pytest.raises(CheckpointUnreadable, match=f"checkpoint {run}/checkpoints/2 could not be restored on "
+                                                   "another process"):
+        load_params(run, step=2)
+    assert asked == [False]  # asked once, after this process's own read, which worked
+
+
 def test_damaged_newest_then_io_error_moves_neither(tmp_path, tiny, caplog, monkeypatch):
     run, s, _ = _saved_run(tmp_path, tiny)
     _damage(run / "checkpoints" / "2")

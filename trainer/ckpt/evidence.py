@@ -9,8 +9,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 MISSING = (FileNotFoundError, NotADirectoryError)  # OSErrors that can be evidence (of a missing file)
+
+
+class Layout(NamedTuple):
+    """Where a directory keeps its metadata JSON and its Orbax array tree."""
+    meta: str
+    arrays: str
+
+
+CHECKPOINT = Layout("meta/metadata", "state")  # run.dir/checkpoints/<step>/
+EXPORT = Layout("meta.json", "params")  # a `meshtrain export` directory
 
 
 class _Undecodable(Exception):
@@ -34,35 +45,36 @@ def _chain(e: BaseException | None) -> list[BaseException]:
     return out
 
 
-def evidence(e: Exception, step_dir: Path) -> str | None:
-    """What shows that `step_dir` is damaged, given that reading it raised `e`; None where nothing
-    does (out of memory, I/O, disk, permissions, anything unrecognised): then it must stay as it is."""
+def evidence(e: Exception, step_dir: Path, layout: Layout = CHECKPOINT) -> str | None:
+    """What shows that `step_dir` (a checkpoint, or an export with layout=EXPORT) is damaged, given that
+    reading it raised `e`; None where nothing does (out of memory, I/O, disk, permissions, anything
+    unrecognised): then it must stay as it is."""
     chain = _chain(e)
     if any(isinstance(x, MemoryError) or isinstance(x, OSError) and not isinstance(x, MISSING) for x in chain):
         return None
     try:
-        found = damage(step_dir)  # names the file, where it can
+        found = damage(step_dir, layout)  # names the file, where it can
     except Exception:  # noqa: BLE001 - a directory that cannot be inspected proves nothing about its bytes
         found = None
     bad_json = next((x for x in chain if isinstance(x, (json.JSONDecodeError, UnicodeDecodeError))), None)
     return found or (f"undecodable metadata ({short(bad_json)})" if bad_json is not None else None)
 
 
-def damage(step_dir: Path) -> str | None:
-    """A missing, empty, short or undecodable file of a checkpoint directory, found by reading its
-    files (not by restoring it); None if every file the restore needs is there and whole."""
-    d = Path(step_dir)
+def damage(step_dir: Path, layout: Layout = CHECKPOINT) -> str | None:
+    """A missing, empty, short or undecodable file of a checkpoint (or export) directory, found by
+    reading its files (not by restoring it); None if every file the restore needs is there and whole."""
+    d, meta, arrays = Path(step_dir), layout.meta, layout.arrays
     if not d.is_dir():  # gone altogether: a mount or a person, not damage of its bytes
         return None
-    for rel in ("meta/metadata", "state/_METADATA", "state/manifest.ocdbt"):
+    for rel in (meta, f"{arrays}/_METADATA", f"{arrays}/manifest.ocdbt"):
         if not (d / rel).is_file() or not (d / rel).stat().st_size:
             return f"{rel} is {'empty' if (d / rel).is_file() else 'missing'}"
-    for f in [d / "meta/metadata", d / "state/_METADATA", *sorted((d / "state/array_metadatas").glob("*"))]:
+    for f in [d / meta, d / arrays / "_METADATA", *sorted((d / arrays / "array_metadatas").glob("*"))]:
         try:
             json.loads(f.read_bytes())
         except ValueError as e:
             return f"{f.relative_to(d)} is not valid JSON ({short(e)})"
-    return _ocdbt_damage(d / "state", d)
+    return _ocdbt_damage(d / arrays, d)
 
 
 def _ocdbt_damage(root: Path, d: Path) -> str | None:

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from models import abstract_model
-from trainer.ckpt.evidence import short as _short
-from trainer.ckpt.store import (EXPORT_META, SUBDIR, check_shapes, choose, config_of, kind_of, leaf_names, list_steps,
-                                manager, meta_of, read_meta, restore, verify)
+from trainer.ckpt.evidence import EXPORT, evidence, short as _short
+from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_of, kind_of,
+                                leaf_names, list_steps, manager, meta_of, read_meta, restore, verify)
 from trainer.config import Config, model_config
-from trainer.errors import UserError
+from trainer.errors import CheckpointUnreadable, UserError
 
 
 def _shape_tree(cfg: Config):
@@ -46,11 +46,23 @@ def _params_target(leaves: dict, shardings):
     return jax.tree.unflatten(jax.tree.structure(shardings, is_leaf=is_sh), flat)
 
 
+def _export_failed(path: Path, e: Exception) -> UserError:
+    """Reading an export raised e: damage (export it again) where the directory shows it, as run
+    checkpoints are judged (trainer/ckpt/evidence.py); else the failure as it is (memory, I/O,
+    permissions), with the export left as it is."""
+    ev = str(e) if isinstance(e, CorruptCheckpoint) else evidence(e, path, EXPORT)
+    if ev is not None:
+        return UserError(f"exported parameters {path} are incomplete or corrupt ({ev}); export them again")
+    return CheckpointUnreadable(f"exported parameters {path} could not be read ({_short(e)}); that is no evidence "
+                                "of damage, so the export was left as it is: fix the cause (memory, disk space, "
+                                "permissions, storage) and run again")
+
+
 def _read_export(path: Path) -> dict:
     try:
         return json.loads((path / EXPORT_META).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"export {path} has an unreadable {EXPORT_META} ({_short(e)}); export it again") from None
+    except Exception as e:  # noqa: BLE001 - classified: damage, or a failure to report as it is
+        raise _export_failed(path, e) from None
 
 
 def _load_export(path: Path, shardings, target=None):
@@ -63,9 +75,8 @@ def _load_export(path: Path, shardings, target=None):
     try:
         params = ocp.StandardCheckpointer().restore((path / "params").absolute(), item)
         verify({"params": params}, meta["leaves"])
-    except Exception as e:  # noqa: BLE001 - unreadable or failing its checksums
-        raise UserError(f"exported parameters {path} are incomplete or corrupt ({_short(e)}); "
-                        "export them again") from None
+    except Exception as e:  # noqa: BLE001 - classified: damage, or a failure to report as it is
+        raise _export_failed(path, e) from None
     return params, cfg, meta["step"]
 
 

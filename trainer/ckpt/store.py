@@ -251,11 +251,12 @@ def choose(mngr: ocp.CheckpointManager, where: str, read: Callable, check: Calla
         if step not in steps:
             have = ", ".join(map(str, sorted(steps))) or "none"
             raise UserError(f"{where} has no checkpoint at step {step}; existing steps: {have}")
-        try:
-            return step, classified(d, lambda st: check(st, read(st)), step), []
-        except CorruptCheckpoint as e:
-            raise UserError(f"checkpoint {d / str(step)} is incomplete or corrupt ({e}); "
-                            "choose another --step") from None
+        got, error = agreed(d, step, read)  # each stage ends in the processes' agreement, as below
+        if error is None:
+            result, error = agreed(d, step, lambda st: check(st, got))
+        if error is not None:
+            raise UserError(f"checkpoint {d / str(step)} is incomplete or corrupt ({error}); choose another --step")
+        return step, result, []
     damaged = []
     for i, st in enumerate(steps):
         got, error = agreed(d, st, read)
