@@ -61,6 +61,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def fused_qkv(self) -> bool:
+        """q, k and v projected in one call: their weights have the same shape (the fast path shares a backward)."""
+        return self.n_heads == self.n_kv_heads
+
 
 PRESETS: dict[str, dict] = {
     # tests: tiny widths so that every layout compiles in seconds

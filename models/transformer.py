@@ -215,7 +215,7 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
     kn = kernels or kernels_for(c)
     h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
     # same-shaped weights in one call: the fast path shares their backward
-    if c.n_heads == c.n_kv_heads:
+    if c.fused_qkv:
         q_BTHE, k_BTKE, v_BTKE = kn.project(h_BTD, (p["wq"], p["wk"], p["wv"]))
     else:
         (q_BTHE,) = kn.project(h_BTD, (p["wq"],))

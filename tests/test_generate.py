@@ -78,3 +78,15 @@ def test_sampling_top1_is_greedy_and_seeded(model):
     a, b, d = (np.stack(list(generate(c, params, prompt, 12, temperature=1.0, seed=s)), axis=1) for s in (5, 5, 6))
     np.testing.assert_array_equal(a, b)
     assert (a != d).any()
+
+
+def test_the_cli_counts_tokens_not_bytes(capsys):
+    """`--tokens` counts the run's tokens; only a byte-level run's tokens are bytes."""
+    from trainer.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    entry = text[text.rindex("--tokens TOKENS"):].split(" --", 1)[0]  # the option's entry, not the usage line
+    assert "tokens to sample" in entry and "of the run's tokenizer" in entry and "bytes to generate" not in entry, \
+        entry

@@ -102,7 +102,8 @@ def _generate(args: list[str]) -> int:
                                 "checkpoint (KV-cache decoding), streamed to stdout.")
     p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face Llama folder")
     p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
-    p.add_argument("--tokens", type=int, default=256, help="bytes to generate (default: 256)")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="how many tokens to sample: of the run's tokenizer, or bytes where it has none (default: 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top_k", type=int, default=40, help="sample from the k likeliest; 0 = all (default: 40)")
     p.add_argument("--seed", type=int, default=0)

@@ -128,7 +128,7 @@ def _groups(mc: ModelConfig, tp: int) -> int:
     replicated over `model`), and gate/up."""
     if mc.n_kv_heads < tp:
         return 2
-    return (1 if mc.n_heads == mc.n_kv_heads else 2) + 1
+    return (1 if mc.fused_qkv else 2) + 1
 
 
 def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Transfer]:

@@ -97,19 +97,39 @@ def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
 
 @dataclasses.dataclass(frozen=True)
 class _Shard(ModelConfig):
-    """One device's widths under tensor parallelism: heads, kv heads, d_ff, vocab / model; head_dim kept."""
+    """One device's widths under tensor parallelism: heads, kv heads, d_ff, vocab / model; head_dim kept.
+    With fewer kv heads than ranks (kv_repeat > 1) every device projects all of them (their weights
+    are replicated), repeats them and attends with its own slice of the repeated heads: one."""
     shard_head_dim: int = 0
+    shard_fused_qkv: bool = False  # the whole model's choice: the program is written at its shapes
 
     @property
     def head_dim(self) -> int:
         return self.shard_head_dim
 
+    @property
+    def fused_qkv(self) -> bool:
+        return self.shard_fused_qkv
+
 
 def _shard(mc: ModelConfig, tp: int) -> _Shard:
     fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(ModelConfig)}
-    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=max(mc.n_kv_heads // tp, 1), d_ff=mc.d_ff // tp,
+    replicated = mc.n_kv_heads < tp
+    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else mc.n_kv_heads // tp,
+                  kv_repeat=tp // mc.n_kv_heads if replicated else 1, d_ff=mc.d_ff // tp,
                   vocab_size=mc.vocab_size // tp, remat="none")
-    return _Shard(**fields, shard_head_dim=mc.head_dim)
+    return _Shard(**fields, shard_head_dim=mc.head_dim, shard_fused_qkv=mc.fused_qkv)
+
+
+def _device_kernels(c: _Shard):
+    """The layer's kernels as one device runs them: with repeated kv heads, the attention sees only this
+    device's slice of them (what the sharding constraint after the repeat leaves it)."""
+    from models.transformer import kernels_for
+    kn = kernels_for(c)
+    if c.kv_repeat == 1:
+        return kn
+    # the repeat makes n_kv_heads x kv_repeat = mesh.model heads, one per rank
+    return kn._replace(attention=lambda q, k, v: kn.attention(q, k[:, :, :1], v[:, :, :1]))
 
 
 def _residuals(fn, *args) -> float:
@@ -141,12 +161,12 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
         weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
                    "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
                    "w_down": w((F, D))}
-        rope = rope_tables(T, E, c.rope_theta, c.rope_scaling)
-        fn = lambda x, weights: layer(c, weights, x, rope)  # noqa: E731
+        rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c)
+        fn = lambda x, weights: layer(c, weights, x, rope, kernels=kn)  # noqa: E731
         if what in ("attention", "mlp", "sublayer"):
-            fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope),
-                  "mlp": lambda x, weights: mlp_half(c, weights, x),
-                  "sublayer": lambda x, weights: layer(c, weights, x, rope, half=sublayer_remat)}[what]
+            fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope, kernels=kn),
+                  "mlp": lambda x, weights: mlp_half(c, weights, x, kernels=kn),
+                  "sublayer": lambda x, weights: layer(c, weights, x, rope, kernels=kn, half=sublayer_remat)}[what]
         elif what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
         out.append(_residuals(fn, x, weights))

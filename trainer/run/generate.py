@@ -24,7 +24,8 @@ def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int):
 
 def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8,
                   top_k: int = 40, seed: int = 0, step: int | None = None, out=None) -> str:
-    """Write the prompt and n_tokens sampled continuations to `out` as they come; return the new text."""
+    """Write the prompt and n_tokens sampled tokens (of the run's tokenizer, or bytes without one) to `out` as
+    they come; return the new text."""
     _check(run_dir, n_tokens, temperature, top_k)
     import jax
     from models.decode import generate
