@@ -276,20 +276,26 @@ def test_restore_failure_that_is_not_damage_stops_and_moves_nothing(tmp_path, ti
     assert _files(run) == before and store.list_steps(run) == [1, 2]
 
 
-@pytest.fixture
-def exported(tmp_path, tiny):
-    """An export (`meshtrain export`) of a saved run's newest checkpoint, and its files with their bytes."""
+@pytest.fixture(scope="module")
+def exported_once(tmp_path_factory, tiny):
     from trainer.ckpt.tools import export
-    run, _, states = _saved_run(tmp_path, tiny)
-    out = export(run, tmp_path / "export")
-    return out, {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}, states
+    run, _, _ = _saved_run(tmp_path_factory.mktemp("exported"), tiny)
+    return export(run, run.parent / "export")
+
+
+@pytest.fixture
+def exported(tmp_path, exported_once):
+    """A copy of an export (`meshtrain export`) of a saved run's newest checkpoint, and its files' bytes."""
+    import shutil
+    out = shutil.copytree(exported_once, tmp_path / "export")
+    return out, {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("case", [c for c in NOT_DAMAGE if NOT_DAMAGE[c][0] == "arrays"] + ["meta-eacces"])
 def test_export_read_failure_that_is_not_damage_is_not_called_corrupt(exported, monkeypatch, case):
     """Reading an export is judged as run checkpoints are: out of memory, EIO, EACCES are reported as they
     are (exit 4, the export left alone), not as 'incomplete or corrupt ... export again'."""
-    out, before, _ = exported
+    out, before = exported
     if case == "meta-eacces":
         real = Path.read_text
         monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(
@@ -308,7 +314,7 @@ def test_export_read_failure_that_is_not_damage_is_not_called_corrupt(exported, 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-byte", "meta-json"])
 def test_damaged_export_is_called_corrupt(exported, damage):
-    out, _, _ = exported
+    out, _ = exported
     if damage == "meta-json":
         (out / "meta.json").write_text("{not json")
     else:
