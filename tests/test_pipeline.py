@@ -39,10 +39,12 @@ def _close(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
 
 
-# behind -m slow (keeps the default run short): GPipe at S=2 and S=8, ZeRO-3 over (4,2,1), 1F1B at M=4, M=8
-# and on (2,2,2) (one executor runs every schedule); the default run keeps GPipe at S=4 and on (2,2,2),
-# circular GPipe, interleaved 1F1B, 1F1B with sub-layer remat (tests/test_pipeline_sync.py: more 1F1B)
-SLOW = {0, 2, 4, 6, 7, 8}
+# behind -m slow (keeps the default run short): GPipe at S=2 and S=8, ZeRO-3 over (4,2,1), circular GPipe
+# at S=4, 1F1B at M=4, M=8 and on (2,2,2) (one executor runs every schedule); the default run keeps GPipe at
+# S=4 and on (2,2,2), interleaved 1F1B (circular blocks, V=2), 1F1B with sub-layer remat
+# (tests/test_pipeline_sync.py: more 1F1B; test_circular_checkpoint_restores_onto_any_schedule: circular
+# GPipe at V=2 and V=4 against plain data parallelism)
+SLOW = {0, 2, 4, 5, 6, 7, 8}
 CASES = [pytest.param(n, ov, marks=[pytest.mark.slow] if i in SLOW else [],
                       id="-".join(o for o in ov if not o.startswith("train.grad_clip")))
          for i, (n, ov) in enumerate(LAYOUTS)]
@@ -229,7 +231,8 @@ def _planned_temp(overrides):
 SUBLAYER = ["model.remat=sublayer", "model.attention=xla"]
 
 
-@pytest.mark.parametrize("extra, ratio", [([], 0.45), (SUBLAYER, 0.40)], ids=["none", "sublayer"])
+@pytest.mark.parametrize("extra, ratio", [pytest.param([], 0.45, marks=pytest.mark.slow), (SUBLAYER, 0.40)],
+                         ids=["none", "sublayer"])
 def test_1f1b_needs_far_less_scratch_than_gpipe(extra, ratio):
     """S=4, M=16, one layer per stage, 2 MiB stage boundaries: GPipe keeps every microbatch's stage
     input and loss gradient until the backward (2M boundaries), 1F1B at most S inputs and one
