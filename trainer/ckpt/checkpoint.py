@@ -111,6 +111,12 @@ class Checkpointer:
         """Wait for the save in flight, then release the manager."""
         if self._open:
             self._open = False
+            # Orbax cleans up old temporary directories in a thread started with the manager and awaits it
+            # only in a save: a run that stops before its first one (bad input) must wait for it too, or
+            # the thread raises at interpreter exit, a traceback after the one-line error
+            pending = getattr(self.mngr, "_cleanup_tmp_directory_future", None)
+            if pending is not None:
+                pending.result()
             self.mngr.wait_until_finished()
             self.mngr.close()
 

@@ -107,7 +107,11 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
 
     def initial():
         return initial_state(s, console.print)
-    state, start = ckpt.restore() or (initial(), 0)
+    try:
+        state, start = ckpt.restore() or (initial(), 0)
+    except BaseException:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
+        ckpt.close()  # background clean-up joined first (left running, it raised at interpreter exit)
+        raise
     guard = Guard(s, ckpt, state, initial)
     feed = Feed(batches, start, t.steps, guard.offset)
     if main:  # only now: a command that fails on its input leaves run.dir as it was
