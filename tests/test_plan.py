@@ -480,6 +480,20 @@ ENTRY %main (a: f32[8]) -> f32[8] {
         collective_bytes(hlo, mesh, loop_trips={"bwd_step": 0.5})
 
 
+def test_hlo_parser_reads_sub_axis_groups():
+    """Newer XLA names sub-axes in mesh-form groups: 'model':(4)2 is model's minor factor of 2 (adjacent
+    ranks, e.g. the two sharing a replicated kv head), 'model':(1)4 its major factor of 4."""
+    from trainer.plan.hlo import _groups
+    line = "replica_groups=mesh['data'=1,'stage'=1,'model'=8] {%s}, to_apply=%%add"
+    assert _groups(line % "'model':(4)2", 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _groups(line % "'model':(1)4", 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert _groups(line % "'data','model':(2)2", 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _groups(line % "'model'", 8) == [list(range(8))]
+    hlo = ("ENTRY %main (a: f32[8]) -> f32[8] {\n  %ar = f32[1024]{0} all-reduce(f32[1024]{0} %x), "
+           + line % "'model':(4)2" + "\n}\n")
+    assert collective_bytes(hlo, {"data": 1, "stage": 1, "model": 8}) == {("all-reduce", ("model",)): 2 * 1 / 2 * 4096}
+
+
 def test_hlo_parser_weights_conditional_branches():
     """A switch in a 4-trip loop: each branch counts every trip (an upper bound) unless weighted by the
     share of trips that take it, as verify does for the table executor's tick switch."""

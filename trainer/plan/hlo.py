@@ -122,21 +122,45 @@ def _array_bytes(type_text: str) -> int:
     return total
 
 
+def _factors(axes: list[tuple[str, int]], listed: str) -> tuple[list[int], list[int]]:
+    """The mesh's axes cut into the factors a group names, and which factors the groups span. A group
+    names whole axes ('model') or, in newer XLA, sub-axes: 'model':(4)2 is the size-2 factor of `model`
+    after a major factor of 4 (model = [4, 2, rest], row-major)."""
+    parts: dict[str, list] = {}
+    for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", listed):
+        parts.setdefault(name, []).append(None if not size else (int(pre), int(size)))
+    factors, over = [], []
+    for name, n in axes:
+        subs = parts.get(name, [])
+        if None in subs:  # the whole axis
+            over.append(len(factors))
+            factors.append(n)
+            continue
+        done = 1
+        for pre, size in sorted(subs):
+            if pre > done:
+                factors.append(pre // done)
+            over.append(len(factors))
+            factors.append(size)
+            done = pre * size
+        factors.append(n // done)
+    return factors, over
+
+
 def _groups(line: str, n_devices: int) -> list[list[int]]:
     """Replica groups of one collective, as lists of logical device ids."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line)
     if m:  # mesh form: mesh['axis_0'=8,...] [, device_ids=(iota)] {'axis_0'}: groups span the listed axes
         axes = [(a.split("=")[0].strip("' "), int(a.split("=")[1])) for a in m.group(1).split(",")]
-        names, sizes = [a for a, _ in axes], [s for _, s in axes]
-        over = [names.index(a.strip("' ")) for a in m.group(3).split(",") if a.strip("' ")]
-        ids = np.arange(int(np.prod(sizes)))
+        ids = np.arange(int(np.prod([n for _, n in axes])))
         if m.group(2):  # the mesh's devices in order, e.g. [2,4]T(1,0): an iota reshaped and transposed
             d = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2).strip())
             ids = ids.reshape([int(x) for x in d.group(1).split(",")])
             ids = (ids.transpose([int(x) for x in d.group(2).split(",")]) if d.group(2) else ids).reshape(-1)
-        ids = ids.reshape(sizes)
-        keep = [i for i in range(len(sizes)) if i not in over]
-        return ids.transpose(keep + over).reshape(-1, int(np.prod([sizes[i] for i in over] or [1]))).tolist()
+        factors, over = _factors(axes, m.group(3))
+        ids = ids.reshape(factors)
+        keep = [i for i in range(len(factors)) if i not in over]
+        return ids.transpose(keep + over).reshape(-1, int(np.prod([factors[i] for i in over] or [1]))).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?", line)
     if m:  # iota form: [G,K]<=[dims]T(perm)
         shape = [int(x) for x in m.group(1).split(",")]
