@@ -1,6 +1,7 @@
 """Every bad input gets one line naming the problem and the fix, a non-zero exit, no traceback, and
 leaves the files already in run.dir byte for byte as they were."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,27 @@ def test_data_too_small_to_hold_out_an_eval_part(files, capsys):
            "data.source '{F}/fifty.txt' has 50 bytes, too few for model.seq_len=32 to both train and hold out an "
            "eval part (34 bytes each); use at least 68 bytes of data, a shorter model.seq_len, or train.eval_every=0",
            files, capsys)
+
+
+def test_a_plan_larger_than_the_device_stops_before_compiling(tmp_path, capsys):
+    """model.seq_len=1000000: the planner's activations exceed any host; one line naming both figures."""
+    run = tmp_path / "run"
+    code = main(["train", *BASE, "model.seq_len=1000000", f"run.dir={run}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.match(r"meshtrain: error: the plan needs [\d.]+ GB per device but this host's available memory "
+                    r"(/ 8 local devices )?is [\d.]+ GB \(activations [\d.]+ GB the largest\); reduce it with "
+                    r"model\.remat=full, .*train\.memory_check=false", err[0]), err[0]
+    assert sorted(p.name for p in run.iterdir()) == []  # nothing compiled, nothing written
+
+
+def test_an_out_of_memory_error_from_xla_is_one_line(tmp_path, capsys):
+    """Past the check (train.memory_check=false), XLA's own allocation fails: one line, no checkpoint saved."""
+    run = tmp_path / "run"
+    code = main(["train", *BASE, "model.seq_len=100000", "train.memory_check=false", "train.steps=2",
+                 "checkpoint.every=1", f"run.dir={run}"])
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("meshtrain: error")]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("meshtrain: error: out of memory while running the train steps (reported at step ") \
+        and "Out of memory allocating" in err[0], err[0]
+    assert not list((run / "checkpoints").glob("[0-9]*")), "a state that ran out of memory was saved"

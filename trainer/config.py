@@ -72,9 +72,9 @@ class TrainSection:
     pipeline_repeats: int = 1  # V: circular pipeline schedule when > 1 (needs mesh.stage > 1)
     pipeline_schedule: str = "gpipe"  # gpipe | 1f1b | interleaved_1f1b (trainer/parallel/schedules.py)
     seed: int = 0
-    # The small model's 200-step default run, batch 32 (eval loss, scripts/labs/local_sgd.py --modes every_step):
-    # lr 1.5e-3 / warmup 60: 1.5465; 1e-3 / 60: 1.5659; 3e-3 / 60: 1.5778; 6e-3 / 60: 1.7517;
-    # 3e-3 / 100: 1.5654; 1.5e-3 / 20: 1.5799; 3e-3 / 20: 1.7504.
+    # The small model's 200-step default run, batch 32, eval loss by lr / warmup (scripts/labs/local_sgd.py --modes
+    # every_step): 1.5e-3/60 1.5465, 1e-3/60 1.5659, 3e-3/60 1.5778, 6e-3/60 1.7517, 3e-3/100 1.5654, 1.5e-3/20
+    # 1.5799, 3e-3/20 1.7504.
     lr: float = 1.5e-3
     warmup_steps: int = 60
     min_lr_ratio: float = 0.1
@@ -98,6 +98,7 @@ class TrainSection:
     spike_window: int = 32  # losses in that running median
     inject_nan_at: str = ""  # STEP or A:B: NaN loss at those data positions (drills and tests)
     step_timeout_s: float = 300.0  # a step running past max(this, 20 x median) exits 4 (trainer/run/watchdog.py); 0: off
+    memory_check: bool = True  # stop before compiling when the plan does not fit (trainer/run/memory_check.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,10 +334,9 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (mc.n_heads % mc.n_kv_heads == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={mc.n_kv_heads}; pick n_kv_heads dividing n_heads"),
     ]
-    for name in ("n_heads", "d_ff", "vocab_size"):
-        v = getattr(mc, name)
-        checks.append((v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; "
-                                       f"pick a mesh.model that divides {v} or change model.{name}"))
+    checks += [(v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; pick a mesh.model that "
+                f"divides {v} or change model.{name}") for name, v in (("n_heads", mc.n_heads), ("d_ff", mc.d_ff),
+                                                                     ("vocab_size", mc.vocab_size))]
     # fewer kv heads than model ranks: each kv head is replicated over the ranks that share it
     kv = mc.n_kv_heads
     checks.append((kv % model == 0 or model % kv == 0,

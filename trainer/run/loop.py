@@ -26,6 +26,7 @@ from trainer.parallel.schedules import describe as describe_pipeline
 from trainer.sources import resolve
 from trainer.run import distributed
 from trainer.run.guard import Guard
+from trainer.run.memory_check import check_fits, is_out_of_memory, out_of_memory
 from trainer.run.watchdog import StepWatchdog
 from trainer.state import Setup, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
@@ -93,6 +94,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     cfg = resolve(cfg)  # an HF init_from folder's shapes; a prepared .bin's sidecar: tokenizer, dtype, vocab_size
     run_dir = prepare_run_dir(cfg.run.dir)
     s = make_setup(cfg, devices)
+    check_fits(s)  # the plan against the device's memory, before anything compiles (train.memory_check)
     t = cfg.train
     corpus = load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype)
     batches = Batches(corpus, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size,
@@ -109,16 +111,18 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
         return initial_state(s, console.print)
     try:
         state, start = ckpt.restore() or (initial(), 0)
-    except BaseException:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
+        guard = Guard(s, ckpt, state, initial)
+        feed = Feed(batches, start, t.steps, guard.offset)
+        if main:  # only now: a command that fails on its input leaves run.dir as it was
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        step_fn, eval_fn = jit_train_step(s), jit_eval_step(s)
+        with jax.set_mesh(s.mesh):
+            compiled = step_fn.lower(state, to_global(s, batches.train(start))).compile()
+    except BaseException as e:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
         ckpt.close()  # background clean-up joined first (left running, it raised at interpreter exit)
+        if is_out_of_memory(e):
+            raise out_of_memory(e, "compiling the train step") from None
         raise
-    guard = Guard(s, ckpt, state, initial)
-    feed = Feed(batches, start, t.steps, guard.offset)
-    if main:  # only now: a command that fails on its input leaves run.dir as it was
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    step_fn, eval_fn = jit_train_step(s), jit_eval_step(s)
-    with jax.set_mesh(s.mesh):
-        compiled = step_fn.lower(state, to_global(s, batches.train(start))).compile()
     compile_s = time.perf_counter() - t0
     gp.add("compile", compile_s)
     peak, peak_src = device_peak(s.dtype)
@@ -207,6 +211,10 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                 ckpt.close()  # waits for the save in flight, still inside the signal handlers
             goodput = gp.record()
             writer.write_goodput({"step": done, **goodput})
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+        if is_out_of_memory(e):
+            raise out_of_memory(e, f"running the train steps (reported at step {done})") from None
+        raise
     finally:
         watchdog.close(sys.exc_info()[1])  # an error with peers gone must not hang the exit
         profiler.stop()
