@@ -98,7 +98,6 @@ def _env(devices: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")) + \
         f" --xla_force_host_platform_device_count={devices}"
-    env.pop("MESHTRAIN_TEST_HANG_AT", None)
     return env
 
 
@@ -113,12 +112,14 @@ def _wait_for_line(p: subprocess.Popen, needle: str, lines: list, deadline: floa
 
 
 def test_hung_step_ends_the_run_and_leaves_the_checkpoints(tmp_path):
-    """Step 5 blocks in a host callback (as on a dead peer's collective): one line, exit 4, checkpoints intact."""
+    """Step 5 blocks in a host callback (as on a dead peer's collective): one line, exit 4, checkpoints intact.
+    The fault comes in through the plug-in interface: tests/plugins/faults.py's HangStep, on PYTHONPATH."""
     run, timeout = tmp_path / "run", 8
+    env = dict(_env(8), FAULT_STEP="5")
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests" / "plugins")
     p = subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *RUN, "checkpoint.every=2",
-                          f"train.step_timeout_s={timeout}", f"run.dir={run}"], cwd=ROOT, text=True,
-                         env=dict(_env(8), MESHTRAIN_TEST_HANG_AT="5"), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT)
+                          f"train.step_timeout_s={timeout}", f"run.dir={run}", "run.plugins=[faults:HangStep]"],
+                         cwd=ROOT, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         lines = []
         t4 = _wait_for_line(p, "step 4/1000 |", lines, time.monotonic() + 240)  # step 5 is dispatched next

@@ -1,8 +1,5 @@
-"""Typed config: dataclass schema (OmegaConf structured), YAML files and key=value overrides.
-
-Later files and overrides win. Unknown keys, wrong types and impossible layouts are
-UserErrors with one line that names the problem and the fix.
-"""
+"""Typed config: dataclass schema (OmegaConf structured), YAML files and key=value overrides; later files and
+overrides win. Unknown keys, wrong types and impossible layouts are UserErrors with one line naming the fix."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,6 +111,7 @@ class RunSection:
     dir: str = "runs/default"
     log_every: int = 10
     progress: bool = True
+    plugins: List[str] = dataclasses.field(default_factory=list)  # extra loop plug-ins, module:Class (trainer/run/plugin.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,6 @@ every backend.
 from __future__ import annotations
 
 import functools
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -165,23 +163,6 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
 
-def _test_hang(step_fn):
-    """Tests only: with MESHTRAIN_TEST_HANG_AT=N, step N blocks in a host callback and never finishes
-    (as if a collective waited for a dead peer); the step watchdog must end the process."""
-    at = int(os.environ.get("MESHTRAIN_TEST_HANG_AT", "0"))
-    if not at:
-        return step_fn
-
-    def hang(step):
-        while int(step) == at:
-            time.sleep(60)
-
-    def step_with_hang(state, batch):
-        jax.debug.callback(hang, state["step"] + 1)
-        return step_fn(state, batch)
-    return step_with_hang
-
-
 def eval_step(s: Setup, params, batch):
     return loss_fn(s.model, params, batch, dtype=s.dtype, constrain=constrainer(s.mesh))
 
@@ -190,7 +171,7 @@ def jit_train_step(s: Setup):
     """train_step behind the NaN/spike guard, jitted once with explicit in/out shardings and the state donated."""
     # local SGD / DiLoCo: replicas step apart and sync every train.sync_every steps
     inner = localsgd.train_step if localsgd.enabled(s.cfg) else train_step
-    step = _test_hang(functools.partial(guard.guarded_step, functools.partial(inner, s), s.cfg))
+    step = functools.partial(guard.guarded_step, functools.partial(inner, s), s.cfg)
     return jax.jit(step, in_shardings=(s.shardings, s.batch_sharding()),
                    out_shardings=(s.shardings, s.layout.replicated), donate_argnums=0)
 

@@ -1,6 +1,6 @@
-"""The NaN/spike guard's host side: reads the device counters (trainer/guard.py) at sync points and
-applies train.on_nan: skip warns, stop ends the run, rollback restores the newest checkpoint and moves
-the data offset past the bad streak."""
+"""The NaN/spike guard's host side, a loop plug-in: reads the device counters (trainer/guard.py) at sync
+points and applies train.on_nan: skip warns, stop ends the run, rollback restores the newest checkpoint
+and returns a Rollback that moves the data offset past the bad streak (the loop applies it)."""
 from __future__ import annotations
 
 import logging
@@ -10,19 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer.errors import TrainingStopped
+from trainer.run.plugin import Plugin, Rollback
 
 MAX_ROLLBACKS = 3  # in a row to the same checkpoint: the steps, not the data, are bad
 log = logging.getLogger(__name__)
 
 
-class Guard:
-    """The host side: reads the device counters at sync points and applies train.on_nan."""
+class Guard(Plugin):
+    """Due where the loop syncs anyway (a metrics line, a checkpoint save): a streak's trip acted on there."""
 
-    def __init__(self, s, ckpt, state: dict, init):
-        t = s.cfg.train
-        self.s, self.ckpt, self.init = s, ckpt, init
+    def __init__(self, run):
+        s, t = run.s, run.cfg.train
+        self.s, self.ckpt, self.init = s, run.ckpt, run.initial
         self.policy, self.max_bad = t.on_nan, t.max_bad_steps
-        g = jax.device_get({k: state["guard"][k] for k in ("offset", "trip")})
+        g = jax.device_get({k: run.state["guard"][k] for k in ("offset", "trip")})
         self.offset, self.seen_trip = int(g["offset"]), int(g["trip"])
         self.what = "non-finite loss or gradient norm" + (
             f", or a loss above {t.spike_factor:g} x the median of the last {t.spike_window}" if t.spike_factor else "")
@@ -31,10 +32,14 @@ class Guard:
                                             "trip": jnp.zeros_like(g["trip"])},
                             out_shardings=s.shardings["guard"])
 
-    def fields(self, m) -> dict:
-        """Guard fields of a metrics record (m: the step's metrics on the host)."""
-        rec = {"skipped": int(m["skipped"]), "bad_streak": int(m["bad_streak"])}
-        return {**rec, "data_offset": self.offset} if self.offset else rec
+    def at_sync(self, run, step: int):
+        if run.host is None and not run.ckpt.due(step):
+            return None
+        trip = self.tripped(run.host if run.host is not None else run.metrics)
+        if not trip:
+            return None
+        state, back = self.act(trip)  # train.on_nan=rollback (stop raises): back to a checkpoint
+        return Rollback(state, back, self.offset)
 
     def tripped(self, m) -> int:
         """The step a streak of max_bad_steps bad steps ended at, if train.on_nan must act on it; else 0."""

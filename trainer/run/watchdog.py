@@ -24,6 +24,7 @@ import jax
 
 from trainer.errors import UserError
 from trainer.logs import last_words
+from trainer.run.plugin import Plugin
 
 FACTOR = 20  # x the median step time: a slow step, a busy host or an async save stays far below it
 WINDOW = 100  # recent step times in the median
@@ -122,3 +123,19 @@ class StepWatchdog:
                "newest checkpoint (rerun the same command)")
         last_words(log, msg)  # the main thread is stuck in XLA, holding none of logging's locks
         self._exit(EXIT_CODE)
+
+
+class Watchdog(Plugin):
+    """The step watchdog as a loop plug-in: each step marked before dispatch, its outputs watched after."""
+
+    def __init__(self, run):
+        self.wd = StepWatchdog(run.cfg.train.step_timeout_s)
+
+    def before_step(self, run, step: int):
+        self.wd.begin(step)  # before dispatch: on CPU the call itself may run the step
+
+    def after_step(self, run, step: int):
+        self.wd.watch(step, run.metrics)  # a waiter thread blocks on them, not the loop
+
+    def on_exit(self, run, error):
+        self.wd.close(error)  # an error with peers gone must not hang the exit

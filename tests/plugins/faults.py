@@ -1,0 +1,38 @@
+"""Test-only loop plug-ins that inject faults through the plug-in interface (trainer/run/plugin.py).
+
+The subprocess tests put this folder on PYTHONPATH and name a class in the config key `run.plugins`,
+e.g. `run.plugins=[faults:HangStep]`; a plug-in's parameters come from the test's environment
+(FAULT_STEP, ...). Production code has no test hook: these run only where a test names them.
+"""
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer.run.plugin import Plugin
+
+
+def _never():
+    while True:
+        time.sleep(60)
+    return np.float32(0)  # noqa: unreachable - the callback's result type
+
+
+class HangStep(Plugin):
+    """Step FAULT_STEP never finishes: its outputs (state and metrics) wait on a host callback that never
+    returns, as a collective waiting for a dead peer does."""
+
+    def __init__(self, run):
+        self.at = int(os.environ["FAULT_STEP"])
+        rep = run.s.layout.replicated
+
+        def hang(state, metrics):
+            wait = jax.pure_callback(_never, jax.ShapeDtypeStruct((), jnp.float32))
+            return jax.tree.map(lambda x: x + (wait * 0).astype(x.dtype), (state, metrics))
+        self.hang = jax.jit(hang, out_shardings=(run.s.shardings, rep))
+
+    def after_step(self, run, step):
+        if step == self.at:
+            run.state, run.metrics = self.hang(run.state, run.metrics)

@@ -1,0 +1,148 @@
+"""A training run's context: what the loop and its plug-ins share between steps.
+
+`Run(cfg)` sets the run up (config resolved, memory checked, mesh, data, the state restored or initialised,
+the step compiled); the loop then moves `state`, `metrics` and `done` on, and applies a plug-in's Rollback
+through `rewind`, the one place that moves a run back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+
+from models import param_count
+from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.initial import initial_state
+from trainer.config import Config, to_yaml
+from trainer.data.batches import Batches, load_corpus
+from trainer.data.feed import Feed
+from trainer.errors import UserError
+from trainer.observe.goodput import Goodput
+from trainer.observe.metrics import MetricsWriter
+from trainer.parallel.schedules import describe as describe_pipeline
+from trainer.run import distributed
+from trainer.run.memory_check import check_fits, is_out_of_memory, out_of_memory
+from trainer.sources import resolve
+from trainer.state import Setup, make_setup
+from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
+
+
+@dataclasses.dataclass
+class Result:
+    setup: Setup
+    state: dict
+    history: list  # the metric records written
+    eval_loss: float | None
+    start_step: int = 0  # the step it resumed from (0: a fresh run)
+    preempted: bool = False  # stopped early by SIGTERM/SIGINT, after saving a checkpoint
+    goodput: dict | None = None  # seconds per part of the run (trainer/observe/goodput.py)
+
+
+def prepare_run_dir(path: str) -> Path:
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write_test.{jax.process_index()}"  # processes sharing run.dir probe at once
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run.dir '{path}' is not writable ({e.strerror}); choose another run.dir") from None
+    return d
+
+
+def to_global(s: Setup, rows: np.ndarray) -> jax.Array:
+    """This process's rows -> the global batch array, sharded over `data`."""
+    global_shape = (s.cfg.train.batch_size,) + rows.shape[1:]
+    return jax.make_array_from_process_local_data(s.batch_sharding(), rows, global_shape)
+
+
+def describe(s: Setup) -> str:
+    t, mc = s.cfg.train, s.model
+    manual = uses_manual_sync(s)
+    sync = t.grad_sync if manual else "auto (compiler all-reduce)"
+    if t.grad_sync == "auto" and manual:
+        sync = "explicit reduce-scatter (ZeRO-2/3)" if t.zero_stage >= 2 else "explicit all-reduce"
+    if s.mesh.shape["stage"] > 1:  # trainer/parallel/pipeline.py syncs the stage's share after its tick loop
+        sync += ", once per step"
+    if t.sync != "every_step":
+        sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
+    return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "
+            f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
+            f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
+            f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
+            f"{t.microbatches} microbatch(es)"
+            + (f" | {describe_pipeline(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
+               if s.mesh.shape["stage"] > 1 else ""))
+
+
+class Run:
+    """One run between its steps: setup, data, checkpointer, state, the last step's metrics, the records."""
+
+    def __init__(self, cfg: Config, devices=None, console: Console | None = None):
+        self.goodput = Goodput()  # from the start: set-up and compile count as compile
+        self.console = console or Console(stderr=True, soft_wrap=True)
+        distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
+        self.main = jax.process_index() == 0
+        cfg = self.cfg = resolve(cfg)  # an HF init_from folder's shapes; a .bin's sidecar: tokenizer, dtype, vocab
+        self.dir = prepare_run_dir(cfg.run.dir)
+        s = self.s = make_setup(cfg, devices)
+        check_fits(s)  # the plan against the device's memory, before anything compiles (train.memory_check)
+        t = cfg.train
+        self.batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
+                               t.batch_size, s.model.seq_len, s.model.vocab_size,
+                               *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0)
+        self.console.print(f"[bold]meshtrain[/] {describe(s)}")
+        if jax.process_count() > 1:
+            self.console.print(distributed.describe(s.mesh, self.batches.rows, t.batch_size))
+        t0 = self.t0 = time.perf_counter()
+        self.ckpt = Checkpointer(s, self.dir, log=self.console.print)
+        try:
+            self.state, self.start = self.ckpt.restore() or (self.initial(), 0)
+            if self.main:  # only now: a command that fails on its input leaves run.dir as it was
+                (self.dir / "config.yaml").write_text(to_yaml(cfg))
+            self.eval_fn = jit_eval_step(s)
+            with jax.set_mesh(s.mesh):
+                self.step_fn = jit_train_step(s).lower(self.state, to_global(s, self.batches.train(self.start))).compile()
+        except BaseException as e:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
+            self.ckpt.close()  # background clean-up joined first (left running, it raised at interpreter exit)
+            if is_out_of_memory(e):
+                raise out_of_memory(e, "compiling the train step") from None
+            raise
+        self.compile_s = time.perf_counter() - t0
+        self.goodput.add("compile", self.compile_s)
+        self.done, self.metrics, self.host, self.record = self.start, None, None, {}
+        self.history, self.eval_loss, self.preempted = [], None, False
+        self.offset = int(jax.device_get(self.state["guard"]["offset"]))  # rollbacks moved the data this far
+        self.feed = Feed(self.batches, self.start, t.steps, self.offset)
+        self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=self.start)
+        self.rewound_at = None  # (time, step) of the last rewind
+        self.synced_at = time.perf_counter()  # when the last step's sync point ended
+        self.goodput_record = None
+
+    def initial(self) -> dict:
+        """The state of a run with no checkpoint to resume: from model.init_from, else random."""
+        return initial_state(self.s, self.console.print)
+
+    def batch(self, rows) -> jax.Array:
+        return to_global(self.s, rows)
+
+    def logging(self, step: int) -> bool:
+        """Whether `step` writes a metrics line (run.log_every, and the last step)."""
+        return step % self.cfg.run.log_every == 0 or step == self.cfg.train.steps
+
+    def rewind(self, state: dict, step: int, offset: int):
+        """Train on from `state` after `step`, reading the data at `offset`: records past it are dropped."""
+        self.state, self.done, self.offset = state, step, offset
+        self.feed.restart(step, offset)
+        self.writer.close()
+        self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=step)
+        self.history = [r for r in self.history if r["step"] <= step]
+        self.rewound_at = (time.perf_counter(), step)
+
+    def result(self) -> Result:
+        return Result(self.s, self.state, self.history, self.eval_loss, self.start, self.preempted,
+                      self.goodput_record)
