@@ -140,6 +140,35 @@ def test_hung_step_ends_the_run_and_leaves_the_checkpoints(tmp_path):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+# A phase beside the steps made to wait for good (tests/plugins/faults.py's BlockPhase, named in run.plugins):
+# extra settings, FAULT_STEP, and what the one error line names.
+PHASES = {
+    "save": (["checkpoint.every=2"], "6", "a checkpoint save (or the wait for the one in flight)"),
+    "eval": (["checkpoint.every=2", "train.eval_every=5"], "0", "eval (its loss is a mean over the devices)"),
+    "close": (["checkpoint.every=2", "train.steps=5"], "0", "a checkpoint save (or the wait for the one in flight)"),
+    "agreement": (["checkpoint.every=2"], "5", "the stop agreement between processes"),
+    "restore": (["checkpoint.every=2", "train.on_nan=rollback", "train.max_bad_steps=1", "train.inject_nan_at=5"],
+                "0", "the rollback's restore of the newest checkpoint"),
+}
+
+
+@pytest.mark.parametrize("phase", [p if p == "save" else pytest.param(p, marks=pytest.mark.slow) for p in PHASES])
+def test_a_phase_that_waits_for_good_ends_the_run(tmp_path, phase):
+    """Crash, not hang, beside the steps too: one line naming the phase, exit 4, checkpoints 2 and 4 intact."""
+    extra, at, what = PHASES[phase]
+    run, timeout = tmp_path / "run", 10  # well above a save's or an eval's time on a busy host
+    env = dict(_env(8), FAULT_PHASE=phase, FAULT_STEP=at)
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests" / "plugins")
+    p = subprocess.run([sys.executable, "-m", "trainer.cli", "train", *RUN, *extra, f"train.step_timeout_s={timeout}",
+                        f"run.dir={run}", "run.plugins=[faults:BlockPhase]"], cwd=ROOT, text=True, env=env,
+                       capture_output=True, timeout=240)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("meshtrain: error:")]
+    assert p.returncode == EXIT_CODE and len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith(f"meshtrain: error: {what} did not finish after ") and \
+        f"max(train.step_timeout_s={timeout}" in errors[0] and "Traceback" not in p.stderr, errors[0]
+    assert ckpt.list_steps(run)[:2] == [2, 4]  # the checkpoints before the wait are there to resume from
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -36,3 +36,33 @@ class HangStep(Plugin):
     def after_step(self, run, step):
         if step == self.at:
             run.state, run.metrics = self.hang(run.state, run.metrics)
+
+
+def _block(*args, **kwargs):
+    """A wait that never ends: a peer that never answers, a device that never returns."""
+    while True:
+        time.sleep(60)
+
+
+class BlockPhase(Plugin):
+    """The phase FAULT_PHASE waits for good (from step FAULT_STEP on, where it has steps): eval, save (a
+    checkpoint save), close (the final save's close), agreement (the stop agreement between processes),
+    restore (a rollback's restore)."""
+
+    def __init__(self, run):
+        phase, at = os.environ["FAULT_PHASE"], int(os.environ.get("FAULT_STEP", "0"))
+        if phase == "eval":
+            run.eval_fn = _block
+        elif phase == "save":
+            save = run.ckpt.save
+            run.ckpt.save = lambda step, state: _block() if step >= at else save(step, state)
+        elif phase == "close":
+            run.ckpt.close = _block
+        elif phase == "restore":
+            run.ckpt.restore = _block
+        elif phase == "agreement":
+            from trainer.ckpt.preempt import StopRequest
+            agreed = StopRequest.agreed
+            StopRequest.agreed = lambda self, can_sync=True: _block() if run.done >= at else agreed(self, can_sync)
+        else:
+            raise ValueError(f"FAULT_PHASE={phase}")

@@ -6,7 +6,7 @@ from trainer.run.plugin import Plugin
 
 
 class Checkpointing(Plugin):
-    part = "checkpoint"
+    part, waits = "checkpoint", "a checkpoint save (or the wait for the one in flight)"
 
     def __init__(self, run, guard):
         self.guard = guard

@@ -6,6 +6,7 @@ through `rewind`, the one place that moves a run back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -122,6 +123,7 @@ class Run:
         self.rewound_at = None  # (time, step) of the last rewind
         self.synced_at = time.perf_counter()  # when the last step's sync point ended
         self.goodput_record = None
+        self.phase = lambda what: contextlib.nullcontext()  # a waiting phase, watched once the watchdog is in
 
     def initial(self) -> dict:
         """The state of a run with no checkpoint to resume: from model.init_from, else random."""

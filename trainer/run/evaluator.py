@@ -10,7 +10,7 @@ from trainer.run.plugin import Plugin
 
 
 class Eval(Plugin):
-    part = "eval"
+    part, waits = "eval", "eval (its loss is a mean over the devices)"
 
     def __init__(self, run):
         self.every, self.n = run.cfg.train.eval_every, run.cfg.train.eval_batches

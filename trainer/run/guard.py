@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 class Guard(Plugin):
     """Due where the loop syncs anyway (a metrics line, a checkpoint save): a streak's trip acted on there."""
+    waits = "the rollback's restore of the newest checkpoint"
 
     def __init__(self, run):
         s, t = run.s, run.cfg.train

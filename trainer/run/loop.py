@@ -29,15 +29,18 @@ from trainer.run.watchdog import Watchdog
 
 
 def plugins(run: Run) -> list:
-    """In the order their hooks run: fault injection first, then the watchdog and profiler around the
-    dispatch; at a sync point metrics, eval, the line, the guard, the save, the stop; on exit the same order."""
+    """In the order their hooks run: fault injection first; at a sync point metrics, eval, the line, the guard,
+    the save, the stop; on exit the same order; the watchdog last (it watches the others' exits too)."""
     guard = Guard(run)
-    return [*extra(run, run.cfg.run.plugins), Watchdog(run), Profiler(run), StepMetrics(run), Eval(run), Report(run),
-            guard, Checkpointing(run, guard), Preemption(run), GoodputRecord(run)]
+    return [*extra(run, run.cfg.run.plugins), Profiler(run), StepMetrics(run), Eval(run), Report(run), guard,
+            Checkpointing(run, guard), Preemption(run), GoodputRecord(run), Watchdog(run)]
 
 
-def _timed(run: Run, part: str | None):
-    return run.goodput.span(part) if part else contextlib.nullcontext()
+@contextlib.contextmanager
+def _timed(run: Run, p):
+    """A plug-in's hook: its time counted as its goodput part, its wait watched by the watchdog."""
+    with (run.goodput.span(p.part) if p.part else contextlib.nullcontext()), run.phase(p.waits):
+        yield
 
 
 def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
@@ -57,7 +60,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                         p.after_step(run, step + 1)
                 run.done, run.host, run.record, action = step + 1, None, {}, None
                 for p in ps:
-                    with _timed(run, p.part):
+                    with _timed(run, p):
                         action = p.at_sync(run, step + 1)
                     if action is not None:
                         break
@@ -81,7 +84,7 @@ def _exit(run: Run, ps: list, error: BaseException | None) -> BaseException | No
     """Every plug-in's on_exit, each even if an earlier one failed; the first error is the run's."""
     for p in ps:
         try:
-            with jax.set_mesh(run.s.mesh), _timed(run, p.part):
+            with jax.set_mesh(run.s.mesh), _timed(run, p):
                 p.on_exit(run, error)
         except BaseException as e:  # noqa: BLE001 - raised after the others have run
             error = error or e

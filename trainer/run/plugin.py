@@ -6,7 +6,8 @@ The loop (trainer/run/loop.py) dispatches steps; each plug-in decides for itself
   at_sync(run, step)       after every step, in order; run.host holds the step's metrics on the host once
                            a plug-in fetched them (a sync point); may return an Action for the loop
   on_exit(run, error)      once, in reverse order, with the exception that ends the run (None: it ended)
-`part` names the goodput part its at_sync and on_exit time counts as (None: other).
+`part` names the goodput part its at_sync and on_exit time counts as (None: other); `waits` says what they
+wait on beyond this process (None: nothing), and the watchdog ends a run whose wait outlasts a step's limit.
 Extra plug-ins (a test's fault injection, a user's hook) are named by `run.plugins` as module:Class; the
 class is called with the Run and its plug-ins run after the built-in ones.
 """
@@ -20,6 +21,7 @@ from trainer.errors import UserError
 
 class Plugin:
     part: str | None = None
+    waits: str | None = None
 
     def __init__(self, run=None):
         pass

@@ -7,6 +7,8 @@ from trainer.run.plugin import Plugin, Stop
 
 
 class Preemption(Plugin):
+    waits = "the stop agreement between processes"
+
     def __init__(self, run):
         self.request = StopRequest().__enter__()
 

@@ -1,5 +1,7 @@
 """Step watchdog (train.step_timeout_s): a step that does not finish ends the process, so that the
-scheduler restarts it from the newest checkpoint instead of leaving it hung.
+scheduler restarts it from the newest checkpoint instead of leaving it hung; so does a phase beside the
+steps that waits on other processes or devices (eval, a checkpoint save or the wait for it, the stop
+agreement, a rollback's restore: the plug-ins that declare `waits`).
 
 A step waits forever when a collective waits for a dead peer or a device is wedged; the main
 thread is then stuck inside XLA and can neither notice nor raise. The loop marks each step before
@@ -13,6 +15,7 @@ intact: Orbax writes a save in flight to a temporary folder and renames it only 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -43,6 +46,7 @@ class StepWatchdog:
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()  # (step, dispatch time) of steps not finished
         self._last_done = 0.0
+        self._phase = None  # (what, since) of the phase beside the steps now waiting
         self._stop = threading.Event()
         if self.enabled:
             threading.Thread(target=self._wait, name="meshtrain-step-waiter", daemon=True).start()
@@ -58,6 +62,20 @@ class StepWatchdog:
         """Step `step` was dispatched; `outputs` are ready when it has finished."""
         if self.enabled:
             self._queue.put(outputs)
+
+    @contextlib.contextmanager
+    def phase(self, what: str | None):
+        """A phase that waits on other processes or devices; one that runs past limit() ends the process."""
+        if not self.enabled or what is None:
+            yield
+            return
+        with self._lock:
+            self._phase = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._phase = None
 
     def limit(self) -> float:
         """Seconds a step may run: the configured floor, or FACTOR x the median step time if longer."""
@@ -105,6 +123,10 @@ class StepWatchdog:
 
     def _monitor(self):
         while not self._stop.wait(self.poll_s):
+            with self._lock:
+                phase = self._phase
+            if phase is not None and time.monotonic() - phase[1] > self.limit():
+                self._fire_phase(*phase)
             running = self._running()
             if running is None:
                 continue
@@ -112,6 +134,14 @@ class StepWatchdog:
             waited, limit = time.monotonic() - start, self.limit()
             if waited > limit and not self._stop.is_set():
                 self._fire(step, waited, limit)
+
+    def _fire_phase(self, what: str, since: float):
+        limit = self.limit()
+        last_words(log, f"{what} did not finish after {time.monotonic() - since:.0f}s (limit {limit:.0f}s = "
+                        f"max(train.step_timeout_s={self.floor:g}, {FACTOR} x median step time)); it waits for "
+                        "another process or a device that is gone or stuck: exiting so that the run restarts from "
+                        "its newest checkpoint (rerun the same command)")
+        self._exit(EXIT_CODE)
 
     def _fire(self, step: int, waited: float, limit: float):
         with self._lock:
@@ -126,10 +156,13 @@ class StepWatchdog:
 
 
 class Watchdog(Plugin):
-    """The step watchdog as a loop plug-in: each step marked before dispatch, its outputs watched after."""
+    """The step watchdog as a loop plug-in: each step marked before dispatch, its outputs watched after; the
+    other plug-ins' waiting phases watched through run.phase. Last in the loop's list, so that it watches
+    every other plug-in's exit too."""
 
     def __init__(self, run):
         self.wd = StepWatchdog(run.cfg.train.step_timeout_s)
+        run.phase = self.wd.phase
 
     def before_step(self, run, step: int):
         self.wd.begin(step)  # before dispatch: on CPU the call itself may run the step
