@@ -5,6 +5,8 @@ Neither is a meshtrain dependency: install them once in a separate venv and run
 Each fixture folder holds what `save_pretrained` wrote, plus `reference.npz`: fixed token ids,
 transformers' float32 logits for them, and its greedy continuation of a prompt. The tests read
 only these files (safetensors + numpy), never transformers.
+    python scripts/make_hf_fixture.py --reference FOLDER
+writes only the reference.npz of a folder meshtrain exported (scripts/make_localsgd_fixture.py).
 """
 from __future__ import annotations
 
@@ -66,10 +68,25 @@ def build(name: str, spec: dict, out: Path, seed: int):
     print(f"{name}: {files}, {sum(p.stat().st_size for p in d.iterdir()) / 1e3:.0f} kB")
 
 
+def reference(d: Path, seed: int = 99):
+    """reference.npz of an existing folder: fixed tokens and transformers' float32 logits for them."""
+    ref = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = ref(tokens).logits.numpy().astype(np.float32)
+    np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits)
+    (d / "versions.json").write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__},
+                                                indent=1) + "\n")
+    print(f"{d}: reference.npz written")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"))
+    ap.add_argument("--reference", help="only write reference.npz for this existing folder")
     args = ap.parse_args()
+    if args.reference:
+        return reference(Path(args.reference))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, (name, spec) in enumerate(FIXTURES.items()):

@@ -120,3 +120,108 @@ def test_replicas_train_apart_and_all_reduce_parameters_only_every_h_steps():
 def test_bad_sync_settings(args, says, capsys, tmp_run):
     assert main(["train"] + TINY + ["mesh.data=8", f"run.dir={tmp_run}"] + args) == 2
     assert says in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- one set of parameters downstream
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "localsgd_hf"
+
+
+def _scripts():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import make_localsgd_fixture
+    return make_localsgd_fixture
+
+
+def _saved_state(config, run):
+    """The run's newest checkpoint as its own layout restores it (stacked replicas, DiLoCo's outer)."""
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.config import load_config
+    from trainer.state import make_setup
+    s = make_setup(load_config(config + [f"run.dir={run}"]), jax.devices()[:2])
+    c = Checkpointer(s, run)
+    state, _ = c.restore()
+    c.close()
+    return jax.tree.map(np.asarray, state)
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(tmp_path_factory):
+    """tests/fixtures/localsgd_hf's run retrained here (2 replicas that never synced), exported to HF."""
+    fx, tmp = _scripts(), tmp_path_factory.mktemp("localsgd")
+    out = fx.export_run(tmp / "run", tmp / "hf")
+    return fx.CONFIG, tmp / "run", out
+
+
+def _params_of(path):
+    from trainer.ckpt.params import load_params
+    return jax.tree.map(np.asarray, load_params(path, None, jax.sharding.SingleDeviceSharding(jax.devices()[0]))[0])
+
+
+def test_local_sgd_exports_the_replicas_average_as_an_hf_llama_transformers_agrees_with(local_sgd_run):
+    from models import forward
+    from trainer.ckpt.safetensors import read_header
+    config, run, out = local_sgd_run
+    stacked = _saved_state(config, run)["params"]
+    assert max_rel(jax.tree.map(lambda x: x[0], stacked), jax.tree.map(lambda x: x[1], stacked)) > 1e-3  # apart
+    average = jax.tree.map(lambda x: x.mean(0), stacked)
+    assert max_rel(_params_of(out), average) < 1e-6  # the export holds the replicas' average
+    mine, fixture = read_header(out / "model.safetensors"), read_header(FIXTURE / "model.safetensors")
+    assert sorted(mine) == sorted(fixture)
+    for name in mine:  # this export is the fixture's run, retrained
+        np.testing.assert_allclose(mine[name].array(), fixture[name].array(), rtol=1e-4, atol=1e-6, err_msg=name)
+    ref = np.load(FIXTURE / "reference.npz")  # transformers' logits of the fixture folder
+    from trainer.config import model_config
+    from trainer.ckpt.params import load_params
+    params, cfg = load_params(FIXTURE, None, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    logits = np.asarray(forward(model_config(cfg), params, ref["tokens"]))
+    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_local_sgd_run_generates_exports_and_starts_a_new_run(local_sgd_run, tmp_path, capsys):
+    """generate, export --format orbax, and model.init_from of that export or of the run itself."""
+    from trainer.ckpt.initial import initial_state
+    from trainer.config import load_config
+    from trainer.state import make_setup
+    config, run, _ = local_sgd_run
+    assert main(["generate", "--run", str(run), "--tokens", "8", "--prompt", "ab"]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "orbax")]) == 0
+    average = jax.tree.map(lambda x: x.mean(0), _saved_state(config, run)["params"])
+    assert max_rel(_params_of(tmp_path / "orbax"), average) < 1e-6
+    plain = make_setup(load_config(TINY + ["mesh.data=2", f"model.init_from={tmp_path / 'orbax'}"]), jax.devices()[:2])
+    assert max_rel(jax.tree.map(np.asarray, initial_state(plain)["params"]), average) < 1e-6
+    again = make_setup(load_config(config + [f"model.init_from={run}"]), jax.devices()[:2])  # local SGD from a run
+    stacked = jax.tree.map(np.asarray, initial_state(again)["params"])
+    assert all(max_rel(jax.tree.map(lambda x: x[r], stacked), average) < 1e-6 for r in (0, 1))
+
+
+def test_local_sgd_restore_onto_another_replica_count_is_one_line(local_sgd_run, capsys):
+    config, run, _ = local_sgd_run
+    code = main(["train", *[c for c in config if not c.startswith(("mesh.data", "train.steps"))], "mesh.data=8",
+                 "train.steps=5", f"run.dir={run}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"meshtrain: error: checkpoint {run}/checkpoints/3 holds 2 local_sgd "
+                                            "replicas and this run has 8 (mesh.data); resume with mesh.data=2, or "
+                                            f"start a new run from its parameters with model.init_from={run}"), err
+
+
+@pytest.mark.slow
+def test_diloco_run_downstream_uses_the_synced_outer_parameters(tmp_path, capsys):
+    """DiLoCo: generate, both exports and model.init_from read its outer parameters; a DiLoCo run started
+    from them has them as its outer parameters too."""
+    from trainer import load_config, train
+    from trainer.ckpt.initial import initial_state
+    from trainer.state import make_setup
+    config = [c for c in _scripts().CONFIG if not c.startswith("train.sync")] + ["train.sync=diloco",
+                                                                                 "train.sync_every=2"]
+    train(load_config(config + [f"run.dir={tmp_path / 'run'}"]), jax.devices()[:2])
+    outer = _saved_state(config, tmp_path / "run")["outer"]["params"]
+    assert main(["generate", "--run", str(tmp_path / "run"), "--tokens", "8"]) == 0
+    for fmt in ("orbax", "hf"):
+        assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / fmt), "--format", fmt]) == 0
+        assert max_rel(_params_of(tmp_path / fmt), outer) < 1e-6, fmt
+    s = make_setup(load_config(config + [f"model.init_from={tmp_path / 'run'}"]), jax.devices()[:2])
+    state = jax.tree.map(np.asarray, initial_state(s))
+    assert max_rel(state["outer"]["params"], outer) < 1e-6

@@ -69,6 +69,7 @@ class Checkpointer:
 
         def read(step):
             meta = meta_of(self.mngr, step)
+            _same_replicas(meta, s, self.dir / str(step))
             check_shapes(meta["leaves"], target, f"checkpoint {self.dir / str(step)}")
             return restore(self.mngr, step, target), meta
 
@@ -119,6 +120,21 @@ class Checkpointer:
                 pending.result()
             self.mngr.wait_until_finished()
             self.mngr.close()
+
+
+def _same_replicas(meta: dict, s, where: Path):
+    """One line where a checkpoint's state is laid out for other replicas than this run's: another
+    train.sync, or local SGD / DiLoCo with another replica count (mesh.data)."""
+    saved, now = meta["config"]["train"].get("sync", "every_step"), s.cfg.train.sync
+    start = f"or start a new run from its parameters with model.init_from={where.parent.parent}"
+    if saved != now:
+        raise UserError(f"checkpoint {where} was saved with train.sync={saved} and this run has train.sync={now}, "
+                        f"whose train state is laid out otherwise (replicas); resume with train.sync={saved}, {start}")
+    if now != "every_step" and meta["mesh"]["data"] != s.mesh.shape["data"]:
+        n = meta["mesh"]["data"]
+        raise UserError(f"checkpoint {where} holds {n} {now} replicas and this run has {s.mesh.shape['data']} "
+                        f"(mesh.data); resume with mesh.data={n}, {start} (one set: "
+                        + ("the replicas' average)" if now == "local_sgd" else "the synced outer parameters)"))
 
 
 def _mesh_str(mesh: dict) -> str:

@@ -10,16 +10,19 @@ import jax.numpy as jnp
 
 from trainer import guard
 from trainer.ckpt.params import init_params
+from trainer.parallel import localsgd
 from trainer.state import Setup, init_state
 
 log = logging.getLogger(__name__)
 
 
 def state_from_params(s: Setup, params) -> dict:
-    """A step-0 train state around given (sharded) parameters: fresh optimizer state, same shardings."""
+    """A step-0 train state around given (sharded) parameters: fresh optimizer state, same shardings; with
+    local SGD every replica (and DiLoCo's outer parameters) starts from them."""
     def make(p):
-        return {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": s.tx.init(p),
-                "guard": guard.init(s.cfg.train)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": s.tx.init(p),
+                 "guard": guard.init(s.cfg.train)}
+        return localsgd.replicate(s.cfg, s.mesh.shape["data"], state) if localsgd.enabled(s.cfg) else state
     with jax.set_mesh(s.mesh):
         return jax.jit(make, out_shardings=s.shardings)(params)
 

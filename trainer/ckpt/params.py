@@ -1,5 +1,8 @@
 """Parameters only: `meshtrain export` directories and a run's checkpoints read as parameters
-(`load_params`, `model.init_from`), straight into the shardings asked for."""
+(`load_params`, `model.init_from`), straight into the shardings asked for.
+
+A run's one set of parameters: its `params`; with train.sync=local_sgd (params stacked, one per replica)
+the replicas' average; with train.sync=diloco the outer parameters its replicas last synced to."""
 from __future__ import annotations
 
 import json
@@ -33,10 +36,27 @@ def param_shardings(cfg: Config, shardings=None, devices=None):
     return Layout(build_mesh(-1, 1, 1, devices=devices), 3).tree("param", shapes, logical)
 
 
-def _params_target(leaves: dict, shardings):
-    """Abstract parameter tree with the saved shapes and dtypes, placed on `shardings`."""
+def one_set(meta: dict) -> tuple[str, dict]:
+    """(where a checkpoint keeps its one set of parameters, their leaves as `params.*` at the model's shapes)."""
+    sync = meta["config"]["train"].get("sync", "every_step")
+    prefix = "outer.params." if sync == "diloco" else "params."
+    out = {"params." + n.removeprefix(prefix): v for n, v in meta["leaves"].items() if n.startswith(prefix)}
+    if sync == "local_sgd":  # (replicas, ...): their average has the model's shapes
+        out = {n: {**v, "shape": v["shape"][1:]} for n, v in out.items()}
+    return prefix, out
+
+
+def _stacked(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A sharding for the same array with a leading replica axis, not split."""
+    if isinstance(sh, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, *sh.spec))
+    return sh
+
+
+def _params_target(leaves: dict, shardings, prefix: str = "params."):
+    """Abstract parameter tree with the saved shapes and dtypes of the leaves `prefix`*, placed on `shardings`."""
     is_sh = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    names = ["params." + n for n in leaf_names(jax.tree.map(lambda _: 0, shardings, is_leaf=is_sh))]
+    names = [prefix + n for n in leaf_names(jax.tree.map(lambda _: 0, shardings, is_leaf=is_sh))]
     for n in names:
         if n not in leaves:
             raise UserError(f"the checkpoint has no parameter '{n.removeprefix('params.')}'; pass shardings "
@@ -101,13 +121,21 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
 
     def read(st):
         meta = meta_of(mngr, st)
-        cfg = config_of(meta)
-        item = {"params": _params_target(meta["leaves"], param_shardings(cfg, shardings))}
-        return restore(mngr, st, item, partial=True), meta, cfg
+        cfg, (prefix, _) = config_of(meta), one_set(meta)
+        sh = param_shardings(cfg, shardings)
+        target = _params_target(meta["leaves"], jax.tree.map(_stacked, sh) if cfg.train.sync == "local_sgd" else sh,
+                                prefix)
+        for key in reversed(prefix.strip(".").split(".")):  # {"params": ...} or {"outer": {"params": ...}}
+            target = {key: target}
+        return restore(mngr, st, target, partial=True), meta, cfg, sh
 
     def check(st, got):
-        verify(got[0], got[1]["leaves"])
-        return got[0]["params"], got[2]
+        tree, meta, cfg, sh = got
+        verify(tree, meta["leaves"])
+        params = tree["outer"]["params"] if "outer" in tree else tree["params"]
+        if cfg.train.sync == "local_sgd":  # the replicas' average
+            params = jax.jit(lambda t: jax.tree.map(lambda x: x.mean(0), t), out_shardings=sh)(params)
+        return params, cfg
 
     step, found, damaged = choose(mngr, f"run '{run_dir}'", read, check, step)
     if damaged:
@@ -134,22 +162,22 @@ def _load_hf(path: Path, shardings):
 def init_params(s, path) -> dict:
     """Parameters for `model.init_from`: an export, a run's checkpoint or an HF folder read into the run's
     parameter shardings and cast to the train state's dtype."""
-    p, target = Path(path), s.shapes["params"]
+    from trainer.parallel import localsgd
+    p, (target, shardings) = Path(path), localsgd.one_replica(s)  # local SGD: every replica starts from them
     kind = kind_of(p)
     if kind == "export":
-        params = _load_export(p, s.shardings["params"], target)[0]
+        params = _load_export(p, shardings, target)[0]
     elif kind == "hf":
         from trainer.ckpt.hf import load as load_hf
-        return load_hf(p, model_config(s.cfg), target, s.shardings["params"])  # already in target's dtypes
+        return load_hf(p, model_config(s.cfg), target, shardings)  # already in target's dtypes
     elif kind == "run" and list_steps(p):
         step = list_steps(p)[-1]
-        check_shapes(read_meta(p, step)["leaves"], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
+        check_shapes(one_set(read_meta(p, step))[1], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
                      "params.")
-        params, _ = load_params(p, None, s.shardings["params"])
+        params, _ = load_params(p, None, shardings)
     else:
         raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
                         "with checkpoints nor a Hugging Face Llama folder (config.json); give one of those")
-    cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target),
-                   out_shardings=s.shardings["params"])
+    cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target), out_shardings=shardings)
     with jax.set_mesh(s.mesh):
         return cast(params)

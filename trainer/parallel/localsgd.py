@@ -61,6 +61,14 @@ def shapes_of(stacked):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
 
 
+def one_replica(s) -> tuple[dict, dict]:
+    """(shapes, shardings) of one set of parameters of the run: a replica's when they are stacked."""
+    shapes, shardings = s.shapes["params"], s.shardings["params"]
+    if not enabled(s.cfg):
+        return shapes, shardings
+    return shapes_of(shapes), jax.tree.map(lambda sh: NamedSharding(sh.mesh, P(*sh.spec[1:])), shardings)
+
+
 def replicate(cfg, replicas: int, state: dict) -> dict:
     """Inside the jitted init: one copy of params and optimizer state per replica."""
     copy = lambda x: jnp.broadcast_to(x, (replicas,) + x.shape)  # noqa: E731
