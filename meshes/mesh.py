@@ -61,6 +61,12 @@ def build_mesh(data: int = -1, stage: int = 1, model: int = 1, devices=None,
         return Mesh(dev, AXES, axis_types=axis_types)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         return jax.make_mesh(shape, AXES, axis_types=axis_types)
+    if devices[0].platform == "tpu":  # a TPU topology compiled for ahead of time: laid out on its torus
+        from jax.experimental import mesh_utils
+        try:
+            return Mesh(mesh_utils.create_device_mesh(shape, devices=devices), AXES, axis_types=axis_types)
+        except (ValueError, NotImplementedError, AssertionError):  # no torus-aligned layout of this shape
+            pass
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
 
 

@@ -45,12 +45,15 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
-    if chosen == "manual":
-        return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
+    # each implementation's ops are scoped `attention_<name>`: the HLO's metadata says which one ran
     if chosen == "cudnn" and impl == "auto":
         try:
-            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+            with jax.named_scope("attention_cudnn"):
+                return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shape, dtype, GPU or cuDNN version
             _warn_fallback(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             chosen = "xla"
-    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=chosen)
+    with jax.named_scope(f"attention_{chosen}"):
+        if chosen == "manual":
+            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
+        return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=chosen)

@@ -53,6 +53,10 @@ class ModelConfig:
     # replicated): k and v are repeated this many times before attention, so that each rank holds
     # the kv head of its query heads, split like them (cuDNN's kernel takes q, k, v split alike only).
     kv_repeat: int = 1
+    # The platform the program is built for ("cpu", "gpu", "tpu"): the kernels and the attention are that
+    # platform's. Set by the trainer from its mesh's devices (a TPU topology compiled ahead of time on a CPU
+    # host is "tpu"); None: the runtime's default device.
+    platform: str | None = None
     # Cross-entropy tiled over chunks of this many tokens (models/loss.py): the float32 logits
     # are never whole. 0 = whole logits; None = tile only when they would exceed 256 MB.
     loss_chunk: int | None = None

@@ -176,16 +176,27 @@ class Kernels(NamedTuple):
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
-    """The kernels for c.kernels on a jax platform: `auto` = the fast paths on CPU, the plain ones elsewhere."""
-    platform = platform or jax.devices()[0].platform
+    """The kernels for c.kernels on a jax platform (default: the one c is built for, else the runtime's):
+    `auto` = the fast paths on CPU, the plain ones elsewhere."""
+    platform = platform or c.platform or jax.devices()[0].platform
     fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
     # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
     attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
                              cpu_fast=fast)
-    if fast:
-        return Kernels("fast", fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope, attn)
-    return Kernels("reference", project, jax.nn.silu, apply_rope, attn)
+    name = "fast" if fast else "reference"
+    fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
+    # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled
+    # program runs can be read from its HLO (tests/test_tpu_compile.py)
+    return Kernels(name, *(_scoped(f"kernels_{name}", f) for f in fns), attn)
+
+
+def _scoped(scope: str, f: Callable) -> Callable:
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with jax.named_scope(scope):
+            return f(*args, **kwargs)
+    return run
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,

@@ -16,7 +16,7 @@ PACKAGES = ("meshes", "models", "trainer")
 # The house, lowest layer first: a module may import only modules of its own layer or of lower ones
 # (DESIGN.md). A module belongs to the layer of the longest prefix that names it; each must have one.
 LAYERS = [
-    ("errors, logs, hardware", ["trainer.errors", "trainer.logs", "trainer.hardware"]),
+    ("errors, logs, hardware", ["trainer.errors", "trainer.logs", "trainer.hardware", "trainer.platforms"]),
     ("meshes", ["meshes"]),
     ("models", ["models"]),
     ("config (pure)", ["trainer.config"]),

@@ -1,4 +1,5 @@
 """`meshtrain plan` against XLA's own numbers, against the hand arithmetic in docs/plan.md, and its CLI."""
+import dataclasses
 import json
 import math
 import re
@@ -42,11 +43,13 @@ AGAINST_XLA = {
 }
 
 
-def _plan(overrides, device=H100, dtype="float32"):
+def _plan(overrides, device=H100, dtype="float32", platform=None):
+    """The plan of TINY + overrides on `device`, with the kernels of `platform` (None: this host's)."""
     cfg = load_config(TINY + list(overrides))
     sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
     n = math.prod(sizes) if min(sizes) > 0 else 8
-    return cfg, estimate(model_config(cfg), cfg.train, strategy_of(cfg, n), device, 1, dtype)
+    mc = dataclasses.replace(model_config(cfg), platform=platform)
+    return cfg, estimate(mc, cfg.train, strategy_of(cfg, n), device, 1, dtype)
 
 
 @pytest.mark.parametrize("name", list(AGAINST_XLA))
@@ -188,7 +191,8 @@ def test_layout_that_cannot_fit_says_by_how_much_and_why(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     over = float(re.search(r"is ([\d.]+) GB more than the 80.0 GB", err[0]).group(1))
-    _, plan = _plan(["model.preset=7b", "mesh.data=1", "model.remat=full", "train.batch_size=1"], dtype="bfloat16")
+    _, plan = _plan(["model.preset=7b", "mesh.data=1", "model.remat=full", "train.batch_size=1"], dtype="bfloat16",
+                    platform="gpu")  # a plan for an H100 counts the GPU's kernels
     assert over == pytest.approx((plan.total_bytes - 80e9) / 1e9, abs=0.06)
     assert "largest term is optimizer state" in err[0] and "train.zero_stage=1" in err[0]
 
@@ -333,13 +337,13 @@ def test_every_schedule_runs_one_scan_of_its_table(sched, v):
     import jax
 
     from trainer.plan.schedule_cost import cost
-    from trainer.plan.verify import _abstract_inputs
+    from trainer.plan.verify import abstract_inputs
     from trainer.state import make_setup
     from trainer.step import loss_and_grads
     s = make_setup(load_config(TINY + ["mesh.data=1", "mesh.stage=2", "train.microbatches=4", "model.n_layers=4",
                                        f"train.pipeline_schedule={sched}", f"train.pipeline_repeats={v}"]),
                    jax.devices()[:2])
-    state, batch = _abstract_inputs(s)
+    state, batch = abstract_inputs(s)
     with jax.set_mesh(s.mesh):
         jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, s))(state["params"], batch)
     lengths = [e.params["length"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
@@ -519,3 +523,22 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert collective_bytes(hlo, mesh) == {("all-reduce", ("model",)): 4 * 1024}
     assert collective_bytes(hlo, mesh, [0.25, 0.75]) == {("all-reduce", ("model",)): 3 * 1024}
     assert collective_bytes(hlo, mesh, [0.2, 0.3, 0.5]) == {("all-reduce", ("model",)): 4 * 1024}  # another switch
+
+
+def test_lower_cuda_lists_the_explicit_collectives_and_says_cudnn_gave_way(capsys):
+    """--lower cuda on the default config (data parallel over the local devices: the gradient all-reduce
+    is the partitioner's, not in the lowered program) and on the 7B preset over 256 devices with
+    ZeRO-3, whose shard_map reduce-scatters and gathers over `data` are in it."""
+    assert main(["plan", "--lower", "cuda", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["devices"] == 8 and doc["collectives"] == [] and doc["attention"] == "xla"
+    assert "cuDNN" in doc["cudnn_fallback"]  # cuDNN's attention cannot lower without CUDA: XLA's in its place
+    assert main(["plan", "model.preset=7b", "mesh.data=-1", "train.zero_stage=3", "train.batch_size=256",
+                 "--devices", "256", "--lower", "cuda", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ops = {(c["kind"], tuple(c["axes"])): c["ops"] for c in doc["collectives"]}
+    assert doc["mesh"] == {"data": 256, "stage": 1, "model": 1}
+    # one reduce-scatter per weight the ZeRO-3 gathers (embedding, final norm, 9 stacked layer weights)
+    assert ops[("reduce-scatter", ("data",))] == ops[("all-gather", ("data",))] >= 11
+    assert main(["plan", "--lower", "rocm"]) == 2
+    assert "only cuda" in capsys.readouterr().err

@@ -43,6 +43,11 @@ class Device:
     def peak(self, dtype: str) -> float:
         return self.peak_bf16 if dtype == "bfloat16" else self.peak_f32
 
+    @property
+    def platform(self) -> str:
+        """The jax platform of this device ("cpu", "gpu", "tpu"): the kernels a program for it uses."""
+        return "tpu" if self.name.startswith("tpu") else "cpu" if self.name == "cpu" else "gpu"
+
 
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s bf16 dense, 494 TF32 dense, 80 GB HBM3"
 _NVL4 = "NVLink 4: 900 GB/s bidirectional per GPU (H100/H200 datasheets), halved"
@@ -50,6 +55,7 @@ _NDR = "DGX/HGX H100 and H200: one 400 Gb/s ConnectX-7 NIC per GPU = 50 GB/s"
 _V5P = "https://cloud.google.com/tpu/docs/v5p"
 _V5E = "https://cloud.google.com/tpu/docs/v5e"
 _V4 = "https://cloud.google.com/tpu/docs/v4"
+_V6E = "https://cloud.google.com/tpu/docs/v6e"
 # No datasheet gives a per-step latency; these are assumptions of the simulator, said as such.
 _LAT_GPU = {"fast_lat": "assumed: 3 us per NVLink ring step", "net_lat": "assumed: 10 us per InfiniBand ring step"}
 _LAT_TPU = {"fast_lat": "assumed: 2 us per ICI ring step", "net_lat": "assumed: 25 us per DCN ring step"}
@@ -84,9 +90,15 @@ DEVICES = {
         "fast_bw": f"{_V4}: all-reduce bandwidth 1.1 PB/s per 4096-chip pod, per chip",
         "net_bw": "not published for v4; assumed equal to v5p's 50 Gb/s DCN per chip",
         "node": f"{_V4}: 4096 chips per pod", **_LAT_TPU}, 2 * US, 25 * US, ("tpu v4",)),
+    "tpu-v6e": Device("tpu-v6e", 918e12, 918e12, 32 * GB, 224 * GB, 3.125 * GB, 256, {
+        "peak": f"{_V6E}: 918 TFLOP/s bf16 per chip", "hbm": f"{_V6E}: 32 GB HBM per chip",
+        "fast_bw": f"{_V6E}: ICI 3584 Gb/s bidirectional per chip, halved",
+        "net_bw": "not published per chip; assumed equal to v5e's", "node": f"{_V6E}: 256 chips per pod",
+        **_LAT_TPU}, 2 * US, 25 * US, ("tpu v6 lite", "tpu v6e")),
 }
 # Short names configs already use (sim.hardware=h100, ...) for the same rows.
-ALIASES = {"h100": "h100-80g", "a100": "a100-80g", "v5p": "tpu-v5p", "v5e": "tpu-v5e", "v4": "tpu-v4"}
+ALIASES = {"h100": "h100-80g", "a100": "a100-80g", "v5p": "tpu-v5p", "v5e": "tpu-v5e", "v4": "tpu-v4",
+           "v6e": "tpu-v6e"}
 
 
 def from_kind(device_kind: str) -> Device | None:

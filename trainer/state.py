@@ -48,9 +48,18 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         mesh = build_mesh(data, stage, model, devices=devices, dcn=(cfg.mesh.dcn_data, cfg.mesh.dcn_stage, 1))
     except MeshError as e:
         raise UserError(str(e)) from None
+    return setup_on(cfg, mesh, devices[0].platform)
+
+
+def setup_on(cfg: Config, mesh, platform: str) -> Setup:
+    """The setup on a mesh (a Mesh, or an AbstractMesh to lower for devices this host lacks) whose
+    devices are of `platform` ("cpu", "gpu", "tpu"): the model's kernels and compute dtype are that
+    platform's."""
+    model = mesh.shape["model"]
     mc = model_config(cfg)
     if mc.n_kv_heads < model:  # kv heads replicated over `model`: each rank takes the one it needs
         mc = dataclasses.replace(mc, kv_repeat=model // mc.n_kv_heads)
+    mc = dataclasses.replace(mc, platform=platform)  # the kernels of the devices the step runs on
     layout = Layout(mesh, cfg.train.zero_stage)
     pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
     tx, schedule = make_optimizer(cfg.train, decay)
@@ -65,8 +74,8 @@ def make_setup(cfg: Config, devices=None) -> Setup:
         "guard": jax.tree.map(lambda _: layout.replicated, shapes["guard"]),
     }
     if localsgd.enabled(cfg):  # one copy of params and optimizer state per data-parallel replica
-        shapes, shardings = localsgd.stack(cfg, shapes, shardings, data)
-    dtype = jnp.dtype(compute_dtype(cfg, devices[0].platform))
+        shapes, shardings = localsgd.stack(cfg, shapes, shardings, mesh.shape["data"])
+    dtype = jnp.dtype(compute_dtype(cfg, platform))
     return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings)
 
 

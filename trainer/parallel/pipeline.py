@@ -145,7 +145,11 @@ def loss_and_grads(s, params, batch):
             def step(carry):
                 i, x = jax.lax.optimization_barrier((carry[0], ins))
                 return (i + 1, *f(x, *carry[1:]))
-            return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
+            # the loop's ops are scoped by f's name: the HLO reader (trainer/plan/hlo.py) counts each
+            # step's trips from that, whatever XLA shares between the loops' bodies
+            with jax.named_scope(f.__name__):
+                return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step,
+                                          (jnp.int32(0), *state))[1:]
 
         fwd_branch = np.zeros(6, np.int32)  # forward conditional: 0 none, 1 fwd, 2 fwd_embed
         fwd_branch[[schedules.FWD, schedules.FWD_LOSS]], fwd_branch[schedules.FWD_EMBED] = 1, 2

@@ -1,7 +1,9 @@
-"""`meshtrain plan [CONFIG.yaml ...] [key=value ...] [--json] [--verify] [--search] [--devices N] [--hosts H]`"""
+"""`meshtrain plan [CONFIG.yaml ...] [key=value ...] [--json] [--verify] [--search] [--compile-for TOPOLOGY]
+[--lower cuda] [--devices N] [--hosts H]`"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -14,7 +16,10 @@ from shapes alone: nothing is allocated and the planned devices need not exist. 
 (h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, cpu, or the short h100, a100, v5p, v5e,
 v4; default: this machine's) and
 plan.hbm_gb choose the device. --verify compiles the real step for simulated CPU devices and
-prints XLA's numbers beside the prediction; --search ranks every layout for --devices N."""
+prints XLA's numbers beside the prediction; --search ranks every layout for --devices N.
+--compile-for TOPOLOGY (e.g. v5p:4x4x8, v5e:4x4) compiles the train step ahead of time for that TPU
+topology with libtpu and prints XLA:TPU's memory, collectives and FLOPs beside the plan; --lower cuda
+lowers it for CUDA on an abstract mesh and lists its explicit collectives and kernel choices."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output (bytes per device)")
     p.add_argument("--verify", action="store_true", help="compile the step and compare with XLA's figures")
     p.add_argument("--search", action="store_true", help="rank every valid layout for --devices")
+    p.add_argument("--compile-for", metavar="TOPOLOGY", help="compile the step for a TPU topology (libtpu)")
+    p.add_argument("--lower", metavar="PLATFORM", help="lower the step for a platform without compiling (cuda)")
     p.add_argument("--devices", type=int, help="devices to plan for (default: the mesh's product, or local)")
     p.add_argument("--hosts", type=int, help="nodes (GPU hosts, TPU slices) they span (default: fewest)")
     p.add_argument("--top", type=int, default=5, help="layouts --search prints (default: 5)")
@@ -55,9 +62,15 @@ def main(args: list[str]) -> int:
     from trainer.config import compute_dtype, load_config, model_config
     from trainer.sources import resolve
     cfg = resolve(load_config(rest))
+    modes = [f for f, on in (("--verify", ns.verify), ("--search", ns.search), ("--compile-for", ns.compile_for),
+                             ("--lower", ns.lower)) if on]
+    if len(modes) > 1:
+        raise UserError(f"{' and '.join(modes)} do different things; give one of them per run")
+    if ns.compile_for:
+        return _compile_for(cfg, ns)
     n = _n_devices(cfg, ns)
-    if ns.verify and ns.search:
-        raise UserError("--verify checks one layout; drop --search, or --verify the layout the search picks")
+    if ns.lower:
+        return _lower(cfg, n, ns)
     if ns.verify and "device_count" not in os.environ.get("XLA_FLAGS", ""):
         # simulated CPU devices; read when jax starts its backend (if it already has, _verify says so)
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
@@ -68,7 +81,7 @@ def main(args: list[str]) -> int:
     hosts = ns.hosts or -(-n // device.node)
     if hosts < 1 or n % hosts:
         raise UserError(f"--hosts {hosts} must divide --devices {n}; give a number of nodes that splits them evenly")
-    mc = model_config(cfg)
+    mc = dataclasses.replace(model_config(cfg), platform=device.platform)  # that device's kernels
     dtype = cfg.train.dtype or ("float32" if device.name == "cpu" else "bfloat16")
     if ns.search:
         return _search(mc, cfg, n, device, hosts, dtype, ns)
@@ -82,6 +95,28 @@ def main(args: list[str]) -> int:
     if problem:
         logging.getLogger(__name__).error(problem)
         return 2
+    return 0
+
+
+def _compile_for(cfg, ns) -> int:
+    from trainer.plan import report
+    from trainer.plan.aot import compile_for, overflow
+    c = compile_for(cfg, ns.compile_for)
+    print(json.dumps(report.compiled_json(c), indent=1) if ns.json else report.compiled_text(c))
+    problem = overflow(c)
+    if problem:
+        logging.getLogger(__name__).error(problem)
+        return 2
+    return 0
+
+
+def _lower(cfg, n, ns) -> int:
+    from trainer.plan import report
+    from trainer.plan.aot import lower_cuda
+    if ns.lower != "cuda":
+        raise UserError(f"--lower {ns.lower}: only cuda is known; for TPU use --compile-for TOPOLOGY")
+    low = lower_cuda(cfg, n)
+    print(json.dumps(report.lowered_json(low), indent=1) if ns.json else report.lowered_text(low))
     return 0
 
 

@@ -5,9 +5,11 @@ ring algorithms, trainer/parallel/collective_costs.py; S = the full, unsharded a
 per sending device (averaged over all devices). A conditional runs one branch per call: without
 `branch_weights` each branch counts as if it ran every call (an upper bound); the table executor's
 tick switch runs branch i on a share of the (tick, stage) cells its table says (trainer/plan/verify.py).
-A while loop without a known trip count is one of the executor's 0-or-1-trip steps: `loop_trips`
-gives the mean trips of the one whose body was traced from a given Python function (the module's
-stack frame table names it), the share of cells that run that step.
+A while loop's trip count is XLA's `known_trip_count` (XLA:CPU writes it), else read from its
+condition when that compares the counter with a constant (XLA:TPU writes no trip counts). A loop
+whose condition depends on data is one of the executor's 0-or-1-trip steps: `loop_trips` gives the
+mean trips of the one traced from a given Python function (its ops are scoped by the function's
+name; older programs: the module's stack frame table names it), the share of cells that run it.
 """
 from __future__ import annotations
 
@@ -60,10 +62,37 @@ def _frame_functions(text: str) -> dict[int, set[str]]:
     return out
 
 
-def _trips(comps, body: str, loop_trips, functions) -> float:
-    """Mean trips of a while loop with no known trip count: loop_trips of the one function its body
-    came from. Read level by level (the body's own instructions first, then what it calls): XLA may
-    share one called computation between loops from different functions."""
+def _counted(comps, cond: str | None) -> int | None:
+    """The trips of a loop whose condition is `counter < constant` (the counter starts at 0 and
+    counts up by one, as XLA's loop canonicalisation leaves it), else None."""
+    lines = comps.get(cond or "", [])
+    consts = {d.group(1): int(d.group(2)) for line in lines
+              if (d := re.match(r"\s*%([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((-?\d+)\)", line))}
+    gtes = {d.group(1) for line in lines if (d := re.match(r"\s*%([\w.\-]+)\s*=.*get-tuple-element\(", line))}
+    root = next((line for line in lines if line.lstrip().startswith("ROOT")), "")
+    m = re.search(r"compare\(%([\w.\-]+),\s*%([\w.\-]+)\),\s*direction=LT", root)
+    if m and m.group(1) in gtes and m.group(2) in consts:
+        return max(consts[m.group(2)], 0)
+    return None
+
+
+def _scoped(comps, cond: str | None, loop_trips) -> float | None:
+    """loop_trips of the one function whose name scopes the loop's condition, else None."""
+    found = set()
+    for line in comps.get(cond or "", []):
+        if op := re.search(r'op_name="([^"]*)"', line):
+            found |= set(op.group(1).split("/")) & set(loop_trips or ())
+    return loop_trips[found.pop()] if len(found) == 1 else None
+
+
+def _trips(comps, body: str, loop_trips, functions, cond: str | None = None) -> float:
+    """Mean trips of a while loop with no known trip count: counted from its condition, or loop_trips
+    of the one function its ops are scoped by, or else of the one its body came from. Read level by
+    level (the body's own instructions first, then what it calls): XLA may share one called
+    computation between loops from different functions."""
+    for n in (_counted(comps, cond), _scoped(comps, cond, loop_trips)):
+        if n is not None:
+            return n
     level, seen = [body], set()
     while level:
         found, nxt = set(), []
@@ -98,7 +127,9 @@ def _multiplicity(comps: dict[str, list[str]], entry: str, branch_weights=None, 
                 for callee in re.findall(rf"\b{key}=%([\w.\-]+)", line):
                     n = 1
                     if key == "body":
-                        n = int(trip.group(1)) if trip else _trips(comps, callee, loop_trips, functions or {})
+                        cond = re.search(r"\bcondition=%([\w.\-]+)", line)
+                        n = int(trip.group(1)) if trip else _trips(comps, callee, loop_trips, functions or {},
+                                                                   cond and cond.group(1))
                     calls[name].append((callee, n))
             for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
                 names = [c.strip().lstrip("%") for c in group.split(",")]
@@ -175,7 +206,7 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]  # empty replica_groups: all devices
 
 
-def _axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes along which the devices of a group differ."""
     coords = np.array(np.unravel_index(np.asarray(groups[0]), tuple(mesh_shape.values()))).T
     return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
@@ -219,5 +250,5 @@ def collective_ops(text: str, mesh_shape: dict[str, int], branch_weights=None,
             if k == 1:
                 continue
             full = size * k if kind == "reduce-scatter" else size
-            out.append((kind, _axes_of(groups, mesh_shape), mult[name] * full * bus_factor(kind, k), line))
+            out.append((kind, axes_of(groups, mesh_shape), mult[name] * full * bus_factor(kind, k), line))
     return out

@@ -121,11 +121,18 @@ def _shard(mc: ModelConfig, tp: int) -> _Shard:
     return _Shard(**fields, shard_head_dim=mc.head_dim, shard_fused_qkv=mc.fused_qkv)
 
 
-def _device_kernels(c: _Shard):
+def _device_kernels(c: _Shard, dtype=None):
     """The layer's kernels as one device runs them: with repeated kv heads, the attention sees only this
-    device's slice of them (what the sharding constraint after the repeat leaves it)."""
+    device's slice of them (what the sharding constraint after the repeat leaves it). cuDNN's fused
+    attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as the blockwise
+    attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
+    from models.attention import select
+    from models.fast_cpu import causal_attention
     from models.transformer import kernels_for
     kn = kernels_for(c)
+    platform = c.platform or jax.devices()[0].platform
+    if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
+        kn = kn._replace(attention=lambda q, k, v: causal_attention(q, k, v, c.attention_block))
     if c.kv_repeat == 1:
         return kn
     # the repeat makes n_kv_heads x kv_repeat = mesh.model heads, one per rank
@@ -161,7 +168,7 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
         weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
                    "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
                    "w_down": w((F, D))}
-        rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c)
+        rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c, dt)
         fn = lambda x, weights: layer(c, weights, x, rope, kernels=kn)  # noqa: E731
         if what in ("attention", "mlp", "sublayer"):
             fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope, kernels=kn),

@@ -139,3 +139,66 @@ def search_text(ranked, best_n: int, why) -> str:
                     f"{p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
         rows.append(f"       {why(p, p0, i)}")
     return "\n".join(rows)
+
+
+def compiled_text(c) -> str:
+    """`plan --compile-for`: XLA:TPU's figures per chip beside the planner's (trainer/plan/aot.py)."""
+    p, m = c.plan, c.measured
+    def row(name, a, b):
+        err = f"{100 * (a / b - 1):+.1f}%" if b else "n/a"
+        return f"  {name:<40}{a:>16,.0f}{b:>16,.0f}  {err}"
+    n = p.strategy.devices
+    planned_flops = p.compute_s * p.device.peak(p.dtype)  # per device, the planner's hardware FLOPs
+    rows = [f"meshtrain plan --compile-for {c.topology}: {headline(p, param_count(p.model))}",
+            f"layout: {p.strategy.describe()} | grad_sync {p.strategy.grad_sync}",
+            f"XLA:TPU compiled the train step for {n} x {c.device_kind} in {c.seconds:.1f} s here "
+            f"(nothing ran); bytes per chip", f"  {'':<40}{'planner':>16}{'XLA:TPU':>16}  error",
+            row("parameters + optimizer state", p.params_bytes + p.opt_state_bytes, m.params_opt_bytes),
+            row("temp: activations+gradients+buffers", p.activations_bytes + p.grads_bytes + p.buffers_bytes,
+                m.temp_bytes),
+            row("total (arguments+temp+unaliased outputs)", p.total_bytes, c.total_bytes),
+            f"  {'of the chip':<40}{size(p.device.hbm):>16}{'':>16}  ({p.device.name}"
+            + (", fits)" if c.total_bytes <= p.device.hbm else ", DOES NOT FIT)")]
+    for axis, (mine, xla) in by_axis(p, m).items():
+        rows.append(row(f"collectives over {axis}", mine, xla))
+    rows.append(row("collectives, total", p.comm_bytes, m.comm_bytes))
+    if m.flops is not None:
+        rows.append(row("FLOPs per chip (XLA's count)", planned_flops, m.flops))
+    rows += ["", "collectives in XLA:TPU's program (bytes one chip sends per step)"]
+    rows += [f"  {kind:<20}{','.join(axes) or '-':<14}{b:>16,.0f}" for (kind, axes), b in sorted(m.collectives.items())]
+    return "\n".join(rows)
+
+
+def compiled_json(c) -> dict:
+    m = c.measured
+    return {"topology": c.topology, "device_kind": c.device_kind, "compile_s": c.seconds,
+            "predicted": as_json(c.plan),
+            "xla_tpu": {"params_opt_bytes": m.params_opt_bytes, "temp_bytes": m.temp_bytes,
+                        "argument_bytes": m.argument_bytes, "output_bytes": m.output_bytes,
+                        "alias_bytes": m.alias_bytes, "total_bytes": c.total_bytes, "flops": m.flops,
+                        "comm_bytes": m.comm_bytes, "fits": c.total_bytes <= c.plan.device.hbm,
+                        "collectives": [{"kind": k, "axes": list(a), "bytes": b}
+                                        for (k, a), b in sorted(m.collectives.items())]}}
+
+
+def lowered_text(low) -> str:
+    """`plan --lower cuda`: what the StableHLO for CUDA holds (trainer/plan/aot.py)."""
+    shape = " x ".join(f"{a} {n}" for a, n in low.mesh_shape.items())
+    rows = [f"meshtrain plan --lower cuda: the train step lowered for {low.devices} CUDA devices ({shape}) "
+            f"in {low.seconds:.1f} s; nothing was compiled",
+            "explicit collectives in the lowered program (ops, a loop's body once; XLA:GPU's partitioner "
+            "adds the ones the shardings imply when it compiles):"]
+    rows += [f"  {kind:<20}{','.join(axes) or '-':<14}{count:>6}" for (kind, axes), count in low.collectives.items()]
+    if not low.collectives:
+        rows.append("  none: every collective of this layout is left to XLA:GPU's partitioner")
+    line = f"attention: {low.attention}"
+    if low.fallback:
+        line += f" (XLA's attention in place of cuDNN's fused kernel, which does not lower here: {low.fallback})"
+    rows.append(line)
+    return "\n".join(rows)
+
+
+def lowered_json(low) -> dict:
+    return {"platform": "cuda", "devices": low.devices, "mesh": low.mesh_shape, "attention": low.attention,
+            "cudnn_fallback": low.fallback, "lower_s": low.seconds,
+            "collectives": [{"kind": k, "axes": list(a), "ops": n} for (k, a), n in low.collectives.items()]}

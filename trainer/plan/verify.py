@@ -48,6 +48,8 @@ class Measured:
     collectives: dict  # (kind, axes) -> bytes one device sends per step
     mesh_shape: dict
     text: str = dataclasses.field(repr=False, default="")
+    flops: float | None = None  # XLA's FLOP count of the step, per device (its cost analysis)
+    platform: str = "cpu"  # what it was compiled for
 
     def axis_bytes(self, axis: str) -> float:
         """Collective bytes over one mesh axis (a collective spanning several axes counts under each)."""
@@ -58,29 +60,36 @@ class Measured:
         return sum(self.collectives.values())
 
 
-def _abstract_inputs(s):
+def abstract_inputs(s):
+    """The train state and batch as abstract arrays with their shardings."""
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes, s.shardings)
     batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32,
                                  sharding=s.batch_sharding())
     return state, batch
 
 
-def measure(cfg, devices=None, grads: bool = True) -> Measured:
-    """Compile cfg's train step (and gradient function) for `devices` (default: all) and measure them."""
+def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) -> Measured:
+    """Compile cfg's train step (and gradient function) for `devices` (default: all) and measure them.
+
+    `options` are XLA's compile options; None: fast_compile() for CPU devices, XLA's defaults elsewhere
+    (a TPU topology compiled ahead of time)."""
     from trainer.state import make_setup
     from trainer.step import jit_train_step, loss_and_grads
     if devices is None:  # a fully given mesh uses the first devices it needs
         sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
         devices = jax.devices()[:np.prod(sizes)] if min(sizes) > 0 else jax.devices()
     s = make_setup(cfg, devices)
-    state, batch = _abstract_inputs(s)
+    platform = s.mesh.devices.flat[0].platform
+    if options is None:
+        options = fast_compile() if platform == "cpu" else {}
+    state, batch = abstract_inputs(s)
     with jax.set_mesh(s.mesh):
-        step = jit_train_step(s).lower(state, batch).compile(fast_compile())
+        step = jit_train_step(s).lower(state, batch).compile(options)
         g_bytes = None
         if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss)
             grad_fn = jax.jit(functools.partial(loss_and_grads, s),
                               in_shardings=(s.shardings["params"], s.batch_sharding()))
-            g_mem = grad_fn.lower(state["params"], batch).compile(fast_compile()).memory_analysis()
+            g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
             g_bytes = g_mem.output_size_in_bytes - 4
     mem = step.memory_analysis()
     n_batch = batch.size * batch.dtype.itemsize // s.mesh.shape["data"]
@@ -91,7 +100,14 @@ def measure(cfg, devices=None, grads: bool = True) -> Measured:
         temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
         output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
         collectives=collective_bytes(text, dict(s.mesh.shape), *table_weights(s)), mesh_shape=dict(s.mesh.shape),
-        text=text)
+        text=text, flops=_flops(step), platform=platform)
+
+
+def _flops(compiled) -> float | None:
+    """XLA's FLOP count of a compiled program (None where its backend gives none)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    return float(cost["flops"]) if cost and "flops" in cost else None
 
 
 def table_weights(s) -> tuple[list[float] | None, dict[str, float] | None]:

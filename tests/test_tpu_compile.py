@@ -1,0 +1,150 @@
+"""The real train step compiled ahead of time for an 8-chip TPU v5p topology (libtpu, no chip: nothing runs).
+
+Each layout compiles in seconds at a small model whose widths are multiples of 128 (TPU tiles). The
+checks: XLA:TPU's program runs the TPU kernels (the plain projections and XLA's attention, read from
+the named scopes in its HLO), bfloat16 compute, the planner's state bytes against XLA:TPU's, the
+HLO reader on TPU loops (XLA:TPU writes no trip counts), and the collectives per axis where the
+planner models XLA:TPU (docs/plan.md says where it does not yet).
+"""
+import importlib.util
+import re
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu is not installed (it installs on Linux x86_64: pip install -e '.[tpu]')")
+
+# 8 chips; on v5p:2x2x2 XLA:TPU writes every reduce-scatter as an all-reduce, here it keeps them
+TOPOLOGY = "v5p:2x4x1"
+BASE = ["model.preset=small", "model.d_model=512", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=1024",
+        "model.vocab_size=2048", "model.seq_len=128", "model.n_layers=2", "train.batch_size=16",
+        "train.dtype=bfloat16"]
+LAYOUTS = {
+    "d8-zero3": ["mesh.data=8", "mesh.model=1", "train.zero_stage=3"],
+    "d2m4-kv-replicated": ["mesh.data=2", "mesh.model=4", "train.zero_stage=1"],  # 2 kv heads over 4 ranks
+    "d2s2m2-1f1b-ring": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.pipeline_schedule=1f1b",
+                         "train.microbatches=4", "train.grad_sync=ring"],
+    "d8-zero2-tiled-loss": ["mesh.data=8", "mesh.model=1", "train.zero_stage=2", "model.loss_chunk=256"],
+}
+_cache = {}
+
+
+def _compiled(name):
+    if name not in _cache:
+        from trainer.config import load_config
+        from trainer.plan.aot import compile_for
+        _cache[name] = compile_for(load_config(BASE + LAYOUTS[name]), TOPOLOGY)
+    return _cache[name]
+
+
+def _scopes(text: str) -> set[str]:
+    """Every name in the ops' names of an HLO module's metadata (jit(f)/jvp(kernels_reference)/dot_general:
+    jit, f, jvp, kernels_reference, dot_general)."""
+    return {w for name in set(re.findall(r'op_name="([^"]*)"', text)) for w in re.findall(r"[A-Za-z_]\w*", name)}
+
+
+def kernel_problems(text: str) -> list[str]:
+    """What in a compiled program is not the accelerator path: CPU fast paths or the CPU's manual attention."""
+    scopes = _scopes(text)
+    wrong = sorted(s for s in scopes if s in ("kernels_fast", "attention_manual"))
+    missing = sorted({"kernels_reference", "attention_xla"} - scopes)
+    return [f"ran {s}" for s in wrong] + [f"lacks {s}" for s in missing]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tpu_program_runs_tpu_kernels_and_the_planner_holds_its_state(name):
+    c = _compiled(name)
+    m, p = c.measured, c.plan
+    assert m.platform == "tpu" and c.device_kind == "TPU v5" and p.device.name == "tpu-v5p"
+    assert kernel_problems(m.text) == []
+    assert p.dtype == "bfloat16" and re.search(r"bf16\[\d+,\d+,512\]", m.text)  # bfloat16 activations
+    # parameters + optimizer state: shapes the planner gets from the same rules table
+    assert p.params_bytes + p.opt_state_bytes == pytest.approx(m.params_opt_bytes, rel=0.01)
+    assert c.total_bytes < p.device.hbm and m.flops > 0
+
+
+def test_zero3_and_zero2_gradients_are_reduce_scattered_over_data():
+    for name in ("d8-zero3", "d8-zero2-tiled-loss"):
+        kinds = {k for (k, axes), b in _compiled(name).measured.collectives.items() if axes == ("data",) and b}
+        assert "reduce-scatter" in kinds, (name, kinds)
+    assert ("all-gather", ("data",)) in _compiled("d8-zero3").measured.collectives  # the weights
+
+
+def test_hlo_reader_counts_the_tpu_pipeline_loops():
+    """XLA:TPU's loops carry no known_trip_count: the tick loop's trips come from its condition, each
+    0-or-1-trip step's from the function its ops are scoped by; then the pipeline's hops over `stage`
+    and its once-per-step ring sync over `data` are the planner's to the byte (within 1%)."""
+    from trainer.plan import hlo
+    from trainer.plan.report import by_axis
+    from trainer.plan.schedule_cost import cost
+    c = _compiled("d2s2m2-1f1b-ring")
+    text = c.measured.text
+    assert "known_trip_count" not in text
+    comps, _ = hlo._computations(text)
+    counted = [hlo._counted(comps, cond) for cond in re.findall(r"\bcondition=%([\w.\-]+)", text)]
+    assert cost("1f1b", 2, 4).ticks in counted  # the tick loop
+    assert counted.count(None) == 3  # loss, backward and backward-with-embedding steps: data-dependent
+    axes = by_axis(c.plan, c.measured)
+    for axis in ("data", "stage"):
+        mine, xla = axes[axis]
+        assert mine == pytest.approx(xla, rel=0.01), axis
+
+
+def test_a_condition_against_a_constant_is_a_trip_count():
+    """_counted on hand-written HLO: `counter < 7` is 7 trips; a data-dependent bound is unknown."""
+    from trainer.plan.hlo import _computations, _counted
+    text = """HloModule m
+
+%cond (p: (s32[], f32[])) -> pred[] {
+  %p = (s32[], f32[]) parameter(0)
+  %c = s32[]{:T(128)} constant(7)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
+
+%data (p: (s32[], s32[])) -> pred[] {
+  %p = (s32[], s32[]) parameter(0)
+  %n = s32[] get-tuple-element(%p), index=1
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+"""
+    comps, _ = _computations(text)
+    assert _counted(comps, "cond") == 7 and _counted(comps, "data") is None
+
+
+def test_forcing_the_cpu_fast_paths_into_the_tpu_program_is_caught(monkeypatch):
+    """The kernel check can fail: with kernels_for patched to pick the CPU's kernels whatever the
+    target, the TPU program runs them, and kernel_problems says so."""
+    import models.transformer as T
+    from trainer.config import load_config
+    from trainer.plan.aot import compile_for
+    real = T.kernels_for
+    monkeypatch.setattr(T, "kernels_for", lambda c, platform=None: real(c, "cpu"))
+    c = compile_for(load_config(BASE + ["model.n_layers=1"] + LAYOUTS["d8-zero3"]), TOPOLOGY)
+    assert kernel_problems(c.measured.text) == ["ran attention_manual", "ran kernels_fast", "lacks attention_xla",
+                                                "lacks kernels_reference"]
+
+
+def test_compile_for_cli_prints_xla_tpu_beside_the_plan_and_refuses_bad_topologies(capsys):
+    from trainer.cli import main
+    assert main(["plan", "model.preset=tiny", "mesh.data=8", "train.batch_size=16", "--compile-for",
+                 TOPOLOGY, "--json"]) == 0
+    import json
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["topology"] == TOPOLOGY and doc["predicted"]["devices"] == 8 and doc["xla_tpu"]["fits"]
+    assert doc["xla_tpu"]["total_bytes"] == (doc["xla_tpu"]["argument_bytes"] + doc["xla_tpu"]["temp_bytes"]
+                                             + doc["xla_tpu"]["output_bytes"] - doc["xla_tpu"]["alias_bytes"])
+    for bad, says in (("v9:2x2", "is not a TPU topology"), ("v5p:3x3x3", "libtpu knows no such topology")):
+        assert main(["plan", "--compile-for", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.slow
+def test_7b_zero3_compiles_for_a_128_chip_v5p_pod(capsys):
+    from trainer.cli import main
+    assert main(["plan", "model.preset=7b", "mesh.data=-1", "train.zero_stage=3", "train.batch_size=128",
+                 "--compile-for", "v5p:4x4x8"]) == 0
+    out = capsys.readouterr().out
+    assert "XLA:TPU compiled the train step for 128 x TPU v5" in out and "fits" in out
