@@ -40,6 +40,8 @@ def topology_devices(name: str) -> list:
     from trainer.platforms import _chips
     if not _chips():  # no TPU VM's metadata to read: say what it would, or libtpu warns on stderr
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # no chip to guard: processes compiling side by side (test workers) need not take libtpu's lock
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         if accelerator := _accelerator_type(name):
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
     try:
@@ -102,7 +104,9 @@ def compile_for(cfg, name: str) -> Compiled:
         raise
     except Exception as e:  # noqa: BLE001  (XLA:TPU's errors: out of memory, an unsupported op)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{st.describe()} does not compile for {name}: {first[:300]}") from None
+        hint = ("; try model.remat=full, train.zero_stage=3, more train.microbatches or a larger mesh.model"
+                if "RESOURCE_EXHAUSTED" in first else "")
+        raise UserError(f"{st.describe()} does not compile for {name}: {first[:300]}{hint}") from None
     return Compiled(name, devices[0].device_kind, time.perf_counter() - t0, m, plan)
 
 

@@ -144,28 +144,30 @@ def search_text(ranked, best_n: int, why) -> str:
 def compiled_text(c) -> str:
     """`plan --compile-for`: XLA:TPU's figures per chip beside the planner's (trainer/plan/aot.py)."""
     p, m = c.plan, c.measured
-    def row(name, a, b):
-        err = f"{100 * (a / b - 1):+.1f}%" if b else "n/a"
-        return f"  {name:<40}{a:>16,.0f}{b:>16,.0f}  {err}"
+    def row(name, a, b, err=True):
+        err = f"{100 * (a / b - 1):+.1f}%" if b and err else "n/a"
+        return f"  {name:<40}{a:>19,.0f}{b:>19,.0f}  {err}"
     n = p.strategy.devices
     planned_flops = p.compute_s * p.device.peak(p.dtype)  # per device, the planner's hardware FLOPs
     rows = [f"meshtrain plan --compile-for {c.topology}: {headline(p, param_count(p.model))}",
             f"layout: {p.strategy.describe()} | grad_sync {p.strategy.grad_sync}",
             f"XLA:TPU compiled the train step for {n} x {c.device_kind} in {c.seconds:.1f} s here "
-            f"(nothing ran); bytes per chip", f"  {'':<40}{'planner':>16}{'XLA:TPU':>16}  error",
+            f"(nothing ran); bytes per chip", f"  {'':<40}{'planner':>19}{'XLA:TPU':>19}  error",
             row("parameters + optimizer state", p.params_bytes + p.opt_state_bytes, m.params_opt_bytes),
             row("temp: activations+gradients+buffers", p.activations_bytes + p.grads_bytes + p.buffers_bytes,
                 m.temp_bytes),
             row("total (arguments+temp+unaliased outputs)", p.total_bytes, c.total_bytes),
-            f"  {'of the chip':<40}{size(p.device.hbm):>16}{'':>16}  ({p.device.name}"
+            f"  {'of the chip':<40}{size(p.device.hbm):>19}{'':>19}  ({p.device.name}"
             + (", fits)" if c.total_bytes <= p.device.hbm else ", DOES NOT FIT)")]
     for axis, (mine, xla) in by_axis(p, m).items():
         rows.append(row(f"collectives over {axis}", mine, xla))
     rows.append(row("collectives, total", p.comm_bytes, m.comm_bytes))
-    if m.flops is not None:
-        rows.append(row("FLOPs per chip (XLA's count)", planned_flops, m.flops))
+    if m.flops is not None:  # XLA's cost analysis counts a loop's body once, whatever its trips
+        loops = " while(" in m.text
+        rows.append(row("FLOPs per chip" + (" (XLA: loop bodies once)" if loops else ""), planned_flops, m.flops,
+                        err=not loops))
     rows += ["", "collectives in XLA:TPU's program (bytes one chip sends per step)"]
-    rows += [f"  {kind:<20}{','.join(axes) or '-':<14}{b:>16,.0f}" for (kind, axes), b in sorted(m.collectives.items())]
+    rows += [f"  {kind:<20}{','.join(axes) or '-':<14}{b:>19,.0f}" for (kind, axes), b in sorted(m.collectives.items())]
     return "\n".join(rows)
 
 
