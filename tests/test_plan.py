@@ -16,6 +16,7 @@ from trainer.config import load_config, model_config
 from trainer.plan.core import estimate, links, strategy_of
 from trainer.hardware import get_device
 from trainer.plan.hlo import collective_bytes
+from trainer.plan.memory import leaves
 from trainer.plan.report import by_axis
 from trainer.plan.verify import measure
 
@@ -542,3 +543,25 @@ def test_lower_cuda_lists_the_explicit_collectives_and_says_cudnn_gave_way(capsy
     assert ops[("reduce-scatter", ("data",))] == ops[("all-gather", ("data",))] >= 11
     assert main(["plan", "--lower", "rocm"]) == 2
     assert "only cuda" in capsys.readouterr().err
+
+
+def test_zero3_gathers_layer_weights_in_the_compute_dtype():
+    """bfloat16 compute: the ZeRO-3 step as lowered gathers each layer weight cast to bfloat16 (the model
+    casts it at its one use anyway; XLA:CPU widens it back, XLA:TPU keeps it: tests/test_tpu_compile.py)
+    and the embedding and final norm as stored; the gradients' reduce-scatters stay float32."""
+    import jax
+    from trainer.state import make_setup
+    from trainer.step import jit_train_step
+    from trainer.plan.verify import abstract_inputs
+    cfg = load_config(TINY + ["mesh.data=8", "train.zero_stage=3", "train.grad_sync=psum", "train.dtype=bfloat16",
+                              "model.scan_layers=false"])
+    s = make_setup(cfg)
+    state, batch = abstract_inputs(s)
+    with jax.set_mesh(s.mesh):
+        text = jit_train_step(s).lower(state, batch).as_text()
+    def kinds(op):  # the result element type of each op (a reduce-scatter's comes after its region)
+        return sorted(re.search(r"-> tensor<[\dx]*x(\w+)>", part).group(1)
+                      for part in text.split(f'"stablehlo.{op}"')[1:])
+    n_layer_weights = 9 * s.model.n_layers  # two norms, q, k, v, o and the three MLP matrices a layer
+    assert kinds("all_gather") == ["bf16"] * n_layer_weights + ["f32"] * 2  # + embedding, final norm
+    assert set(kinds("reduce_scatter")) == {"f32"} and len(kinds("reduce_scatter")) == n_layer_weights + 2

@@ -65,6 +65,11 @@ def test_tpu_program_runs_tpu_kernels_and_the_planner_holds_its_state(name):
     kinds = {k for (k, axes), b in m.collectives.items() if axes == ("data",) and b}
     if "zero" in name:  # ZeRO-2/3 gradients are reduce-scattered over data (and the weights all-gathered)
         assert {"reduce-scatter", "all-gather"} <= kinds, kinds
+    if "zero3" in name:  # the weights' gathers move bfloat16 (the step casts the layers', XLA:TPU the embedding's)
+        gathers = [t for t in re.findall(r"= (\w+)\[[^\]]*\]\S* all-gather(?:-start)?\(", m.text)]
+        assert gathers and set(gathers) == {"bf16"}, gathers
+        mine = sum(t.bytes for t in p.transfers if t.axis == "data" and t.kind == "all-gather")
+        assert mine == pytest.approx(m.collectives[("all-gather", ("data",))], rel=0.01)
     if "1f1b" in name:
         _pipeline_loops_are_counted(c)
 

@@ -26,6 +26,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
+from models.precision import compute_dtypes
 from models.transformer import loss_fn
 from trainer import guard
 from trainer.parallel import localsgd, pipeline as pipeline_1f1b, sync
@@ -94,11 +95,15 @@ def _manual_grads(s: Setup, params, batch):
         """ZeRO-3: gather the non-layer weights; layer weights are gathered inside the scan."""
         if not sharded_params:
             return p, lambda lp: lp
+        # each weight gathered in the dtype the model first reads it in (half the bytes in bfloat16)
+        cast = compute_dtypes(p, s.dtype)
         top = {n: v for n, v in p.items() if n != "layers"}
-        top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top})
+        top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top},
+                                      {n: cast[n] for n in top})
         layer_dims = {n: (None if d is None else d - 1) for n, d in dims["layers"].items()}
         layer_specs = {n: P(*sp[1:]) for n, sp in specs["layers"].items()}
-        return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs)
+        return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs,
+                                                                                  cast["layers"])
 
     def local_loss(p, mb):
         full, gather = full_params(p)

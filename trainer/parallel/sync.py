@@ -50,10 +50,42 @@ class Psum:
             return jax.lax.psum_scatter(x, self.axis, scatter_dimension=d, tiled=True)
         return jax.tree.map(leaf, tree, dims)
 
-    def all_gather_tree(self, tree, dims, specs):
-        def leaf(x, d):
-            return x if d is None else jax.lax.all_gather(x, self.axis, axis=d, tiled=True)
-        return jax.tree.map(leaf, tree, dims)
+    def all_gather_tree(self, tree, dims, specs, dtypes=None):
+        """Each leaf gathered along its dim (kept where it is None); see `_gather_in`."""
+        def gather(xs, ds):
+            return [x if d is None else jax.lax.all_gather(x, self.axis, axis=d, tiled=True) for x, d in zip(xs, ds)]
+
+        def scatter(cts, ds):
+            return [c if d is None else jax.lax.psum_scatter(c, self.axis, scatter_dimension=d, tiled=True)
+                    for c, d in zip(cts, ds)]
+        return _gather_in(tree, dims, dtypes, gather, scatter)
+
+
+def _gather_in(tree, dims, dtypes, gather, scatter):
+    """gather(leaves, dims) of tree's leaves, each first cast to its entry of `dtypes` (a tree like
+    `tree`; None: as it is). The gradient is scatter(cotangents, dims) in the leaves' own dtypes: a
+    float32 weight the model reads in bfloat16 is gathered in bfloat16 (half the bytes), and its
+    gradient reduce-scattered in float32, as without the cast (cast-then-gather = gather-then-cast)."""
+    xs, treedef = jax.tree.flatten(tree)
+    ds = treedef.flatten_up_to(dims)
+    dts = [None] * len(xs) if dtypes is None else treedef.flatten_up_to(dtypes)
+    idx = [j for j, d in enumerate(ds) if d is not None]  # leaves without a dim are whole already
+    sub = lambda seq: [seq[j] for j in idx]  # noqa: E731
+    own = [xs[j].dtype for j in idx]
+    cast = [dts[j] if dts[j] is not None else xs[j].dtype for j in idx]
+
+    @jax.custom_vjp
+    def run(leaves):
+        return gather([x.astype(dt) for x, dt in zip(leaves, cast)], sub(ds))
+
+    def bwd(_, cts):
+        return (scatter([c.astype(dt) for c, dt in zip(cts, own)], sub(ds)),)
+
+    run.defvjp(lambda leaves: (run(leaves), None), bwd)
+    out = list(xs)
+    for j, y in zip(idx, run(sub(xs))):
+        out[j] = y
+    return jax.tree.unflatten(treedef, out)
 
 
 def _inner_axes():
@@ -183,25 +215,13 @@ class Ring(Psum):
     def reduce_scatter_tree(self, tree, dims, specs):
         return self._bucket(tree, dims, specs, "scatter", self.wire)
 
-    def all_gather_tree(self, tree, dims, specs):
-        """Exact ring all-gather of weights; its gradient is the ring reduce-scatter (ZeRO-3)."""
-        xs, treedef = jax.tree.flatten(tree)
+    def all_gather_tree(self, tree, dims, specs, dtypes=None):
+        """Exact ring all-gather of weights; its gradient is the ring reduce-scatter (ZeRO-3). See `_gather_in`."""
+        _, treedef = jax.tree.flatten(tree)
         ds, ss = treedef.flatten_up_to(dims), treedef.flatten_up_to(specs)
-        idx = [j for j, d in enumerate(ds) if d is not None]  # leaves without a dim are whole already
-        sub = lambda seq: [seq[j] for j in idx]
-
-        @jax.custom_vjp
-        def gather(leaves):
-            return self._bucket(leaves, sub(ds), sub(ss), "gather", None)
-
-        def bwd(_, ct):
-            return (self._bucket(ct, sub(ds), sub(ss), "scatter", self.wire),)
-
-        gather.defvjp(lambda leaves: (gather(leaves), None), bwd)
-        out = list(xs)
-        for j, y in zip(idx, gather(sub(xs))):
-            out[j] = y
-        return jax.tree.unflatten(treedef, out)
+        ss = [sp for sp, d in zip(ss, ds) if d is not None]
+        return _gather_in(tree, dims, dtypes, lambda xs, sd: self._bucket(xs, sd, ss, "gather", None),
+                          lambda cts, sd: self._bucket(cts, sd, ss, "scatter", self.wire))
 
 
 def make(kind: str, axis: str, size: int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from models import ModelConfig
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
-from trainer.plan.memory import Leaf, leaves
+from trainer.plan.memory import Leaf, gather_casts, leaves
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
@@ -27,7 +27,7 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
     if st.stage > 1:
         out = _table_transfers(mc, st, ls, n, a)
     else:
-        out = ((_data_transfers(mc, st, ls, n) if st.data > 1 else [])
+        out = ((_data_transfers(mc, st, ls, n, a) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
     return [t for t in out if t.bytes > 0]
 
@@ -37,7 +37,7 @@ def manual_sync(st: Strategy) -> bool:
     return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2)
 
 
-def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
+def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> list[Transfer]:
     k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
     grads = sum(x.bytes for x in ls)
@@ -70,12 +70,13 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int) -> list[Transfer]:
             # the backward pass gathers again under full/dots remat (sublayer's halves get gathered weights)
             again = 1 if st.remat in ("none", "sublayer") else 2
             top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
+            c_top, c_lay = gather_casts(mc, a)
             out += [Transfer("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
                              + (", again in backward)" if again > 1 else ")"),
-                             ag * (whole(top) + m * again * whole(lay)), 1 + m * again),
+                             ag * (whole(top) * c_top + m * again * whole(lay) * c_lay), 1 + m * again),
                     Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
-                             bus_factor("all-gather", tp) * (over_model(top) + m * again * over_model(lay)) / k,
-                             1 + m * again)]
+                             bus_factor("all-gather", tp) * (over_model(top) * c_top + m * again * over_model(lay)
+                                                             * c_lay) / k, 1 + m * again)]
     else:
         embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
         if zero >= 1 and m == 1 and embed:

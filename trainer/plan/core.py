@@ -95,7 +95,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     mc = dataclasses.replace(mc, remat=st.remat)
     p, g, o = state_bytes(mc, train, st)
     acts = activation_bytes(mc, st, batch, dtype)
-    bufs = buffer_bytes(mc, train, st)
+    bufs = buffer_bytes(mc, train, st, a)
     moves = tuple(transfers(mc, train, st, batch, a))
     bubble = cost(st.schedule, st.stage, st.microbatches, st.repeats).bubble if st.stage > 1 else 0.0
     tokens = batch * mc.seq_len

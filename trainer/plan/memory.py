@@ -249,8 +249,20 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str)
                                                     head_bytes(mc, st, dtype, b, local=True)))
 
 
-def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
-    """Transient gradient and weight buffers that are not persistent state."""
+def gather_casts(mc: ModelConfig, a: int) -> tuple[float, float]:
+    """The share of their float32 bytes ZeRO-3's gathers move, for the top weights and the layers'.
+    trainer/step.py casts each layer weight to the compute dtype (a bytes) before its gather; XLA:TPU
+    also moves the embedding's casts ahead of its gather (seen in its HLO); XLA:CPU gathers bfloat16
+    as float32 (it widens the gather's operand), so on CPU both stay whole."""
+    platform = mc.platform or jax.devices()[0].platform
+    if platform == "cpu":
+        return 1.0, 1.0
+    return (a / 4 if platform == "tpu" else 1.0), a / 4
+
+
+def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int = 4) -> float:
+    """Transient gradient and weight buffers that are not persistent state (a: bytes of the compute dtype,
+    which ZeRO-3's data-parallel step gathers its layer weights in)."""
     ls = leaves(mc, train, st)
     top = sum(x.bytes for x in ls if x.zero and not x.layers)
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
@@ -270,5 +282,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy) -> float:
         # each layer's inside the scan, so its whole gradient never exists)
         out += sum(x.bytes for x in ls)
     if zero3:  # gathered layer weights: kept for the backward without remat (or sublayer's), else one layer's
+        c_top, c_lay = gather_casts(mc, a)
+        top, lay = top * c_top, lay * c_lay
         out += top + (lay if st.remat in ("none", "sublayer") else lay / mc.n_layers)
     return out
