@@ -112,10 +112,11 @@ def test_hlo_parser_reads_mesh_groups_with_device_ids():
     (["mesh.data=2", "mesh.stage=2", "train.zero_stage=1"], "sync explicit all-reduce, once per step"),
     (["mesh.data=2", "mesh.stage=2", "train.zero_stage=3"], "sync explicit reduce-scatter (ZeRO-2/3), once per step"),
     (["mesh.data=2", "mesh.stage=2", "train.grad_sync=ring"], "sync ring, once per step"),
-    (["mesh.data=4", "mesh.stage=1"], "sync auto (compiler all-reduce) |")])
+    (["mesh.data=4", "mesh.stage=1", "train.microbatches=1"], "sync auto (compiler all-reduce) |"),
+    (["mesh.data=4", "mesh.stage=1"], "sync explicit all-reduce")])  # accumulation: reduced once, after the loop
 def test_start_up_line_names_the_pipelines_sync(overrides, sync):
     """Every pipeline syncs over `data` itself, once per step: the start-up line says so (the compiler's
-    all-reduce is only the no-pipeline step's)."""
+    all-reduce is only the no-pipeline step's, without accumulation)."""
     from trainer.run.loop import describe
     cfg = load_config(TINY + ["mesh.model=1", "train.microbatches=2"] + overrides)
     s = make_setup(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage])

@@ -1,8 +1,8 @@
 """The train and eval steps: pure functions of (state, batch), jitted once with explicit shardings.
 
 Gradients come from one of two paths:
-  compiler  (grad_sync=auto, ZeRO 0/1): plain jit; XLA inserts the gradient all-reduce.
-  manual    (grad_sync=psum|ring|ring_bf16, or ZeRO 2/3): the loss and gradients run in a
+  compiler  (grad_sync=auto, ZeRO 0/1, one microbatch): plain jit; XLA inserts the gradient all-reduce.
+  manual    (grad_sync=psum|ring|ring_bf16, ZeRO 2/3, or microbatches > 1): the loss and gradients run in a
             shard_map that is manual over `data` (tensor parallelism over `model` stays
             with the compiler). Each device differentiates its own rows; the reduction is
             explicit: reduce-scatter for ZeRO 2/3 (once per microbatch, so the accumulated
@@ -14,7 +14,8 @@ A pipeline (every schedule runs on the table executor, trainer/parallel/pipeline
 included, whatever grad_sync).
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
 dynamic-slice into a reduce-scatter, and the explicit form keeps the gradient sharded on
-every backend.
+every backend. So does gradient accumulation: the compiler's all-reduce stays inside the
+accumulation loop (once per microbatch, M times the bytes), the manual path's runs once after it.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def uses_manual_sync(s: Setup) -> bool:
     """Whether the step reduces gradients over `data` itself (else the compiler inserts the all-reduce)."""
     t = s.cfg.train
     # a pipeline (trainer/parallel/pipeline.py) always does, once per step after its tick loop
-    return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (t.zero_stage >= 2 and s.mesh.shape["data"] > 1)
+    return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (
+        s.mesh.shape["data"] > 1 and (t.zero_stage >= 2 or t.microbatches > 1))
 
 
 # ----------------------------------------------------------------------------- compiler path

@@ -34,7 +34,7 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[
 
 def manual_sync(st: Strategy) -> bool:
     """Whether step.py reduces gradients explicitly in a shard_map (else the compiler inserts it)."""
-    return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2)
+    return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2 or st.microbatches > 1)
 
 
 def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> list[Transfer]:
@@ -79,7 +79,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> lis
                                                              * c_lay) / k, 1 + m * again)]
     else:
         embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
-        if zero >= 1 and m == 1 and embed:
+        if zero >= 1 and embed:
             # the lookup's gradient rows go all-to-all; the head's part is reduced with the rest
             out.append(Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
             if tp > 1:
@@ -88,12 +88,8 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> lis
                                     bus_factor("all-reduce", k * tp) * embed, 1))
         else:
             grads += embed  # the lookup's and the head's embedding gradients are reduced apart
-        # the accumulation loop reduces every microbatch
-        what = "gradient all-reduce (compiler)" + (", every microbatch" if m > 1 else "")
-        out.append(Transfer("data", "all-reduce", what, m * ar * grads, m))
-        if zero >= 1 and m > 1:
-            out.append(Transfer("data", "all-gather", "ZeRO-1 accumulator gathered every microbatch",
-                                m * ag * zeroed, m))
+        # one microbatch here: accumulation takes the manual path, which reduces once after its loop
+        out.append(Transfer("data", "all-reduce", "gradient all-reduce (compiler)", ar * grads, 1))
     if zero in (1, 2):
         out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
     return out
