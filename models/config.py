@@ -62,6 +62,12 @@ class ModelConfig:
     loss_chunk: int | None = None
 
     @property
+    def target_platform(self) -> str:
+        """The platform the program is built for: `platform`, else the runtime's default device's."""
+        import jax
+        return self.platform or jax.devices()[0].platform
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 

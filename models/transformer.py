@@ -176,9 +176,9 @@ class Kernels(NamedTuple):
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
-    """The kernels for c.kernels on a jax platform (default: the one c is built for, else the runtime's):
+    """The kernels for c.kernels on a jax platform (default: c.target_platform):
     `auto` = the fast paths on CPU, the plain ones elsewhere."""
-    platform = platform or c.platform or jax.devices()[0].platform
+    platform = platform or c.target_platform
     fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
     # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise

@@ -18,7 +18,7 @@ import pkgutil
 _GOOGLE_PCI = "0x1ae0"
 
 
-def _chips() -> int:
+def tpu_chips() -> int:
     """TPU chips on this machine's PCI bus (jax's own count where it has one)."""
     try:
         from jax._src import hardware_utils
@@ -48,7 +48,7 @@ def avoid_absent_tpu() -> str | None:
     import jax
     from jax._src import xla_bridge
     started = getattr(xla_bridge, "backends_are_initialized", lambda: False)()
-    if jax.config.jax_platforms or started or _chips():
+    if jax.config.jax_platforms or started or tpu_chips():
         return None
     platforms = ",".join(_other_platforms())
     os.environ["JAX_PLATFORMS"] = platforms

@@ -97,7 +97,7 @@ def _manual_grads(s: Setup, params, batch):
         """ZeRO-3: gather the non-layer weights; layer weights are gathered inside the scan."""
         if not sharded_params:
             return p, lambda lp: lp
-        # each weight gathered in the dtype the model first reads it in (half the bytes in bfloat16)
+        # layer weights gathered in the compute dtype (half the bytes in bfloat16), the rest as stored
         cast = compute_dtypes(p, s.dtype)
         top = {n: v for n, v in p.items() if n != "layers"}
         top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top},

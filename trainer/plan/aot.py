@@ -27,6 +27,7 @@ from trainer.errors import UserError
 
 EXAMPLES = "v5p:4x4x8, v5e:4x4, v6e:8x8, v4:4x4x4"
 _PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}  # TensorCores a Cloud TPU accelerator type counts per chip
+_SHRINK = "try train.zero_stage=3, model.remat=full, more train.microbatches or a larger mesh.model"
 
 
 def topology_devices(name: str) -> list:
@@ -37,8 +38,8 @@ def topology_devices(name: str) -> list:
     if name.partition(":")[0] not in _PER_CHIP or ":" not in name:
         raise UserError(f"--compile-for '{name}' is not a TPU topology; give one as jax names it, e.g. {EXAMPLES}")
     from jax.experimental import topologies
-    from trainer.platforms import _chips
-    if not _chips():  # no TPU VM's metadata to read: say what it would, or libtpu warns on stderr
+    from trainer.platforms import tpu_chips
+    if not tpu_chips():  # no TPU VM's metadata to read: say what it would, or libtpu warns on stderr
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         # no chip to guard: processes compiling side by side (test workers) need not take libtpu's lock
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -104,8 +105,7 @@ def compile_for(cfg, name: str) -> Compiled:
         raise
     except Exception as e:  # noqa: BLE001  (XLA:TPU's errors: out of memory, an unsupported op)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        hint = ("; try model.remat=full, train.zero_stage=3, more train.microbatches or a larger mesh.model"
-                if "RESOURCE_EXHAUSTED" in first else "")
+        hint = f"; {_SHRINK}" if "RESOURCE_EXHAUSTED" in first else ""
         raise UserError(f"{st.describe()} does not compile for {name}: {first[:300]}{hint}") from None
     return Compiled(name, devices[0].device_kind, time.perf_counter() - t0, m, plan)
 
@@ -116,8 +116,7 @@ def overflow(c: Compiled) -> str | None:
     if c.total_bytes <= hbm:
         return None
     return (f"{c.plan.strategy.describe()} does not fit {c.topology}: XLA:TPU needs {c.total_bytes / 1e9:.2f} GB "
-            f"per chip, more than the {hbm / 1e9:.1f} GB of {c.plan.device.name}; try train.zero_stage=3, "
-            f"model.remat=full, more train.microbatches, or a larger mesh.model")
+            f"per chip, more than the {hbm / 1e9:.1f} GB of {c.plan.device.name}; {_SHRINK}")
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -172,7 +171,7 @@ def lower_cuda(cfg, n: int) -> Lowered:
 
 def _lowered_axes(line: str, mesh_shape: dict) -> tuple[str, ...]:
     """The mesh axes a lowered collective spans, from its replica groups or permutation pairs."""
-    from trainer.plan.hlo import axes_of
+    from trainer.plan.hlo import axes_of, pair_axes
     m = re.search(r"(?:replica_groups|source_target_pairs) = dense<(.*?)> : tensor<(\d+)x(\d+)xi64>", line)
     if not m:
         return ("?",)
@@ -182,9 +181,8 @@ def _lowered_axes(line: str, mesh_shape: dict) -> tuple[str, ...]:
     else:
         ids = np.array([int(x) for x in re.findall(r"-?\d+", body)])
     ids = np.broadcast_to(ids, (rows * cols,)).reshape(rows, cols)  # a splat is one value for all
-    if "source_target_pairs" in m.group(0):  # the axes along which a pair's ends differ
-        coords = [np.unravel_index(pair, tuple(mesh_shape.values())) for pair in ids.tolist()]
-        return tuple(a for i, a in enumerate(mesh_shape) if any(c[i][0] != c[i][1] for c in coords))
+    if "source_target_pairs" in m.group(0):
+        return pair_axes(ids.tolist(), mesh_shape)
     return axes_of(ids.tolist(), mesh_shape)
 
 

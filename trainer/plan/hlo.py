@@ -206,6 +206,12 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
     return [list(range(n_devices))]  # empty replica_groups: all devices
 
 
+def pair_axes(pairs, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the two ends of some (source, target) device pair differ."""
+    coords = [np.unravel_index(list(pair), tuple(mesh_shape.values())) for pair in pairs]
+    return tuple(a for i, a in enumerate(mesh_shape) if any(c[i][0] != c[i][1] for c in coords))
+
+
 def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes along which the devices of a group differ."""
     coords = np.array(np.unravel_index(np.asarray(groups[0]), tuple(mesh_shape.values()))).T
@@ -241,8 +247,7 @@ def collective_ops(text: str, mesh_shape: dict[str, int], branch_weights=None,
                 line = defs[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
             if kind == "collective-permute":
                 pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
-                coords = [np.unravel_index([int(a), int(b)], tuple(mesh_shape.values())) for a, b in pairs]
-                axes = tuple(a for i, a in enumerate(mesh_shape) if any(c[i][0] != c[i][1] for c in coords))
+                axes = pair_axes([(int(a), int(b)) for a, b in pairs], mesh_shape)
                 out.append((kind, axes, mult[name] * size * len(pairs) / n, line))
                 continue
             groups = _groups(line, n)

@@ -130,8 +130,7 @@ def _device_kernels(c: _Shard, dtype=None):
     from models.fast_cpu import causal_attention
     from models.transformer import kernels_for
     kn = kernels_for(c)
-    platform = c.platform or jax.devices()[0].platform
-    if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
+    if dtype is not None and select(c.attention, dtype, c.target_platform, kn.name == "fast") == "cudnn":
         kn = kn._replace(attention=lambda q, k, v: causal_attention(q, k, v, c.attention_block))
     if c.kv_repeat == 1:
         return kn
@@ -254,7 +253,7 @@ def gather_casts(mc: ModelConfig, a: int) -> tuple[float, float]:
     trainer/step.py casts each layer weight to the compute dtype (a bytes) before its gather; XLA:TPU
     also moves the embedding's casts ahead of its gather (seen in its HLO); XLA:CPU gathers bfloat16
     as float32 (it widens the gather's operand), so on CPU both stay whole."""
-    platform = mc.platform or jax.devices()[0].platform
+    platform = mc.target_platform
     if platform == "cpu":
         return 1.0, 1.0
     return (a / 4 if platform == "tpu" else 1.0), a / 4

@@ -91,22 +91,25 @@ def text(p: Plan) -> str:
     return "\n".join(rows)
 
 
+def _row(name, a, b, width: int = 14, err: bool = True, label: int = 38) -> str:
+    """One row of a prediction beside XLA's figure, with the relative error (n/a without one)."""
+    err = f"{100 * (a / b - 1):+.1f}%" if b and err else "n/a"
+    return f"  {name:<{label}}{a:>{width},.0f}{b:>{width},.0f}  {err}"
+
+
 def verify_text(pred: Plan, m) -> str:
     """Prediction beside XLA's memory analysis and the HLO's collective bytes."""
-    def row(name, a, b):
-        err = f"{100 * (a / b - 1):+.1f}%" if b else "n/a"
-        return f"  {name:<38}{a:>14,.0f}{b:>14,.0f}  {err}"
     n = pred.strategy.devices
     rows = [f"XLA, compiled ahead of time for {n} simulated CPU devices ({pred.dtype}); bytes per device",
             f"  {'':<38}{'predicted':>14}{'XLA':>14}  error",
-            row("parameters + optimizer state", pred.params_bytes + pred.opt_state_bytes, m.params_opt_bytes),
-            row("gradients", pred.grads_bytes, m.grads_bytes),
-            row("parameters + optimizer + gradients", pred.state_bytes, m.params_opt_bytes + m.grads_bytes),
-            row("temp: activations+gradients+buffers", pred.activations_bytes + pred.grads_bytes + pred.buffers_bytes,
-                m.temp_bytes)]
+            _row("parameters + optimizer state", pred.params_bytes + pred.opt_state_bytes, m.params_opt_bytes),
+            _row("gradients", pred.grads_bytes, m.grads_bytes),
+            _row("parameters + optimizer + gradients", pred.state_bytes, m.params_opt_bytes + m.grads_bytes),
+            _row("temp: activations+gradients+buffers", pred.activations_bytes + pred.grads_bytes + pred.buffers_bytes,
+                 m.temp_bytes)]
     for axis, (mine, xla) in by_axis(pred, m).items():
-        rows.append(row(f"collectives over {axis}", mine, xla))
-    rows.append(row("collectives, total", pred.comm_bytes, m.comm_bytes))
+        rows.append(_row(f"collectives over {axis}", mine, xla))
+    rows.append(_row("collectives, total", pred.comm_bytes, m.comm_bytes))
     return "\n".join(rows)
 
 
@@ -145,8 +148,7 @@ def compiled_text(c) -> str:
     """`plan --compile-for`: XLA:TPU's figures per chip beside the planner's (trainer/plan/aot.py)."""
     p, m = c.plan, c.measured
     def row(name, a, b, err=True):
-        err = f"{100 * (a / b - 1):+.1f}%" if b and err else "n/a"
-        return f"  {name:<40}{a:>19,.0f}{b:>19,.0f}  {err}"
+        return _row(name, a, b, width=19, err=err, label=40)
     n = p.strategy.devices
     planned_flops = p.compute_s * p.device.peak(p.dtype)  # per device, the planner's hardware FLOPs
     rows = [f"meshtrain plan --compile-for {c.topology}: {headline(p, param_count(p.model))}",
