@@ -1,4 +1,6 @@
-"""Next-token cross-entropy of the output head, whole or tiled over tokens (model.loss_chunk).
+"""The loss: next-token cross-entropy of the output head, whole or tiled over tokens
+(model.loss_chunk), as a sum of loss_weight x token loss (models/batch.py: the step divides once,
+by the step's counted tokens).
 
 Letters as in models/transformer.py; N tokens (flattened B*T), C chunks of n tokens.
 
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from models.batch import counted, mean_of
+from models.config import ModelConfig
+from models.transformer import Constrain, _identity, _no_constrain, embed, head, layer_stack, rms_norm
 
 # Default rule (model.loss_chunk unset): tile when the whole float32 logits would exceed
 # TILE_ABOVE bytes, in chunks of the largest power-of-two token count whose logits fit in
@@ -59,14 +65,14 @@ def _vocab_blocks(vocab: int, at_most: int) -> int:
     return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
 
 
-def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
-    """Mean cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
+def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain):
+    """Sum of weight x cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
     w_axes "dv" or (V, D) for "vd" (a tied embedding, used as stored: its gradient then needs no
     transpose before it meets the lookup's).
 
     Forward: chunk c takes tokens c, c+C, c+2C, ... (as microbatches take rows), so that with
     the tokens split over `data` every chunk is split over it too; N not a multiple of n is
-    padded with masked-out tokens. It keeps each token's logsumexp (N floats).
+    padded with tokens of weight 0. It keeps each token's logsumexp (N floats).
     Backward: the logits are recomputed by vocabulary block instead (every token, V/C entries
     of the vocabulary, strided so that a block is split over `model` like V): each block's
     weight gradient is written once into its place. By token chunk, every chunk's (V, D)
@@ -78,9 +84,8 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
     nb = _vocab_blocks(w.shape[0] if w_axes == "vd" else w.shape[1], C)
     v_axis = 1 if w_axes == "vd" else 2
 
-    def forward(x_ND, w, targets_N):
+    def forward(x_ND, w, targets_N, mask_N):
         pad = C * n - N
-        mask_N = jnp.ones((N,), jnp.float32)
         if pad:
             x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
             targets_N, mask_N = jnp.pad(targets_N, (0, pad)), jnp.pad(mask_N, (0, pad))
@@ -95,18 +100,18 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
             return total + jnp.sum((logz - _target_logits(logits, t_n, 1, 0)) * m_n), logz
 
         total, logz_Cn = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
-        return total / N, logz_Cn.T.reshape(C * n)[:N]
+        return total, logz_Cn.T.reshape(C * n)[:N]
 
     @jax.custom_vjp
-    def loss(x_ND, w, targets_N):
-        return forward(x_ND, w, targets_N)[0]
+    def loss(x_ND, w, targets_N, weight_N):
+        return forward(x_ND, w, targets_N, weight_N)[0]
 
-    def fwd(x_ND, w, targets_N):
-        value, logz_N = forward(x_ND, w, targets_N)
-        return value, (x_ND, w, targets_N, logz_N)
+    def fwd(x_ND, w, targets_N, weight_N):
+        value, logz_N = forward(x_ND, w, targets_N, weight_N)
+        return value, (x_ND, w, targets_N, weight_N, logz_N)
 
     def bwd(res, g):
-        x_ND, w, targets_N, logz_N = res
+        x_ND, w, targets_N, weight_N, logz_N = res
         shape = (w.shape[0] // nb, nb, D) if w_axes == "vd" else (D, w.shape[1] // nb, nb)
         w_r = w.reshape(shape)
 
@@ -114,9 +119,9 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
             dx_ND, dw = carry
             w_b = jax.lax.dynamic_index_in_dim(w_r, b, v_axis, keepdims=False)
             logits = _logits(x_ND, w_b, w_axes, constrain)
-            # d loss / d logits = (softmax - one-hot) g / N; vocabulary entry i*nb + b in this block
+            # d loss / d logits = (softmax - one-hot) g weight; vocabulary entry i*nb + b in this block
             hit = _target_logits(None, targets_N, nb, b, logits.shape)
-            d = ((jnp.exp(logits - logz_N[:, None]) - hit) * (g / N)).astype(x_ND.dtype)
+            d = ((jnp.exp(logits - logz_N[:, None]) - hit) * (g * weight_N)[:, None]).astype(x_ND.dtype)
             dx_ND = dx_ND + jnp.einsum(f"nv,{w_axes}->nd", d, w_b.astype(x_ND.dtype),
                                        preferred_element_type=jnp.float32)
             dw_b = jnp.einsum(f"nv,nd->{w_axes}", d, x_ND, preferred_element_type=jnp.float32).astype(w.dtype)
@@ -124,7 +129,42 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, n: int, constrain):
 
         zeros = (jnp.zeros((N, D), jnp.float32), jnp.zeros(shape, w.dtype))
         (dx_ND, dw), _ = jax.lax.scan(block, zeros, jnp.arange(nb))
-        return dx_ND.astype(x_ND.dtype), dw.reshape(w.shape), None
+        return dx_ND.astype(x_ND.dtype), dw.reshape(w.shape), None, None
 
     loss.defvjp(fwd, bwd)
-    return loss(x_ND, w, targets_N)
+    return loss(x_ND, w, targets_N, weight_N.astype(jnp.float32))
+
+
+def cross_entropy(logits_BTV, targets_BT, weight_BT=None):
+    """Sum of weight x next-token cross-entropy in nats (weight None: every token 1)."""
+    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
+    tgt = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    ce = logz - tgt
+    return jnp.sum(ce if weight_BT is None else ce * weight_BT)
+
+
+def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constrain: Constrain = _no_constrain):
+    """Sum of weight x cross-entropy of the head on final hidden states: whole logits, or tiled
+    over tokens (c.loss_chunk) so that they are never materialised whole."""
+    B, T, D = x_BTD.shape
+    n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
+    if not n:
+        return cross_entropy(head(c, params, x_BTD, constrain), targets_BT, weight_BT)
+    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
+    w, w_axes = (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
+    return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T),
+                               weight_BT.reshape(B * T), n, constrain)
+
+
+def loss_sum(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
+             constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None):
+    """Sum of loss_weight x next-token loss over a batch of fields (models/batch.py)."""
+    x = embed(c, params, batch["tokens"], dtype, constrain)
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
+    return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain)
+
+
+def loss_fn(c: ModelConfig, params: dict, batch: dict, **kw):
+    """The mean next-token loss over the batch's counted tokens, on one shard in one piece (the
+    train step sums over its microbatches and devices and divides once instead)."""
+    return mean_of(loss_sum(c, params, batch, **kw), counted(batch))

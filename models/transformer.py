@@ -27,7 +27,6 @@ from jax.ad_checkpoint import checkpoint_name
 from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
-from models.loss import chunk_tokens, tiled_cross_entropy
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -370,30 +369,3 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
     x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
     return head(c, params, x, constrain)
 
-
-def cross_entropy(logits_BTV, targets_BT):
-    """Mean next-token cross-entropy in nats."""
-    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
-    tgt = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - tgt)
-
-
-def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, constrain: Constrain = _no_constrain):
-    """Mean cross-entropy of the head on final hidden states: whole logits, or tiled over
-    tokens (c.loss_chunk, models/loss.py) so that they are never materialised whole."""
-    B, T, D = x_BTD.shape
-    n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
-    if not n:
-        return cross_entropy(head(c, params, x_BTD, constrain), targets_BT)
-    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
-    w, w_axes = (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
-    return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T), n, constrain)
-
-
-def loss_fn(c: ModelConfig, params: dict, batch_BT1, *, dtype=jnp.float32,
-            constrain: Constrain = _no_constrain, gather: Callable[[dict], dict] = _identity,
-            remat: str | None = None):
-    """Next-token loss on a (B, T+1) token batch."""
-    x = embed(c, params, batch_BT1[:, :-1], dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
-    return head_loss(c, params, x, batch_BT1[:, 1:], constrain)

@@ -44,7 +44,7 @@ out = {}
 for name, (n, overrides) in json.loads(sys.argv[1]).items():
     s = make_setup(load_config(overrides + ["run.progress=false"]), jax.devices()[:n])
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes, s.shardings)
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
         out[name] = jit_train_step(s).lower(state, batch).compile().as_text()
 json.dump(out, sys.stdout)

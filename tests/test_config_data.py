@@ -7,6 +7,7 @@ import pytest
 
 from conftest import TINY, corpus
 from meshes import preset_names
+from models.batch import DTYPES, FIELDS
 from trainer import load_config, train
 from trainer.config import validate
 from trainer.data.batches import Batches, _split_files, stdlib_files
@@ -36,14 +37,33 @@ def test_yaml_files_layer_in_order(tmp_path):
     assert (cfg.train.steps, cfg.train.lr) == (9, 0.25)
 
 
+def _windows(rows: dict) -> np.ndarray:
+    """The (B, T+1) token windows of a batch's fields."""
+    return np.concatenate([rows["tokens"], rows["targets"][:, -1:]], axis=1)
+
+
 def test_batches_are_a_pure_function_of_seed_and_step():
     c = corpus()
     b1, b2 = Batches(c, 3, 8, 32, 256), Batches(c, 3, 8, 32, 256)
-    assert np.array_equal(b1.train(5), b2.train(5))
-    assert not np.array_equal(b1.train(5), b1.train(6))
-    assert not np.array_equal(b1.train(5), Batches(c, 4, 8, 32, 256).train(5))
+    assert np.array_equal(_windows(b1.train(5)), _windows(b2.train(5)))
+    assert not np.array_equal(_windows(b1.train(5)), _windows(b1.train(6)))
+    assert not np.array_equal(_windows(b1.train(5)), _windows(Batches(c, 4, 8, 32, 256).train(5)))
     rows = [Batches(c, 3, 8, 32, 256, p, 4).train(5) for p in range(4)]
-    assert np.array_equal(np.concatenate(rows), b1.train(5))  # processes build disjoint rows
+    for f in b1.train(5):  # processes build disjoint rows of every field
+        assert np.array_equal(np.concatenate([r[f] for r in rows]), b1.train(5)[f]), f
+
+
+def test_a_batch_is_named_fields_with_targets_shifted_once():
+    b = Batches(corpus(), 3, 8, 32, 256).train(5)
+    assert sorted(b) == sorted(FIELDS) and all(b[f].shape == (8, 32) for f in FIELDS)
+    assert {f: b[f].dtype for f in FIELDS} == DTYPES
+    np.testing.assert_array_equal(b["targets"][:, :-1], b["tokens"][:, 1:])  # each target is the next input
+    # the window's bytes, read from the corpus by hand: tokens are its first T, targets its last T
+    text, row = corpus().train, b["tokens"][0]
+    at = np.asarray(text, np.uint8).tobytes().find(row.astype(np.uint8).tobytes())  # a window of the corpus
+    np.testing.assert_array_equal(b["targets"][0], text[at + 1:at + 33])
+    assert (b["loss_weight"] == 1).all() and (b["segment_ids"] == 1).all()  # every target counted, one document
+    np.testing.assert_array_equal(b["positions"], np.tile(np.arange(32), (8, 1)))
 
 
 def test_heldout_files_are_disjoint_and_stable():
@@ -76,7 +96,7 @@ def test_train_api_writes_run_files(tmp_path):
 def _offsets(rows: np.ndarray, data: bytes) -> set:
     """The file offsets every row covers; random bytes make each (T+1)-byte window occur once."""
     covered = set()
-    for row in rows:
+    for row in _windows(rows):
         w = bytes(row.astype(np.uint8))
         at = data.find(w)
         assert at >= 0 and data.find(w, at + 1) < 0, "a window not found once in the file"
@@ -108,6 +128,6 @@ def test_too_little_data_for_train_and_eval_is_refused_unless_nothing_evaluates(
     with pytest.raises(UserError, match=r"has 50 bytes, too few for model.seq_len=32 .* at least 68 bytes"):
         Batches(c, 0, 8, 32, 256)
     b = Batches(c, 0, 8, 32, 256, evaluates=False)  # train.eval_every=0: it trains and never evaluates
-    assert b.train(0).shape == (8, 33)
+    assert b.train(0)["tokens"].shape == (8, 32)
     with pytest.raises(ValueError):
         b.eval(0)

@@ -18,6 +18,8 @@ from flax import nnx
 from conftest import TINY, corpus, max_rel
 from models import Transformer, fast_cpu, forward, from_preset, params_of
 from models import transformer as T
+from models.batch import from_windows
+from models.loss import loss_fn
 from models.decode import extend, init_cache
 
 TOL = 1e-6
@@ -132,11 +134,11 @@ def test_kernels_chosen_by_platform_and_config(monkeypatch):
 
 def test_reference_path_is_plain_and_default_is_fast():
     """The forced reference traces no custom VJP (plain autodiff); the CPU default runs the fast paths."""
-    batch = jnp.zeros((2, 33), jnp.int32)
+    batch = from_windows(np.zeros((2, 33)))
 
     def jaxpr(c):
         p = jax.eval_shape(lambda: params_of(Transformer(c, rngs=nnx.Rngs(0))))
-        return str(jax.make_jaxpr(jax.grad(lambda p: T.loss_fn(c, p, batch)))(p))
+        return str(jax.make_jaxpr(jax.grad(lambda p: loss_fn(c, p, batch)))(p))
 
     assert "custom_vjp" not in jaxpr(_tiny(kernels="reference"))
     assert "custom_vjp" in jaxpr(_tiny())
@@ -145,11 +147,11 @@ def test_reference_path_is_plain_and_default_is_fast():
 @pytest.mark.parametrize("remat", ["none", "dots"])
 @pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
 def test_model_loss_and_grads_fast_equal_reference(kv_heads, remat):
-    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    batch = from_windows(corpus().train[: 4 * 33].reshape(4, 33))
     p, out = params_of(Transformer(_tiny(n_kv_heads=kv_heads), rngs=nnx.Rngs(0))), {}
     for kernels in ("reference", "fast"):
         c = _tiny(n_kv_heads=kv_heads, remat=remat, kernels=kernels)
-        out[kernels] = jax.jit(jax.value_and_grad(lambda p: T.loss_fn(c, p, batch)))(p)
+        out[kernels] = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch)))(p)
     (l_ref, g_ref), (l_fast, g_fast) = out["reference"], out["fast"]
     assert abs(float(l_fast) - float(l_ref)) / float(l_ref) < TOL
     assert max_rel(g_fast, g_ref) < TOL

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import SGD, TINY
+from models.batch import from_windows
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32"]
@@ -95,7 +96,8 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
     if layout == "pipe_2x2x2" and name == "tied_llama3_bf16":
         from trainer.ckpt.initial import state_from_params
         from trainer.step import jit_train_step
-        batch = np.concatenate([ref["tokens"]] * 2)  # batch_size 4: a microbatch per data rank and stage fill
+        # batch_size 4: a microbatch per data rank and stage fill
+        batch = from_windows(np.concatenate([ref["tokens"]] * 2))
         with jax.set_mesh(s.mesh):
             _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
         assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5

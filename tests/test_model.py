@@ -7,7 +7,9 @@ from flax import nnx
 
 from conftest import TINY, corpus, max_rel
 from models import PRESETS, Transformer, from_preset, param_count, params_of
-from models.transformer import embed, head, layer_stack, loss_fn
+from models.batch import from_windows
+from models.loss import loss_fn
+from models.transformer import embed, head, layer_stack
 from trainer.config import load_config
 from trainer.data.batches import Batches
 from models import abstract_model
@@ -43,7 +45,7 @@ def _tiny_params(**kw):
 
 def test_remat_on_off_same_loss_and_grads():
     c, p = _tiny_params()
-    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    batch = from_windows(corpus().train[: 4 * 33].reshape(4, 33))
     out = {}
     for remat in ("none", "full", "dots"):
         out[remat] = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch, remat=remat)))(p)
@@ -60,7 +62,7 @@ def test_sublayer_remat_same_loss_and_grads_and_saves_two_inputs_per_layer(scan)
     from trainer.config import load_config, model_config
     assert model_config(load_config(["model.preset=tiny", "model.remat=sublayer"])).remat == "sublayer"
     c, p = _tiny_params(scan_layers=scan)
-    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    batch = from_windows(corpus().train[: 4 * 33].reshape(4, 33))
     out = {r: jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch, remat=r)))(p) for r in ("none", "sublayer")}
     np.testing.assert_allclose(float(out["sublayer"][0]), float(out["none"][0]), rtol=1e-6)
     assert max_rel(out["sublayer"][1], out["none"][1]) < 1e-6
@@ -113,7 +115,7 @@ def test_fast_paths_match_the_reference_layer(kv_heads):
     """Unrolled layers, the hand-written attention backward (blocked and not) and the
     projections' shared backward give the loss and gradients of the plain formulation:
     scanned layers, jax.nn.dot_product_attention, autodiff."""
-    batch = jnp.asarray(corpus().train[: 4 * 33].reshape(4, 33).astype(np.int32))
+    batch = from_windows(corpus().train[: 4 * 33].reshape(4, 33))
     c_ref, p = _tiny_params(n_kv_heads=kv_heads, scan_layers=True, attention="xla")
     ref = _loss_and_grads(c_ref, p, batch)
     for kw in (dict(scan_layers=False, attention="manual", attention_block=0),

@@ -258,12 +258,14 @@ def test_data_split(mesh, procs):
     whole = Batches(corpus(), 0, B, 32, 256).global_train(7)
     for p, b in enumerate(parts):  # a process loads exactly the rows its devices hold
         assert set(range(B)[b.rows]) == held[p]
-        np.testing.assert_array_equal(b.train(7), whole[b.rows])
+        for f, x in b.train(7).items():
+            np.testing.assert_array_equal(x, whole[f][b.rows])
     blocks = sorted({(b.rows.start, b.rows.stop) for b in parts})
     assert len(blocks) == min(data, procs)  # processes that share a data shard load the same rows
     assert blocks[0][0] == 0 and blocks[-1][1] == B and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
     first = {(b.rows.start, b.rows.stop): b for b in reversed(parts)}
-    np.testing.assert_array_equal(np.concatenate([first[r].train(7) for r in blocks]), whole)
+    for f in whole:
+        np.testing.assert_array_equal(np.concatenate([first[r].train(7)[f] for r in blocks]), whole[f])
 
 
 def test_detect():

@@ -6,7 +6,6 @@ import io
 import json
 import re
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,9 @@ from rich.console import Console
 
 from conftest import TINY
 from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
-from models.transformer import REMAT, cross_entropy, embed, head, layer, rope_tables, sublayer_remat
+from models.batch import abstract
+from models.loss import cross_entropy
+from models.transformer import REMAT, embed, head, layer, rope_tables, sublayer_remat
 from trainer import UserError, load_config, train
 from trainer.data.batches import Batches
 from trainer.observe.metrics import MetricsWriter
@@ -27,10 +28,10 @@ DATA_DELAY_S = 0.05
 WRITE_DELAY_S = 0.05  # each metrics line written: time outside every measured part, so "other"
 
 
-def _unrolled_loss(c, params, batch_BT1):
+def _unrolled_loss(c, params, batch):
     """loss_fn with the layer scan written out (XLA's cost analysis counts a while body once), each
     layer remat'd as c.remat says (prevent_cse: XLA must not merge the recomputation away)."""
-    x = embed(c, params, batch_BT1[:, :-1], jnp.float32)
+    x = embed(c, params, batch["tokens"], jnp.float32)
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta)
     f = functools.partial(layer, c, rope=rope)
     if c.remat == "sublayer":
@@ -39,14 +40,13 @@ def _unrolled_loss(c, params, batch_BT1):
         f = jax.checkpoint(f, policy=REMAT[c.remat], prevent_cse=True)
     for i in range(c.n_layers):
         x = f(jax.tree.map(lambda w: w[i], params["layers"]), x)
-    return cross_entropy(head(c, params, x), batch_BT1[:, 1:])
+    return cross_entropy(head(c, params, x), batch["targets"], batch["loss_weight"]) / batch["loss_weight"].sum()
 
 
 def _xla_flops_per_token(c, loss, batch=4):
     """XLA's FLOP count of value_and_grad(loss) on one device, per token."""
     shapes = abstract_model(c).params
-    tokens = jax.ShapeDtypeStruct((batch, c.seq_len + 1), jnp.int32)
-    compiled = jax.jit(jax.value_and_grad(functools.partial(loss, c))).lower(shapes, tokens).compile()
+    compiled = jax.jit(jax.value_and_grad(functools.partial(loss, c))).lower(shapes, abstract(batch, c.seq_len)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax returns one dict per program
     return cost["flops"] / (batch * c.seq_len)

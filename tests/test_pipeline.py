@@ -103,10 +103,10 @@ def _simulated_schedule(S, M, V):
 
 @pytest.mark.parametrize("S,M,V", [(2, 4, 1), (4, 4, 1), (4, 4, 2), (2, 6, 2)])
 def test_schedule_length_and_bubble_match_a_simulation(S, M, V):
-    cfg = load_config(TINY + EIGHT + [f"mesh.data=1", f"mesh.stage={S}", f"train.microbatches={M}",
+    cfg = load_config(TINY + EIGHT + ["mesh.data=1", f"mesh.stage={S}", f"train.microbatches={M}",
                                       f"train.pipeline_repeats={V}", "train.batch_size=24"])
     s = make_setup(cfg, jax.devices()[:S])
-    batch = jax.ShapeDtypeStruct((24, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch(24)
     with jax.set_mesh(s.mesh):
         jaxpr = jax.make_jaxpr(lambda st, b: jit_train_step(s)(st, b))(s.shapes, batch).jaxpr
     ticks, idle = _simulated_schedule(S, M, V)
@@ -148,7 +148,7 @@ def test_circular_blocks_give_stage_s_blocks_s_plus_multiples_of_S(S, V):
 
 def _arg_bytes(overrides, n):
     s = make_setup(load_config(TINY + EIGHT + overrides), jax.devices()[:n])
-    batch = jax.ShapeDtypeStruct((16, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch(16)
     with jax.set_mesh(s.mesh):
         c = jit_train_step(s).lower(s.shapes, batch).compile()
     layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.shapes["params"]["layers"]))
@@ -204,7 +204,7 @@ def test_circular_checkpoint_restores_onto_any_schedule(tmp_path):
 
 def _temp_bytes(overrides):
     s = make_setup(load_config(TINY + overrides), jax.devices()[:4])
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
         return jit_train_step(s).lower(s.shapes, batch).compile().memory_analysis().temp_size_in_bytes
 
@@ -256,7 +256,7 @@ def test_1f1b_needs_far_less_scratch_than_gpipe(extra, ratio):
 
 def _flops(overrides, n):
     s = make_setup(load_config(TINY + overrides), jax.devices()[:n])
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
         return jit_train_step(s).lower(s.shapes, batch).compile().cost_analysis()["flops"]
 

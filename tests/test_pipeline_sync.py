@@ -4,7 +4,6 @@ no-pipeline step."""
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import SGD, TINY
@@ -64,7 +63,7 @@ def _data_sync(overrides, n):
     """{collective kind: bytes one device sends over `data` per step}, floating-point arrays only (the
     integer ones move the batch, not the training state)."""
     s = make_setup(load_config(TINY + EIGHT + overrides), jax.devices()[:n])
-    batch = jax.ShapeDtypeStruct((16, s.model.seq_len + 1), np.int32, sharding=s.batch_sharding())
+    batch = s.abstract_batch(16)
     with jax.set_mesh(s.mesh):
         text = jit_train_step(s).lower(s.shapes, batch).compile().as_text()
     out = {}

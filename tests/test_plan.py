@@ -16,7 +16,6 @@ from trainer.config import load_config, model_config
 from trainer.plan.core import estimate, links, strategy_of
 from trainer.hardware import get_device
 from trainer.plan.hlo import collective_bytes
-from trainer.plan.memory import leaves
 from trainer.plan.report import by_axis
 from trainer.plan.verify import measure
 

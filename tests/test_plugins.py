@@ -62,13 +62,16 @@ def test_eval_is_due_every_eval_every_and_at_the_last_step():
     run, seen = _run("train.eval_every=4", "train.eval_batches=2"), []
     run.batches = types.SimpleNamespace(c=types.SimpleNamespace(bytes_per_token=2.0), eval=lambda i: i)
     run.batch = lambda rows: rows
-    run.eval_fn = lambda params, batch: seen.append((params, batch)) or jnp.float32(1.0 + batch)
+    # (loss sum, counted tokens) per batch: 10 tokens at 1.0 nats, 30 at 2.0; one mean over all 40, 1.75
+    # (a mean of the two batches' means would be 1.5)
+    run.eval_fn = lambda params, batch: seen.append((params, batch)) or (jnp.float32((1 + batch) * (10 + 20 * batch)),
+                                                                         jnp.float32(10 + 20 * batch))
     ev = Eval(run)
     for step in range(1, 11):
         run.record = {}
         ev.at_sync(run, step)
         if step in (4, 8, 10):
-            assert run.record == {"step": step, "eval_loss": 1.5, "eval_bpb": pytest.approx(1.5 / np.log(2) / 2)}
+            assert run.record == {"step": step, "eval_loss": 1.75, "eval_bpb": pytest.approx(1.75 / np.log(2) / 2)}
         else:
             assert run.record == {}
     assert seen == [("P", 0), ("P", 1)] * 3
@@ -201,7 +204,7 @@ def test_step_metrics_fetch_on_log_steps_and_time_steps_from_the_last_sync(tiny_
     run.s, run.compile_s, run.synced_at, run.rewound_at = s, 1.0, time.perf_counter(), None
     sm = StepMetrics(run)
     run.metrics = {"loss": jnp.float32(2.0), "grad_norm": jnp.float32(0.5), "lr": jnp.float32(1e-3),
-                   "skipped": jnp.int32(1), "bad_streak": jnp.int32(0)}
+                   "skipped": jnp.int32(1), "bad_streak": jnp.int32(0), "counted_tokens": jnp.float32(960)}
     sm.before_step(run, 1)
     run.record = {}
     sm.at_sync(run, 1)
@@ -211,6 +214,7 @@ def test_step_metrics_fetch_on_log_steps_and_time_steps_from_the_last_sync(tiny_
     sm.at_sync(run, 2)
     rec = run.record
     assert run.host is not None and rec["step"] == 2 and rec["loss"] == 2.0 and rec["skipped"] == 1
+    assert rec["counted_tokens"] == 960 and isinstance(rec["counted_tokens"], int)
     assert rec["step_time_s"] >= 0.05 / 2 and rec["tokens_per_sec"] == pytest.approx(32 * 32 / rec["step_time_s"])
     run.rewound_at, run.synced_at = (time.perf_counter(), 1), time.perf_counter()  # a rollback to step 1
     sm.before_step(run, 2)

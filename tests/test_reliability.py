@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY, corpus
+from models.batch import from_windows
 
 from trainer.ckpt import store as ckpt
 from trainer.ckpt.params import load_params
@@ -43,7 +44,7 @@ def test_nan_and_spike_skip_the_update_and_leave_the_state_untouched():
     s = make_setup(cfg)
     state, step = init_state(s), jit_train_step(s)
     b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
-    noise = np.random.default_rng(0).integers(0, 256, size=(16, s.model.seq_len + 1), dtype=np.int32)
+    noise = from_windows(np.random.default_rng(0).integers(0, 256, size=(16, s.model.seq_len + 1)))
     after, ms = [_host(state, "params", "opt_state")], []
     with jax.set_mesh(s.mesh):
         for i in range(9):  # step 8 (i=7) trains on uniform noise: a loss spike once the model has learned
@@ -81,7 +82,7 @@ def _records(run: Path) -> dict:
 
 
 def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
-    from models.transformer import loss_fn
+    from models.loss import loss_fn
     from trainer.config import model_config
     from trainer.data.batches import Batches, load_corpus
     ref = Path(drill["workdir"]) / "ref"

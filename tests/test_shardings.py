@@ -3,7 +3,6 @@ import functools
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import TINY
@@ -70,8 +69,7 @@ def test_tensor_parallel_megatron_split():
 def _compiled(overrides: tuple):
     """The compiled train step of a layout: one compile per layout, shared by the tests below."""
     s, st = _setup(overrides)
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32,
-                                 sharding=s.batch_sharding())
+    batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
         return jit_train_step(s).lower(st, batch).compile()
 

@@ -49,10 +49,12 @@ def guarded_step(inner, cfg, state: dict, batch):
     out = {k: new[k] if k == "step" else jax.tree.map(lambda n, o: jnp.where(bad, o, n), new[k], state[k])
            for k in new if k != "guard"}
     streak = jnp.where(bad, g["streak"] + 1, 0)
+    # a step with no counted token (loss 0 by definition) is accepted but says nothing about spikes
+    keep = bad | (m["counted_tokens"] <= 0)
     out["guard"] = {
         "offset": g["offset"], "skipped": g["skipped"] + bad.astype(jnp.int32), "streak": streak,
         "trip": jnp.where(streak == t.max_bad_steps, state["step"] + 1, g["trip"]),
-        "window": jnp.where(bad, g["window"], g["window"].at[g["seen"] % t.spike_window].set(loss)),
-        "seen": g["seen"] + (~bad).astype(jnp.int32)}
+        "window": jnp.where(keep, g["window"], g["window"].at[g["seen"] % t.spike_window].set(loss)),
+        "seen": g["seen"] + (~keep).astype(jnp.int32)}
     g2 = out["guard"]
     return out, {**m, "loss": loss, "skipped": g2["skipped"], "bad_streak": streak, "trip": g2["trip"]}

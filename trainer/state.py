@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from meshes import Layout, MeshError, build_mesh
 from models import ModelConfig, Transformer, abstract_model, params_of
+from models import batch as batch_fields
 from trainer import guard
 from trainer.parallel import localsgd
 from trainer.config import Config, compute_dtype, model_config, validate
@@ -38,7 +39,13 @@ class Setup:
         return self.shapes["params"]
 
     def batch_sharding(self):
+        """The sharding of every batch field (rows over `data`)."""
         return self.layout.sharding(self.layout.batch_spec())
+
+    def abstract_batch(self, batch_size: int | None = None) -> dict:
+        """The step's batch fields as ShapeDtypeStructs (train.batch_size rows unless given), sharded."""
+        return batch_fields.abstract(batch_size or self.cfg.train.batch_size, self.model.seq_len,
+                                     self.batch_sharding())
 
 
 def make_setup(cfg: Config, devices=None) -> Setup:

@@ -1,5 +1,10 @@
 """The train and eval steps: pure functions of (state, batch), jitted once with explicit shardings.
 
+A batch is a dict of named fields (models/batch.py). Every path below returns sums over the step's
+whole batch, of loss_weight x token loss and of its gradient; the step divides both once, by the
+batch's counted tokens (the sum of loss_weight), so the loss is one mean over counted tokens
+whatever the layout, and a step with none has loss 0 and zero gradients.
+
 Gradients come from one of two paths:
   compiler  (grad_sync=auto, ZeRO 0/1, one microbatch): plain jit; XLA inserts the gradient all-reduce.
   manual    (grad_sync=psum|ring|ring_bf16, ZeRO 2/3, or microbatches > 1): the loss and gradients run in a
@@ -27,8 +32,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
+from models.batch import counted, mean_of
+from models.loss import loss_sum
 from models.precision import compute_dtypes
-from models.transformer import loss_fn
 from trainer import guard
 from trainer.parallel import localsgd, pipeline as pipeline_1f1b, sync
 from trainer.optim import schedule_count
@@ -52,7 +58,7 @@ def uses_manual_sync(s: Setup) -> bool:
 
 def _auto_grads(s: Setup, params, batch):
     constrain = constrainer(s.mesh)
-    vg = jax.value_and_grad(lambda p, b: loss_fn(s.model, p, b, dtype=s.dtype, constrain=constrain))
+    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain))
     m = s.cfg.train.microbatches
     if m == 1:
         return vg(params, batch)
@@ -65,8 +71,7 @@ def _auto_grads(s: Setup, params, batch):
         return (carry[0] + loss, acc), None
 
     zeros = _constrain_tree(jax.tree.map(jnp.zeros_like, params), gsh)
-    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
-    return loss / m, jax.tree.map(lambda x: x / m, g)
+    return jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)[0]
 
 
 # ----------------------------------------------------------------------------- manual path
@@ -109,7 +114,7 @@ def _manual_grads(s: Setup, params, batch):
 
     def local_loss(p, mb):
         full, gather = full_params(p)
-        return loss_fn(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather)
+        return loss_sum(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather)
 
     vg = jax.value_and_grad(local_loss)
 
@@ -131,13 +136,12 @@ def _manual_grads(s: Setup, params, batch):
         zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d if zero == 2 else None, k),
                                                     x.dtype), p, dims)
         if m == 1:
-            (loss, g), _ = body((jnp.zeros((), jnp.float32), zeros), mbs[0])
+            (loss, g), _ = body((jnp.zeros((), jnp.float32), zeros), jax.tree.map(lambda x: x[0], mbs))
         else:
             (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
         if zero < 2:  # one all-reduce per step, after accumulation
             g = reducer.all_reduce_tree(g, dims, specs)
-        g = jax.tree.map(lambda x: x / (k * m), g)
-        return jax.lax.pmean(loss, "data") / m, g
+        return jax.lax.psum(loss, "data"), g
 
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data")), out_specs=(P(), out_g),
                        axis_names={"data"}, check_vma=False)
@@ -147,7 +151,7 @@ def _manual_grads(s: Setup, params, batch):
 # ----------------------------------------------------------------------------- steps
 
 def loss_and_grads(s: Setup, params, batch):
-    """Mean loss over the global batch and its gradient, synced over `data`."""
+    """The loss sum over the global batch and its gradient, summed over `data`."""
     if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
         return pipeline_1f1b.loss_and_grads(s, params, batch)
     if uses_manual_sync(s):
@@ -158,7 +162,9 @@ def loss_and_grads(s: Setup, params, batch):
 def train_step(s: Setup, state: dict, batch: jax.Array):
     """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
     params = state["params"]
-    loss, grads = loss_and_grads(s, params, batch)
+    n = counted(batch)  # the step's counted tokens: the one divisor of the loss and its gradient
+    total, grads = loss_and_grads(s, params, batch)
+    loss, grads = mean_of(total, n), jax.tree.map(lambda g: mean_of(g, n), grads)
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
         grads = _constrain_tree(grads, opt_sh)
@@ -167,11 +173,12 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+    return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "counted_tokens": n}
 
 
 def eval_step(s: Setup, params, batch):
-    return loss_fn(s.model, params, batch, dtype=s.dtype, constrain=constrainer(s.mesh))
+    """(loss sum, counted tokens) of a batch: the evaluation sums both over its batches, then divides."""
+    return loss_sum(s.model, params, batch, dtype=s.dtype, constrain=constrainer(s.mesh)), counted(batch)
 
 
 def jit_train_step(s: Setup):

@@ -78,8 +78,6 @@ def main():
     global jax, functools
     import functools
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     from models import flops_per_token
     from trainer.config import load_config
     from trainer.data.batches import Batches, load_corpus

@@ -31,8 +31,7 @@ def memory_analysis(overrides, devices=None, compiler_options=None):
     from trainer.state import make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(list(overrides)), devices or jax.devices()[:1])
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), jax.numpy.int32,
-                                 sharding=s.batch_sharding())
+    batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
         compiled = jit_train_step(s).lower(s.shapes, batch).compile(compiler_options)
     return compiled.memory_analysis()

@@ -13,7 +13,8 @@ Evaluation never reads training tokens: where the held-out part is shorter than 
 is held out instead, or the data is refused as too small.
 
 Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each
-process builds only its own rows. Nothing depends on what came before, so a resumed or
+process builds only its own rows, as the named fields of models/batch.py (targets shifted here,
+once; every target counted and one document per row until the data says otherwise). Nothing depends on what came before, so a resumed or
 resharded run sees exactly the batches it would have seen. grain runs the per-step batch
 function in a background thread with a prefetch buffer (its MapDataset is random-access,
 which fits a step-indexed source, and it starts at any step).
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.batch import from_windows
 from trainer.errors import UserError
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
@@ -192,7 +194,11 @@ class Batches:
                                 f"model.seq_len={seq_len}; use more data or a shorter seq_len")
         self.c = corpus
 
-    def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> np.ndarray:
+    def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> dict:
+        return from_windows(self._windows(tokens, seed_words, n))
+
+    def _windows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> np.ndarray:
+        """This process's windows (rows, T+1) of consecutive tokens."""
         rng = np.random.default_rng(seed_words)
         if self.c.synthetic:
             full = rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)
@@ -202,11 +208,11 @@ class Batches:
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         return np.asarray(tokens[idx], dtype=np.int32)
 
-    def train(self, step: int) -> np.ndarray:
-        """This process's rows (B/P, T+1) of step `step`'s global batch."""
+    def train(self, step: int) -> dict:
+        """This process's rows of step `step`'s global batch: each field (B/P, T)."""
         return self._rows(self.c.train, [self.seed, step, _TRAIN], self.B)
 
-    def global_train(self, step: int) -> np.ndarray:
+    def global_train(self, step: int) -> dict:
         """The whole global batch of a step (tests and single-process tools)."""
         saved, self.rows = self.rows, slice(None)
         try:
@@ -214,7 +220,7 @@ class Batches:
         finally:
             self.rows = saved
 
-    def eval(self, i: int) -> np.ndarray:
+    def eval(self, i: int) -> dict:
         """This process's rows of eval batch i, drawn from the held-out tokens only."""
         if not self.c.synthetic and len(self.c.heldout) <= self.T + 1:
             raise ValueError("no held-out part to evaluate on: build Batches with evaluates=True")

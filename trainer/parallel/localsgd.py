@@ -16,6 +16,9 @@ carries 1/H of the synchronous traffic. Inner optimizer states stay local.
 With an optimizer linear in the gradient (train.optimizer=sgd, train.grad_clip=0), H=1 reproduces
 synchronous training: the replicas' mean update is the update of the mean gradient (DiLoCo with
 outer lr 1 and no momentum too). AdamW's update is not linear in the gradient, so there H=1 differs.
+Each replica's loss is the mean over its own batch's counted tokens (loss_weight, models/batch.py),
+so H=1 equals synchronous training when the replicas count equally many tokens; the logged loss
+is the mean over all replicas' counted tokens, the logged grad norm the replicas' mean.
 Evaluation uses the replicas' mean: at multiples of H, the synced model itself.
 train.sync_warmup=W averages after every step up to step W first (post-local SGD): local steps
 from a random start drift apart fastest, and DiLoCo itself was run from a trained start.
@@ -33,9 +36,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.transformer import loss_fn
+from models.batch import counted, mean_of
+from models.loss import loss_sum
 from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count
+from trainer.parallel.microbatch import split_microbatches
 
 
 def enabled(cfg) -> bool:
@@ -104,20 +109,21 @@ def train_step(s, state: dict, batch):
     """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
     t = s.cfg.train
     constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
-    vg = jax.value_and_grad(lambda p, b: loss_fn(s.model, p, b, dtype=s.dtype, constrain=constrain))
+    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain))
 
     def local(st, rows):
         p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
         lr = s.schedule(schedule_count(o))  # the rate this update uses
-        m = t.microbatches
+        m, n = t.microbatches, counted(rows)  # this replica's counted tokens: its own divisor
         if m == 1:
-            loss, g = vg(p, rows)
+            total, g = vg(p, rows)
         else:
             def body(acc, mb):
                 lm, gm = vg(p, mb)
-                return (acc[0] + lm / m, jax.tree.map(lambda a, b: a + b / m, acc[1], gm)), None
+                return (acc[0] + lm, jax.tree.map(jnp.add, acc[1], gm)), None
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
-            (loss, g), _ = jax.lax.scan(body, zero, rows.reshape(m, -1, *rows.shape[1:]))
+            (total, g), _ = jax.lax.scan(body, zero, split_microbatches(rows, m))
+        g = jax.tree.map(lambda x: mean_of(x, n), g)
         grad_norm = optax.tree.norm(g)
         updates, o = s.tx.update(g, o, p)
         p = optax.apply_updates(p, updates)
@@ -132,9 +138,9 @@ def train_step(s, state: dict, batch):
                "opt_state": jax.tree.map(lambda x: x[None], o)}
         if "outer" in st:
             new["outer"] = outer
-        # Two scalars per step for the log: the only data-axis traffic between syncs.
-        loss, grad_norm = jax.lax.pmean((loss, grad_norm), "data")
-        return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        # Three scalars per step for the log: the only data-axis traffic between syncs.
+        (total, n), grad_norm = jax.lax.psum((total, n), "data"), jax.lax.pmean(grad_norm, "data")
+        return new, {"loss": mean_of(total, n), "grad_norm": grad_norm, "lr": lr, "counted_tokens": n}
 
     specs = jax.tree.map(lambda sh: P("data") if sh.spec[:1] == ("data",) else P(), s.shardings)
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(specs, P("data")), out_specs=(specs, P()),
@@ -144,13 +150,13 @@ def train_step(s, state: dict, batch):
 
 def eval_step(s, params, batch):
     mean = jax.tree.map(lambda x: x.mean(axis=0), params)
-    return loss_fn(s.model, mean, batch, dtype=s.dtype, constrain=constrainer(s.mesh))
+    return loss_sum(s.model, mean, batch, dtype=s.dtype, constrain=constrainer(s.mesh)), counted(batch)
 
 
 def jit_train_step(s):
     rep = s.layout.replicated
     return jax.jit(functools.partial(train_step, s), in_shardings=(s.shardings, s.batch_sharding()),
-                   out_shardings=(s.shardings, {"loss": rep, "grad_norm": rep, "lr": rep}), donate_argnums=0)
+                   out_shardings=(s.shardings, rep), donate_argnums=0)
 
 
 def jit_eval_step(s):

@@ -1,8 +1,14 @@
-"""Microbatches: the one split of a step's batch that gradient accumulation and every pipeline schedule use."""
+"""Microbatches: the one split of a step's batch that gradient accumulation, local SGD and every
+pipeline schedule use."""
 from __future__ import annotations
+
+import jax
 
 
 def split_microbatches(batch, m: int):
-    """(B, ...) -> (M, B/M, ...); microbatch j takes rows j, j+M, ... so each spans every data shard."""
-    b = batch.shape[0]
-    return batch.reshape(b // m, m, *batch.shape[1:]).swapaxes(0, 1)
+    """Every field (B, ...) -> (M, B/M, ...) the same way: microbatch j takes rows j, j+M, ..., so
+    that each spans every data shard."""
+    def split(x):
+        b = x.shape[0]
+        return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, batch)

@@ -10,7 +10,9 @@ the inputs between a microbatch's forward and backward (at most S for 1F1B, agai
 
 Stage 0 embeds the microbatch's tokens itself and accumulates the embedding gradient; the last
 stage applies the head and cross-entropy as it finishes a microbatch's forward and seeds its
-backward with the loss gradient (scaled 1/M): the head runs once per microbatch, on one stage.
+backward with the gradient of the microbatch's loss sum (loss_weight x token loss; the step divides
+once, by the step's counted tokens): the head runs once per microbatch, on one stage. Every batch
+field is split into microbatches alike (trainer/parallel/microbatch.py).
 Layer gradients accumulate per stage, in the stored (L/S, ...) layout (circular blocks map back
 through the vjp of `circular_blocks`).
 
@@ -32,8 +34,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.loss import _token_losses, chunk_tokens
-from models.transformer import embed, head, head_loss, layer_stack
+from models.loss import _token_losses, chunk_tokens, head_loss
+from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules, sync
 from trainer.parallel.circular import circular_blocks
 from trainer.parallel.microbatch import split_microbatches
@@ -57,11 +59,12 @@ def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
     return constrain(x, ("batch", "seq", "embed"))
 
 
-def _cross_entropy(logits_BTV, targets_BT):
-    """`cross_entropy` with the target logit picked by comparing with an iota (models/loss.py), not
-    gathered (as above); XLA fuses the compare into the sum, so no (B, T, V) one-hot exists."""
+def _cross_entropy(logits_BTV, targets_BT, weight_BT):
+    """`cross_entropy` (a weighted sum) with the target logit picked by comparing with an iota
+    (models/loss.py), not gathered (as above); XLA fuses the compare into the sum, so no (B, T, V)
+    one-hot exists."""
     V = logits_BTV.shape[-1]
-    return jnp.mean(_token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)))
+    return jnp.sum(_token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
 
 
 def _put(buf, i, x):
@@ -71,14 +74,13 @@ def _put(buf, i, x):
 
 
 def loss_and_grads(s, params, batch):
-    """Mean next-token loss of a (B, T+1) batch and its gradient, pipelined over `stage` by the
-    table of train.pipeline_schedule."""
+    """The loss sum of a batch (loss_weight x token loss, models/batch.py) and its gradient, summed
+    over the data ranks, pipelined over `stage` by the table of train.pipeline_schedule."""
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
     constrain = constrainer(mesh, without_axes(RULES, {"stage", "data"}))
-    micro = lambda x: jax.lax.with_sharding_constraint(split_microbatches(x, M), P(None, "data"))  # noqa: E731
-    tokens_MbT, targets_MbT = micro(batch[:, :-1]), micro(batch[:, 1:])
+    mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, M), P(None, "data"))  # each field (M, B/M, T)
     top = {k: v for k, v in params.items() if k != "layers"}
     xs = {k: jnp.asarray(getattr(pl, k)) for k in
           ("branch", "m", "v", "slot", "cot_slot", "loss_slot", "recv_act", "recv_cot")}
@@ -93,21 +95,22 @@ def loss_and_grads(s, params, batch):
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
         return layer_stack(c, p, h, constrain=constrain, remat=remat)
 
-    def local(layers, top, tokens, targets):
+    def local(layers, top, mbs):
         if V == 1:
             blocks = jax.tree.map(lambda w: w[None], layers)
             back = lambda d: jax.tree.map(lambda w: w[0], d)  # noqa: E731
         else:
             blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
-        emb = lambda tp, m: _embed(c, tp, tokens[m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
+        emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
+            targets, weight = mbs["targets"][m], mbs["loss_weight"][m]
             if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-                return head_loss(c, tp, y, targets[m], constrain) / M
-            return _cross_entropy(head(c, tp, y, constrain), targets[m]) / M
+                return head_loss(c, tp, y, targets, weight, constrain)
+            return _cross_entropy(head(c, tp, y, constrain), targets, weight)
 
         # The forward runs in a conditional (output only). The steps that add to the gradient sums
         # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
@@ -187,17 +190,17 @@ def loss_and_grads(s, params, batch):
     top_dims, top_specs = ({n: tree[n] for n in top} for tree in (dims, specs))
     reducer = sync.make(t.grad_sync, "data", k)
 
-    def synced(layers, top, tokens, targets):
+    def synced(layers, top, mbs):
         """`local` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
         if zero >= 3:
             layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
             top = reducer.all_gather_tree(top, top_dims, top_specs)
-        loss, dtop, dlayers = local(layers, top, tokens, targets)
+        loss, dtop, dlayers = local(layers, top, mbs)
         g = {**dtop, "layers": dlayers}
         if k > 1:
             g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
-        # each shard's loss is the mean over its rows (and 1/M per microbatch): the global mean is 1/k of the sum
-        return jax.lax.pmean(loss, "data"), jax.tree.map(lambda x: x / k, g)
+        # sums over this shard's rows: the step's sums are their sum over `data` (divided once, by the step)
+        return jax.lax.psum(loss, "data"), g
 
     def manual_specs(sharded: bool):
         """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
@@ -207,7 +210,6 @@ def loss_and_grads(s, params, batch):
         return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
 
     p_in, g_out = manual_specs(zero >= 3), manual_specs(zero >= 2)
-    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"),
-                                                    P(None, "data")),
+    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data")),
                        out_specs=(P(), g_out), axis_names={"stage", "data"}, check_vma=False)
-    return fn(params["layers"], top, tokens_MbT, targets_MbT)
+    return fn(params["layers"], top, mbs)

@@ -150,8 +150,8 @@ def _residuals(fn, *args) -> float:
 def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss."""
-    from models.transformer import (REMAT, attention_half, cross_entropy, head, layer, mlp_half, rope_tables,
-                                    sublayer_remat)
+    from models.loss import cross_entropy
+    from models.transformer import REMAT, attention_half, head, layer, mlp_half, rope_tables, sublayer_remat
     c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff

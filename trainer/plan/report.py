@@ -134,7 +134,7 @@ def search_text(ranked, best_n: int, why) -> str:
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
             f"the fastest {min(best_n, len(fit))} by roofline step time:",
-            f"   #  data stage model ZeRO    M remat schedule          step s   MFU  mem GB  comm GB"]
+            "   #  data stage model ZeRO    M remat schedule          step s   MFU  mem GB  comm GB"]
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
         rows.append(f"  {i + 1:>2} {st.data:>5} {st.stage:>5} {st.model:>5} {st.zero:>4} {st.microbatches:>4} "

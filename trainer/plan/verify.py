@@ -63,9 +63,7 @@ class Measured:
 def abstract_inputs(s):
     """The train state and batch as abstract arrays with their shardings."""
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes, s.shardings)
-    batch = jax.ShapeDtypeStruct((s.cfg.train.batch_size, s.model.seq_len + 1), np.int32,
-                                 sharding=s.batch_sharding())
-    return state, batch
+    return state, s.abstract_batch()
 
 
 def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) -> Measured:
@@ -92,7 +90,7 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
             g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
             g_bytes = g_mem.output_size_in_bytes - 4
     mem = step.memory_analysis()
-    n_batch = batch.size * batch.dtype.itemsize // s.mesh.shape["data"]
+    n_batch = sum(f.size * f.dtype.itemsize for f in jax.tree.leaves(batch)) // s.mesh.shape["data"]
     text = step.as_text()
     return Measured(
         params_opt_bytes=mem.argument_size_in_bytes - n_batch - 4,

@@ -55,10 +55,11 @@ def prepare_run_dir(path: str) -> Path:
     return d
 
 
-def to_global(s: Setup, rows: np.ndarray) -> jax.Array:
-    """This process's rows -> the global batch array, sharded over `data`."""
-    global_shape = (s.cfg.train.batch_size,) + rows.shape[1:]
-    return jax.make_array_from_process_local_data(s.batch_sharding(), rows, global_shape)
+def to_global(s: Setup, rows: dict) -> dict:
+    """This process's rows of every batch field -> the global batch, each field sharded over `data`."""
+    def field(x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(s.batch_sharding(), x, (s.cfg.train.batch_size,) + x.shape[1:])
+    return jax.tree.map(field, rows)
 
 
 def describe(s: Setup) -> str:
@@ -129,7 +130,7 @@ class Run:
         """The state of a run with no checkpoint to resume: from model.init_from, else random."""
         return initial_state(self.s, self.console.print)
 
-    def batch(self, rows) -> jax.Array:
+    def batch(self, rows) -> dict:
         return to_global(self.s, rows)
 
     def logging(self, step: int) -> bool:

@@ -1,5 +1,5 @@
-"""Evaluation every train.eval_every steps (and after the last): the mean loss over train.eval_batches
-held-out batches, and bits per byte where the data's bytes per token are known."""
+"""Evaluation every train.eval_every steps (and after the last): the mean loss over the counted tokens
+of train.eval_batches held-out batches, and bits per byte where the data's bytes per token are known."""
 from __future__ import annotations
 
 import jax
@@ -22,8 +22,10 @@ class Eval(Plugin):
     def at_sync(self, run, step: int):
         if not self.due(run, step):
             return
-        losses = [run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)]
-        run.eval_loss = float(np.mean(jax.device_get(losses)))  # a collective's mean: every process waits
+        # (loss sum, counted tokens) per batch: one mean over all their counted tokens
+        sums = jax.device_get([run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)])
+        total, count = np.sum(sums, axis=0, dtype=np.float64)  # a collective's result: every process waits
+        run.eval_loss = float(total / count) if count > 0 else 0.0
         run.record.update({"step": step, "eval_loss": run.eval_loss})
         if self.bpt:
             run.record["eval_bpb"] = bits_per_byte(run.eval_loss, self.bpt)

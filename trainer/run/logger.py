@@ -12,6 +12,12 @@ from trainer.observe.metrics import device_peak, peak_devices
 from trainer.run.plugin import Plugin
 
 
+def _count(x) -> int | float:
+    """The step's counted tokens: a whole number for 0/1 loss weights, as written."""
+    x = float(x)
+    return int(x) if x.is_integer() else x
+
+
 class StepMetrics(Plugin):
     """On a logged step: the step's metrics fetched to the host (run.host) and their record fields."""
     part = "compute"  # the fetch waits for the step to finish
@@ -40,7 +46,8 @@ class StepMetrics(Plugin):
         self.t_from = None
         tps, peak = self.tokens / dt, (self.peak * self.n_peak if self.peak else None)
         run.record.update({"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-                           "lr": float(m["lr"]), "tokens_per_sec": tps, "step_time_s": dt,
+                           "lr": float(m["lr"]), "counted_tokens": _count(m["counted_tokens"]),
+                           "tokens_per_sec": tps, "step_time_s": dt,
                            "mfu": self.fpt * tps / peak if peak else None,
                            "hfu": self.hfpt * tps / peak if peak else None,
                            "skipped": int(m["skipped"]), "bad_streak": int(m["bad_streak"]),
