@@ -42,6 +42,13 @@ def counted(batch) -> jax.Array:
     return jnp.sum(batch["loss_weight"].astype(jnp.float32))
 
 
+def inverse_count(batch) -> jax.Array:
+    """1 / the batch's counted tokens (1 where there are none: every sum is 0 then): the one division
+    of a loss over the batch, applied where its backward starts."""
+    n = counted(batch)
+    return 1.0 / jnp.where(n > 0, n, 1.0)
+
+
 def mean_of(total, count):
     """total / count, and 0 where nothing was counted (total is then 0 too)."""
     return total / jnp.where(count > 0, count, 1.0)

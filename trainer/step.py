@@ -1,9 +1,11 @@
 """The train and eval steps: pure functions of (state, batch), jitted once with explicit shardings.
 
-A batch is a dict of named fields (models/batch.py). Every path below returns sums over the step's
-whole batch, of loss_weight x token loss and of its gradient; the step divides both once, by the
-batch's counted tokens (the sum of loss_weight), so the loss is one mean over counted tokens
-whatever the layout, and a step with none has loss 0 and zero gradients.
+A batch is a dict of named fields (models/batch.py). The step first counts the batch's counted
+tokens N (the sum of loss_weight over the whole step batch) and takes 1/N, its one division (1 where
+N is 0). Every path below then sums loss_weight x token loss / N, and its gradient, over its
+microbatches, data ranks and pipeline microbatches: the loss is one mean over the step's counted
+tokens whatever the layout, and a step with none has loss 0 and zero gradients. (1/N scales the
+loss where its backward starts, so the gradients need no pass of their own to be divided.)
 
 Gradients come from one of two paths:
   compiler  (grad_sync=auto, ZeRO 0/1, one microbatch): plain jit; XLA inserts the gradient all-reduce.
@@ -32,7 +34,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.batch import counted, mean_of
+from models.batch import counted, inverse_count
 from models.loss import loss_sum
 from models.precision import compute_dtypes
 from trainer import guard
@@ -56,9 +58,9 @@ def uses_manual_sync(s: Setup) -> bool:
 
 # ----------------------------------------------------------------------------- compiler path
 
-def _auto_grads(s: Setup, params, batch):
+def _auto_grads(s: Setup, params, batch, scale):
     constrain = constrainer(s.mesh)
-    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain))
+    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain) * scale)
     m = s.cfg.train.microbatches
     if m == 1:
         return vg(params, batch)
@@ -86,7 +88,7 @@ def _scattered_shape(shape, dim, k):
     return shape if dim is None else shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]
 
 
-def _manual_grads(s: Setup, params, batch):
+def _manual_grads(s: Setup, params, batch, scale):
     t, lay = s.cfg.train, s.layout
     k, m, zero = s.mesh.shape["data"], t.microbatches, t.zero_stage
     dims = jax.tree.map(lambda sh, lg: lay.data_dim(sh.shape, lg), s.param_shapes, s.logical)
@@ -112,9 +114,9 @@ def _manual_grads(s: Setup, params, batch):
         return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs,
                                                                                   cast["layers"])
 
-    def local_loss(p, mb):
+    def local_loss(p, mb, scale):
         full, gather = full_params(p)
-        return loss_sum(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather)
+        return loss_sum(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather) * scale
 
     vg = jax.value_and_grad(local_loss)
 
@@ -127,10 +129,10 @@ def _manual_grads(s: Setup, params, batch):
             return reducer.reduce_scatter_tree(g, dims, specs)
         return jax.tree.map(lambda x, d: reducer.all_reduce(x) if d is None else x, g, dims)
 
-    def local(p, b):
+    def local(p, b, scale):
         mbs = split_microbatches(b, m)
         def body(carry, mb):
-            loss, g = vg(p, mb)
+            loss, g = vg(p, mb, scale)
             g = reduce_micro(g)
             return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
         zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d if zero == 2 else None, k),
@@ -143,28 +145,30 @@ def _manual_grads(s: Setup, params, batch):
             g = reducer.all_reduce_tree(g, dims, specs)
         return jax.lax.psum(loss, "data"), g
 
-    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data")), out_specs=(P(), out_g),
+    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data"), P()), out_specs=(P(), out_g),
                        axis_names={"data"}, check_vma=False)
-    return fn(params, batch)
+    return fn(params, batch, scale)
 
 
 # ----------------------------------------------------------------------------- steps
 
-def loss_and_grads(s: Setup, params, batch):
-    """The loss sum over the global batch and its gradient, summed over `data`."""
+def loss_and_grads(s: Setup, params, batch, scale=None):
+    """scale x the loss sum over the global batch, and its gradient, summed over `data`; scale
+    defaults to 1 / the batch's counted tokens (the mean over them)."""
+    if scale is None:
+        scale = inverse_count(batch)
     if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
-        return pipeline_1f1b.loss_and_grads(s, params, batch)
+        return pipeline_1f1b.loss_and_grads(s, params, batch, scale)
     if uses_manual_sync(s):
-        return _manual_grads(s, params, batch)
-    return _auto_grads(s, params, batch)
+        return _manual_grads(s, params, batch, scale)
+    return _auto_grads(s, params, batch, scale)
+
 
 
 def train_step(s: Setup, state: dict, batch: jax.Array):
     """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
     params = state["params"]
-    n = counted(batch)  # the step's counted tokens: the one divisor of the loss and its gradient
-    total, grads = loss_and_grads(s, params, batch)
-    loss, grads = mean_of(total, n), jax.tree.map(lambda g: mean_of(g, n), grads)
+    loss, grads = loss_and_grads(s, params, batch)  # the mean over the step's counted tokens
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
         grads = _constrain_tree(grads, opt_sh)
@@ -173,7 +177,7 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "counted_tokens": n}
+    return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "counted_tokens": counted(batch)}
 
 
 def eval_step(s: Setup, params, batch):

@@ -36,7 +36,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.batch import counted, mean_of
+from models.batch import counted, inverse_count, mean_of
 from models.loss import loss_sum
 from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count
@@ -109,21 +109,20 @@ def train_step(s, state: dict, batch):
     """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
     t = s.cfg.train
     constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
-    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain))
+    vg = jax.value_and_grad(lambda p, b, inv: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain) * inv)
 
     def local(st, rows):
         p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
         lr = s.schedule(schedule_count(o))  # the rate this update uses
-        m, n = t.microbatches, counted(rows)  # this replica's counted tokens: its own divisor
+        m, inv = t.microbatches, inverse_count(rows)  # this replica's counted tokens: its own divisor
         if m == 1:
-            total, g = vg(p, rows)
+            loss, g = vg(p, rows, inv)
         else:
             def body(acc, mb):
-                lm, gm = vg(p, mb)
+                lm, gm = vg(p, mb, inv)
                 return (acc[0] + lm, jax.tree.map(jnp.add, acc[1], gm)), None
             zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
-            (total, g), _ = jax.lax.scan(body, zero, split_microbatches(rows, m))
-        g = jax.tree.map(lambda x: mean_of(x, n), g)
+            (loss, g), _ = jax.lax.scan(body, zero, split_microbatches(rows, m))
         grad_norm = optax.tree.norm(g)
         updates, o = s.tx.update(g, o, p)
         p = optax.apply_updates(p, updates)
@@ -139,7 +138,8 @@ def train_step(s, state: dict, batch):
         if "outer" in st:
             new["outer"] = outer
         # Three scalars per step for the log: the only data-axis traffic between syncs.
-        (total, n), grad_norm = jax.lax.psum((total, n), "data"), jax.lax.pmean(grad_norm, "data")
+        n = counted(rows)
+        (total, n), grad_norm = jax.lax.psum((loss * n, n), "data"), jax.lax.pmean(grad_norm, "data")
         return new, {"loss": mean_of(total, n), "grad_norm": grad_norm, "lr": lr, "counted_tokens": n}
 
     specs = jax.tree.map(lambda sh: P("data") if sh.spec[:1] == ("data",) else P(), s.shardings)

@@ -10,8 +10,8 @@ the inputs between a microbatch's forward and backward (at most S for 1F1B, agai
 
 Stage 0 embeds the microbatch's tokens itself and accumulates the embedding gradient; the last
 stage applies the head and cross-entropy as it finishes a microbatch's forward and seeds its
-backward with the gradient of the microbatch's loss sum (loss_weight x token loss; the step divides
-once, by the step's counted tokens): the head runs once per microbatch, on one stage. Every batch
+backward with the gradient of the microbatch's loss sum (loss_weight x token loss) over the step's
+counted tokens (trainer/step.py): the head runs once per microbatch, on one stage. Every batch
 field is split into microbatches alike (trainer/parallel/microbatch.py).
 Layer gradients accumulate per stage, in the stored (L/S, ...) layout (circular blocks map back
 through the vjp of `circular_blocks`).
@@ -73,9 +73,9 @@ def _put(buf, i, x):
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i < buf.shape[0], x, buf[j]), j, 0)
 
 
-def loss_and_grads(s, params, batch):
-    """The loss sum of a batch (loss_weight x token loss, models/batch.py) and its gradient, summed
-    over the data ranks, pipelined over `stage` by the table of train.pipeline_schedule."""
+def loss_and_grads(s, params, batch, scale):
+    """scale x the loss sum of a batch (loss_weight x token loss, models/batch.py) and its gradient,
+    summed over the data ranks, pipelined over `stage` by the table of train.pipeline_schedule."""
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
@@ -95,7 +95,7 @@ def loss_and_grads(s, params, batch):
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
         return layer_stack(c, p, h, constrain=constrain, remat=remat)
 
-    def local(layers, top, mbs):
+    def local(layers, top, mbs, scale):
         if V == 1:
             blocks = jax.tree.map(lambda w: w[None], layers)
             back = lambda d: jax.tree.map(lambda w: w[0], d)  # noqa: E731
@@ -109,8 +109,8 @@ def loss_and_grads(s, params, batch):
         def mb_loss(y, tp, m):
             targets, weight = mbs["targets"][m], mbs["loss_weight"][m]
             if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-                return head_loss(c, tp, y, targets, weight, constrain)
-            return _cross_entropy(head(c, tp, y, constrain), targets, weight)
+                return head_loss(c, tp, y, targets, weight, constrain) * scale
+            return _cross_entropy(head(c, tp, y, constrain), targets, weight) * scale
 
         # The forward runs in a conditional (output only). The steps that add to the gradient sums
         # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
@@ -190,16 +190,16 @@ def loss_and_grads(s, params, batch):
     top_dims, top_specs = ({n: tree[n] for n in top} for tree in (dims, specs))
     reducer = sync.make(t.grad_sync, "data", k)
 
-    def synced(layers, top, mbs):
+    def synced(layers, top, mbs, scale):
         """`local` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
         if zero >= 3:
             layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
             top = reducer.all_gather_tree(top, top_dims, top_specs)
-        loss, dtop, dlayers = local(layers, top, mbs)
+        loss, dtop, dlayers = local(layers, top, mbs, scale)
         g = {**dtop, "layers": dlayers}
         if k > 1:
             g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
-        # sums over this shard's rows: the step's sums are their sum over `data` (divided once, by the step)
+        # sums over this shard's rows: the step's are their sum over `data`
         return jax.lax.psum(loss, "data"), g
 
     def manual_specs(sharded: bool):
@@ -210,6 +210,6 @@ def loss_and_grads(s, params, batch):
         return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
 
     p_in, g_out = manual_specs(zero >= 3), manual_specs(zero >= 2)
-    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data")),
+    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"), P()),
                        out_specs=(P(), g_out), axis_names={"stage", "data"}, check_vma=False)
-    return fn(params["layers"], top, mbs)
+    return fn(params["layers"], top, mbs, scale)
