@@ -12,9 +12,11 @@ import pytest
 from conftest import SGD, max_rel, run_steps, single_device
 
 ADAMW = []  # TINY's default: AdamW, clipping at 1
-SLOW = pytest.mark.slow  # the default run keeps one layout of each family: data, data+model, model
+# the default run keeps one layout of each family: data, data+model, model (and tests/test_loss_mean.py
+# runs the compiler's (8,1,1) with SGD, on uneven loss weights)
+SLOW = pytest.mark.slow
 LAYOUTS = [
-    ("8,1,1", ["mesh.data=8", "train.zero_stage=0"] + SGD, ()),
+    ("8,1,1", ["mesh.data=8", "train.zero_stage=0"] + SGD, SLOW),
     ("8,1,1", ["mesh.data=8", "train.zero_stage=1"] + ADAMW, ()),
     ("8,1,1", ["mesh.data=8", "train.zero_stage=2"] + SGD, ()),
     ("8,1,1", ["mesh.data=8", "train.zero_stage=3"] + ADAMW, SLOW),  # ZeRO-3: 4,1,2 below; test_multihost
@@ -65,8 +67,8 @@ def test_wrong_scale_is_seen(monkeypatch):
     from trainer import step
     manual = step._manual_grads
 
-    def unscaled(s, params, batch):
-        loss, g = manual(s, params, batch)
+    def unscaled(s, params, batch, scale):
+        loss, g = manual(s, params, batch, scale)
         return loss, jax.tree.map(lambda x: x * s.mesh.shape["data"], g)
     monkeypatch.setattr(step, "_manual_grads", unscaled)  # the 1-device reference takes the compiler path
     layout = ["mesh.data=2", "train.zero_stage=2"]  # 2 devices: the cheapest manual path
