@@ -30,8 +30,9 @@ with jax.set_mesh(s.mesh):
     c = jit_train_step(s).lower(state, batch).compile()
 cost = c.cost_analysis()
 cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+fusions = len(re.findall(r"= \S+ fusion\(", c.as_text()))
 print(f"MFLOP {cost['flops'] / 1e6:.2f} | MB accessed {cost['bytes accessed'] / 1e6:.2f} | "
-      f"fusions {len(re.findall(r'= \S+ fusion\(', c.as_text()))} | temp MB {c.memory_analysis().temp_size_in_bytes / 1e6:.2f}")
+      f"fusions {fusions} | temp MB {c.memory_analysis().temp_size_in_bytes / 1e6:.2f}")
 """
 
 
