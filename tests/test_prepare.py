@@ -195,3 +195,50 @@ def test_hf_export_carries_the_runs_tokenizer(prepared, tmp_path):
     from tokenizers import Tokenizer
     assert Tokenizer.from_file(str(hf / "tokenizer.json")).token_to_id(conf["eos_token"]) == eot
     assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == eot
+
+
+def test_document_index_matches_each_documents_token_count(prepared):
+    """The index (sidecar `document_index`) against each document encoded alone, in the order written
+    (train documents, then held-out), plus its end-of-text token."""
+    from tokenizers import Tokenizer
+    from trainer.data.batches import load_corpus
+    from trainer.data.prepare import collect
+    docs, out, _ = prepared
+    meta = json.loads((out.parent / "corpus.bin.json").read_text())
+    assert meta["document_index"] == {"path": "corpus.bin.docs", "dtype": "uint64", "entries": 13}
+    index = np.fromfile(out.parent / "corpus.bin.docs", np.uint64).astype(np.int64)
+    tok = Tokenizer.from_file(str(out.parent / "tokenizer.json"))
+    train, held = collect([str(docs)], HELDOUT)
+    counts = [len(tok.encode(d.path.read_text(), add_special_tokens=False).ids) + 1 for d in train + held]
+    np.testing.assert_array_equal(np.diff(index), counts)
+    assert index[0] == 0 and index[-1] == meta["tokens"]["total"] and index[len(train)] == meta["heldout_range"][0]
+    np.testing.assert_array_equal(load_corpus(str(out)).documents(), index)
+
+
+def test_an_older_bin_without_an_index_finds_documents_by_its_eot(prepared, tmp_path, caplog):
+    import logging
+    import shutil
+    from trainer.data.batches import load_corpus
+    _, out, _ = prepared
+    old = tmp_path / "old.bin"
+    shutil.copy(out, old)
+    meta = json.loads((out.parent / "corpus.bin.json").read_text())
+    index = np.fromfile(out.parent / "corpus.bin.docs", np.uint64).astype(np.int64)
+    del meta["document_index"]
+    (tmp_path / "old.bin.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.INFO, logger="trainer.data.batches"):
+        found = load_corpus(str(old)).documents()
+    np.testing.assert_array_equal(found, index)
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.data.batches"]
+    assert len(lines) == 1 and "no document index" in lines[0] and "12 documents" in lines[0], lines
+
+
+def test_files_read_as_bytes_are_one_document_each(tmp_path):
+    from trainer.data.batches import load_corpus
+    root = _docs(tmp_path / "docs")
+    c = load_corpus(str(root), HELDOUT)
+    sizes = [len(b) for b in (p.read_bytes() for p in sorted(root.iterdir()) if p.name not in _held(root))]
+    sizes += [len(b) for b in (p.read_bytes() for p in sorted(root.iterdir()) if p.name in _held(root))]
+    np.testing.assert_array_equal(np.diff(c.documents()), sizes)
+    assert c.documents()[-1] == len(c.whole)
+    assert load_corpus(str(root / "d00.txt")).documents() is None  # a single text file: no documents

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import sysconfig
 import zlib
@@ -35,6 +36,7 @@ from models.batch import from_windows
 from trainer.errors import UserError
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +50,28 @@ class Corpus:
     heldout_fraction: float = 0.05
     bytes_per_token: float | None = None  # source bytes per token where known: eval_bpb
     prepared: bool = False  # from `meshtrain prepare` (vocab is the tokenizer's)
+    file_starts: np.ndarray | None = None  # files read as bytes: each file's start in `whole`, the total last
+    index: Path | None = None  # a prepared .bin's document index file (its sidecar's `document_index`)
+    eot_id: int | None = None  # a prepared .bin's end-of-text token: older ones have no index
+
+    def documents(self) -> np.ndarray | None:
+        """The start offset of every document in `whole`, with len(whole) last (one more entry than
+        documents), or None where the source has no documents (a single text file, a bare .bin, synthetic).
+        Files read as bytes are one document each; a prepared .bin reads its index, or, prepared before
+        there was one, finds its documents by scanning for the end-of-text token (logged once)."""
+        if self.file_starts is not None:
+            return self.file_starts
+        if self.index is not None:
+            return np.fromfile(self.index, dtype=np.uint64).astype(np.int64)
+        if self.eot_id is None:
+            return None
+        whole = self.whole if self.whole is not None else np.concatenate([self.train, self.heldout])
+        ends = np.flatnonzero(np.asarray(whole) == self.eot_id) + 1
+        starts = np.unique(np.concatenate([[0], ends, [len(whole)]])).astype(np.int64)
+        log.warning("data.source '%s' has no document index (prepared before there was one): %d documents found "
+                    "by scanning for its end-of-text token %d; run meshtrain prepare again to write the index",
+                    self.source, len(starts) - 1, self.eot_id)
+        return starts
 
 
 def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
@@ -56,6 +80,11 @@ def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
 
 def sidecar_path(bin_path) -> Path:
     return Path(str(bin_path) + ".json")
+
+
+def index_path(bin_path) -> Path:
+    """Where `meshtrain prepare` writes a .bin's document index (the sidecar's `document_index` names it)."""
+    return Path(str(bin_path) + ".docs")
 
 
 def read_sidecar(bin_path) -> dict | None:
@@ -100,7 +129,8 @@ def _files(train: list[Path], held: list[Path]) -> Corpus:
     parts = [p.read_bytes() for p in train + held]
     k = sum(len(b) for b in parts[:len(train)])
     data = np.frombuffer(b"".join(parts), dtype=np.uint8)
-    return Corpus(data[:k], data[k:], 256, whole=data, bytes_per_token=1.0)
+    starts = np.unique(np.cumsum([0] + [len(b) for b in parts])).astype(np.int64)  # empty files: no document
+    return Corpus(data[:k], data[k:], 256, whole=data, bytes_per_token=1.0, file_starts=starts)
 
 
 def load_corpus(source: str, heldout_fraction: float = 0.05, bin_dtype: str = "uint16") -> Corpus:
@@ -130,8 +160,10 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         toks = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else np.zeros(0, meta["dtype"])
         cut = int(meta["heldout_range"][0])
         bpt = meta.get("heldout_bytes_per_token") or meta.get("bytes_per_token")
+        index = meta.get("document_index")
         return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks, bytes_per_token=bpt,
-                             prepared=True), source)
+                             prepared=True, index=path.parent / index["path"] if index else None,
+                             eot_id=meta.get("eot_id")), source)
     if path.suffix == ".bin":
         if bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")

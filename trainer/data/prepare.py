@@ -2,7 +2,10 @@
 
 Documents are files; each goes to train or held-out by a hash of its name (trainer/data/batches.py's file split),
 and an end-of-text token follows every document. The sidecar (DATA.bin.json) tells trainer/data/batches.py the
-dtype, the vocabulary, the held-out token range and the bytes per token, and records the tokenizer.
+dtype, the vocabulary, the held-out token range and the bytes per token, and records the tokenizer. The
+document index (DATA.bin.docs, named by the sidecar's `document_index`) holds the start offset of every
+document, uint64, and the total token count last (one more entry than documents): the one source of document
+boundaries, since end-of-text tokens may also occur inside a document (a chat template's turns).
 """
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.batches import _split_files, sidecar_path, stdlib_files
+from trainer.data.batches import _split_files, index_path, sidecar_path, stdlib_files
 from trainer.errors import UserError
 
-VERSION = 1
+VERSION = 2  # 2: the document index
 EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 PIECE = 1 << 22  # bytes of one document handed to the encoder at a time: bounds memory on huge files
@@ -125,18 +128,23 @@ def train_tokenizer(docs: list[Doc], vocab_size: int):
     return tok
 
 
-def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, counts: list[int]) -> int:
-    """Encode documents in batches, each followed by EOT, appending to f; returns the tokens written."""
+def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, counts: list[int],
+                  doc_ends: list[int]) -> int:
+    """Encode documents in batches, each followed by EOT, appending to f; returns the tokens written and
+    appends each document's end (the offset after its EOT, in the whole file) to doc_ends."""
     batch, ends, nbytes, written = [], [], 0, 0
 
     def flush():
         nonlocal batch, ends, nbytes, written
         encs = tok.encode_batch_fast(batch, add_special_tokens=False)
-        parts = []
+        parts, at = [], counts[0]
         for enc, end in zip(encs, ends):
             parts.append(np.asarray(enc.ids, dtype))
+            at += len(enc.ids)
             if end:
                 parts.append(np.asarray([eot], dtype))
+                at += 1
+                doc_ends.append(at)
         arr = np.concatenate(parts) if parts else np.zeros(0, dtype)
         arr.tofile(f)
         written += len(arr)
@@ -158,6 +166,7 @@ def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, coun
             np.asarray([eot], dtype).tofile(f)
             written += 1
             counts[0] += 1
+            doc_ends.append(counts[0])
     if batch:
         flush()
     return written
@@ -176,8 +185,10 @@ def _up_to_date(out: Path, digest: str) -> bool:
         meta = json.loads(sidecar_path(out).read_text())
         tok = Path(meta["tokenizer"]["path"])
         tok = tok if tok.is_absolute() else out.parent / tok
+        index = out.parent / meta["document_index"]["path"]
         return (meta.get("inputs_sha256") == digest and sha256_file(tok) == meta["tokenizer"]["sha256"]
-                and out.stat().st_size == meta["tokens"]["total"] * np.dtype(meta["dtype"]).itemsize)
+                and out.stat().st_size == meta["tokens"]["total"] * np.dtype(meta["dtype"]).itemsize
+                and index.stat().st_size == 8 * meta["document_index"]["entries"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -227,22 +238,28 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
                         console=Console(stderr=True), disable=not show_progress)
     tmp = out_p.with_name(out_p.name + ".tmp")
     t1 = time.perf_counter()
-    counts = [0, t1]  # tokens so far, start time: the progress line's tokens/s
+    counts, doc_ends = [0, t1], []  # tokens so far, start time (the progress line's tokens/s); documents' ends
     with progress, open(tmp, "wb") as f:
         task = progress.add_task("tokenize", total=sum(n_bytes), tokens=0, rate="")
-        n_train = _write_tokens(tok, train_docs, eot, f, dtype, progress, task, counts)
-        n_held = _write_tokens(tok, held_docs, eot, f, dtype, progress, task, counts)
+        n_train = _write_tokens(tok, train_docs, eot, f, dtype, progress, task, counts, doc_ends)
+        n_held = _write_tokens(tok, held_docs, eot, f, dtype, progress, task, counts, doc_ends)
     encode_s = time.perf_counter() - t1
+    total = n_train + n_held
+    index_p = index_path(out_p)
+    index = np.asarray([0] + doc_ends, np.uint64)
+    assert len(index) == len(train_docs) + len(held_docs) + 1 and int(index[-1]) == total
+    index.tofile(index_p.with_name(index_p.name + ".tmp"))
     if not given:
         os.replace(str(tok_path) + ".tmp", tok_path)
     os.replace(tmp, out_p)
-    total = n_train + n_held
+    os.replace(index_p.with_name(index_p.name + ".tmp"), index_p)
     rel = tok_path.resolve().relative_to(out_p.parent.resolve()) if tok_path.resolve().is_relative_to(
         out_p.parent.resolve()) else tok_path.resolve()
     meta = {
         "format": "meshtrain-tokens", "version": VERSION, "dtype": dtype.name, "vocab_size": vocab, "eot_id": eot,
         "tokenizer": {"path": str(rel), "sha256": sha256_file(tok_path), "trained": not given},
         "documents": {"train": len(train_docs), "heldout": len(held_docs)},
+        "document_index": {"path": index_p.name, "dtype": "uint64", "entries": len(index)},
         "tokens": {"train": n_train, "heldout": n_held, "total": total},
         "bytes": {"train": n_bytes[0], "heldout": n_bytes[1]},
         "bytes_per_token": sum(n_bytes) / total,
