@@ -39,12 +39,27 @@ def _warn_fallback(reason: str):
     log.warning("attention: cuDNN's fused kernel refused these inputs or is missing (%s); using XLA's", reason)
 
 
+# What each implementation supports beyond causal attention: "segments" = attention inside each token's
+# document (segment_ids). cuDNN's claims nothing until it is checked on a GPU; a config that needs what
+# the chosen one lacks runs XLA's, which supports everything, and says so once.
+FEATURES = {"manual": {"segments"}, "xla": {"segments"}, "cudnn": set()}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unsupported(impl: str, feature: str):
+    log.warning("attention: %s does not support %s; using XLA's attention for them", impl, feature)
+
+
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
-              cpu_fast: bool = True):
-    """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`)."""
+              cpu_fast: bool = True, segments=None):
+    """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
+    with segments (B, T), inside each token's segment only."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
+    if segments is not None and "segments" not in FEATURES[chosen]:
+        _warn_unsupported(chosen, "document masks (segment_ids)")
+        chosen = "xla"
     # each implementation's ops are scoped `attention_<name>`: the HLO's metadata says which one ran
     if chosen == "cudnn" and impl == "auto":
         try:
@@ -55,5 +70,7 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
             chosen = "xla"
     with jax.named_scope(f"attention_{chosen}"):
         if chosen == "manual":
-            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block)
-        return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation=chosen)
+            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments)
+        mask = None if segments is None else (segments[:, None, :, None] == segments[:, None, None, :])
+        return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, is_causal=True,
+                                            implementation=chosen)

@@ -21,15 +21,16 @@ DTYPES = {"tokens": np.int32, "targets": np.int32, "loss_weight": np.float32, "s
           "positions": np.int32}
 
 
-def from_windows(windows_BT1, loss_weight_BT=None) -> dict:
-    """The fields of B windows of T+1 consecutive tokens (numpy): one document per row, every
-    target counted unless `loss_weight_BT` says otherwise."""
+def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, positions_BT=None) -> dict:
+    """The fields of B windows of T+1 consecutive tokens (numpy); unless given: every target counted,
+    one document per row, positions 0..T-1."""
     w = np.asarray(windows_BT1, dtype=np.int32)
     B, T = w.shape[0], w.shape[1] - 1
     weight = np.ones((B, T), np.float32) if loss_weight_BT is None else np.asarray(loss_weight_BT, np.float32)
-    return {"tokens": w[:, :-1], "targets": w[:, 1:], "loss_weight": weight,
-            "segment_ids": np.ones((B, T), np.int32),
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+    seg = np.ones((B, T), np.int32) if segment_ids_BT is None else np.asarray(segment_ids_BT, np.int32)
+    pos = (np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy() if positions_BT is None
+           else np.asarray(positions_BT, np.int32))
+    return {"tokens": w[:, :-1], "targets": w[:, 1:], "loss_weight": weight, "segment_ids": seg, "positions": pos}
 
 
 def abstract(batch_size: int, seq_len: int, sharding=None) -> dict:

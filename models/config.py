@@ -57,6 +57,9 @@ class ModelConfig:
     # platform's. Set by the trainer from its mesh's devices (a TPU topology compiled ahead of time on a CPU
     # host is "tpu"); None: the runtime's default device.
     platform: str | None = None
+    # Documents (data.document_mask): attention stays inside each token's document (the batch's segment_ids)
+    # and RoPE takes each token's position in it (positions); False: one document per row, positions 0..T-1
+    documents: bool = False
     # Cross-entropy tiled over chunks of this many tokens (models/loss.py): the float32 logits
     # are never whole. 0 = whole logits; None = tile only when they would exceed 256 MB.
     loss_chunk: int | None = None

@@ -93,8 +93,11 @@ def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
     with swap = reversing the two halves: one elementwise loop, where splitting and
     concatenating the halves ran as separate, slow concatenate fusions (forward and backward)."""
     B, T, N, E = x_BTNE.shape
-    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, None, :]  # (T, 1, 1, E/2)
-    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, None, :]
+    if cos_TE2.ndim == 3:  # (B, T, E/2): each token's own position -> (B, T, 1, 1, E/2)
+        cos, sin = cos_TE2[:, :, None, None, :], sin_TE2[:, :, None, None, :]
+    else:
+        cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, None, :]  # (T, 1, 1, E/2)
+        sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, None, :]
     sign = jnp.array([-1.0, 1.0], jnp.float32)[:, None]  # (2, 1): first half gets -x2 sin
     x = x_BTNE.astype(jnp.float32).reshape(B, T, N, 2, E // 2)
     out = x * cos + x[..., ::-1, :] * (sign * sin)
@@ -117,13 +120,16 @@ def _kv(x_BSKE):
     return x_BSKE.transpose(0, 2, 1, 3)  # (B, K, S, E)
 
 
-def _scores(q, k, scale, offset):
+def _scores(q, k, scale, offset, seg_q=None, seg_k=None):
     """Scaled scores (B, K, G, Tq, S) in float32 of queries at positions offset.. against keys
-    0..S-1; keys after a query's position are at -inf (only the last Tq keys can be)."""
+    0..S-1; keys after a query's position are at -inf (only the last Tq keys can be), and with
+    segments (B, Tq) and (B, S) so are keys of another segment (a token always sees itself)."""
     s = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     Tq, S = s.shape[-2:]
-    causal = (jnp.arange(Tq)[:, None] + offset) >= jnp.arange(S)[None, :]
-    return jnp.where(causal, s, -jnp.inf)
+    keep = (jnp.arange(Tq)[:, None] + offset) >= jnp.arange(S)[None, :]
+    if seg_q is not None:
+        keep = keep & (seg_q[:, None, None, :, None] == seg_k[:, None, None, None, :])
+    return jnp.where(keep, s, -jnp.inf)
 
 
 def _blocks(T, block):
@@ -133,10 +139,14 @@ def _blocks(T, block):
     return [(a, a + block) for a in range(0, T, block)]
 
 
-def _forward(q, k, v, scale, block):
+def _seg(seg, a, b):
+    return (None, None) if seg is None else (seg[:, a:b], seg[:, :b])
+
+
+def _forward(q, k, v, scale, block, seg=None):
     outs, lses = [], []
     for a, b in _blocks(q.shape[3], block):
-        s = _scores(q[:, :, :, a:b], k[:, :, :b], scale, a)
+        s = _scores(q[:, :, :, a:b], k[:, :, :b], scale, a, *_seg(seg, a, b))
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - m)
         l = jnp.sum(p, axis=-1, keepdims=True)
@@ -149,22 +159,22 @@ def _forward(q, k, v, scale, block):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, scale, block):
-    return _forward(q, k, v, scale, block)[0]
+def _attention(q, k, v, scale, block, seg):
+    return _forward(q, k, v, scale, block, seg)[0]
 
 
-def _attention_fwd(q, k, v, scale, block):
-    o, lse = _forward(q, k, v, scale, block)
-    return o, (q, k, v, o, lse)
+def _attention_fwd(q, k, v, scale, block, seg):
+    o, lse = _forward(q, k, v, scale, block, seg)
+    return o, (q, k, v, o, lse, seg)
 
 
 def _attention_bwd(scale, block, res, do):
-    q, k, v, o, lse = res
+    q, k, v, o, lse, seg = res
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for a, b in _blocks(q.shape[3], block):
         qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, :b], v[:, :, :b]
-        p = jnp.exp(_scores(qa, kb, scale, a) - lse[..., a:b, None])
+        p = jnp.exp(_scores(qa, kb, scale, a, *_seg(seg, a, b)) - lse[..., a:b, None])
         dv_b = jnp.einsum("bkgts,bkgte->bkse", p.astype(do.dtype), doa, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bkgte,bkse->bkgts", doa, vb, preferred_element_type=jnp.float32)
         ds = (p * (dp - d[..., a:b, :]) * scale).astype(q.dtype)
@@ -173,14 +183,17 @@ def _attention_bwd(scale, block, res, do):
         pad = ((0, 0), (0, 0), (0, k.shape[2] - b), (0, 0))  # keys past b get nothing from this block
         dk, dv = dk + jnp.pad(dk_b, pad), dv + jnp.pad(dv_b, pad)
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dseg = None if seg is None else jnp.zeros_like(seg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dseg
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128):
-    """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring."""
+def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None):
+    """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring.
+    segments (B, T): each token's document; attention then stays inside it (the same blocks: a block's
+    keys of other documents are masked like its future ones)."""
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
-    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block)
+    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block, segments)
     return _ungroup(o)

@@ -160,8 +160,15 @@ def loss_sum(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
              constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None):
     """Sum of loss_weight x next-token loss over a batch of fields (models/batch.py)."""
     x = embed(c, params, batch["tokens"], dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
+                    documents=documents_of(c, batch))
     return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain)
+
+
+def documents_of(c: ModelConfig, batch: dict):
+    """(segment_ids, positions) of a batch where the model keeps to documents (c.documents), else None:
+    one document per row, and the program of a run without document masks stays as it was."""
+    return (batch["segment_ids"], batch["positions"]) if c.documents else None
 
 
 def loss_fn(c: ModelConfig, params: dict, batch: dict, **kw):

@@ -145,17 +145,26 @@ def rope_inv_freq(E: int, theta: float, scaling=None):
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope_tables(T: int, E: int, theta: float, scaling=None):
+def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None):
+    """cos, sin (T, E/2) of positions 0..T-1, or (B, T, E/2) of each token's own position."""
     inv = rope_inv_freq(E, theta, scaling)
-    ang_TE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None, :]
-    return jnp.cos(ang_TE2), jnp.sin(ang_TE2)
+    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
+    ang = pos[..., None] * inv
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope_at(cos, sin, T: int, offset=0):
+    """The tables broadcast against (B, T, N, E/2): per-token ones as they are, shared ones from offset."""
+    if cos.ndim == 3:  # (B, T, E/2): each token's own position
+        return cos[:, :, None, :], sin[:, :, None, :]
+    return (jax.lax.dynamic_slice_in_dim(cos, offset, T)[:, None, :],  # (T, 1, E/2)
+            jax.lax.dynamic_slice_in_dim(sin, offset, T)[:, None, :])
 
 
 def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
-    """Rotate pairs (first half, second half) of head_dim by the angles of positions offset.. (rotate-half)."""
-    T = x_BTNE.shape[1]
-    cos = jax.lax.dynamic_slice_in_dim(cos_TE2, offset, T)[:, None, :]  # (T, 1, E/2)
-    sin = jax.lax.dynamic_slice_in_dim(sin_TE2, offset, T)[:, None, :]
+    """Rotate pairs (first half, second half) of head_dim by the angles of positions offset.. (rotate-half);
+    per-token tables (B, T, E/2) give each token its own angles."""
+    cos, sin = rope_at(cos_TE2, sin_TE2, x_BTNE.shape[1], offset)
     x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNE.dtype)
 
@@ -171,7 +180,7 @@ class Kernels(NamedTuple):
     project: Callable  # (x (B, T, D), weights (D, ...) of the same shape) -> [x @ w]
     silu: Callable
     rope: Callable  # apply_rope's signature
-    attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E)) -> causal attention (B, T, H, E)
+    attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E), segments (B, T) or None) -> causal attention
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
@@ -199,15 +208,17 @@ def _scoped(scope: str, f: Callable) -> Callable:
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
-          kernels: Kernels | None = None, half: Callable = _identity):
-    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through `half`."""
+          kernels: Kernels | None = None, half: Callable = _identity, segments=None):
+    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through `half`.
+    `segments` (B, T): each token's document (float32; None: one per row); attention stays inside it."""
     kn = kernels or kernels_for(c)
-    x_BTD = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kn))(p, x_BTD)
+    x_BTD = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kn,
+                                   segments=segments))(p, x_BTD)
     return half(functools.partial(mlp_half, c, constrain=constrain, kernels=kn))(p, x_BTD)
 
 
 def attention_half(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
-                   kernels: Kernels | None = None):
+                   kernels: Kernels | None = None, segments=None):
     """x + attention(norm(x)): norm, q/k/v, RoPE, attention, output projection, residual add."""
     kn = kernels or kernels_for(c)
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo")}
@@ -215,7 +226,7 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = 
     if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
                           for a in (k_BTKE, v_BTKE))
-    o_BTHE = kn.attention(q_BTHE, k_BTKE, v_BTKE)
+    o_BTHE = kn.attention(q_BTHE, k_BTKE, v_BTKE, segments=segments)
     return attn_out(c, p, x_BTD, o_BTHE, constrain, kn)
 
 
@@ -309,16 +320,20 @@ def sublayer_remat(f: Callable) -> Callable:
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
-                gather: Callable[[dict], dict] = _identity, remat: str | None = None):
+                gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None):
     """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled
     (c.scan_layers).
 
     `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
-    time.
+    time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     """
     remat = c.remat if remat is None else remat
-    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)
+    segments, positions = (None, None) if documents is None else documents
+    # segment ids travel as float32 (exact below 2^24): every constant a remat'd half closes over is then
+    # differentiable, as jax.closure_convert and the sub-layer remat's branches need
+    segments = None if segments is None else segments.astype(jnp.float32)
+    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta, c.rope_scaling, positions)
     kernels = kernels_for(c)
 
     L = jax.tree.leaves(layers)[0].shape[0]
@@ -328,7 +343,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     half = sublayer_remat if remat == "sublayer" else _identity
 
     def body(x, p):
-        return layer(c, gather(p), x, rope, constrain, kernels, half), None
+        return layer(c, gather(p), x, rope, constrain, kernels, half, segments), None
 
     if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward

@@ -58,7 +58,8 @@ def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
     s = make_setup(cfg, jax.devices()[:n_devices])
     state = init_state(s)
     step = jit_train_step(s)
-    b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
+    b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,
+                document_mask=cfg.data.document_mask)
     losses, norms = [], []
     with jax.set_mesh(s.mesh):
         for i in range(steps):

@@ -120,6 +120,7 @@ class DataSection:
     heldout_fraction: float = 0.05
     bin_dtype: str = "uint16"  # token .bin element type: uint16 | uint32
     tokenizer: Optional[str] = None  # tokenizer.json of a .bin's tokens; filled from its sidecar (docs/data.md)
+    document_mask: bool = False  # attention inside each document, positions per document (docs/data.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +306,7 @@ def model_config(cfg: Config) -> ModelConfig:
                             "high_freq_factor, original_max_position_embeddings")
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
-    return from_preset(m.preset, **over)
+    return from_preset(m.preset, **over, documents=cfg.data.document_mask)
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:

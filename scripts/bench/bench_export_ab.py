@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from alternate import alternate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT = r"""
@@ -93,31 +93,13 @@ def main():
         leaves, metrics = call(jax.tree.leaves(state), batch)
         return jax.tree.unflatten(tree, leaves), metrics
     theirs = jax.jit(theirs, donate_argnums=0)
-    steps = {"theirs": (theirs, jax.device_put(fields if kind == "fields" else windows)),
-             "ours": (jit_train_step(s), jax.device_put(fields))}
+    steps = {"theirs": theirs, "ours": jit_train_step(s)}
+    batches = {"theirs": jax.device_put(fields if kind == "fields" else windows), "ours": jax.device_put(fields)}
     states = {k: init_state(s) for k in steps}
 
-    def block(name):
-        fn, batch = steps[name]
-        st = states[name]
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            st, m = fn(st, batch)
-        jax.block_until_ready(m)
-        states[name] = st
-        return (time.perf_counter() - t0) / a.steps
-
     with jax.set_mesh(s.mesh):
-        for name in steps:  # compile and warm up
-            block(name)
-        ratios = []
-        for r in range(a.rounds):
-            t = {name: block(name) for name in (("theirs", "ours") if r % 2 == 0 else ("ours", "theirs"))}
-            ratios.append(t["ours"] / t["theirs"])
-            print(f"round {r + 1}: {a.rev} {t['theirs'] * 1e3:.1f} ms, this tree {t['ours'] * 1e3:.1f} ms, "
-                  f"ratio {ratios[-1]:.3f}", flush=True)
-    print(f"this tree / {a.rev} step time: median {statistics.median(ratios):.3f} over {a.rounds} rounds "
-          f"({min(ratios):.3f} .. {max(ratios):.3f})")
+        alternate(steps, states, batches, a.steps, a.rounds, ("theirs", "ours"),
+                  label=lambda n: a.rev if n == "theirs" else "this tree")
 
 
 if __name__ == "__main__":

@@ -200,12 +200,28 @@ def _hold_out_tail(c: Corpus, seq_len: int) -> Corpus:
     return dataclasses.replace(c, train=whole[:n - held], heldout=whole[n - held:], whole=whole)
 
 
+def documents(doc_starts: np.ndarray, window_starts: np.ndarray, T: int):
+    """(loss_weight, segment_ids, positions) of windows of T+1 tokens starting at `window_starts`, for
+    documents starting at `doc_starts` (the total last): segments numbered 1, 2, ... in each row, each
+    token's offset inside its document (a document cut by the window's start keeps its true offsets), and
+    weight 0 for a target of another document than its input's."""
+    idx = window_starts[:, None] + np.arange(T + 1)[None, :]
+    doc = np.searchsorted(doc_starts, idx, side="right") - 1  # (B, T+1)
+    inputs = doc[:, :-1]
+    weight = (doc[:, 1:] == inputs).astype(np.float32)
+    segments = (inputs - inputs[:, :1] + 1).astype(np.int32)
+    positions = (idx[:, :-1] - doc_starts[inputs]).astype(np.int32)
+    return weight, segments, positions
+
+
 class Batches:
     """The global batch of any step, and this process's rows of it."""
 
     def __init__(self, corpus: Corpus, seed: int, batch_size: int, seq_len: int, vocab_size: int,
-                 process_index: int = 0, process_count: int = 1, evaluates: bool = True):
+                 process_index: int = 0, process_count: int = 1, evaluates: bool = True,
+                 document_mask: bool = False):
         self.seed, self.B, self.T, self.V = seed, batch_size, seq_len, vocab_size
+        self.starts = None  # with document_mask: every document's start in corpus.whole, the total last
         if batch_size % process_count:
             raise UserError(f"train.batch_size={batch_size} is not divisible by the {process_count} processes; "
                             f"use a multiple of {process_count}")
@@ -225,20 +241,32 @@ class Batches:
                 raise UserError(f"the training data has {len(corpus.train)} tokens, too few for "
                                 f"model.seq_len={seq_len}; use more data or a shorter seq_len")
         self.c = corpus
+        if document_mask:
+            self.starts = corpus.documents()
+            if self.starts is None:
+                kind = "synthetic data" if corpus.synthetic else f"data.source '{corpus.source}'"
+                raise UserError(f"data.document_mask=true needs documents, and {kind} has none (a single text "
+                                "file, a bare .bin and synthetic are one stream); use a folder, builtin or a file "
+                                "from meshtrain prepare, or set data.document_mask=false")
 
     def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> dict:
-        return from_windows(self._windows(tokens, seed_words, n))
+        windows, at = self._windows(tokens, seed_words, n)
+        if self.starts is None:
+            return from_windows(windows)
+        # where each window's tokens lie in corpus.whole (held-out tokens follow the training ones there)
+        base = 0 if tokens is self.c.train else len(self.c.train)
+        return from_windows(windows, *documents(self.starts, base + at, self.T))
 
-    def _windows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> np.ndarray:
-        """This process's windows (rows, T+1) of consecutive tokens."""
+    def _windows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """This process's windows (rows, T+1) of consecutive tokens, and where each starts in `tokens`."""
         rng = np.random.default_rng(seed_words)
         if self.c.synthetic:
             full = rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)
-            return full[self.rows] if n == self.B else full
+            return (full[self.rows] if n == self.B else full), None
         starts = rng.integers(0, len(tokens) - self.T - 1, size=n)
         starts = starts[self.rows] if n == self.B else starts
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
-        return np.asarray(tokens[idx], dtype=np.int32)
+        return np.asarray(tokens[idx], dtype=np.int32), starts
 
     def train(self, step: int) -> dict:
         """This process's rows of step `step`'s global batch: each field (B/P, T)."""

@@ -91,9 +91,9 @@ def loss_and_grads(s, params, batch, scale):
     # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
     remat = "sublayer" if c.remat == "sublayer" else "none"
 
-    def body(blocks, v, h):
+    def body(blocks, v, h, docs):
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
-        return layer_stack(c, p, h, constrain=constrain, remat=remat)
+        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs)
 
     def local(layers, top, mbs, scale):
         if V == 1:
@@ -104,6 +104,8 @@ def loss_and_grads(s, params, batch, scale):
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
         emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
+        # microbatch m's (segment_ids, positions) where the model keeps to documents, else None
+        docs = lambda m: (mbs["segment_ids"][m], mbs["positions"][m]) if c.documents else None  # noqa: E731
         add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
 
         def mb_loss(y, tp, m):
@@ -117,10 +119,10 @@ def loss_and_grads(s, params, batch, scale):
         # conditional copies every sum it passes through (twice per tick: into the branch's output
         # and back into the scan's carry), and adding a branch's zeros costs as much.
         def fwd(h, m, v):
-            return body(blocks, v, h)
+            return body(blocks, v, h, docs(m))
 
         def fwd_embed(h, m, v):
-            return body(blocks, v, emb(top, m))
+            return body(blocks, v, emb(top, m), docs(m))
 
         # the steps that add to the sums read their inputs as `ins`: see run_if
         def loss_step(ins, gbuf, dtop, loss):
@@ -130,14 +132,14 @@ def loss_and_grads(s, params, batch, scale):
             return gbuf, add(dtop, dt), loss + ls
 
         def bwd_step(ins, dblk, dh):
-            blk, h, g, v = ins
-            _, vjp = jax.vjp(lambda w, x: body(w, v, x), blk, h)
+            blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
+            _, vjp = jax.vjp(lambda w, x: body(w, v, x, docs(*m) if m else None), blk, h)
             db, dh = vjp(g)
             return add(dblk, db), dh
 
         def bwd_embed_step(ins, dblk, dtop):
             blk, tp, g, m, v = ins
-            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**tp, "embed": e}, m)), blk, tp["embed"])
+            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**tp, "embed": e}, m), docs(m)), blk, tp["embed"])
             db, de = vjp(g)
             return add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
 
@@ -173,7 +175,7 @@ def loss_and_grads(s, params, batch, scale):
             # where a spare row to take them would cost a stage input (cotangent) of memory. The output
             # is sent before the backward, whose input cotangent then takes its buffer.
             xbuf = _put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", fwd_pairs))
-            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v), dblk, y)
+            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v) + ((m,) if c.documents else ()), dblk, y)
             dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", bwd_pairs))
             return (xbuf, gbuf, dblk, dtop, loss), None

@@ -96,7 +96,8 @@ class Run:
         t = cfg.train
         self.batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
                                t.batch_size, s.model.seq_len, s.model.vocab_size,
-                               *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0)
+                               *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
+                               document_mask=cfg.data.document_mask)
         self.console.print(f"[bold]meshtrain[/] {describe(s)}")
         if jax.process_count() > 1:
             self.console.print(distributed.describe(s.mesh, self.batches.rows, t.batch_size))
