@@ -15,6 +15,8 @@ BASE = ["model.preset=tiny", "train.steps=1", "run.progress=false"]
 
 CASES = {
     "mesh-product": (["mesh.data=3"], "has 3 devices but 8 are available"),
+    "document-mask-without-documents": (["data.document_mask=true"],
+                                        "data.document_mask=true needs documents, and synthetic data has none"),
     "two-minus-one": (["mesh.data=-1", "mesh.model=-1"], "set at most one axis to -1"),
     "attention-impl": (["model.attention=flash"], "model.attention='flash' is unknown; choose one of auto, manual"),
     "heads-vs-model": (["mesh.data=1", "mesh.model=8", "model.n_heads=4", "model.n_kv_heads=4"],

@@ -18,7 +18,7 @@ SLOW = pytest.mark.slow
 LAYOUTS = [
     ("8,1,1", ["mesh.data=8", "train.zero_stage=0"] + SGD, SLOW),
     ("8,1,1", ["mesh.data=8", "train.zero_stage=1"] + ADAMW, ()),
-    ("8,1,1", ["mesh.data=8", "train.zero_stage=2"] + SGD, ()),
+    ("8,1,1", ["mesh.data=8", "train.zero_stage=2"] + SGD, SLOW),  # test_zero2_with_accumulation: ZeRO-2
     ("8,1,1", ["mesh.data=8", "train.zero_stage=3"] + ADAMW, SLOW),  # ZeRO-3: 4,1,2 below; test_multihost
     ("4,1,2", ["mesh.data=4", "mesh.model=2", "train.zero_stage=0"] + SGD, SLOW),
     ("4,1,2", ["mesh.data=4", "mesh.model=2", "train.zero_stage=3"] + SGD, ()),

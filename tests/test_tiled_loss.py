@@ -34,8 +34,8 @@ def test_tiled_loss_and_grads_match_whole_logits(tie):
     ref_loss, ref_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(c, p, batch)))(p)
     whole_loss, _ = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch)))(p)
     assert abs(float(whole_loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss))  # relative: a few float32 ulps
-    # 32 and 8 divide N; 7 and 40 leave a remainder (padded, masked-out tokens)
-    for n in (32, 8, 7, 40):
+    # 32 divides N; 7 leaves a remainder (padded, masked-out tokens)
+    for n in (32, 7):
         cn = dataclasses.replace(c, loss_chunk=n)
         assert chunk_tokens(n, 96, c.vocab_size) == n
         loss, g = jax.jit(jax.value_and_grad(lambda p: loss_fn(cn, p, batch)))(p)

@@ -50,7 +50,11 @@ def kernel_problems(text: str) -> list[str]:
     return [f"ran {s}" for s in wrong] + [f"lacks {s}" for s in missing]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+SLOW_LAYOUTS = {"d2m4-kv-replicated"}  # the default run keeps ZeRO-3 with the tiled loss and the 1F1B ring
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_LAYOUTS else [])
+                                  for n in LAYOUTS])
 def test_tpu_program_runs_tpu_kernels_and_the_planner_holds_its_state(name):
     """One compile per layout (a few seconds each), every check of that program in one test."""
     c = _compiled(name)
