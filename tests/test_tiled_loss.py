@@ -62,12 +62,14 @@ def test_loss_chunk_must_not_be_negative():
 
 
 # 512 tokens per step; 48 does not divide the global or the per-data-shard token count
-@pytest.mark.parametrize("layout", [  # the default run keeps the vocabulary split 8 ways and the pipeline
+# the default run keeps the vocabulary split 8 ways (the pipeline's tiled loss: test_pipeline_last_stage_tiles...)
+@pytest.mark.parametrize("layout", [
     pytest.param(["mesh.data=2", "mesh.stage=1", "mesh.model=4"], marks=pytest.mark.slow, id="dp2_tp4"),
     pytest.param(["mesh.data=1", "mesh.stage=1", "mesh.model=8"], id="tp8"),
     pytest.param(["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"], marks=pytest.mark.slow,
                  id="zero3_dp2_tp4"),
-    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"], id="pipeline_dp2_pp2_tp2"),
+    pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"], marks=pytest.mark.slow,
+                 id="pipeline_dp2_pp2_tp2"),
 ])
 def test_train_steps_tiled_match_unchunked_one_device(layout):
     common = SGD + (["train.microbatches=2"] if "train.microbatches=2" in layout else [])
