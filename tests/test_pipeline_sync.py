@@ -27,9 +27,9 @@ LAYOUTS = [
     ("1,4,1", ["train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2", "mesh.data=1", "mesh.stage=4",
                "train.microbatches=8"]),
 ]
-# the default run keeps the ZeRO-3 reduce-scatter over `data` with SGD (the ring over a pipeline's data
-# axis: tests/test_tpu_compile.py's d2s2m2-1f1b-ring program and tests/test_documents.py's ring run with
-# -m slow, as do the rest here and tests/test_pipeline.py's 1f1b cases)
+# the default run keeps the ZeRO-3 reduce-scatter over `data` with SGD; the ring over a pipeline's data axis is
+# compiled in the default run (tests/test_tpu_compile.py's d2s2m2-1f1b-ring) and compared numerically here
+# with -m slow, as are the rest and tests/test_pipeline.py's 1f1b cases
 DEFAULT = {(3, "sgd")}
 IN_TEST_PIPELINE = {(0, "sgd"), (1, "sgd"), (2, "sgd")}  # tests/test_pipeline.py runs these already
 # beyond the issue's list: ZeRO-2's kept-sharded reduce-scatter, ZeRO-3 through the ring with tensor
