@@ -46,8 +46,7 @@ def counted(batch) -> jax.Array:
 def inverse_count(batch) -> jax.Array:
     """1 / the batch's counted tokens (1 where there are none: every sum is 0 then): the one division
     of a loss over the batch, applied where its backward starts."""
-    n = counted(batch)
-    return 1.0 / jnp.where(n > 0, n, 1.0)
+    return mean_of(1.0, counted(batch))
 
 
 def mean_of(total, count):

@@ -14,7 +14,8 @@ is held out instead, or the data is refused as too small.
 
 Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each
 process builds only its own rows, as the named fields of models/batch.py (targets shifted here,
-once; every target counted and one document per row until the data says otherwise). Nothing depends on what came before, so a resumed or
+once; every target counted and one document per row unless data.document_mask says otherwise).
+Nothing depends on what came before, so a resumed or
 resharded run sees exactly the batches it would have seen. grain runs the per-step batch
 function in a background thread with a prefetch buffer (its MapDataset is random-access,
 which fits a step-indexed source, and it starts at any step).
@@ -58,7 +59,7 @@ class Corpus:
         """The start offset of every document in `whole`, with len(whole) last (one more entry than
         documents), or None where the source has no documents (a single text file, a bare .bin, synthetic).
         Files read as bytes are one document each; a prepared .bin reads its index, or, prepared before
-        there was one, finds its documents by scanning for the end-of-text token (logged once)."""
+        there was one, finds its documents by scanning for the end-of-text token (with a log line)."""
         if self.file_starts is not None:
             return self.file_starts
         if self.index is not None:
