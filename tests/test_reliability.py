@@ -65,12 +65,14 @@ def test_nan_and_spike_skip_the_update_and_leave_the_state_untouched():
 
 
 @pytest.fixture(scope="module")
-def drill(tmp_path_factory):
-    """3 kills of the NaN-rollback drill on one device; figures of chaos.chaos()."""
-    return chaos.chaos(3, DRILL, tmp_path_factory.mktemp("chaos"), seed=1, devices=1, steps=STEPS, timeout=300)
+def ref_run(tmp_path_factory):
+    """The NaN-rollback drill's uninterrupted run on one device (chaos.reference())."""
+    return chaos.reference(DRILL, tmp_path_factory.mktemp("chaos"), devices=1, steps=STEPS, timeout=300)
 
 
-def test_chaos_three_kills_resume_bitwise(drill):
+@pytest.mark.slow  # four more processes (~45 s); a kill -9 resume runs by default in test_checkpoint.py
+def test_chaos_three_kills_resume_bitwise(ref_run):
+    drill = chaos.chaos(3, DRILL, seed=1, timeout=300, ref=ref_run)
     assert drill["kills"] == 3 and drill["during_save"] >= 1, drill
     assert drill["params_bitwise_equal"] and drill["state_checksums_equal"], drill
     assert drill["losses_equal"] and drill["steps_once"] and drill["steps_logged"] == STEPS, drill
@@ -81,11 +83,11 @@ def _records(run: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
 
-def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
+def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(ref_run):
     from models.loss import loss_fn
     from trainer.config import model_config
     from trainer.data.batches import Batches, load_corpus
-    ref = Path(drill["workdir"]) / "ref"
+    ref = Path(ref_run["workdir"]) / "ref"
     log = (ref.parent / "ref.log").read_text()
     # steps 9, 10 are bad; at 10 it rolls back to the newest checkpoint (8): data offset 2
     assert "2 consecutive bad steps (non-finite loss or gradient norm, steps 9..10); rolled back to step 8, " \
@@ -103,9 +105,9 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(drill):
     assert abs(moved - recs[9]["loss"]) < 1e-5 * abs(moved) < abs(replayed - recs[9]["loss"]), (moved, replayed)
 
 
-def test_checkpoint_meta_records_the_data_position_past_a_rollback(drill):
+def test_checkpoint_meta_records_the_data_position_past_a_rollback(ref_run):
     """Step s trains on the batch at s + offset: a checkpoint records where the next batch comes from."""
-    ref = Path(drill["workdir"]) / "ref"
+    ref = Path(ref_run["workdir"]) / "ref"
     offsets = {r["step"]: r.get("data_offset", 0) for r in _records(ref).values()}  # the metrics' own account
     assert offsets[8] == 0 and offsets[STEPS] == 2  # the rollback at step 10 to step 8 skipped 2 batches
     for step in (STEPS, 10, 8):
@@ -113,9 +115,9 @@ def test_checkpoint_meta_records_the_data_position_past_a_rollback(drill):
         assert rng["data_step"] == step + offsets[step] and rng.get("data_offset") == offsets[step], (step, rng)
 
 
-def test_stop_exits_3_naming_the_step(drill, tmp_path):
+def test_stop_exits_3_naming_the_step(ref_run, tmp_path):
     run = tmp_path / "stop"
-    env = chaos.child_env(1, Path(drill["workdir"]) / "jax-cache")  # the drill's compiled step
+    env = chaos.child_env(1, Path(ref_run["workdir"]) / "jax-cache")  # the drill's compiled step
     p = subprocess.run([sys.executable, "-m", "trainer.cli", "train", *chaos.CONFIG, *DRILL, f"train.steps={STEPS}",
                         "train.on_nan=stop", f"run.dir={run}"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
@@ -162,8 +164,8 @@ class _Audit:
 sys.addaudithook(_Audit.hook)
 
 
-def test_checkpoint_loading_never_unpickles(drill, tmp_path):
-    ref, marker = Path(drill["workdir"]) / "ref", tmp_path / "pwned"
+def test_checkpoint_loading_never_unpickles(ref_run, tmp_path):
+    ref, marker = Path(ref_run["workdir"]) / "ref", tmp_path / "pwned"
     with _Audit() as events:  # a clean load
         params, _ = load_params(ref, STEPS)
     assert jax.tree.leaves(params) and not [e for e in events if e[0] == "pickle.find_class"], events

@@ -119,24 +119,32 @@ def compare(ref: Path, run: Path, steps: int) -> dict:
             "losses_equal": same_curve, "steps_once": once, "steps_logged": len(loss[run])}
 
 
-def chaos(kills: int, overrides: list[str] = (), workdir: Path | None = None, seed: int = 0, devices: int = 8,
-          steps: int | None = None, timeout: float = 600) -> dict:
-    """Run the drill; returns the figures (see compare) plus kills, kills during saves and wall times."""
+def reference(overrides: list[str] = (), workdir: Path | None = None, devices: int = 8, steps: int = 20,
+              timeout: float = 600) -> dict:
+    """The uninterrupted run the drill compares with: (workdir, its args, its environment, its wall time)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="chaos-"))
-    steps = steps or 8 + 4 * kills
     args = CONFIG + [f"train.steps={steps}", *overrides]
-    env, rng = child_env(devices, workdir / "jax-cache"), random.Random(seed)
+    env = child_env(devices, workdir / "jax-cache")
     t0 = time.time()
     p = start(workdir / "ref", args, env)  # the same checkpoints: a rollback goes back to the newest one
     if p.wait(timeout=timeout) != 0:
         raise RuntimeError(f"the uninterrupted run failed: see {workdir / 'ref.log'}")
+    return {"workdir": workdir, "args": args, "env": env, "steps": steps, "ref_s": time.time() - t0}
+
+
+def chaos(kills: int, overrides: list[str] = (), workdir: Path | None = None, seed: int = 0, devices: int = 8,
+          steps: int | None = None, timeout: float = 600, ref: dict | None = None) -> dict:
+    """Run the drill (after `ref`, a reference() run, or a new one); returns the figures (see compare) plus
+    kills, kills during saves and wall times."""
+    ref = ref or reference(overrides, workdir, devices, steps or 8 + 4 * kills, timeout)
+    workdir, steps = ref["workdir"], ref["steps"]
     t1 = time.time()
-    res = interrupted_run(workdir / "chaos", args, env, kills, rng, timeout)
+    res = interrupted_run(workdir / "chaos", ref["args"], ref["env"], kills, random.Random(seed), timeout)
     t2 = time.time()
     if res["rc"] != 0:
         raise RuntimeError(f"the final resume failed (rc {res['rc']}): see {workdir / 'chaos.log'}")
     res.update(compare(workdir / "ref", workdir / "chaos", steps))
-    res.update(steps=steps, ref_s=t1 - t0, chaos_s=t2 - t1, workdir=str(workdir),
+    res.update(steps=steps, ref_s=ref["ref_s"], chaos_s=t2 - t1, workdir=str(workdir),
                ok=res["params_bitwise_equal"] and res["state_checksums_equal"] and res["losses_equal"]
                and res["steps_once"] and res["resumed_newest"])
     return res
