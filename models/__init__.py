@@ -1,11 +1,14 @@
-"""The Llama-style transformer (Flax NNX), its config, presets and FLOP counting."""
+"""The model: families (a registry of specs, Llama built in), the Flax NNX module, its config, presets and FLOP
+counting."""
 from models.config import (PRESETS, REMAT_POLICIES, ModelConfig, flops_per_token, from_preset,
                            hardware_flops_per_token, matmul_param_count, param_count)
 from models.loss import loss_fn, loss_sum
-from models.precision import FLOAT32_WEIGHTS, compute_dtypes
-from models.transformer import Transformer, abstract_model, forward, logical_axes_of, params_of, weight_decay_of
+from models.precision import compute_dtypes
+from models.spec import FAMILIES, ModelSpec, Param, family, register
+from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
+                                weight_decay_of)
 
-__all__ = ["FLOAT32_WEIGHTS", "PRESETS", "REMAT_POLICIES", "ModelConfig", "Transformer", "abstract_model",
+__all__ = ["FAMILIES", "ModelSpec", "family", "register", "PRESETS", "REMAT_POLICIES", "ModelConfig", "Transformer", "abstract_model",
            "compute_dtypes", "flops_per_token",
-           "forward", "from_preset", "hardware_flops_per_token", "logical_axes_of", "loss_fn", "loss_sum", "matmul_param_count",
+           "forward", "from_preset", "inventory", "Param", "hardware_flops_per_token", "logical_axes_of", "loss_fn", "loss_sum", "matmul_param_count",
            "param_count", "params_of", "weight_decay_of"]

@@ -50,6 +50,12 @@ def _warn_unsupported(impl: str, feature: str):
     log.warning("attention: %s does not support %s; using XLA's attention for them", impl, feature)
 
 
+def reset_warnings():
+    """Say each fallback again the next time it happens (they are said once per process)."""
+    _warn_fallback.cache_clear()
+    _warn_unsupported.cache_clear()
+
+
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
               cpu_fast: bool = True, segments=None):
     """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);

@@ -63,16 +63,21 @@ class ModelConfig:
     # Cross-entropy tiled over chunks of this many tokens (models/loss.py): the float32 logits
     # are never whole. 0 = whole logits; None = tile only when they would exceed 256 MB.
     loss_chunk: int | None = None
+    # Width of one attention head; None: d_model // n_heads. Families such as Qwen3 and Gemma set their own
+    # (n_heads x head_dim need not equal d_model: the output projection maps it back).
+    head_dim: int | None = None
+    # The family (models/spec.py) whose inventory and layer function the model runs
+    family: str = "llama"
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
     @property
     def target_platform(self) -> str:
         """The platform the program is built for: `platform`, else the runtime's default device's."""
         import jax
         return self.platform or jax.devices()[0].platform
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
     @property
     def fused_qkv(self) -> bool:

@@ -7,6 +7,7 @@ positions >= the current one are garbage and masked out.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Iterator
 
 import jax
@@ -14,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.transformer import attn_out_mlp, embed, head, kernels_for, qkv, rope_tables
+from models.layers import kernels_for, rope_tables
+from models.transformer import attn_out_mlp, embed, head, inventory, qkv
+
+log = logging.getLogger(__name__)
 
 
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
@@ -22,9 +26,10 @@ def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> di
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _stacked(layers: dict) -> dict:
+def _stacked(c: ModelConfig, layers: dict) -> dict:
     """Layer weights with one leading layers axis (a circular pipeline stores them (V, L/V, ...))."""
-    if layers["wq"].ndim == 5:
+    name, p = next(iter(inventory(c)["layers"].items()))
+    if layers[name].ndim == len(p.shape) + 2:
         return jax.tree.map(lambda w: w.reshape((-1,) + w.shape[2:]), layers)
     return layers
 
@@ -47,7 +52,7 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
         return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BSKE, v_BSKE)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
-    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(params["layers"]), cache["k"], cache["v"]))
+    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
     return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
 
 
@@ -74,29 +79,36 @@ def _step_fn(c: ModelConfig, dtype):
 
 
 def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, dtype=jnp.float32) -> Iterator[np.ndarray]:
+             seed: int = 0, dtype=jnp.float32, context: int | None = None) -> Iterator[np.ndarray]:
     """Yield n new tokens (B,) one at a time: one prefill, then one cached step per token.
 
-    The cache holds c.seq_len positions (the trained context); when it is full, the last half of
-    the tokens is prefilled again into an empty cache and decoding continues from there.
+    The cache holds the prompt and the new tokens, up to `context` positions (the model's context; default
+    c.seq_len, the trained one). A prompt longer than that keeps its last context/2 tokens and the log says how
+    many were dropped; when the cache is full, the last half of the tokens is prefilled again into an empty
+    cache and decoding continues from there.
     """
-    S = c.seq_len
+    C = context or c.seq_len
     tokens = np.asarray(prompt_BT, np.int32)
-    B = tokens.shape[0]
+    B, P = tokens.shape
+    if P > C:
+        log.warning("generate: the prompt's %d tokens exceed the model's context of %d positions; its first %d "
+                    "tokens were dropped", P, C, P - C // 2)
+        tokens = tokens[:, -(C // 2):]
+    S = min(tokens.shape[1] + n, C)
     step = _step_fn(c, jnp.dtype(dtype))
     temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)
     key = jax.random.key(seed)
-    context = tokens[:, -(S // 2):] if tokens.shape[1] > S else tokens
-    cache, pos, nxt = init_cache(c, B, S, dtype), 0, context
+    context_BT = tokens
+    cache, pos, nxt = init_cache(c, B, S, dtype), 0, context_BT
     for _ in range(n):
         key, sub = jax.random.split(key)
         tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub, temperature, top_k)
         pos += nxt.shape[1]
         tok_B = np.asarray(tok_B)
         yield tok_B
-        context = np.concatenate([context, tok_B[:, None]], axis=1)
+        context_BT = np.concatenate([context_BT, tok_B[:, None]], axis=1)
         if pos == S:  # full: keep the last half as context and prefill it again
-            context = context[:, -(S // 2):]
-            cache, pos, nxt = init_cache(c, B, S, dtype), 0, context
+            context_BT = context_BT[:, -(S // 2):]
+            cache, pos, nxt = init_cache(c, B, S, dtype), 0, context_BT
         else:
             nxt = tok_B[:, None]

@@ -2,7 +2,7 @@
 
 Each equals its plain counterpart in exact arithmetic (tests/test_fast_paths.py checks forward
 and gradients in float32); each is here because XLA:CPU runs the plain form measurably slower
-(docs/performance.md). `models.transformer.kernels_for` picks them: by default on CPU only.
+(docs/performance.md). `models.layers.kernels_for` picks them: by default on CPU only.
 
   project            shared backward for same-shaped projections (custom VJP)
   silu               x * sigmoid(x) through tanh

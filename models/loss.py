@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from models.batch import counted, mean_of
 from models.config import ModelConfig
-from models.transformer import Constrain, _identity, _no_constrain, embed, head, layer_stack, rms_norm
+from models.transformer import Constrain, _identity, _no_constrain, embed, final_norm, head, head_weight, layer_stack
 
 # Default rule (model.loss_chunk unset): tile when the whole float32 logits would exceed
 # TILE_ABOVE bytes, in chunks of the largest power-of-two token count whose logits fit in
@@ -42,7 +42,7 @@ def _logits(x_nD, w, w_axes, constrain):
     return constrain(logits, ("batch", "vocab"))
 
 
-def _token_losses(logits_nV, targets_n):
+def token_losses(logits_nV, targets_n):
     """logsumexp - target logit per token. The target is picked by comparing with an iota, not
     gathered: with the vocabulary split over `model` each rank keeps its slice (a gather on a
     split axis would bring the logits together); the sum has one non-zero term, so it is exact."""
@@ -59,7 +59,7 @@ def _target_logits(logits_nV, targets_n, stride, offset, shape=None):
     return jnp.sum(jnp.where(hit, logits_nV, 0.0), axis=-1)
 
 
-def _vocab_blocks(vocab: int, at_most: int) -> int:
+def vocab_blocks(vocab: int, at_most: int) -> int:
     """The most vocabulary blocks, at most `at_most`, that split V evenly (a V with no divisor
     near `at_most` gets fewer, larger blocks: vocabularies padded to a multiple of 64 avoid it)."""
     return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
@@ -81,7 +81,7 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
     """
     N, D = x_ND.shape
     C = -(-N // n)
-    nb = _vocab_blocks(w.shape[0] if w_axes == "vd" else w.shape[1], C)
+    nb = vocab_blocks(w.shape[0] if w_axes == "vd" else w.shape[1], C)
     v_axis = 1 if w_axes == "vd" else 2
 
     def forward(x_ND, w, targets_N, mask_N):
@@ -150,8 +150,8 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constr
     n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
     if not n:
         return cross_entropy(head(c, params, x_BTD, constrain), targets_BT, weight_BT)
-    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
-    w, w_axes = (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
+    x = final_norm(c, params, x_BTD)
+    w, w_axes = head_weight(c, params)
     return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T),
                                weight_BT.reshape(B * T), n, constrain)
 

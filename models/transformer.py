@@ -1,4 +1,5 @@
-"""A Llama-style decoder in Flax NNX, with a pure functional forward.
+"""The decoder in Flax NNX, with a pure functional forward: the module built from a family's inventory
+(models/spec.py), the layer stack that runs a family's layer function, embedding and head, and the Llama family.
 
 Dimension letters (tensor names carry their shape, e.g. x_BTD):
   B batch   T sequence   D d_model   H query heads   K kv heads   G = H/K
@@ -10,9 +11,9 @@ it without going through the module. Layers are stacked on a leading `layers` ax
 run by one `lax.scan` (one compiled layer). The model never names a mesh axis: it calls
 `constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
 
-The math below is the plain reference: einsum projections with autodiff, jax.nn.silu, rotate-half
-RoPE, jax.nn attention. `kernels_for` swaps in models/fast_cpu.py's equal but faster forms of
-the projections, SiLU, RoPE and attention on XLA:CPU (model.kernels: auto | reference | fast).
+The Llama layer is built of models/layers.py's pieces: the plain reference (einsum projections with autodiff,
+jax.nn.silu, rotate-half RoPE, jax.nn attention) or, by `kernels_for`, models/fast_cpu.py's equal but faster forms
+on XLA:CPU (model.kernels: auto | reference | fast).
 """
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from models import fast_cpu
-from models.attention import attention
 from models.config import ModelConfig
+from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_tables, sublayer_remat
+from models.spec import ModelSpec, Param, family, register
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -39,29 +39,50 @@ def _identity(p):
     return p
 
 
+def inventory(c: ModelConfig) -> dict:
+    """Every parameter of c's family (models/spec.py): {name: Param}, the stack's per-layer ones under "layers"."""
+    return family(c.family).inventory(c)
+
+
+def llama_inventory(c: ModelConfig) -> dict:
+    """Every parameter of the Llama, written once: {name: Param}, with the stack's per-layer ones under
+    "layers". The module, the HF name map, the planner and the precision rules read it."""
+    D, H, K, E, F, V = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
+    out = {"embed": Param((V, D), ("vocab", "embed"), "normal", True, as_stored=True),
+           "layers": {"attn_norm": Param((D,), ("embed",), "ones", False),
+                      "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", True),
+                      "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", True),
+                      "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", True),
+                      "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "residual", True),
+                      "mlp_norm": Param((D,), ("embed",), "ones", False),
+                      "w_gate": Param((D, F), ("embed", "mlp"), "normal", True),
+                      "w_up": Param((D, F), ("embed", "mlp"), "normal", True),
+                      "w_down": Param((F, D), ("mlp", "embed"), "residual", True)}}
+    if not c.tie_embeddings:
+        out["lm_head"] = Param((D, V), ("embed", "vocab"), "normal", True, as_stored=True)
+    out["final_norm"] = Param((D,), ("embed",), "ones", False, as_stored=True)
+    return out
+
+
+def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None) -> nnx.Param:
+    """p as an nnx.Param (with a leading `layers` axis of that many layers), its declarations as metadata."""
+    inits = {"normal": nnx.initializers.normal(c.init_std),
+             # GPT-2 residual scaling
+             "residual": nnx.initializers.normal(c.init_std / (2 * c.n_layers) ** 0.5),
+             "ones": lambda key, shape, dtype: jnp.ones(shape, dtype)}
+    shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, ("layers",) + p.axes)
+    return nnx.Param(inits[p.init](rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=p.decay,
+                     as_stored=p.as_stored)
+
+
 class Stack(nnx.Module):
-    """The decoder layers' weights, stacked on a leading `layers` axis."""
+    """The decoder layers' weights, stacked on a leading `layers` axis: (L, ...) whatever the parallel layout
+    or pipeline schedule, so that any checkpoint restores onto any of them; a schedule that needs another order
+    re-lays them out itself."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        L, D, H, K, E, F = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
-        normal = nnx.initializers.normal(c.init_std)
-        out_init = nnx.initializers.normal(c.init_std / (2 * L) ** 0.5)  # GPT-2 residual scaling
-
-        # (L, ...) whatever the parallel layout or pipeline schedule, so that any checkpoint
-        # restores onto any of them; a schedule that needs another order re-lays them out itself
-        def param(init, shape, axes, decay=True):
-            return nnx.Param(init(rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=decay)
-
-        ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
-        self.attn_norm = param(ones, (L, D), ("layers", "embed"), decay=False)
-        self.wq = param(normal, (L, D, H, E), ("layers", "embed", "heads", "head_dim"))
-        self.wk = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
-        self.wv = param(normal, (L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"))
-        self.wo = param(out_init, (L, H, E, D), ("layers", "heads", "head_dim", "embed"))
-        self.mlp_norm = param(ones, (L, D), ("layers", "embed"), decay=False)
-        self.w_gate = param(normal, (L, D, F), ("layers", "embed", "mlp"))
-        self.w_up = param(normal, (L, D, F), ("layers", "embed", "mlp"))
-        self.w_down = param(out_init, (L, F, D), ("layers", "mlp", "embed"))
+        for name, p in inventory(c)["layers"].items():
+            setattr(self, name, _make(c, p, rngs, c.n_layers))
 
 
 class Transformer(nnx.Module):
@@ -69,14 +90,8 @@ class Transformer(nnx.Module):
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c
-        # weight_decay: declared with each parameter; the optimizer reads it (trainer/optim.py)
-        self.embed = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.vocab_size, c.d_model)),
-                               logical_axes=("vocab", "embed"), weight_decay=True)
-        self.layers = Stack(c, rngs)
-        self.final_norm = nnx.Param(jnp.ones((c.d_model,)), logical_axes=("embed",), weight_decay=False)
-        if not c.tie_embeddings:
-            self.lm_head = nnx.Param(nnx.initializers.normal(c.init_std)(rngs.params(), (c.d_model, c.vocab_size)),
-                                     logical_axes=("embed", "vocab"), weight_decay=True)
+        for name, p in inventory(c).items():  # in the inventory's order: each draws the next random key
+            setattr(self, name, Stack(c, rngs) if name == "layers" else _make(c, p, rngs))
 
     def __call__(self, tokens_BT, dtype=jnp.float32):
         return forward(self.config, params_of(self), tokens_BT, dtype=dtype)
@@ -120,91 +135,6 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
     """Parameter shapes, logical axes and weight-decay declarations, without allocating anything."""
     m = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(seed)))
     return Abstract(params_of(m), logical_axes_of(m), weight_decay_of(m))
-
-
-# ----------------------------------------------------------------------------- math
-
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(E: int, theta: float, scaling=None):
-    """RoPE's E/2 inverse frequencies; `scaling` (ModelConfig.rope_scaling) as transformers' llama3 type."""
-    inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
-    if scaling is None:
-        return inv
-    factor, low, high, old_len = scaling
-    wavelen = 2 * jnp.pi / inv
-    # long wavelengths slowed down by `factor`, short ones kept, the band between interpolated
-    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None):
-    """cos, sin (T, E/2) of positions 0..T-1, or (B, T, E/2) of each token's own position."""
-    inv = rope_inv_freq(E, theta, scaling)
-    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
-    ang = pos[..., None] * inv
-    return jnp.cos(ang), jnp.sin(ang)
-
-
-def rope_at(cos, sin, T: int, offset=0):
-    """The tables broadcast against (B, T, N, E/2): per-token ones as they are, shared ones from offset."""
-    if cos.ndim == 3:  # (B, T, E/2): each token's own position
-        return cos[:, :, None, :], sin[:, :, None, :]
-    return (jax.lax.dynamic_slice_in_dim(cos, offset, T)[:, None, :],  # (T, 1, E/2)
-            jax.lax.dynamic_slice_in_dim(sin, offset, T)[:, None, :])
-
-
-def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
-    """Rotate pairs (first half, second half) of head_dim by the angles of positions offset.. (rotate-half);
-    per-token tables (B, T, E/2) give each token its own angles."""
-    cos, sin = rope_at(cos_TE2, sin_TE2, x_BTNE.shape[1], offset)
-    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNE.dtype)
-
-
-def project(x_BTD, weights):
-    """[x @ w for w in weights], w of shape (D, ...); outputs named for the `dots` remat policy."""
-    return [checkpoint_name(jnp.einsum("btd,d...->bt...", x_BTD, w), "projection") for w in weights]
-
-
-class Kernels(NamedTuple):
-    """The layer's swappable pieces: the plain ones above or models/fast_cpu.py's, and the attention."""
-    name: str  # "reference" or "fast"
-    project: Callable  # (x (B, T, D), weights (D, ...) of the same shape) -> [x @ w]
-    silu: Callable
-    rope: Callable  # apply_rope's signature
-    attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E), segments (B, T) or None) -> causal attention
-
-
-def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
-    """The kernels for c.kernels on a jax platform (default: c.target_platform):
-    `auto` = the fast paths on CPU, the plain ones elsewhere."""
-    platform = platform or c.target_platform
-    fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
-    # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
-    # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
-    attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
-                             cpu_fast=fast)
-    name = "fast" if fast else "reference"
-    fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
-    # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled
-    # program runs can be read from its HLO (tests/test_tpu_compile.py)
-    return Kernels(name, *(_scoped(f"kernels_{name}", f) for f in fns), attn)
-
-
-def _scoped(scope: str, f: Callable) -> Callable:
-    @functools.wraps(f)
-    def run(*args, **kwargs):
-        with jax.named_scope(scope):
-            return f(*args, **kwargs)
-    return run
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
@@ -276,49 +206,6 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, constrain: Constrain = _no_constrai
     return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
 
 
-REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # projection outputs: plain dots, or the fast path's `projections` outputs (a custom_vjp,
-    # opaque to the dots policy, so they are named); attention is recomputed
-    "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("projection")),
-}
-
-
-def sublayer_remat(f: Callable) -> Callable:
-    """model.remat=sublayer on a layer half f(p, x): its backward recomputes it from its saved input."""
-    # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
-    # with the forward pass (both halves' internals live at once again; measured: no memory saved).
-    def half(p, x):
-        g, consts = jax.closure_convert(f, p, x)  # the tables and indices it closes over, as arguments
-
-        @jax.custom_vjp
-        def run(p, x, *consts):
-            return g(p, x, *consts)
-
-        def bwd(res, dy):
-            def recompute(dy):
-                dp, dx, *dconsts = jax.vjp(g, *res)[1](dy)
-                return dx, dp, tuple(dconsts)
-
-            def never(dy):
-                p, _, *consts = res
-                return dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
-
-            # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
-            # which would then merge a recomputation with the forward pass (remat undone), but it
-            # does not merge across computations.
-            taken = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ()) == 1  # always
-            dx, dp, dconsts = jax.lax.cond(taken, recompute, never, dy)
-            return dp, dx, *dconsts
-
-        run.defvjp(lambda *a: (g(*a), a), bwd)
-        return run(p, x, *consts)
-
-    return half
-
-
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
                 gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None):
     """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled
@@ -342,8 +229,10 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     scan = c.scan_layers or (c.scan_layers is None and (L > 8 or remat != "none"))
     half = sublayer_remat if remat == "sublayer" else _identity
 
+    layer_fn = family(c.family).layer
+
     def body(x, p):
-        return layer(c, gather(p), x, rope, constrain, kernels, half, segments), None
+        return layer_fn(c, gather(p), x, rope, constrain, kernels, half, segments), None
 
     if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
@@ -368,10 +257,21 @@ def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain =
     return constrain(x, ("batch", "seq", "embed"))
 
 
+def final_norm(c: ModelConfig, params: dict, x_BTD):
+    """The hidden state the output projection reads."""
+    return rms_norm(x_BTD, params["final_norm"], c.norm_eps)
+
+
+def head_weight(c: ModelConfig, params: dict):
+    """(the output projection's weight, its layout: "vd" the tied embedding (V, D), "dv" the head's (D, V))."""
+    return (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
+
+
 def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constrain):
     """Final norm and output projection; logits in float32."""
-    x = rms_norm(x_BTD, params["final_norm"], c.norm_eps)
-    w_DV = params["embed"].T if c.tie_embeddings else params["lm_head"]
+    x = final_norm(c, params, x_BTD)
+    w, layout = head_weight(c, params)
+    w_DV = w.T if layout == "vd" else w
     logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(x.dtype), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab"))
 
@@ -384,3 +284,5 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
     x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
     return head(c, params, x, constrain)
 
+
+LLAMA = register(ModelSpec("llama", llama_inventory, layer))

@@ -37,6 +37,11 @@ FIXTURES = {
     # a save sharded into two safetensors files with model.safetensors.index.json
     "sharded_f32": dict(cfg=dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5,
                                  rope_theta=10000.0, num_hidden_layers=3), dtype=torch.float32, shard="400KB"),
+    # its own head_dim (24, not hidden/heads = 16), a context of 512 positions (past meshtrain's default seq_len),
+    # a generation config and a tokenizer of its own; the reference adds greedy tokens after a 400-token prompt
+    "head_dim_long_f32": dict(cfg=dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, vocab_size=384,
+                                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512),
+                              dtype=torch.float32, shard=None, long_prompt=400, tokenizer=True),
 }
 
 
@@ -62,10 +67,40 @@ def build(name: str, spec: dict, out: Path, seed: int):
         logits = ref(tokens).logits.numpy().astype(np.float32)
         greedy = ref.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[:, prompt.shape[1]:].numpy()
+    extra = {}
+    if spec.get("tokenizer"):
+        tok = tokenizer(d, cfg)
+        # a text of at least long_prompt tokens under that tokenizer (this file's words, in order)
+        words, text = Path(__file__).read_text().split(), ""
+        while len(tok.encode(text).ids) < spec["long_prompt"]:
+            text += words.pop(0) + " "
+        long = torch.tensor([tok.encode(text).ids])
+        with torch.no_grad():
+            out = ref.generate(long, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        extra = dict(long_text=np.array(text), long_prompt=long.numpy().astype(np.int32),
+                     long_greedy=out[:, long.shape[1]:].numpy().astype(np.int32))
     np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits,
-                        prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32))
+                        prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32), **extra)
     files = sorted(p.name for p in d.iterdir())
     print(f"{name}: {files}, {sum(p.stat().st_size for p in d.iterdir()) / 1e3:.0f} kB")
+
+
+def tokenizer(d: Path, cfg):
+    """A byte-level BPE of at most vocab_size ids trained on this file, saved as transformers saves one, and a
+    generation config with the model's special ids (what an export must keep)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(Path(__file__).read_text().splitlines(), trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", model_max_length=cfg.max_position_embeddings)
+    fast.save_pretrained(d)
+    gen = transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, max_length=cfg.max_position_embeddings,
+                                        do_sample=False)
+    gen.save_pretrained(d)
+    return tok
 
 
 def reference(d: Path, seed: int = 99):
@@ -84,13 +119,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"))
     ap.add_argument("--reference", help="only write reference.npz for this existing folder")
+    ap.add_argument("--only", help="build only this fixture (the others are left as they are)")
     args = ap.parse_args()
     if args.reference:
         return reference(Path(args.reference))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, (name, spec) in enumerate(FIXTURES.items()):
-        build(name, spec, out, seed=1234 + i)
+        if args.only in (None, name):
+            build(name, spec, out, seed=1234 + i)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     (out / "versions.json").write_text(json.dumps(versions, indent=1) + "\n")
     print(versions)

@@ -206,6 +206,53 @@ def test_the_pipeline_schedules_are_listed_once():
         ["trainer/config.py"]
 
 
+def _string_literals(path: Path) -> set[str]:
+    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)}
+
+
+def test_each_parameter_name_is_written_in_one_model_module_and_the_hf_map():
+    """The Llama inventory (models.inventory) is the one list of parameter names: each name is a string literal in
+    one module of models/ and in the Hugging Face name map, nowhere else in the code (tests aside). Names that are
+    also logical axes (embed, layers) are exempt."""
+    from models import from_preset, inventory
+    inv = inventory(from_preset("tiny", tie_embeddings=False))
+    names = (set(inv) | set(inv["layers"])) - {"embed", "layers"}
+    assert {"wq", "w_down", "final_norm", "lm_head"} <= names
+    files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
+    literals = {str(f.relative_to(ROOT)): _string_literals(f) for f in files}
+    for name in sorted(names):
+        where = sorted(f for f, lits in literals.items() if name in lits)
+        models = [f for f in where if f.startswith("models/")]
+        assert len(models) == 1 and set(where) == {models[0], "trainer/ckpt/hf.py"}, (name, where)
+
+
+def private_model_imports(root: Path = ROOT) -> list[str]:
+    """`from models... import _x` and `models..._x` outside models/: the private names of the model."""
+    bad = []
+    for f in [f for pkg in PACKAGES + ("scripts", "tests") for f in sorted((root / pkg).rglob("*.py"))]:
+        rel = str(f.relative_to(root))
+        if rel.startswith("models/"):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "models":
+                bad += [f"{rel}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and isinstance(node.value, (ast.Name, ast.Attribute)) and ast.unparse(node.value).split(".")[0]
+                  in ("models", "fast_cpu", "transformer", "loss", "attention", "decode")):
+                bad.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_no_private_name_of_models_is_used_outside_it(tmp_path):
+    assert private_model_imports() == []
+    (tmp_path / "models").mkdir()
+    for pkg in PACKAGES[::2] + ("scripts", "tests"):
+        (tmp_path / pkg).mkdir(exist_ok=True)
+    (tmp_path / "trainer" / "x.py").write_text("from models.loss import _hidden\nimport models\nmodels.loss._y\n")
+    assert private_model_imports(tmp_path) == ["trainer/x.py:1 _hidden", "trainer/x.py:3 models.loss._y"]
+
+
 def _stderr_prints(path: Path) -> list[int]:
     """Lines of `print(..., file=sys.stderr)` (or `file=stderr`) and `sys.stderr.write(...)` calls in a file."""
     def is_stderr(node):

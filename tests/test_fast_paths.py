@@ -17,6 +17,7 @@ from flax import nnx
 
 from conftest import TINY, corpus, max_rel
 from models import Transformer, fast_cpu, forward, from_preset, params_of
+from models import layers as Ly
 from models import transformer as T
 from models.batch import from_windows
 from models.loss import loss_fn
@@ -48,7 +49,7 @@ def _max_abs(a, b):
 def test_projections_equal_plain_einsums(out_shapes):
     """The shared custom-VJP backward gives autodiff's dx and dW (fused groups and a lone weight)."""
     x, *ws = _normal(1, (2, 16, 32), *[(32,) + s for s in out_shapes])
-    ref = jax.jit(lambda x, ws: _value_and_vjp(T.project, (x, ws)))(x, tuple(ws))
+    ref = jax.jit(lambda x, ws: _value_and_vjp(Ly.project, (x, ws)))(x, tuple(ws))
     fast = jax.jit(lambda x, ws: _value_and_vjp(fast_cpu.project, (x, ws)))(x, tuple(ws))
     assert [o.shape for o in fast[0]] == [(2, 16) + s for s in out_shapes]
     assert max_rel(fast[0], ref[0]) < TOL and max_rel(fast[1], ref[1]) < TOL
@@ -72,13 +73,13 @@ def test_tanh_silu_equals_jax_silu():
 def test_rope_rewrite_equals_rotate_half(offset):
     """Fast RoPE == rotate-half, at the offsets decoding uses (a traced position included)."""
     x, = _normal(3, (2, 12, 3, 16))
-    tables = T.rope_tables(40, 16, 10000.0)
+    tables = Ly.rope_tables(40, 16, 10000.0)
     pos = jnp.int32(17) if offset == "traced" else offset
 
     def run(rope):
         return jax.jit(lambda x, pos: _value_and_vjp(lambda x: rope(x, *tables, pos), (x,)))(x, pos)
 
-    assert _max_abs(run(fast_cpu.apply_rope), run(T.apply_rope)) < TOL
+    assert _max_abs(run(fast_cpu.apply_rope), run(Ly.apply_rope)) < TOL
 
 
 def test_reference_rope_pairs_first_and_second_half():
@@ -89,7 +90,7 @@ def test_reference_rope_pairs_first_and_second_half():
     ang = (off + np.arange(12))[:, None] * 10000.0 ** (-np.arange(0, E, 2) / E)  # (T, E/2)
     z = (x[..., :E // 2] + 1j * x[..., E // 2:]) * np.exp(1j * ang)[None, :, None, :]
     want = np.concatenate([z.real, z.imag], axis=-1)
-    got = T.apply_rope(jnp.asarray(x, jnp.float32), *T.rope_tables(S, E, 10000.0), off)
+    got = Ly.apply_rope(jnp.asarray(x, jnp.float32), *Ly.rope_tables(S, E, 10000.0), off)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
@@ -181,10 +182,10 @@ def test_dots_remat_saves_the_reference_projections():
     from jax._src.ad_checkpoint import saved_residuals
     c = _tiny(kernels="reference")
     lp = jax.tree.map(lambda w: w[0], params_of(Transformer(c, rngs=nnx.Rngs(0)))["layers"])
-    x, rope = jnp.ones((2, 32, c.d_model)), T.rope_tables(32, c.head_dim, c.rope_theta)
+    x, rope = jnp.ones((2, 32, c.d_model)), Ly.rope_tables(32, c.head_dim, c.rope_theta)
 
     def named(policy):
-        f = jax.checkpoint(lambda lp, x: T.layer(c, lp, x, rope).sum(), policy=T.REMAT[policy])
+        f = jax.checkpoint(lambda lp, x: T.layer(c, lp, x, rope).sum(), policy=Ly.REMAT[policy])
         return [r for r in saved_residuals(f, lp, x) if "projection" in r[1]]
 
     assert len(named("dots")) >= 5 and all(r[0].shape[:2] == (2, 32) for r in named("dots"))

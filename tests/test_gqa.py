@@ -123,7 +123,7 @@ def test_auto_attention_per_platform(platform, dtype, expect, monkeypatch):
 def test_cudnn_fallback_logs_why_once(caplog):
     """On a machine without cuDNN, GPU `auto` falls back to XLA's attention and warns once with the reason."""
     import models.attention as A
-    A._warn_fallback.cache_clear()
+    A.reset_warnings()
     q, k, v = _qkv(jnp.bfloat16)
     with caplog.at_level(logging.WARNING, logger="models.attention"):
         out = [A.attention(q, k, v, "auto", platform="gpu") for _ in range(2)]

@@ -16,7 +16,7 @@ from conftest import SGD, TINY
 from models.batch import from_windows
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32"]
+NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32", "head_dim_long_f32"]
 DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
 # (data, stage, model): ZeRO-3 over data with heads split 4 ways; a pipeline over stage (the 3-layer
 # fixture pipelines over 3 stages on 6 devices: 2 stages cannot split 3 layers)
@@ -93,7 +93,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
         greedy = np.concatenate(list(generate(s.model, params, ref["prompt"], ref["greedy"].shape[1])))
     assert np.abs(got - ref["logits"]).max() < 1e-4
     np.testing.assert_array_equal(greedy, ref["greedy"][0])
-    if layout == "pipe_2x2x2" and name == "tied_llama3_bf16":
+    if layout == "pipe_2x2x2" and name in ("tied_llama3_bf16", "head_dim_long_f32"):
         from trainer.ckpt.initial import state_from_params
         from trainer.step import jit_train_step
         # batch_size 4: a microbatch per data rank and stage fill
@@ -290,3 +290,54 @@ def test_generate_from_an_hf_folder(with_tokenizer, tmp_path):
         assert text.split() == [f"w{t}" for t in want], (text, want)
     else:
         assert text == bytes(int(t) for t in want).decode("utf-8", errors="replace"), (text, want)
+
+
+def test_generate_keeps_the_hf_models_context():
+    """An HF model with a context of 512 (past the default seq_len, 128): `meshtrain generate` on a 405-token
+    prompt (its tokenizer's) gives transformers' greedy tokens; the cache holds prompt + new tokens."""
+    from tokenizers.decoders import DecodeStream
+
+    from models.decode import generate
+    from trainer.data.prepare import load_tokenizer
+    from trainer.run.generate import generate_text
+    d = FIX / "head_dim_long_f32"
+    ref = np.load(d / "reference.npz")
+    text = generate_text(str(d), str(ref["long_text"]), 8, temperature=0.0, out=io.StringIO())
+    tok = load_tokenizer(str(d / "tokenizer.json"))[0]
+    assert ref["long_prompt"].shape[1] >= 400 and tok.encode(str(ref["long_text"])).ids == ref["long_prompt"][0].tolist()
+    stream = DecodeStream(skip_special_tokens=False)  # transformers' tokens as generate streams them
+    assert text == "".join(stream.step(tok, int(t)) or "" for t in ref["long_greedy"][0]), (text, ref["long_greedy"])
+    # the trained context (seq_len 23 here) instead of the model's: another continuation
+    s, params = loaded("head_dim_long_f32", "1dev")
+    short = np.concatenate(list(generate(s.model, params, ref["long_prompt"], 8)))
+    assert not np.array_equal(short, ref["long_greedy"][0])
+
+
+def test_a_prompt_past_the_context_says_how_many_tokens_it_dropped(caplog):
+    from models.decode import generate
+    s, params = loaded("gqa_untied_f32", "1dev")
+    prompt = np.arange(40, dtype=np.int32)[None] % 256
+    with caplog.at_level("WARNING"):
+        got = np.concatenate(list(generate(s.model, params, prompt, 3, context=16)))
+    want = np.concatenate(list(generate(s.model, params, prompt[:, -8:], 3, context=16)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "generate: the prompt's 40 tokens exceed the model's context of 16 positions; its first 32 tokens were dropped"]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_export_of_a_run_from_an_hf_folder_keeps_its_context_and_tokenizer(tmp_path):
+    """The run keeps the folder's config, generation config and tokenizer when it starts (the folder may be gone
+    when it is exported); the export keeps max_position_embeddings, special ids, head_dim and those files."""
+    from trainer import load_config
+    from trainer.run.loop import train
+    src, run = tmp_path / "src", tmp_path / "run"
+    shutil.copytree(FIX / "head_dim_long_f32", src)
+    train(load_config(TINY + LAYOUTS["zero3_2x1x4"] + [f"model.init_from={src}", "train.steps=2",
+                                                       "train.eval_every=0", f"run.dir={run}"]))
+    shutil.rmtree(src)
+    assert _cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
+    got, want = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", FIX / "head_dim_long_f32"))
+    assert {k: got[k] for k in want if k not in ("dtype",)} == {k: v for k, v in want.items() if k != "dtype"}
+    assert got["max_position_embeddings"] == 512 and got["head_dim"] == 24 and got["eos_token_id"] == 2
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / f).read_bytes() == (FIX / "head_dim_long_f32" / f).read_bytes(), f

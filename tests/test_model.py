@@ -146,7 +146,8 @@ def test_dots_remat_saves_projection_outputs_and_full_saves_none():
     """The `dots` policy must see the projections (a custom_vjp) as saveable matmul outputs,
     or it would silently recompute the whole layer like `full`."""
     from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
-    from models.transformer import REMAT, layer, rope_tables
+    from models.layers import REMAT, rope_tables
+    from models.transformer import layer
     c, p = _tiny_params()
     lp = jax.tree.map(lambda w: w[0], p["layers"])
     x = jnp.ones((2, 32, c.d_model))

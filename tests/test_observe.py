@@ -17,7 +17,8 @@ from conftest import TINY
 from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
 from models.batch import abstract
 from models.loss import cross_entropy
-from models.transformer import REMAT, embed, head, layer, rope_tables, sublayer_remat
+from models.layers import REMAT, rope_tables, sublayer_remat
+from models.transformer import embed, head, layer
 from trainer import UserError, load_config, train
 from trainer.data.batches import Batches
 from trainer.observe.metrics import MetricsWriter

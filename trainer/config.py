@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from meshes import load_preset, resolve_shape, MeshError
-from models import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
+from models import FAMILIES, PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.config import ATTENTION_IMPLS, KERNELS
 from trainer.errors import UserError
 
@@ -28,10 +28,12 @@ ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     preset: str = "small"
+    family: str = "llama"  # models/spec.py's registry: whose parameters and layer the model runs
     d_model: Optional[int] = None
     n_layers: Optional[int] = None
     n_heads: Optional[int] = None
     n_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None  # one attention head's width; null: d_model / n_heads
     d_ff: Optional[int] = None
     vocab_size: Optional[int] = None
     seq_len: Optional[int] = None
@@ -289,16 +291,12 @@ def replace(cfg: Config, **sections) -> Config:
 
 def model_config(cfg: Config) -> ModelConfig:
     m = cfg.model
-    if m.preset not in PRESETS:
-        raise UserError(f"model.preset='{m.preset}' is unknown; choose one of {', '.join(PRESETS)}")
-    if m.remat not in REMAT_POLICIES:
-        raise UserError(f"model.remat='{m.remat}' is unknown; choose one of {', '.join(REMAT_POLICIES)}")
-    if m.attention not in ATTENTION_IMPLS:
-        raise UserError(f"model.attention='{m.attention}' is unknown; choose one of {', '.join(ATTENTION_IMPLS)}")
+    for key, known in (("preset", PRESETS), ("family", FAMILIES), ("remat", REMAT_POLICIES),
+                       ("attention", ATTENTION_IMPLS), ("kernels", KERNELS)):
+        if getattr(m, key) not in known:
+            raise UserError(f"model.{key}='{getattr(m, key)}' is unknown; choose one of {', '.join(known)}")
     if m.loss_chunk is not None and m.loss_chunk < 0:
         raise UserError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (tokens per chunk; 0 = whole logits) or null")
-    if m.kernels not in KERNELS:
-        raise UserError(f"model.kernels='{m.kernels}' is unknown; choose one of {', '.join(KERNELS)}")
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
     if m.rope_scaling is not None:  # hashable, the original context length an int
         if len(m.rope_scaling) != 4:
@@ -328,8 +326,11 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0,
          "train.steps must be >= 0 and train.batch_size, train.microbatches > 0; fix the value"),
         (cfg.run.log_every > 0, f"run.log_every={cfg.run.log_every} must be > 0; use 1 or more"),
-        (mc.d_model % mc.n_heads == 0 and mc.head_dim % 2 == 0,
-         f"model.d_model={mc.d_model} must be n_heads ({mc.n_heads}) x an even head_dim; change d_model or n_heads"),
+        (cfg.model.head_dim is not None or mc.d_model % mc.n_heads == 0,
+         f"model.d_model={mc.d_model} is not a multiple of model.n_heads={mc.n_heads}; change one or set "
+         "model.head_dim"),
+        (mc.head_dim > 0 and mc.head_dim % 2 == 0,
+         f"model.head_dim={mc.head_dim} must be even and > 0 (RoPE rotates pairs); change it (or d_model, n_heads)"),
         (mc.n_heads % mc.n_kv_heads == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={mc.n_kv_heads}; pick n_kv_heads dividing n_heads"),
     ]

@@ -105,7 +105,7 @@ def _manual_grads(s: Setup, params, batch, scale):
         if not sharded_params:
             return p, lambda lp: lp
         # layer weights gathered in the compute dtype (half the bytes in bfloat16), the rest as stored
-        cast = compute_dtypes(p, s.dtype)
+        cast = compute_dtypes(s.model, p, s.dtype)
         top = {n: v for n, v in p.items() if n != "layers"}
         top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top},
                                       {n: cast[n] for n in top})

@@ -3,6 +3,7 @@ a run's shardings (each process reads only the slices its devices hold, one devi
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,10 +69,7 @@ def model_keys(hc: dict, where) -> dict:
                 "norm_eps": (float(hc.get("rms_norm_eps", 1e-6)), "rms_norm_eps")}
     except KeyError as e:
         raise UserError(f"{where} lacks {e.args[0]}") from None
-    E = hc.get("head_dim") or D // H
-    if E != D // H:
-        raise UserError(f"{where}: head_dim={E} differs from hidden_size/num_attention_heads={D // H}; "
-                        "meshtrain's head_dim is d_model // n_heads")
+    keys["head_dim"] = (int(hc.get("head_dim") or D // H), "head_dim")
     theta, scaling = _rope(hc, where)
     keys["rope_theta"], keys["rope_scaling"] = (theta, "rope_theta"), (scaling, "rope_scaling")
     return keys
@@ -232,3 +230,45 @@ def _set(tree, path, value):
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------- the folder's context
+
+ORIGIN = "hf_origin"  # in run.dir: the non-weight files of the HF folder the run started from
+# what a folder says of the model besides its weights (config.json first)
+ORIGIN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                "chat_template.jinja", "chat_template.json")
+
+
+def keep_origin(folder, run_dir):
+    """Copy an HF folder's config, generation config and tokenizer files (not its weights) into run_dir/ORIGIN,
+    whole or not at all: what `export --format hf` and `generate` keep of the model whatever becomes of it."""
+    src, dst = Path(folder), Path(run_dir) / ORIGIN
+    if dst.is_dir():
+        return dst
+    tmp = dst.with_name(ORIGIN + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ORIGIN_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+    tmp.rename(dst)
+    return dst
+
+
+def origin_of(cfg, run_dir=None) -> Path | None:
+    """The HF folder a model came from: the copy a run kept (run_dir/ORIGIN), else its model.init_from when that
+    is an HF folder; None for a model that did not come from one."""
+    if run_dir is not None and (Path(run_dir) / ORIGIN / "config.json").is_file():
+        return Path(run_dir) / ORIGIN
+    init = cfg.model.init_from
+    return Path(init) if init and kind_of(init) == "hf" else None
+
+
+def context_of(origin: Path | None) -> int | None:
+    """The HF model's context (config.json's max_position_embeddings), or None."""
+    if origin is None:
+        return None
+    n = json.loads((origin / "config.json").read_text()).get("max_position_embeddings")
+    return int(n) if n else None

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import math
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from trainer.ckpt import safetensors as st
-from trainer.ckpt.hf import ARCH, INDEX, MAX_SHARD_BYTES, _get, leaf_shape, leaves
+from trainer.ckpt.hf import ARCH, INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, leaf_shape, leaves, origin_of
 from trainer.errors import UserError
 
 
@@ -102,9 +102,24 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
     params, cfg, step = load_params_at(run_dir, step)  # split over the local devices, never whole on one
     mc = model_config(cfg)
     write_hf(params, mc, out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+    origin = origin_of(cfg, run_dir)
+    if origin is not None and jax.process_index() == 0:  # started from an HF folder: what it said of the model
+        _keep(origin, out)
     if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
         _write_tokenizer(cfg.data.tokenizer, out, mc)
     return out
+
+
+def _keep(origin: Path, out: Path):
+    """The origin folder's config fields over the written ones, but for the dtype (the run cannot have changed
+    the model's shape: importing checked every shape key against that config.json): its context length,
+    special ids, rope scaling and whatever else it holds; then its generation config and tokenizer files."""
+    ours, theirs = (json.loads((d / "config.json").read_text()) for d in (out, origin))
+    merged = {**ours, **{k: v for k, v in theirs.items() if k not in ("torch_dtype", "dtype")}}
+    (out / "config.json").write_text(json.dumps(merged, indent=2) + "\n")
+    for name in ORIGIN_FILES[1:]:
+        if (origin / name).is_file():
+            shutil.copyfile(origin / name, out / name)
 
 
 def _write_tokenizer(path: str, out: Path, mc):

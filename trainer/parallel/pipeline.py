@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.loss import _token_losses, chunk_tokens, head_loss
+from models.loss import chunk_tokens, head_loss, token_losses
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules, sync
 from trainer.parallel.circular import circular_blocks
@@ -64,7 +64,7 @@ def _cross_entropy(logits_BTV, targets_BT, weight_BT):
     (models/loss.py), not gathered (as above); XLA fuses the compare into the sum, so no (B, T, V)
     one-hot exists."""
     V = logits_BTV.shape[-1]
-    return jnp.sum(_token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
+    return jnp.sum(token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
 
 
 def _put(buf, i, x):

@@ -199,7 +199,7 @@ class _Fallbacks(logging.Handler):
 
     def __enter__(self):
         from models import attention
-        attention._warn_fallback.cache_clear()  # said once per process: say it again for this lowering
+        attention.reset_warnings()  # said once per process: say it again for this lowering
         log = logging.getLogger(attention.__name__)
         self._propagate, log.propagate = log.propagate, False  # the report says it instead
         log.addHandler(self)

@@ -100,12 +100,7 @@ class _Shard(ModelConfig):
     """One device's widths under tensor parallelism: heads, kv heads, d_ff, vocab / model; head_dim kept.
     With fewer kv heads than ranks (kv_repeat > 1) every device projects all of them (their weights
     are replicated), repeats them and attends with its own slice of the repeated heads: one."""
-    shard_head_dim: int = 0
     shard_fused_qkv: bool = False  # the whole model's choice: the program is written at its shapes
-
-    @property
-    def head_dim(self) -> int:
-        return self.shard_head_dim
 
     @property
     def fused_qkv(self) -> bool:
@@ -118,7 +113,7 @@ def _shard(mc: ModelConfig, tp: int) -> _Shard:
     fields.update(n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else mc.n_kv_heads // tp,
                   kv_repeat=tp // mc.n_kv_heads if replicated else 1, d_ff=mc.d_ff // tp,
                   vocab_size=mc.vocab_size // tp, remat="none")
-    return _Shard(**fields, shard_head_dim=mc.head_dim, shard_fused_qkv=mc.fused_qkv)
+    return _Shard(**fields, shard_fused_qkv=mc.fused_qkv)
 
 
 def _device_kernels(c: _Shard, dtype=None):
@@ -128,7 +123,7 @@ def _device_kernels(c: _Shard, dtype=None):
     attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
     from models.attention import select
     from models.fast_cpu import causal_attention
-    from models.transformer import kernels_for
+    from models.layers import kernels_for
     kn = kernels_for(c)
     if dtype is not None and select(c.attention, dtype, c.target_platform, kn.name == "fast") == "cudnn":
         kn = kn._replace(attention=lambda q, k, v, segments=None: causal_attention(q, k, v, c.attention_block))
@@ -151,23 +146,24 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss."""
     from models.loss import cross_entropy
-    from models.transformer import REMAT, attention_half, head, layer, mlp_half, rope_tables, sublayer_remat
+    from models.layers import REMAT, rope_tables, sublayer_remat
+    from models.spec import family
+    from models.transformer import attention_half, head, inventory, mlp_half
     c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
-    D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+    D, E = c.d_model, c.head_dim
     out = []
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, T, D), dt)
-        if what == "head":
-            weights = {"final_norm": w((D,)), "lm_head": w((D, c.vocab_size))}
+        if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
             cfg = dataclasses.replace(c, tie_embeddings=False)
+            weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
             targets = np.zeros((rows, T), np.int32)
             out.append(_residuals(lambda x, weights: cross_entropy(head(cfg, weights, x), targets), x, weights))
             continue
-        weights = {"attn_norm": w((D,)), "mlp_norm": w((D,)), "wq": w((D, H, E)), "wk": w((D, K, E)),
-                   "wv": w((D, K, E)), "wo": w((H, E, D)), "w_gate": w((D, F)), "w_up": w((D, F)),
-                   "w_down": w((F, D))}
+        weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
         rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c, dt)
+        layer = family(c.family).layer
         fn = lambda x, weights: layer(c, weights, x, rope, kernels=kn)  # noqa: E731
         if what in ("attention", "mlp", "sublayer"):
             fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope, kernels=kn),
@@ -194,7 +190,7 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool
     backward holds one vocabulary block's logits, softmax and gradient (N, V/blocks), the float32
     input gradient and the head weight's gradient as the blocks fill it in.
     """
-    from models.loss import _vocab_blocks, chunk_tokens
+    from models.loss import chunk_tokens, vocab_blocks
     N, D = rows * mc.seq_len, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
@@ -203,7 +199,7 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool
     n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
         return res + logits
-    blocks = _vocab_blocks(mc.vocab_size, -(-seen // n))
+    blocks = vocab_blocks(mc.vocab_size, -(-seen // n))
     return res - logits + 4.0 * N + 3 * logits / blocks + 4.0 * N * D + 4.0 * V * D
 
 
@@ -226,9 +222,8 @@ def _recompute(mc: ModelConfig, st: Strategy, dtype: str, b: int) -> float:
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
     """One layer's float32 weights on one device (what its vjp returns as gradient)."""
-    c = _shard(mc, tp)
-    D, H, K, E, F = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
-    return 4.0 * (2 * D + 2 * H * E * D + 2 * D * K * E + 3 * D * F)
+    from models.transformer import inventory
+    return 4.0 * sum(math.prod(p.shape) for p in inventory(_shard(mc, tp))["layers"].values())
 
 
 def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str) -> float:

@@ -17,7 +17,9 @@ from rich.console import Console
 
 from models import param_count
 from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.hf import keep_origin
 from trainer.ckpt.initial import initial_state
+from trainer.ckpt.store import kind_of
 from trainer.config import Config, to_yaml
 from trainer.data.batches import Batches, load_corpus
 from trainer.data.feed import Feed
@@ -107,6 +109,8 @@ class Run:
             self.state, self.start = self.ckpt.restore() or (self.initial(), 0)
             if self.main:  # only now: a command that fails on its input leaves run.dir as it was
                 (self.dir / "config.yaml").write_text(to_yaml(cfg))
+                if cfg.model.init_from and kind_of(cfg.model.init_from) == "hf":  # context, special ids, tokenizer
+                    keep_origin(cfg.model.init_from, self.dir)
             self.eval_fn = jit_eval_step(s)
             with jax.set_mesh(s.mesh):
                 self.step_fn = jit_train_step(s).lower(self.state, to_global(s, self.batches.train(self.start))).compile()

@@ -30,6 +30,7 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
     import jax
     from models.decode import generate
     from trainer.config import model_config
+    from trainer.ckpt.hf import context_of, origin_of
     from trainer.ckpt.params import load_params
     out = out or sys.stdout
     # one local device holds the weights whatever mesh saved them; decoding is one sequence
@@ -38,6 +39,7 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
         raise UserError(f"run '{run_dir}' was trained on token ids ({cfg.data.source}) with no tokenizer recorded; "
                         "generate decodes bytes, so use a run trained on text or on `meshtrain prepare` data")
     mc = model_config(cfg)
+    context = context_of(origin_of(cfg, run_dir))  # an HF model's own context, else the trained seq_len
     if cfg.data.tokenizer:
         ids, step_fn = _tokenizer_codec(cfg.data.tokenizer, prompt)
     else:
@@ -48,7 +50,7 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
     out.write(prompt)
     new = []
     for tok in generate(mc, params, np.asarray([ids], np.int32), n_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed):
+                        seed=seed, context=context):
         piece = step_fn(int(tok[0]))
         new.append(piece)
         out.write(piece)

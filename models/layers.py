@@ -1,0 +1,143 @@
+"""Reusable layer pieces, as pure functions: RMSNorm, RoPE (per-token positions too), projections, the swappable
+kernels (the plain reference or models/fast_cpu.py's XLA:CPU fast paths, and the attention) and the remat policies.
+
+Dimension letters as in models/transformer.py. Families (models/spec.py) build their layers from these.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from models import fast_cpu
+from models.attention import attention
+from models.config import ModelConfig
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(E: int, theta: float, scaling=None):
+    """RoPE's E/2 inverse frequencies; `scaling` (ModelConfig.rope_scaling) as transformers' llama3 type."""
+    inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+    if scaling is None:
+        return inv
+    factor, low, high, old_len = scaling
+    wavelen = 2 * jnp.pi / inv
+    # long wavelengths slowed down by `factor`, short ones kept, the band between interpolated
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None):
+    """cos, sin (T, E/2) of positions 0..T-1, or (B, T, E/2) of each token's own position."""
+    inv = rope_inv_freq(E, theta, scaling)
+    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
+    ang = pos[..., None] * inv
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope_at(cos, sin, T: int, offset=0):
+    """The tables broadcast against (B, T, N, E/2): per-token ones as they are, shared ones from offset."""
+    if cos.ndim == 3:  # (B, T, E/2): each token's own position
+        return cos[:, :, None, :], sin[:, :, None, :]
+    return (jax.lax.dynamic_slice_in_dim(cos, offset, T)[:, None, :],  # (T, 1, E/2)
+            jax.lax.dynamic_slice_in_dim(sin, offset, T)[:, None, :])
+
+
+def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
+    """Rotate pairs (first half, second half) of head_dim by the angles of positions offset.. (rotate-half);
+    per-token tables (B, T, E/2) give each token its own angles."""
+    cos, sin = rope_at(cos_TE2, sin_TE2, x_BTNE.shape[1], offset)
+    x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNE.dtype)
+
+
+def project(x_BTD, weights):
+    """[x @ w for w in weights], w of shape (D, ...); outputs named for the `dots` remat policy."""
+    return [checkpoint_name(jnp.einsum("btd,d...->bt...", x_BTD, w), "projection") for w in weights]
+
+
+class Kernels(NamedTuple):
+    """The layer's swappable pieces: the plain ones above or models/fast_cpu.py's, and the attention."""
+    name: str  # "reference" or "fast"
+    project: Callable  # (x (B, T, D), weights (D, ...) of the same shape) -> [x @ w]
+    silu: Callable
+    rope: Callable  # apply_rope's signature
+    attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E), segments (B, T) or None) -> causal attention
+
+
+def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
+    """The kernels for c.kernels on a jax platform (default: c.target_platform):
+    `auto` = the fast paths on CPU, the plain ones elsewhere."""
+    platform = platform or c.target_platform
+    fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
+    # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
+    # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
+    attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
+                             cpu_fast=fast)
+    name = "fast" if fast else "reference"
+    fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
+    # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled
+    # program runs can be read from its HLO (tests/test_tpu_compile.py)
+    return Kernels(name, *(_scoped(f"kernels_{name}", f) for f in fns), attn)
+
+
+def _scoped(scope: str, f: Callable) -> Callable:
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        with jax.named_scope(scope):
+            return f(*args, **kwargs)
+    return run
+
+
+
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # projection outputs: plain dots, or the fast path's `projections` outputs (a custom_vjp,
+    # opaque to the dots policy, so they are named); attention is recomputed
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("projection")),
+}
+
+
+def sublayer_remat(f: Callable) -> Callable:
+    """model.remat=sublayer on a layer half f(p, x): its backward recomputes it from its saved input."""
+    # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
+    # with the forward pass (both halves' internals live at once again; measured: no memory saved).
+    def half(p, x):
+        g, consts = jax.closure_convert(f, p, x)  # the tables and indices it closes over, as arguments
+
+        @jax.custom_vjp
+        def run(p, x, *consts):
+            return g(p, x, *consts)
+
+        def bwd(res, dy):
+            def recompute(dy):
+                dp, dx, *dconsts = jax.vjp(g, *res)[1](dy)
+                return dx, dp, tuple(dconsts)
+
+            def never(dy):
+                p, _, *consts = res
+                return dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
+
+            # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
+            # which would then merge a recomputation with the forward pass (remat undone), but it
+            # does not merge across computations.
+            taken = jax.lax.rng_uniform(jnp.int32(1), jnp.int32(2), ()) == 1  # always
+            dx, dp, dconsts = jax.lax.cond(taken, recompute, never, dy)
+            return dp, dx, *dconsts
+
+        run.defvjp(lambda *a: (g(*a), a), bwd)
+        return run(p, x, *consts)
+
+    return half
