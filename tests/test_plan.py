@@ -52,7 +52,13 @@ def _plan(overrides, device=H100, dtype="float32", platform=None):
     return cfg, estimate(mc, cfg.train, strategy_of(cfg, n), device, 1, dtype)
 
 
-@pytest.mark.parametrize("name", list(AGAINST_XLA))
+# -m slow: layouts the default ones cover (ZeRO-2 and accumulation, TP with ZeRO-3 beside its sublayer case, the
+# small preset beside tiny's ZeRO-1, TP with accumulation)
+SLOW_AGAINST_XLA = {"d8-z2-m4", "d4m2-z3", "small-d8-z1", "d4m2-z0-m4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_AGAINST_XLA else [])
+                                  for n in AGAINST_XLA])
 def test_against_xla(name):
     """State bytes within 5% of XLA's memory analysis, collective bytes within 5% of the HLO's.
 
