@@ -1,7 +1,7 @@
 """The model: families (a registry of specs, Llama built in), the Flax NNX module, its config, presets and FLOP
 counting."""
-from models.config import (PRESETS, REMAT_POLICIES, ModelConfig, flops_per_token, from_preset,
-                           hardware_flops_per_token, matmul_param_count, param_count)
+from models.config import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
+from models.counts import flops_per_token, hardware_flops_per_token, matmul_param_count, param_count
 from models.loss import loss_fn, loss_sum
 from models.precision import compute_dtypes
 from models.spec import FAMILIES, ModelSpec, Param, family, register

@@ -1,15 +1,4 @@
-"""Model config, presets, and parameter / FLOP counting.
-
-FLOP convention (used for MFU everywhere in meshtrain):
-  training FLOPs per token = 6 * N  +  6 * L * T * H * Dh
-  N   = parameters that take part in matmuls (attention and MLP weights of every layer,
-        plus the output head; the embedding lookup is a gather and norms are elementwise,
-        so neither is counted). A tied head counts its V*D once, as the head.
-  6   = 2 FLOPs per multiply-add x (1 forward + 2 backward).
-  attention: QK^T and PV are 2 * 2 * T * Dh FLOPs per head per token forward; x3 for
-        training gives 12 * L * T * H * Dh; causal masking halves the useful work -> 6.
-Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
-"""
+"""Model config and presets (parameter and FLOP counting: models/counts.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -106,43 +95,3 @@ def from_preset(preset: str, **overrides) -> ModelConfig:
     kw = dict(PRESETS[preset])
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig(**kw)
-
-
-def layer_matmul_params(c: ModelConfig) -> int:
-    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    mlp = 3 * c.d_model * c.d_ff
-    return attn + mlp
-
-
-def param_count(c: ModelConfig) -> int:
-    """All parameters (embedding, norms and head included)."""
-    per_layer = layer_matmul_params(c) + 2 * c.d_model
-    head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
-    return c.vocab_size * c.d_model + c.n_layers * per_layer + c.d_model + head
-
-
-def matmul_param_count(c: ModelConfig) -> int:
-    """N of the FLOP convention: layer matmul weights plus the output head."""
-    return c.n_layers * layer_matmul_params(c) + c.d_model * c.vocab_size
-
-
-def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
-    """Model training FLOPs per token (the convention above)."""
-    t = seq_len or c.seq_len
-    return 6 * matmul_param_count(c) + 6 * c.n_layers * t * c.n_heads * c.head_dim
-
-
-def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
-    """FLOPs executed per token, counting remat's recomputed forward (same convention).
-
-    full: the layer forward runs again, except its last projection (w_down), whose output the
-    backward pass does not need; dots: projection outputs are saved, but the attention
-    score/value products (batched dots) are recomputed; sublayer: as full, less the attention's
-    output projection too (each half's backward needs its input, not its output).
-    """
-    t = seq_len or c.seq_len
-    attn_fwd = 2 * c.n_layers * t * c.n_heads * c.head_dim
-    full = 2 * c.n_layers * (layer_matmul_params(c) - c.d_model * c.d_ff) + attn_fwd
-    wo = 2 * c.n_layers * c.n_heads * c.head_dim * c.d_model
-    extra = {"none": 0, "full": full, "dots": attn_fwd, "sublayer": full - wo}[c.remat]
-    return flops_per_token(c, seq_len) + extra

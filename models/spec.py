@@ -1,7 +1,9 @@
 """Model families: one registry, `model.family` names an entry.
 
 A family is a module that registers a `ModelSpec`: its parameter inventory (every parameter's per-layer shape,
-logical axes, initializer, weight decay and precision, written once) and its layer function. State init, the
+logical axes, initializer, weight decay and precision, written once), its layer function and, for families that
+exist on the Hugging Face hub, its adapter (`HFAdapter`: config.json <-> config keys, tensor names <->
+parameters, both directions; trainer/ckpt/hf.py reads and writes folders through it). State init, the
 optimizer's decay mask, the ZeRO-3 gather's precision, decoding's layer layout and the planner's per-layer weights
 read the inventory; the layer stack (scanned or unrolled, remat'd, inside every pipeline schedule) runs the layer
 function. models/transformer.py registers `llama`; a family defined anywhere else (a test, a user's module)
@@ -22,6 +24,33 @@ class Param(NamedTuple):
     as_stored: bool = False  # read as stored (float32): a ZeRO-3 gather must not cast it first (models/precision.py)
 
 
+class Leaf(NamedTuple):
+    """One parameter and its HF tensors: parameter = stack over layers of view.transpose(perm) of each tensor."""
+    path: tuple  # keys into the params dict
+    names: list  # HF names: one per layer for stacked leaves, else one
+    hf_shape: tuple  # each HF tensor's shape (out, in)
+    view: tuple  # the HF tensor reshaped so that a transpose gives meshtrain's per-layer layout
+    perm: tuple
+    stacked: bool
+
+
+def leaf_shape(leaf: Leaf) -> tuple:
+    """The meshtrain parameter's shape (with the leading layers axis for a stacked leaf)."""
+    one = tuple(leaf.view[p] for p in leaf.perm)
+    return (len(leaf.names),) + one if leaf.stacked else one
+
+
+class HFAdapter(NamedTuple):
+    """A family's Hugging Face form. Each function raises ValueError (with the config.json field) on what the
+    family cannot compute or express."""
+    architecture: str  # config.json's architectures[0], e.g. "LlamaForCausalLM"
+    check: Callable  # (config.json dict) -> None: refuse features the family does not implement
+    model_keys: Callable  # (config.json dict) -> {model key: (value, config.json key)}
+    leaves: Callable  # (ModelConfig) -> [Leaf]: every parameter and its tensors
+    config: Callable  # (ModelConfig, dtype name) -> config.json dict
+    expressible: Callable = lambda mc: None  # (ModelConfig) -> None: refuse a model HF cannot hold
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -31,6 +60,7 @@ class ModelSpec:
     # (c, p, x_BTD, rope, constrain, kernels, half, segments) -> x_BTD: one layer on its weights p (no layers
     # axis), through `half` (sublayer remat) for each residual half; see models/transformer.py's `layer`
     layer: Callable
+    hf: HFAdapter | None = None  # None: the family has no Hugging Face form
 
 
 FAMILIES: dict[str, ModelSpec] = {}
@@ -47,3 +77,12 @@ def family(name: str) -> ModelSpec:
         raise ValueError(f"model.family='{name}' is not registered; choose one of {', '.join(sorted(FAMILIES))} "
                          "or import the module that registers it")
     return FAMILIES[name]
+
+
+def hf_family(architecture: str) -> ModelSpec:
+    """The family whose HF adapter reads `architecture` (config.json's architectures[0])."""
+    for spec in FAMILIES.values():
+        if spec.hf is not None and spec.hf.architecture == architecture:
+            return spec
+    known = sorted(s.hf.architecture for s in FAMILIES.values() if s.hf is not None)
+    raise ValueError(f"describes {architecture}; meshtrain imports {', '.join(known)}")

@@ -26,6 +26,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_tables, sublayer_remat
+from models.llama_hf import LLAMA_HF
 from models.spec import ModelSpec, Param, family, register
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -285,4 +286,4 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
     return head(c, params, x, constrain)
 
 
-LLAMA = register(ModelSpec("llama", llama_inventory, layer))
+LLAMA = register(ModelSpec("llama", llama_inventory, layer, LLAMA_HF))

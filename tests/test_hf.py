@@ -198,9 +198,9 @@ def _garble(d):
 
 
 BAD = {
-    "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face Llama folder"),
+    "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face model folder"),
     "not_llama": (lambda d: _edit_config(d, architectures=["MistralForCausalLM"]),
-                  "describes MistralForCausalLM; meshtrain imports LlamaForCausalLM only"),
+                  "describes MistralForCausalLM; meshtrain imports LlamaForCausalLM"),
     "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
                        "lacks tensor 'model.layers.1.mlp.up_proj.weight' (shape [96, 64])"),
     "unexpected_tensor": (lambda d: _edit_tensors(d, lambda t: t.update(

@@ -74,14 +74,14 @@ def _export(args: list[str]) -> int:
     p.add_argument("--out", required=True, help="new directory to write")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast the parameters (default: as saved)")
     p.add_argument("--format", choices=("orbax", "hf"), default="orbax",
-                   help="orbax (default; meshtrain reads it) or hf: a Hugging Face Llama folder (safetensors)")
+                   help="orbax (default; meshtrain reads it) or hf: a Hugging Face folder of the family (safetensors)")
     ns = p.parse_args(args)
     if ns.format == "hf":
         from trainer.ckpt.hf_export import export_hf
         out = export_hf(ns.run, ns.out, ns.step, ns.dtype)
     else:
         out = export(ns.run, ns.out, ns.step, ns.dtype)
-    print(f"exported parameters to {out}" + (" (Hugging Face Llama)" if ns.format == "hf" else ""))
+    print(f"exported parameters to {out}" + (" (Hugging Face)" if ns.format == "hf" else ""))
     return 0
 
 
@@ -100,7 +100,7 @@ def _plot(args: list[str]) -> int:
 def _generate(args: list[str]) -> int:
     p = ArgParser(prog="meshtrain generate", description="Sample text from a run's newest "
                                 "checkpoint (KV-cache decoding), streamed to stdout.")
-    p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face Llama folder")
+    p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face model folder")
     p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
     p.add_argument("--tokens", type=int, default=256,
                    help="how many tokens to sample: of the run's tokenizer, or bytes where it has none (default: 256)")

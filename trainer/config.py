@@ -28,7 +28,7 @@ ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     preset: str = "small"
-    family: str = "llama"  # models/spec.py's registry: whose parameters and layer the model runs
+    family: Optional[str] = None  # models/spec.py's registry; null: an HF init_from's, else llama
     d_model: Optional[int] = None
     n_layers: Optional[int] = None
     n_heads: Optional[int] = None
@@ -48,7 +48,7 @@ class ModelSection:
     attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
     kernels: str = "auto"  # auto | reference | fast: plain math or XLA:CPU fast paths (models/fast_cpu.py)
     loss_chunk: Optional[int] = None  # tokens per cross-entropy chunk (models/loss.py); 0 = whole logits; null: auto
-    init_from: Optional[str] = None  # parameters from `meshtrain export`, a run, or a Hugging Face Llama folder
+    init_from: Optional[str] = None  # parameters from `meshtrain export`, a run, or a Hugging Face model folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +293,7 @@ def model_config(cfg: Config) -> ModelConfig:
     m = cfg.model
     for key, known in (("preset", PRESETS), ("family", FAMILIES), ("remat", REMAT_POLICIES),
                        ("attention", ATTENTION_IMPLS), ("kernels", KERNELS)):
-        if getattr(m, key) not in known:
+        if getattr(m, key) not in known and not (key == "family" and m.family is None):
             raise UserError(f"model.{key}='{getattr(m, key)}' is unknown; choose one of {', '.join(known)}")
     if m.loss_chunk is not None and m.loss_chunk < 0:
         raise UserError(f"model.loss_chunk={m.loss_chunk} must be >= 0 (tokens per chunk; 0 = whole logits) or null")

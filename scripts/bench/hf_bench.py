@@ -22,7 +22,8 @@ from flax import nnx  # noqa: E402
 
 from models import Transformer, params_of  # noqa: E402
 
-from trainer.ckpt.hf import leaf_shape, leaves  # noqa: E402
+from models.spec import leaf_shape  # noqa: E402
+from trainer.ckpt.hf import leaves  # noqa: E402
 from trainer.ckpt.hf_export import write_hf  # noqa: E402
 from trainer.ckpt.params import init_params  # noqa: E402
 from trainer import load_config, resolve  # noqa: E402

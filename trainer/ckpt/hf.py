@@ -1,28 +1,44 @@
-"""Hugging Face Llama folders (config.json + safetensors): model shape keys, parameters read straight into
-a run's shardings (each process reads only the slices its devices hold, one device's at a time), and `meshtrain export --format hf`."""
+"""Hugging Face folders (config.json + safetensors) of any family with an HF adapter (models/spec.py): model
+shape keys, parameters read straight into a run's shardings (each process reads only the slices its devices hold,
+one device's at a time), and the folder's context that `export --format hf` and `generate` keep."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family
 from trainer.ckpt import safetensors as st
 from trainer.ckpt.store import kind_of
 from trainer.config import model_config, replace
 from trainer.errors import UserError
 
-ARCH = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size for save_pretrained
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry: RoPE is recomputed from config.json
 
 
+def _user(where, fn, *args):
+    """fn(*args), an adapter's ValueError as a one-line user error naming `where`."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def spec_of(hc: dict, where) -> ModelSpec:
+    """The family whose adapter reads this config.json (by its architectures)."""
+    arch = hc.get("architectures") or [hc.get("model_type", "unknown")]
+    if not isinstance(arch, list) or len(arch) != 1:
+        raise UserError(f"{where} names architectures {arch}; meshtrain imports one architecture per folder")
+    return _user(where, hf_family, str(arch[0]))
+
+
 def read_config(path) -> dict:
-    """config.json of a Llama folder, checked for what meshtrain's model computes."""
+    """config.json of an HF folder, checked by its family's adapter for what meshtrain's model computes."""
     f = Path(path) / "config.json"
     try:
         hc = json.loads(f.read_text())
@@ -30,49 +46,29 @@ def read_config(path) -> dict:
         raise UserError(f"{f} cannot be read ({e.strerror})") from None
     except ValueError as e:
         raise UserError(f"{f} is not valid JSON ({str(e)[:80]})") from None
-    arch = hc.get("architectures") or [hc.get("model_type", "unknown")]
-    if arch != [ARCH]:
-        raise UserError(f"{f} describes {', '.join(map(str, arch))}; meshtrain imports {ARCH} only")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hc.get(key, want) != want:
-            raise UserError(f"{f}: {key}={hc[key]!r} is not supported; meshtrain's Llama has {key}={want!r}")
+    if not isinstance(hc, dict):
+        raise UserError(f"{f} is not a JSON object; save the model again")
+    _user(f, spec_of(hc, f).hf.check, hc)
     return hc
 
 
-def _rope(hc: dict, where) -> tuple[float, list | None]:
-    """(rope_theta, rope_scaling) from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
-    rp = hc.get("rope_parameters") or {}
-    theta = float(rp.get("rope_theta", hc.get("rope_theta", 10000.0)))
-    sc = hc.get("rope_scaling") or rp
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise UserError(f"{where}: rope scaling of type '{kind}' is not supported; meshtrain implements 'llama3'")
-    try:
-        return theta, [float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
-                       float(sc["original_max_position_embeddings"])]
-    except KeyError as e:
-        raise UserError(f"{where}: llama3 rope scaling lacks {e.args[0]}") from None
-
-
 def model_keys(hc: dict, where) -> dict:
-    """meshtrain model.* keys (and the config.json key each comes from) of an HF Llama config."""
-    try:
-        D, H = int(hc["hidden_size"]), int(hc["num_attention_heads"])
-        keys = {"d_model": (D, "hidden_size"), "n_layers": (int(hc["num_hidden_layers"]), "num_hidden_layers"),
-                "n_heads": (H, "num_attention_heads"),
-                "n_kv_heads": (int(hc.get("num_key_value_heads") or H), "num_key_value_heads"),
-                "d_ff": (int(hc["intermediate_size"]), "intermediate_size"),
-                "vocab_size": (int(hc["vocab_size"]), "vocab_size"),
-                "tie_embeddings": (bool(hc.get("tie_word_embeddings", False)), "tie_word_embeddings"),
-                "norm_eps": (float(hc.get("rms_norm_eps", 1e-6)), "rms_norm_eps")}
-    except KeyError as e:
-        raise UserError(f"{where} lacks {e.args[0]}") from None
-    keys["head_dim"] = (int(hc.get("head_dim") or D // H), "head_dim")
-    theta, scaling = _rope(hc, where)
-    keys["rope_theta"], keys["rope_scaling"] = (theta, "rope_theta"), (scaling, "rope_scaling")
-    return keys
+    """meshtrain model.* keys (and the config.json key each comes from) of an HF config, the family's among them."""
+    spec = spec_of(hc, where)
+    return {"family": (spec.name, "architectures"), **_user(where, spec.hf.model_keys, hc)}
+
+
+def adapter(mc) -> HFAdapter:
+    """The HF adapter of mc's family; a one-line error for a family that has none."""
+    spec = _user("model.family", family, mc.family)
+    if spec.hf is None:
+        raise UserError(f"model.family='{mc.family}' has no Hugging Face form; use --format orbax")
+    return spec.hf
+
+
+def leaves(mc) -> list[Leaf]:
+    """Every parameter of the model mc and the HF tensors that hold it."""
+    return adapter(mc).leaves(mc)
 
 
 def _same(a, b) -> bool:
@@ -88,7 +84,7 @@ def with_hf_shapes(cfg):
         return cfg  # a path that does not exist is reported when the parameters are read
     if kind != "hf":
         raise UserError(f"model.init_from='{p}' is neither an export (meshtrain export --out) nor a run.dir with "
-                        "checkpoints, and has no config.json of a Hugging Face Llama folder; give one of those")
+                        "checkpoints, and has no config.json of a Hugging Face model folder; give one of those")
     where = p / "config.json"
     keys = model_keys(read_config(p), where)
     for k, (v, hk) in keys.items():
@@ -103,43 +99,6 @@ def with_hf_shapes(cfg):
 
 
 # ----------------------------------------------------------------------------- tensor layout
-
-class Leaf(NamedTuple):
-    """One meshtrain parameter and its HF tensors: leaf = stack over layers of view.transpose(perm)."""
-    path: tuple  # keys into the params dict
-    names: list  # HF names: one per layer for stacked leaves, else one
-    hf_shape: tuple  # each HF tensor's shape (out, in)
-    view: tuple  # the HF tensor reshaped so that a transpose gives meshtrain's per-layer layout
-    perm: tuple
-    stacked: bool
-
-
-def leaves(mc) -> list[Leaf]:
-    """Every parameter of a meshtrain Llama and where HF keeps it (q/k need no permutation: both use
-    rotate-half RoPE pairs)."""
-    D, H, K, E, F, V, L = mc.d_model, mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.d_ff, mc.vocab_size, mc.n_layers
-    per_layer = {"attn_norm": ("input_layernorm", (D,), (D,), (0,)),
-                 "wq": ("self_attn.q_proj", (H * E, D), (H, E, D), (2, 0, 1)),
-                 "wk": ("self_attn.k_proj", (K * E, D), (K, E, D), (2, 0, 1)),
-                 "wv": ("self_attn.v_proj", (K * E, D), (K, E, D), (2, 0, 1)),
-                 "wo": ("self_attn.o_proj", (D, H * E), (D, H, E), (1, 2, 0)),
-                 "mlp_norm": ("post_attention_layernorm", (D,), (D,), (0,)),
-                 "w_gate": ("mlp.gate_proj", (F, D), (F, D), (1, 0)),
-                 "w_up": ("mlp.up_proj", (F, D), (F, D), (1, 0)),
-                 "w_down": ("mlp.down_proj", (D, F), (D, F), (1, 0))}
-    out = [Leaf(("embed",), ["model.embed_tokens.weight"], (V, D), (V, D), (0, 1), False)]
-    out += [Leaf(("layers", k), [f"model.layers.{i}.{n}.weight" for i in range(L)], s, v, pm, True)
-            for k, (n, s, v, pm) in per_layer.items()]
-    out.append(Leaf(("final_norm",), ["model.norm.weight"], (D,), (D,), (0,), False))
-    if not mc.tie_embeddings:
-        out.append(Leaf(("lm_head",), ["lm_head.weight"], (V, D), (V, D), (1, 0), False))
-    return out
-
-
-def leaf_shape(leaf: Leaf) -> tuple:
-    one = tuple(leaf.view[p] for p in leaf.perm)
-    return (len(leaf.names),) + one if leaf.stacked else one
-
 
 def index(path) -> dict[str, st.Tensor]:
     """Every tensor of an HF folder: model.safetensors, or the files model.safetensors.index.json names."""
@@ -166,7 +125,7 @@ def index(path) -> dict[str, st.Tensor]:
 
 
 def check_tensors(path, mc) -> dict[str, st.Tensor]:
-    """The folder's tensors, checked against the Llama that mc describes (names and shapes)."""
+    """The folder's tensors, checked against the model that mc describes (names and shapes)."""
     have, want = index(path), {n: lf.hf_shape for lf in leaves(mc) for n in lf.names}
     for n, shape in want.items():
         if n not in have:
@@ -177,7 +136,8 @@ def check_tensors(path, mc) -> dict[str, st.Tensor]:
     tied_head = {"lm_head.weight"} if mc.tie_embeddings else set()  # a tied head may be saved too: unused
     extra = [n for n in have if n not in want and n not in tied_head and not n.endswith(IGNORED)]
     if extra:
-        raise UserError(f"{path} has tensor '{extra[0]}' that a {ARCH} with its config.json does not have"
+        raise UserError(f"{path} has tensor '{extra[0]}' that a {adapter(mc).architecture} with its config.json "
+                        "does not have"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     return have
 

@@ -1,4 +1,4 @@
-"""`meshtrain export --format hf`: a checkpoint's parameters as a Hugging Face Llama folder
+"""`meshtrain export --format hf`: a checkpoint's parameters as a Hugging Face folder of its family
 (config.json, generation_config.json, safetensors), gathered one tensor at a time."""
 from __future__ import annotations
 
@@ -11,34 +11,17 @@ import jax
 import numpy as np
 
 from trainer.ckpt import safetensors as st
-from trainer.ckpt.hf import ARCH, INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, leaf_shape, leaves, origin_of
+from models.spec import leaf_shape
+from trainer.ckpt.hf import INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, origin_of
 from trainer.errors import UserError
 
 
-def hf_config(mc, dtype: str) -> dict:
-    """config.json for transformers' LlamaForCausalLM (rope keys in both forms: 5.x's rope_parameters, 4.x's
-    rope_theta/rope_scaling)."""
-    scaling = None
-    if mc.rope_scaling is not None:
-        f, lo, hi, n = mc.rope_scaling
-        scaling = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo, "high_freq_factor": hi,
-                   "original_max_position_embeddings": int(n)}
-    return {"architectures": [ARCH], "model_type": "llama", "hidden_size": mc.d_model,
-            "intermediate_size": mc.d_ff, "num_hidden_layers": mc.n_layers, "num_attention_heads": mc.n_heads,
-            "num_key_value_heads": mc.n_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
-            "max_position_embeddings": mc.seq_len, "rms_norm_eps": mc.norm_eps, "rope_theta": mc.rope_theta,
-            "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta,
-                                                          **(scaling or {})}, "tie_word_embeddings": mc.tie_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
-            "initializer_range": mc.init_std, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
-            "pad_token_id": None, "torch_dtype": dtype, "dtype": dtype}
-
-
 def check_expressible(mc, params: dict, where: str):
-    """A one-line error unless HF's Llama holds exactly these parameters."""
-    if mc.n_heads % mc.n_kv_heads:
-        raise UserError(f"{where}: n_heads={mc.n_heads} is not a multiple of n_kv_heads={mc.n_kv_heads}, "
-                        "which a Hugging Face Llama cannot express; export it with --format orbax")
+    """A one-line error unless the family's HF form holds exactly these parameters."""
+    try:
+        adapter(mc).expressible(mc)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}; export it with --format orbax") from None
     for leaf in leaves(mc):
         try:
             got = tuple(_get(params, leaf.path).shape)
@@ -46,7 +29,7 @@ def check_expressible(mc, params: dict, where: str):
             got = None
         if got != leaf_shape(leaf):
             raise UserError(f"{where}: parameter {'.'.join(leaf.path)} has shape {got}, not the "
-                            f"{leaf_shape(leaf)} of a Llama; export it with --format orbax")
+                            f"{leaf_shape(leaf)} of a {adapter(mc).architecture}; export it with --format orbax")
 
 
 def _host(x: jax.Array, i: int | None = None) -> np.ndarray:
@@ -93,7 +76,7 @@ def _plan(mc, dtype: np.dtype, max_bytes: int):
 
 def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a checkpoint's parameters (newest by default) to `out` as an HF Llama folder."""
+    """Write a checkpoint's parameters (newest by default) to `out` as an HF folder."""
     from trainer.ckpt.params import load_params_at
     from trainer.config import model_config
     out = Path(out)
@@ -140,7 +123,7 @@ def _write_tokenizer(path: str, out: Path, mc):
 
 def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
              where: str = "parameters", step: int | None = None) -> Path:
-    """Write (sharded) parameters of the model mc to `out` as an HF Llama folder."""
+    """Write (sharded) parameters of the model mc to `out` as an HF folder."""
     out = Path(out)
     check_expressible(mc, params, where)
     np_dtype = st.DTYPES["BF16" if dtype == "bfloat16" else "F32"] if dtype else np.dtype(
@@ -169,7 +152,7 @@ def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: i
                 fill(name)
     if write:
         dname = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[st.CODES[np_dtype]]
-        (out / "config.json").write_text(json.dumps(hf_config(mc, dname), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(adapter(mc).config(mc, dname), indent=2) + "\n")
         gen = {"_from_model_config": True, "bos_token_id": None, "eos_token_id": None, "max_length": mc.seq_len}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if len(files) > 1:

@@ -147,7 +147,7 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
 
 
 def _load_hf(path: Path, shardings):
-    """(params, Config, 0) of a Hugging Face Llama folder; its tokenizer.json, when there, is the config's
+    """(params, Config, 0) of a Hugging Face model folder; its tokenizer.json, when there, is the config's
     data.tokenizer (so that `meshtrain generate` encodes and decodes with it)."""
     from trainer.ckpt import hf
     from trainer.config import load_config, replace
@@ -177,7 +177,7 @@ def init_params(s, path) -> dict:
         params, _ = load_params(p, None, shardings)
     else:
         raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "
-                        "with checkpoints nor a Hugging Face Llama folder (config.json); give one of those")
+                        "with checkpoints nor a Hugging Face model folder (config.json); give one of those")
     cast = jax.jit(lambda t: jax.tree.map(lambda x, d: x.astype(d.dtype), t, target), out_shardings=shardings)
     with jax.set_mesh(s.mesh):
         return cast(params)
