@@ -17,8 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.batch import counted, mean_of
+from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
+from models.spec import family
 from models.transformer import Constrain, _identity, _no_constrain, embed, final_norm, head, head_weight, layer_stack
 
 # Default rule (model.loss_chunk unset): tile when the whole float32 logits would exceed
@@ -156,13 +157,48 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constr
                                weight_BT.reshape(B * T), n, constrain)
 
 
-def loss_sum(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
-             constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None):
-    """Sum of loss_weight x next-token loss over a batch of fields (models/batch.py)."""
+def stack_sums(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
+               constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None):
+    """(sum of loss_weight x next-token loss, the layers' aux outputs {name: (sum, count)}) over a batch."""
     x = embed(c, params, batch["tokens"], dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
-                    documents=documents_of(c, batch))
-    return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain)
+    x, aux = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
+                         documents=documents_of(c, batch))
+    return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain), aux
+
+
+def loss_sum(c: ModelConfig, params: dict, batch: dict, **kw):
+    """Sum of loss_weight x next-token loss over a batch of fields (models/batch.py)."""
+    return stack_sums(c, params, batch, **kw)[0]
+
+
+def scales(c: ModelConfig, batch: dict) -> dict:
+    """The step's divisions, each taken once over the whole step batch: 1 / its counted tokens for the token loss,
+    1 / each aux output's count (the family's aux_counts) for that output (1 where a count is 0)."""
+    counts = family(c.family).aux_counts(c, batch)
+    return {"loss": inverse_count(batch), "aux": {k: mean_of(1.0, n) for k, n in counts.items()}}
+
+
+def zero_parts(c: ModelConfig) -> dict:
+    """`objective`'s parts, all zero: where a path starts adding them up."""
+    z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
+    return {"loss": z(), "aux": {k: (z(), z()) for k in family(c.family).aux}}
+
+
+def part_metrics(parts: dict) -> dict:
+    """The step's metrics of its summed parts: the loss, and each aux output's mean (its sum / its count, divided
+    once, here)."""
+    return {"loss": parts["loss"], **{f"aux/{k}": mean_of(total, n) for k, (total, n) in parts["aux"].items()}}
+
+
+def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, **kw):
+    """(what the step differentiates, its parts): the token loss sum x scale["loss"] plus each aux sum x its
+    scale; parts = {"loss": the scaled token loss sum, "aux": {name: (sum, count)}}, the sums every path adds up
+    over its microbatches, data ranks and stages."""
+    token, aux = stack_sums(c, params, batch, **kw)
+    value = token * scale["loss"]
+    for k, (total, _) in aux.items():
+        value = value + total * scale["aux"][k]
+    return value, {"loss": token * scale["loss"], "aux": aux}
 
 
 def documents_of(c: ModelConfig, batch: dict):

@@ -12,7 +12,7 @@ registers the same way, and runs on every layout without a change elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 
 class Param(NamedTuple):
@@ -22,6 +22,28 @@ class Param(NamedTuple):
     init: str  # "normal" | "residual" (GPT-2's scaled residual outputs) | "ones"
     decay: bool  # weight decay applies (the optimizer reads it, trainer/optim.py)
     as_stored: bool = False  # read as stored (float32): a ZeRO-3 gather must not cast it first (models/precision.py)
+
+
+class LayerCall(NamedTuple):
+    """What a layer function gets besides its weights and input. `index` and `data` change from layer to layer;
+    the rest is the stack's."""
+    rope: tuple  # RoPE tables (models/layers.py rope_tables), per token where the batch has positions
+    constrain: Callable  # (x, logical axes) -> x: the trainer's sharding constraint
+    kernels: Any  # models/layers.py Kernels: the projections, SiLU, RoPE of the target platform
+    half: Callable  # wraps each residual half: the identity, or sublayer remat
+    segments: Any  # (B, T) float32 document of each token, or None (one per row)
+    attention: Callable  # the attention strategy: (q_BTHE, k_BTKE, v_BTKE, segments=) -> o_BTHE; a
+    # context-parallel implementation plugs in here
+    index: Any  # the layer's index in the whole stack (int32 scalar; traced inside a scan or a pipeline stage)
+    data: dict  # this layer's entries of the family's layer_data tables ({} for a stack of equal layers)
+
+
+def no_aux(c, batch) -> dict:
+    return {}
+
+
+def no_layer_data(c) -> dict:
+    return {}
 
 
 class Leaf(NamedTuple):
@@ -57,10 +79,20 @@ class ModelSpec:
     # (ModelConfig) -> {name: Param}; the stack's per-layer parameters under "layers"; the embedding "embed"
     # (vocab, embed), the final norm and the untied head as the model's `final_norm` / `head_weight` read them
     inventory: Callable
-    # (c, p, x_BTD, rope, constrain, kernels, half, segments) -> x_BTD: one layer on its weights p (no layers
-    # axis), through `half` (sublayer remat) for each residual half; see models/transformer.py's `layer`
+    # (c, p, x_BTD, call: LayerCall) -> (x_BTD, aux): one layer on its weights p (no layers axis), each residual
+    # half through call.half, attention through call.attention. aux: {name: (sum, count)} float32 scalars, {} for
+    # a dense layer (later: a router's load-balancing loss); see "The layer contract" in docs/models.md
     layer: Callable
     hf: HFAdapter | None = None  # None: the family has no Hugging Face form
+    # (c) -> {name: array (n_layers,)}: per-layer data for a stack whose layers differ (a kind, a window, a RoPE
+    # base); the layer reads its own entries as call.data
+    layer_data: Callable = no_layer_data
+    # the names of the layer's auxiliary outputs (every layer returns each of them)
+    aux: tuple = ()
+    # (c, batch) -> {name: count}: each aux output's count over a batch, from the batch alone (known before the
+    # backward: the step scales each aux sum by 1/its count over the whole step batch where its backward starts,
+    # as it does the token loss)
+    aux_counts: Callable = no_aux
 
 
 FAMILIES: dict[str, ModelSpec] = {}

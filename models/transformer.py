@@ -27,7 +27,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_tables, sublayer_remat
 from models.llama_hf import LLAMA_HF
-from models.spec import ModelSpec, Param, family, register
+from models.spec import LayerCall, ModelSpec, Param, family, register
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -138,26 +138,29 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
     return Abstract(params_of(m), logical_axes_of(m), weight_decay_of(m))
 
 
-def layer(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
-          kernels: Kernels | None = None, half: Callable = _identity, segments=None):
-    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through `half`.
-    `segments` (B, T): each token's document (float32; None: one per row); attention stays inside it."""
+def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
+               half: Callable = _identity, segments=None, index=0, data=None) -> LayerCall:
+    """A LayerCall (models/spec.py) with the kernels' attention as its strategy."""
     kn = kernels or kernels_for(c)
-    x_BTD = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kn,
-                                   segments=segments))(p, x_BTD)
-    return half(functools.partial(mlp_half, c, constrain=constrain, kernels=kn))(p, x_BTD)
+    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {})
 
 
-def attention_half(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain,
-                   kernels: Kernels | None = None, segments=None):
-    """x + attention(norm(x)): norm, q/k/v, RoPE, attention, output projection, residual add."""
-    kn = kernels or kernels_for(c)
+def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through
+    call.half; no auxiliary outputs."""
+    x_BTD = call.half(functools.partial(attention_half, c, call=call))(p, x_BTD)
+    return call.half(functools.partial(mlp_half, c, constrain=call.constrain, kernels=call.kernels))(p, x_BTD), {}
+
+
+def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+    """x + attention(norm(x)): norm, q/k/v, RoPE, attention (call.attention), output projection, residual add."""
+    kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo")}
-    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain, kernels=kn)
+    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, call.rope, constrain, kernels=kn)
     if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
                           for a in (k_BTKE, v_BTKE))
-    o_BTHE = kn.attention(q_BTHE, k_BTKE, v_BTKE, segments=segments)
+    o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments)
     return attn_out(c, p, x_BTD, o_BTHE, constrain, kn)
 
 
@@ -208,13 +211,15 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, constrain: Constrain = _no_constrai
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
-                gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None):
-    """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled
-    (c.scan_layers).
+                gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None, index=None):
+    """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled (c.scan_layers):
+    (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: (sum, count)}).
 
     `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
+    `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
+    slice of it); None: 0, 1, ...
     """
     remat = c.remat if remat is None else remat
     segments, positions = (None, None) if documents is None else documents
@@ -229,28 +234,39 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # seen to merge a recomputed ZeRO-3 all-gather with the forward one (memory not freed).
     scan = c.scan_layers or (c.scan_layers is None and (L > 8 or remat != "none"))
     half = sublayer_remat if remat == "sublayer" else _identity
+    spec = family(c.family)
+    tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
+    index = jnp.arange(L, dtype=jnp.int32) if index is None else index
 
-    layer_fn = family(c.family).layer
-
-    def body(x, p):
-        return layer_fn(c, gather(p), x, rope, constrain, kernels, half, segments), None
+    def body(x, pi):
+        p, i = pi
+        call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()})
+        return spec.layer(c, gather(p), x, call)
 
     if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
         # pass (remat undone); inside one it cannot, and the barrier only costs.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)
+    add = lambda acc, a: jax.tree.map(jnp.add, acc, a)  # noqa: E731
     if scan:
-        x_BTD, _ = jax.lax.scan(body, x_BTD, layers)
-        return x_BTD
+        aux0 = {k: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)) for k in spec.aux}
+
+        def step(carry, pi):
+            x, aux = body(carry[0], pi)
+            return (x, add(carry[1], aux)), None
+
+        return jax.lax.scan(step, (x_BTD, aux0), (layers, index))[0]
     # Unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop:
     # residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
     # lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
     # full-size gradients summed together).
     leaves, tree = jax.tree.flatten(layers)
     parts = [jax.lax.split(w, [1] * L) for w in leaves]
+    total = None
     for i in range(L):
-        x_BTD, _ = body(x_BTD, tree.unflatten([ps[i][0] for ps in parts]))
-    return x_BTD
+        x_BTD, aux = body(x_BTD, (tree.unflatten([ps[i][0] for ps in parts]), index[i]))
+        total = aux if total is None else add(total, aux)
+    return x_BTD, total
 
 
 def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
@@ -282,7 +298,7 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
             remat: str | None = None):
     """Logits (B, T, V) in float32 for integer tokens (B, T)."""
     x = embed(c, params, tokens_BT, dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)[0]
     return head(c, params, x, constrain)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import SGD, max_rel, run_steps, single_device
+from conftest import SGD, TINY, corpus, max_rel, run_steps, single_device
 
 from models import ModelSpec, Param, Transformer, abstract_model, family, from_preset, params_of, register
 from models import llama_hf
@@ -30,16 +30,16 @@ def toy_inventory(c):
     return {**inv, "layers": layers}
 
 
-def toy_layer(c, p, x, rope, constrain=lambda x, axes: x, kernels=None, half=lambda f: f, segments=None):
-    x = half(functools.partial(attention_half, c, rope=rope, constrain=constrain, kernels=kernels,
-                               segments=segments))(p, x)
+def toy_layer(c, p, x, call):
+    half, constrain = call.half, call.constrain
+    x = half(functools.partial(attention_half, c, call=call))(p, x)
 
     def mlp(p, x):
         h = rms_norm(x, p["mlp_norm"].astype(x.dtype), c.norm_eps)
         a = constrain(jax.nn.gelu(jnp.einsum("btd,df->btf", h, p["w_in"].astype(x.dtype))), ("batch", "seq", "mlp"))
         y = x + jnp.einsum("btf,fd->btd", a, p["w_out"].astype(x.dtype))
         return constrain(rms_norm(y, p["post_norm"].astype(x.dtype), c.norm_eps), ("batch", "seq", "embed"))
-    return half(mlp)(p, x)
+    return half(mlp)(p, x), {}
 
 
 register(ModelSpec("toy_gelu", toy_inventory, toy_layer))
@@ -120,3 +120,83 @@ def test_a_family_with_its_own_hf_adapter_goes_out_to_a_folder_and_back(tmp_path
         load_params_at(tmp_path / "hf")
     with pytest.raises(UserError, match="model.family='toy_gelu' has no Hugging Face form"):
         write_hf(params, from_preset("tiny", family="toy_gelu", tie_embeddings=False), tmp_path / "none")
+
+
+# ----------------------------------------------------------------------------- auxiliary outputs, per-layer data
+
+AUX_COEF = 0.1
+
+
+def aux_layer(c, p, x, call):
+    """The toy layer with one auxiliary output: AUX_COEF x w[layer] x the mean square of its output per token,
+    over the tokens of a document; w (per-layer data) is the layer's index + 1, so that a layer run with
+    another's index gives another value."""
+    x, _ = toy_layer(c, p, x, call)
+    keep = jnp.ones(x.shape[:2]) if call.segments is None else (call.segments > 0).astype(jnp.float32)
+    sq = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1) * keep
+    return x, {"act_sq": (AUX_COEF * call.data["w"] * jnp.sum(sq), jnp.sum(keep))}
+
+
+def aux_counts(c, batch):
+    return {"act_sq": c.n_layers * jnp.sum((batch["segment_ids"] > 0).astype(jnp.float32))}
+
+
+register(ModelSpec("toy_aux", toy_inventory, aux_layer, aux=("act_sq",), aux_counts=aux_counts,
+                   layer_data=lambda c: {"w": np.arange(1, c.n_layers + 1, dtype=np.float32)}))
+AUX = SGD + ["model.family=toy_aux", "model.n_layers=4", "train.batch_size=8"]
+
+
+def reference_objective(c, params, batch):
+    """The objective by hand, outside the layer stack, the step and every layout: the layers one by one in a
+    Python loop (index and weight given directly), the token loss mean and the aux mean taken here, once."""
+    from models.layers import rope_tables
+    from models.loss import cross_entropy
+    from models.transformer import head, layer_call
+    x = params["embed"][batch["tokens"]]
+    rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)
+    aux_sum = aux_count = 0.0
+    for i in range(c.n_layers):
+        p = jax.tree.map(lambda w: w[i], params["layers"])
+        x, _ = toy_layer(c, p, x, layer_call(c, rope, index=i))
+        sq = jnp.mean(jnp.square(x), axis=-1)
+        aux_sum, aux_count = aux_sum + AUX_COEF * (i + 1) * jnp.sum(sq), aux_count + sq.size
+    token = cross_entropy(head(c, params, x), batch["targets"]) / batch["targets"].size
+    return token + aux_sum / aux_count, (token, aux_sum / aux_count)
+
+
+@pytest.mark.parametrize("mesh", [[], ["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "train.microbatches=2"],
+                                  ["mesh.data=2", "mesh.stage=2", "mesh.model=1", "train.pipeline_schedule=1f1b",
+                                   "train.microbatches=2"],
+                                  ["mesh.data=1", "mesh.stage=2", "mesh.model=1", "train.microbatches=2",
+                                   "train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2"],
+                                  ["mesh.data=1", "mesh.stage=2", "mesh.model=1", "train.microbatches=2",
+                                   "train.pipeline_schedule=gpipe"],
+                                  ["mesh.data=1", "mesh.stage=2", "mesh.model=1", "train.microbatches=2",
+                                   "train.pipeline_schedule=gpipe", "train.pipeline_repeats=2"]],
+                         ids=["1-device", "zero3-2x1x4-m2", "1f1b-2x2x1", "interleaved-1x2x1-v2", "gpipe-1x2x1",
+                              "circular-gpipe-1x2x1-v2"])
+def test_aux_outputs_and_per_layer_data_reach_the_loss_and_gradients_on_every_layout(mesh):
+    """Every path (compiler, explicit accumulation over data, every pipeline schedule's tick loop forward and
+    backward, circular blocks) gives the hand-computed objective's token loss, aux mean and gradient."""
+    from trainer.config import load_config
+    from trainer.data.batches import Batches
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_train_step, loss_and_grads
+    cfg = load_config(TINY + AUX + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"] + mesh)
+    s = make_setup(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model])
+    state = init_state(s)
+    b = Batches(corpus(), 0, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size).global_train(0)
+    params = jax.tree.map(np.asarray, state["params"])
+    (_, (token, aux)), want = jax.value_and_grad(reference_objective, argnums=1, has_aux=True)(
+        s.model, params, jax.tree.map(jnp.asarray, b))
+    with jax.set_mesh(s.mesh):
+        batch = jax.device_put(b, s.batch_sharding())
+        parts, got = jax.jit(lambda p, x: loss_and_grads(s, p, x))(state["params"], batch)
+        _, m = jit_train_step(s)(state, batch)
+    np.testing.assert_allclose(float(parts["loss"]), float(token), rtol=1e-5)
+    np.testing.assert_allclose(float(m["aux/act_sq"]), float(aux), rtol=1e-5)
+    assert float(parts["aux"]["act_sq"][1]) == 4 * b["tokens"].size  # the layers' count: every layer's tokens
+    assert max_rel(jax.tree.map(np.asarray, got), want) < 1e-5
+    # the aux term moves the gradient (so the comparison can fail): without it the layers' gradients differ
+    no_aux = jax.grad(lambda p: reference_objective(s.model, p, jax.tree.map(jnp.asarray, b))[1][0])(params)
+    assert max_rel(no_aux["layers"], want["layers"]) > 1e-3

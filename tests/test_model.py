@@ -23,8 +23,8 @@ def _grads(overrides, n_devices=8):
     state = init_state(s)
     b = Batches(corpus(), 0, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size).global_train(0)
     with jax.set_mesh(s.mesh):
-        loss, g = jax.jit(lambda p, x: loss_and_grads(s, p, x))(state["params"], jax.device_put(b, s.batch_sharding()))
-    return float(loss), jax.tree.map(np.asarray, g)
+        parts, g = jax.jit(lambda p, x: loss_and_grads(s, p, x))(state["params"], jax.device_put(b, s.batch_sharding()))
+    return float(parts["loss"]), jax.tree.map(np.asarray, g)
 
 
 @pytest.mark.parametrize("layout", [  # behind -m slow: tests/test_layouts.py compares ZeRO-2 accumulation with one device by default
@@ -68,7 +68,7 @@ def test_sublayer_remat_same_loss_and_grads_and_saves_two_inputs_per_layer(scan)
     assert max_rel(out["sublayer"][1], out["none"][1]) < 1e-6
     x = jnp.ones((4, 32, c.d_model))
     layers = p["layers"]
-    saved = [r for r in saved_residuals(lambda w, x: layer_stack(c, w, x, remat="sublayer"), layers, x)
+    saved = [r for r in saved_residuals(lambda w, x: layer_stack(c, w, x, remat="sublayer")[0], layers, x)
              if r[0].shape[-3:] == x.shape]  # activations (stacked when scanned), not weights or tables
     assert sum(r[0].size for r in saved) == 2 * c.n_layers * x.size, saved
 
@@ -80,7 +80,7 @@ def test_model_is_causal():
     t = 10
 
     def out_t(x):
-        return head(c, p, layer_stack(c, p["layers"], x))[:, t].sum()
+        return head(c, p, layer_stack(c, p["layers"], x)[0])[:, t].sum()
 
     g = np.asarray(jax.grad(out_t)(x0))
     assert np.abs(g[:, t + 1:]).max() == 0.0  # no influence from the future
@@ -147,14 +147,14 @@ def test_dots_remat_saves_projection_outputs_and_full_saves_none():
     or it would silently recompute the whole layer like `full`."""
     from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.print_saved_residuals prints
     from models.layers import REMAT, rope_tables
-    from models.transformer import layer
+    from models.transformer import layer, layer_call
     c, p = _tiny_params()
     lp = jax.tree.map(lambda w: w[0], p["layers"])
     x = jnp.ones((2, 32, c.d_model))
     rope = rope_tables(32, c.head_dim, c.rope_theta)
 
     def named(policy):
-        f = jax.checkpoint(lambda lp, x: layer(c, lp, x, rope).sum(), policy=REMAT[policy])
+        f = jax.checkpoint(lambda lp, x: layer(c, lp, x, layer_call(c, rope))[0].sum(), policy=REMAT[policy])
         return [r for r in saved_residuals(f, lp, x) if "projection" in r[1]]
 
     # q, k, v, attention out, gate, up: six (B*T, ...) projection outputs per layer

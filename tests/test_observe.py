@@ -18,7 +18,7 @@ from models import flops_per_token, from_preset, hardware_flops_per_token, loss_
 from models.batch import abstract
 from models.loss import cross_entropy
 from models.layers import REMAT, rope_tables, sublayer_remat
-from models.transformer import embed, head, layer
+from models.transformer import embed, head, layer, layer_call
 from trainer import UserError, load_config, train
 from trainer.data.batches import Batches
 from trainer.observe.metrics import MetricsWriter
@@ -34,10 +34,9 @@ def _unrolled_loss(c, params, batch):
     layer remat'd as c.remat says (prevent_cse: XLA must not merge the recomputation away)."""
     x = embed(c, params, batch["tokens"], jnp.float32)
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta)
-    f = functools.partial(layer, c, rope=rope)
-    if c.remat == "sublayer":
-        f = functools.partial(layer, c, rope=rope, half=sublayer_remat)
-    elif c.remat != "none":
+    call = layer_call(c, rope, half=sublayer_remat) if c.remat == "sublayer" else layer_call(c, rope)
+    f = lambda p, x: layer(c, p, x, call)[0]  # noqa: E731
+    if c.remat not in ("none", "sublayer"):
         f = jax.checkpoint(f, policy=REMAT[c.remat], prevent_cse=True)
     for i in range(c.n_layers):
         x = f(jax.tree.map(lambda w: w[i], params["layers"]), x)

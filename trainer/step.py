@@ -2,9 +2,10 @@
 
 A batch is a dict of named fields (models/batch.py). The step first counts the batch's counted
 tokens N (the sum of loss_weight over the whole step batch) and takes 1/N, its one division (1 where
-N is 0). Every path below then sums loss_weight x token loss / N, and its gradient, over its
-microbatches, data ranks and pipeline microbatches: the loss is one mean over the step's counted
-tokens whatever the layout, and a step with none has loss 0 and zero gradients. (1/N scales the
+N is 0), and likewise 1/count for each auxiliary output of the family's layers (models/loss.py `scales`;
+docs/models.md). Every path below then sums loss_weight x token loss / N (plus each aux sum / its count), and
+its gradient, over its microbatches, data ranks and pipeline microbatches: the loss is one mean over the step's
+counted tokens whatever the layout, and a step with none has loss 0 and zero gradients. (1/N scales the
 loss where its backward starts, so the gradients need no pass of their own to be divided.)
 
 Gradients come from one of two paths:
@@ -34,8 +35,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.batch import counted, inverse_count
-from models.loss import loss_sum
+from models.batch import counted
+from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
 from trainer.parallel import localsgd, pipeline as pipeline_1f1b, sync
@@ -60,20 +61,26 @@ def uses_manual_sync(s: Setup) -> bool:
 
 def _auto_grads(s: Setup, params, batch, scale):
     constrain = constrainer(s.mesh)
-    vg = jax.value_and_grad(lambda p, b: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain) * scale)
+    vg = jax.value_and_grad(lambda p, b: objective(s.model, p, b, scale, dtype=s.dtype, constrain=constrain),
+                            has_aux=True)
     m = s.cfg.train.microbatches
     if m == 1:
-        return vg(params, batch)
+        (_, parts), g = vg(params, batch)
+        return parts, g
     gsh = s.layout.tree("grad", s.param_shapes, s.logical)
     mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, m), P(None, "data"))
 
     def body(carry, mb):
-        loss, g = vg(params, mb)
+        (_, parts), g = vg(params, mb)
         acc = _constrain_tree(jax.tree.map(jnp.add, carry[1], g), gsh)
-        return (carry[0] + loss, acc), None
+        return (_add(carry[0], parts), acc), None
 
     zeros = _constrain_tree(jax.tree.map(jnp.zeros_like, params), gsh)
-    return jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)[0]
+    return jax.lax.scan(body, (zero_parts(s.model), zeros), mbs)[0]
+
+
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
 
 
 # ----------------------------------------------------------------------------- manual path
@@ -116,9 +123,9 @@ def _manual_grads(s: Setup, params, batch, scale):
 
     def local_loss(p, mb, scale):
         full, gather = full_params(p)
-        return loss_sum(s.model, full, mb, dtype=s.dtype, constrain=constrain, gather=gather) * scale
+        return objective(s.model, full, mb, scale, dtype=s.dtype, constrain=constrain, gather=gather)
 
-    vg = jax.value_and_grad(local_loss)
+    vg = jax.value_and_grad(local_loss, has_aux=True)
 
     def reduce_micro(g):
         """Per microbatch: ZeRO-2 reduce-scatters; ZeRO-3 was reduce-scattered by the gather's
@@ -132,18 +139,18 @@ def _manual_grads(s: Setup, params, batch, scale):
     def local(p, b, scale):
         mbs = split_microbatches(b, m)
         def body(carry, mb):
-            loss, g = vg(p, mb, scale)
+            (_, parts), g = vg(p, mb, scale)
             g = reduce_micro(g)
-            return (carry[0] + loss, jax.tree.map(jnp.add, carry[1], g)), None
+            return (_add(carry[0], parts), jax.tree.map(jnp.add, carry[1], g)), None
         zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d if zero == 2 else None, k),
                                                     x.dtype), p, dims)
         if m == 1:
-            (loss, g), _ = body((jnp.zeros((), jnp.float32), zeros), jax.tree.map(lambda x: x[0], mbs))
+            (parts, g), _ = body((zero_parts(s.model), zeros), jax.tree.map(lambda x: x[0], mbs))
         else:
-            (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mbs)
+            (parts, g), _ = jax.lax.scan(body, (zero_parts(s.model), zeros), mbs)
         if zero < 2:  # one all-reduce per step, after accumulation
             g = reducer.all_reduce_tree(g, dims, specs)
-        return jax.lax.psum(loss, "data"), g
+        return jax.lax.psum(parts, "data"), g
 
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data"), P()), out_specs=(P(), out_g),
                        axis_names={"data"}, check_vma=False)
@@ -153,10 +160,11 @@ def _manual_grads(s: Setup, params, batch, scale):
 # ----------------------------------------------------------------------------- steps
 
 def loss_and_grads(s: Setup, params, batch, scale=None):
-    """scale x the loss sum over the global batch, and its gradient, summed over `data`; scale
-    defaults to 1 / the batch's counted tokens (the mean over them)."""
+    """(parts, gradient) of the objective over the global batch (models/loss.py `objective`), summed over
+    `data`: parts["loss"] is scale["loss"] x the loss sum, parts["aux"] the layers' aux (sum, count) pairs.
+    scale defaults to the batch's own (`scales`: the mean over its counted tokens, each aux over its count)."""
     if scale is None:
-        scale = inverse_count(batch)
+        scale = scales(s.model, batch)
     if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
         return pipeline_1f1b.loss_and_grads(s, params, batch, scale)
     if uses_manual_sync(s):
@@ -168,7 +176,7 @@ def loss_and_grads(s: Setup, params, batch, scale=None):
 def train_step(s: Setup, state: dict, batch: jax.Array):
     """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
     params = state["params"]
-    loss, grads = loss_and_grads(s, params, batch)  # the mean over the step's counted tokens
+    parts, grads = loss_and_grads(s, params, batch)  # the mean over the step's counted tokens, the aux sums
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
         grads = _constrain_tree(grads, opt_sh)
@@ -177,7 +185,7 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "counted_tokens": counted(batch)}
+    return new, {**part_metrics(parts), "grad_norm": grad_norm, "lr": lr, "counted_tokens": counted(batch)}
 
 
 def eval_step(s: Setup, params, batch):

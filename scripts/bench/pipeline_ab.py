@@ -68,10 +68,16 @@ def main():
     old_exec = _module_at(a.rev, ["trainer/parallel/pipeline.py", "trainer/pipeline_1f1b.py"], "rev_pipeline_1f1b")
     ours = pipeline_1f1b.loss_and_grads
 
+    def parts(loss_grads):
+        """An older executor's (loss, grads) as today's (parts, grads)."""
+        return {"loss": loss_grads[0], "aux": {}}, loss_grads[1]
+
     def theirs(schedule):
         if schedule == "gpipe" and old_pipe is not None and hasattr(old_pipe, "pipeline_loss"):
-            return lambda s, p, b: jax.value_and_grad(functools.partial(old_pipe.pipeline_loss, s))(p, b)
-        return old_exec.loss_and_grads
+            return lambda s, p, b, scale: parts(jax.value_and_grad(functools.partial(old_pipe.pipeline_loss, s))(p, b))
+        if hasattr(old_exec, "zero_parts"):  # takes the scales and returns the parts already
+            return old_exec.loss_and_grads
+        return lambda s, p, b, scale: parts(old_exec.loss_and_grads(s, p, b, scale["loss"]))
 
     runs = []
     for schedule in a.schedules:

@@ -9,8 +9,16 @@ name = sys.argv[1]
 micro = int(next((o.split("=")[1] for o in ov if o.startswith("train.microbatches")), 1))
 w = t.uneven_weights(16, 32)
 t._reference_of(name)  # the 1-device reference, unpatched
-own = trainer.step.loss_sum
-trainer.step.loss_sum = lambda c, p, b, **kw: mean_of(own(c, p, b, **kw), counted(b)) * (w.sum() / (data * micro))
+own = trainer.step.objective
+
+
+def mean_of_means(c, p, b, scale, **kw):  # this group's loss sum / its own counted tokens x the mean group's
+    value, parts = own(c, p, b, scale, **kw)
+    f = mean_of(w.sum() / (data * micro), counted(b))
+    return value * f, {**parts, "loss": parts["loss"] * f}
+
+
+trainer.step.objective = mean_of_means
 t.trained.cache_clear()
 try:
     t.test_every_layout_takes_one_mean_over_counted_tokens(name)

@@ -36,8 +36,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.batch import counted, inverse_count, mean_of
-from models.loss import loss_sum
+from models.batch import counted, mean_of
+from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
 from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count
 from trainer.parallel.microbatch import split_microbatches
@@ -109,20 +109,21 @@ def train_step(s, state: dict, batch):
     """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
     t = s.cfg.train
     constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
-    vg = jax.value_and_grad(lambda p, b, inv: loss_sum(s.model, p, b, dtype=s.dtype, constrain=constrain) * inv)
+    vg = jax.value_and_grad(lambda p, b, sc: objective(s.model, p, b, sc, dtype=s.dtype, constrain=constrain),
+                            has_aux=True)
 
     def local(st, rows):
         p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
         lr = s.schedule(schedule_count(o))  # the rate this update uses
-        m, inv = t.microbatches, inverse_count(rows)  # this replica's counted tokens: its own divisor
+        m, sc = t.microbatches, scales(s.model, rows)  # this replica's counted tokens: its own divisors
         if m == 1:
-            loss, g = vg(p, rows, inv)
+            (_, parts), g = vg(p, rows, sc)
         else:
             def body(acc, mb):
-                lm, gm = vg(p, mb, inv)
-                return (acc[0] + lm, jax.tree.map(jnp.add, acc[1], gm)), None
-            zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
-            (loss, g), _ = jax.lax.scan(body, zero, split_microbatches(rows, m))
+                (_, pm), gm = vg(p, mb, sc)
+                return (jax.tree.map(jnp.add, acc[0], pm), jax.tree.map(jnp.add, acc[1], gm)), None
+            zero = (zero_parts(s.model), jax.tree.map(jnp.zeros_like, p))
+            (parts, g), _ = jax.lax.scan(body, zero, split_microbatches(rows, m))
         grad_norm = optax.tree.norm(g)
         updates, o = s.tx.update(g, o, p)
         p = optax.apply_updates(p, updates)
@@ -137,10 +138,12 @@ def train_step(s, state: dict, batch):
                "opt_state": jax.tree.map(lambda x: x[None], o)}
         if "outer" in st:
             new["outer"] = outer
-        # Three scalars per step for the log: the only data-axis traffic between syncs.
+        # Three scalars per step for the log (and two per aux output): the only data-axis traffic between syncs.
         n = counted(rows)
-        (total, n), grad_norm = jax.lax.psum((loss * n, n), "data"), jax.lax.pmean(grad_norm, "data")
-        return new, {"loss": mean_of(total, n), "grad_norm": grad_norm, "lr": lr, "counted_tokens": n}
+        (total, n, aux), grad_norm = (jax.lax.psum((parts["loss"] * n, n, parts["aux"]), "data"),
+                                      jax.lax.pmean(grad_norm, "data"))
+        return new, {**part_metrics({"loss": mean_of(total, n), "aux": aux}), "grad_norm": grad_norm, "lr": lr,
+                     "counted_tokens": n}
 
     specs = jax.tree.map(lambda sh: P("data") if sh.spec[:1] == ("data",) else P(), s.shardings)
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(specs, P("data")), out_specs=(specs, P()),

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.loss import chunk_tokens, head_loss, token_losses
+from models.loss import chunk_tokens, head_loss, token_losses, zero_parts
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules, sync
 from trainer.parallel.circular import circular_blocks
@@ -74,8 +74,10 @@ def _put(buf, i, x):
 
 
 def loss_and_grads(s, params, batch, scale):
-    """scale x the loss sum of a batch (loss_weight x token loss, models/batch.py) and its gradient,
-    summed over the data ranks, pipelined over `stage` by the table of train.pipeline_schedule."""
+    """(parts, gradient) of the objective (models/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
+    x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
+    over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
+    aux pairs up, its backward seeds each aux sum with its scale."""
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
@@ -92,8 +94,9 @@ def loss_and_grads(s, params, batch, scale):
     remat = "sublayer" if c.remat == "sublayer" else "none"
 
     def body(blocks, v, h, docs):
-        p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
-        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs)
+        """(h, aux) of the stage's block v of layers (blocks: (weights, global layer indices))."""
+        p, idx = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
+        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs, index=idx)
 
     def local(layers, top, mbs, scale):
         if V == 1:
@@ -102,6 +105,13 @@ def loss_and_grads(s, params, batch, scale):
         else:
             blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
             back = lambda d: vjp_blocks(d)[0]  # noqa: E731
+        # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
+        # circular.py; V = 1: the stage's L/S consecutive layers)
+        n = c.n_layers // (S * V)
+        index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
+        aux0 = zero_parts(c)["aux"]
+        # each aux sum's cotangent is its scale (known before the backward, as the token loss's); counts get none
+        aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
         emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         # microbatch m's (segment_ids, positions) where the model keeps to documents, else None
@@ -111,18 +121,21 @@ def loss_and_grads(s, params, batch, scale):
         def mb_loss(y, tp, m):
             targets, weight = mbs["targets"][m], mbs["loss_weight"][m]
             if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-                return head_loss(c, tp, y, targets, weight, constrain) * scale
-            return _cross_entropy(head(c, tp, y, constrain), targets, weight) * scale
+                return head_loss(c, tp, y, targets, weight, constrain) * scale["loss"]
+            return _cross_entropy(head(c, tp, y, constrain), targets, weight) * scale["loss"]
 
         # The forward runs in a conditional (output only). The steps that add to the gradient sums
         # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
         # conditional copies every sum it passes through (twice per tick: into the branch's output
         # and back into the scan's carry), and adding a branch's zeros costs as much.
         def fwd(h, m, v):
-            return body(blocks, v, h, docs(m))
+            return body((blocks, index), v, h, docs(m))
 
         def fwd_embed(h, m, v):
-            return body(blocks, v, emb(top, m), docs(m))
+            return body((blocks, index), v, emb(top, m), docs(m))
+
+        def idle(h, m, v):
+            return h, aux0
 
         # the steps that add to the sums read their inputs as `ins`: see run_if
         def loss_step(ins, gbuf, dtop, loss):
@@ -133,14 +146,14 @@ def loss_and_grads(s, params, batch, scale):
 
         def bwd_step(ins, dblk, dh):
             blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
-            _, vjp = jax.vjp(lambda w, x: body(w, v, x, docs(*m) if m else None), blk, h)
-            db, dh = vjp(g)
+            _, vjp = jax.vjp(lambda w, x: body((w, index), v, x, docs(*m) if m else None), blk, h)
+            db, dh = vjp((g, aux_cot))
             return add(dblk, db), dh
 
         def bwd_embed_step(ins, dblk, dtop):
             blk, tp, g, m, v = ins
-            _, vjp = jax.vjp(lambda w, e: body(w, v, emb({**tp, "embed": e}, m), docs(m)), blk, tp["embed"])
-            db, de = vjp(g)
+            _, vjp = jax.vjp(lambda w, e: body((w, index), v, emb({**tp, "embed": e}, m), docs(m)), blk, tp["embed"])
+            db, de = vjp((g, aux_cot))
             return add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
 
         def run_if(pred, f, ins, *state):
@@ -161,11 +174,12 @@ def loss_and_grads(s, params, batch, scale):
         me = jax.lax.axis_index("stage")
 
         def tick(carry, row):
-            xbuf, gbuf, dblk, dtop, loss = carry
+            xbuf, gbuf, dblk, dtop, loss, aux = carry
             r = {k: a[me] for k, a in row.items()}
             br, m, v = r["branch"], r["m"], r["v"]
             h = xbuf[r["slot"]]
-            y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [lambda h, m, v: h, fwd, fwd_embed], h, m, v)
+            y, aux_y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [idle, fwd, fwd_embed], h, m, v)
+            aux = add(aux, aux_y)
             gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
                                       gbuf, dtop, loss)
             # read after the loss step's write (never on a backward's tick), which then needs no copy
@@ -178,13 +192,14 @@ def loss_and_grads(s, params, batch, scale):
             dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v) + ((m,) if c.documents else ()), dblk, y)
             dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, dblk, dtop, loss), None
+            return (xbuf, gbuf, dblk, dtop, loss, aux), None
 
         rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
-        carry = (rows(pl.n_act), rows(pl.n_cot),
-                 jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32))
-        (_, _, dblk, dtop, loss), _ = jax.lax.scan(tick, carry, xs)
-        return jax.lax.psum(loss, "stage"), jax.lax.psum(dtop, "stage"), back(dblk)
+        carry = (rows(pl.n_act), rows(pl.n_cot), jax.tree.map(jnp.zeros_like, blocks),
+                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32), aux0)
+        (_, _, dblk, dtop, loss, aux), _ = jax.lax.scan(tick, carry, xs)
+        parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
+        return parts, jax.lax.psum(dtop, "stage"), back(dblk)
 
     k, zero = mesh.shape["data"], t.zero_stage
     dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
@@ -197,12 +212,12 @@ def loss_and_grads(s, params, batch, scale):
         if zero >= 3:
             layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
             top = reducer.all_gather_tree(top, top_dims, top_specs)
-        loss, dtop, dlayers = local(layers, top, mbs, scale)
+        parts, dtop, dlayers = local(layers, top, mbs, scale)
         g = {**dtop, "layers": dlayers}
         if k > 1:
             g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
         # sums over this shard's rows: the step's are their sum over `data`
-        return jax.lax.psum(loss, "data"), g
+        return jax.lax.psum(parts, "data"), g
 
     def manual_specs(sharded: bool):
         """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""

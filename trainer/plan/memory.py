@@ -148,7 +148,7 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
     from models.loss import cross_entropy
     from models.layers import REMAT, rope_tables, sublayer_remat
     from models.spec import family
-    from models.transformer import attention_half, head, inventory, mlp_half
+    from models.transformer import attention_half, head, inventory, layer_call, mlp_half
     c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D, E = c.d_model, c.head_dim
@@ -163,12 +163,12 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
             continue
         weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
         rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c, dt)
-        layer = family(c.family).layer
-        fn = lambda x, weights: layer(c, weights, x, rope, kernels=kn)  # noqa: E731
+        layer, call = family(c.family).layer, layer_call(c, rope, kernels=kn)
+        fn = lambda x, weights: layer(c, weights, x, call)[0]  # noqa: E731
         if what in ("attention", "mlp", "sublayer"):
-            fn = {"attention": lambda x, weights: attention_half(c, weights, x, rope, kernels=kn),
+            fn = {"attention": lambda x, weights: attention_half(c, weights, x, call),
                   "mlp": lambda x, weights: mlp_half(c, weights, x, kernels=kn),
-                  "sublayer": lambda x, weights: layer(c, weights, x, rope, kernels=kn, half=sublayer_remat)}[what]
+                  "sublayer": lambda x, weights: layer(c, weights, x, call._replace(half=sublayer_remat))[0]}[what]
         elif what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
         out.append(_residuals(fn, x, weights))

@@ -72,6 +72,7 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     `options` are XLA's compile options; None: fast_compile() for CPU devices, XLA's defaults elsewhere
     (a TPU topology compiled ahead of time)."""
     from trainer.state import make_setup
+    from models.loss import zero_parts
     from trainer.step import jit_train_step, loss_and_grads
     if devices is None:  # a fully given mesh uses the first devices it needs
         sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
@@ -84,11 +85,11 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     with jax.set_mesh(s.mesh):
         step = jit_train_step(s).lower(state, batch).compile(options)
         g_bytes = None
-        if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss)
+        if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss and aux scalars)
             grad_fn = jax.jit(functools.partial(loss_and_grads, s),
                               in_shardings=(s.shardings["params"], s.batch_sharding()))
             g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
-            g_bytes = g_mem.output_size_in_bytes - 4
+            g_bytes = g_mem.output_size_in_bytes - 4 * len(jax.tree.leaves(zero_parts(s.model)))
     mem = step.memory_analysis()
     n_batch = sum(f.size * f.dtype.itemsize for f in jax.tree.leaves(batch)) // s.mesh.shape["data"]
     text = step.as_text()

@@ -51,6 +51,8 @@ class StepMetrics(Plugin):
                            "mfu": self.fpt * tps / peak if peak else None,
                            "hfu": self.hfpt * tps / peak if peak else None,
                            "skipped": int(m["skipped"]), "bad_streak": int(m["bad_streak"]),
+                           # a family's auxiliary outputs (models/spec.py), each its mean over the step
+                           **{k: float(v) for k, v in m.items() if k.startswith("aux/")},
                            **({"data_offset": run.offset} if run.offset else {})})
 
 
