@@ -9,8 +9,8 @@ FLOP convention (used for MFU everywhere in meshtrain):
   attention: QK^T and PV are 2 * 2 * T * Dh FLOPs per head per token forward; x3 for
         training gives 12 * L * T * H * Dh; causal masking halves the useful work -> 6.
 Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
-The matmul weights are the inventory's per-layer parameters of two or more dimensions (norm weights and biases,
-one-dimensional, are elementwise); a family whose attention is not full causal (a sliding window) states its own
+The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
+weights and biases are elementwise); a family whose attention is not full causal (a sliding window) states its own
 attention term when it is added.
 """
 from __future__ import annotations
@@ -22,8 +22,9 @@ from models.transformer import inventory
 
 
 def layer_matmul_params(c: ModelConfig) -> int:
-    """Matmul weights of one layer: its parameters of two or more dimensions."""
-    return sum(math.prod(p.shape) for p in inventory(c)["layers"].values() if len(p.shape) >= 2)
+    """Matmul weights of one layer: its parameters that map the embedding to something or back (two or more
+    dimensions, one of them `embed`); biases and norm weights are elementwise."""
+    return sum(math.prod(p.shape) for p in inventory(c)["layers"].values() if len(p.shape) >= 2 and "embed" in p.axes)
 
 
 def param_count(c: ModelConfig) -> int:

@@ -40,6 +40,10 @@ def _identity(p):
     return p
 
 
+# the attention's optional weights (qkv reads those a layer holds): q/k/v biases, per-head q/k RMSNorm weights
+ATTENTION_OPTIONS = ("bq", "bk", "bv", "q_norm", "k_norm")
+
+
 def inventory(c: ModelConfig) -> dict:
     """Every parameter of c's family (models/spec.py): {name: Param}, the stack's per-layer ones under "layers"."""
     return family(c.family).inventory(c)
@@ -70,7 +74,8 @@ def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None) -
     inits = {"normal": nnx.initializers.normal(c.init_std),
              # GPT-2 residual scaling
              "residual": nnx.initializers.normal(c.init_std / (2 * c.n_layers) ** 0.5),
-             "ones": lambda key, shape, dtype: jnp.ones(shape, dtype)}
+             "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
+             "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype)}
     shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, ("layers",) + p.axes)
     return nnx.Param(inits[p.init](rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=p.decay,
                      as_stored=p.as_stored)
@@ -155,7 +160,7 @@ def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
 def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     """x + attention(norm(x)): norm, q/k/v, RoPE, attention (call.attention), output projection, residual add."""
     kn, constrain = call.kernels, call.constrain
-    p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo")}
+    p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo") + ATTENTION_OPTIONS if k in p}
     q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, call.rope, constrain, kernels=kn)
     if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
@@ -166,7 +171,9 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
 
 def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0,
         kernels: Kernels | None = None):
-    """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ..."""
+    """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ...; with the
+    options its weights hold (ATTENTION_OPTIONS): q/k/v biases (Qwen2), RMSNorm of each q and k head over head_dim
+    before RoPE, one weight shared by the heads (Qwen3)."""
     kn = kernels or kernels_for(c)
     h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
     # same-shaped weights in one call: the fast path shares their backward
@@ -175,6 +182,11 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
     else:
         (q_BTHE,) = kn.project(h_BTD, (p["wq"],))
         k_BTKE, v_BTKE = kn.project(h_BTD, (p["wk"], p["wv"]))
+    if "bq" in p:
+        q_BTHE, k_BTKE, v_BTKE = (a + p[b].astype(a.dtype) for a, b in ((q_BTHE, "bq"), (k_BTKE, "bk"),
+                                                                         (v_BTKE, "bv")))
+    if "q_norm" in p:
+        q_BTHE, k_BTKE = rms_norm(q_BTHE, p["q_norm"], c.norm_eps), rms_norm(k_BTKE, p["k_norm"], c.norm_eps)
     q_BTHE = constrain(kn.rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
     k_BTKE = constrain(kn.rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))

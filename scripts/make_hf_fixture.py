@@ -1,4 +1,4 @@
-"""Build the tiny Hugging Face Llama fixtures under tests/fixtures/hf/ (needs torch + transformers).
+"""Build the tiny Hugging Face fixtures (Llama, Qwen2, Qwen3) under tests/fixtures/hf/ (needs torch + transformers).
 
 Neither is a meshtrain dependency: install them once in a separate venv and run
     python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
@@ -18,7 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+         "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, attention_bias=False, mlp_bias=False, hidden_act="silu",
@@ -42,31 +46,53 @@ FIXTURES = {
     "head_dim_long_f32": dict(cfg=dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, vocab_size=384,
                                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512),
                               dtype=torch.float32, shard=None, long_prompt=400, tokenizer=True),
+    # Qwen2: q/k/v biases (random, non-zero), tied embeddings, rope theta 1e6, a sliding_window the config does
+    # not use (use_sliding_window false, as on the hub); weights scaled up (initializer_range) so that greedy
+    # decoding is not degenerate; the reference adds a 420-token prompt and its greedy tokens
+    "qwen2_tied_bias_f32": dict(arch="qwen2", cfg=dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                                       rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=384,
+                                                       max_position_embeddings=512, use_sliding_window=False,
+                                                       sliding_window=64, max_window_layers=2,
+                                                       initializer_range=0.25),
+                                dtype=torch.float32, shard=None, long_tokens=420),
+    # Qwen3: per-head q/k RMSNorm (random weights), head_dim 24 (not hidden/heads = 16), untied, saved as bfloat16
+    "qwen3_head_dim_bf16": dict(arch="qwen3", cfg=dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                                                       rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=384,
+                                                       max_position_embeddings=512, use_sliding_window=False,
+                                                       initializer_range=0.25),
+                                dtype=torch.bfloat16, shard=None, long_tokens=420),
 }
+LLAMA_ONLY = ("attention_bias", "mlp_bias")
 
 
 def build(name: str, spec: dict, out: Path, seed: int):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**BASE, **spec["cfg"]})
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # random norms too, so that a missing or swapped norm weight shows in the logits
+    arch = spec.get("arch", "llama")
+    config_cls, model_cls = ARCHS[arch]
+    base = {k: v for k, v in BASE.items() if arch == "llama" or k not in LLAMA_ONLY}
+    cfg = config_cls(**{**base, **spec["cfg"]})
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random norms and biases too, so that a missing or swapped one shows in the logits
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     model = model.to(spec["dtype"])
     d = out / name
     shutil.rmtree(d, ignore_errors=True)
     kw = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
     model.save_pretrained(d, safe_serialization=True, **kw)
     # the reference: float32 logits of the saved weights (bf16 values upcast exactly)
-    ref = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    ref = model_cls.from_pretrained(d, torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     prompt = tokens[:1, :6]
     with torch.no_grad():
         logits = ref(tokens).logits.numpy().astype(np.float32)
-        greedy = ref.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[:, prompt.shape[1]:].numpy()
+        # every prompt token attended (without the mask, generate would take the pad id 0 in a prompt as padding)
+        greedy = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[:, prompt.shape[1]:].numpy()
     extra = {}
     if spec.get("tokenizer"):
         tok = tokenizer(d, cfg)
@@ -78,6 +104,14 @@ def build(name: str, spec: dict, out: Path, seed: int):
         with torch.no_grad():
             out = ref.generate(long, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
         extra = dict(long_text=np.array(text), long_prompt=long.numpy().astype(np.int32),
+                     long_greedy=out[:, long.shape[1]:].numpy().astype(np.int32))
+    if spec.get("long_tokens"):  # a prompt of random ids, longer than any window: its last logits and greedy tokens
+        long = torch.randint(0, cfg.vocab_size, (1, spec["long_tokens"]), generator=g)
+        with torch.no_grad():
+            long_logits = ref(long).logits[0, -8:].numpy().astype(np.float32)
+            out = ref.generate(long, attention_mask=torch.ones_like(long), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        extra = dict(long_prompt=long.numpy().astype(np.int32), long_logits=long_logits,
                      long_greedy=out[:, long.shape[1]:].numpy().astype(np.int32))
     np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits,
                         prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32), **extra)

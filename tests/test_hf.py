@@ -78,12 +78,9 @@ def ref_loss(logits, tokens):
     return float(np.mean(logz - np.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", NAMES)
-def test_logits_and_greedy_tokens_match_transformers(name, layout):
-    """Logits: the forward on the params as loaded into that layout's shardings; greedy: KV-cache decoding
-    from them; the pipeline layouts also run one train step, whose loss must equal the loss of the
-    reference logits (one fixture: the train step's compile is the slowest part of this file)."""
+def check_parity(name, layout):
+    """A fixture's logits (within 1e-4) and greedy tokens (equal) against transformers' from its import into a
+    layout; (setup, params, reference)."""
     from models.decode import generate
     from models.transformer import forward
     s, params = loaded(name, layout)
@@ -93,6 +90,16 @@ def test_logits_and_greedy_tokens_match_transformers(name, layout):
         greedy = np.concatenate(list(generate(s.model, params, ref["prompt"], ref["greedy"].shape[1])))
     assert np.abs(got - ref["logits"]).max() < 1e-4
     np.testing.assert_array_equal(greedy, ref["greedy"][0])
+    return s, params, ref
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_greedy_tokens_match_transformers(name, layout):
+    """Logits: the forward on the params as loaded into that layout's shardings; greedy: KV-cache decoding
+    from them; the pipeline layouts also run one train step, whose loss must equal the loss of the
+    reference logits (one fixture: the train step's compile is the slowest part of this file)."""
+    s, params, ref = check_parity(name, layout)
     if layout == "pipe_2x2x2" and name in ("tied_llama3_bf16", "head_dim_long_f32"):
         from trainer.ckpt.initial import state_from_params
         from trainer.step import jit_train_step
@@ -118,8 +125,9 @@ def _save_run(name, run_dir):
     ck.close()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_import_export_round_trip_is_bitwise(name, tmp_path):
+def round_trip(name, tmp_path) -> tuple[dict, dict]:
+    """A fixture imported into a run, exported with `meshtrain export --format hf` (in its dtype) to tmp_path/hf,
+    every tensor checked back bitwise under its name; (the export's config.json, the fixture's)."""
     src = read_folder(FIX / name)
     _save_run(name, tmp_path / "run")
     dtype = ["--dtype", "bfloat16"] if "bf16" in name else []
@@ -129,8 +137,12 @@ def test_import_export_round_trip_is_bitwise(name, tmp_path):
     for k, (code, a) in src.items():
         assert got[k][0] == code and got[k][1].shape == a.shape, k
         assert got[k][1].tobytes() == a.tobytes(), k
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    want = json.loads((FIX / name / "config.json").read_text())
+    return tuple(json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", FIX / name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_export_round_trip_is_bitwise(name, tmp_path):
+    cfg, want = round_trip(name, tmp_path)
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "architectures"):
         assert cfg[k] == want[k], k
@@ -144,7 +156,7 @@ def test_import_export_round_trip_is_bitwise(name, tmp_path):
         assert len(files) == 2 and sorted(set(index["weight_map"].values())) == files
         assert all(p.stat().st_size < 400_000 + 4096 for p in (tmp_path / "split").glob("*.safetensors"))
         split = read_folder(tmp_path / "split")
-        assert all(split[k][1].tobytes() == a.tobytes() for k, (_, a) in src.items())
+        assert all(split[k][1].tobytes() == a.tobytes() for k, (_, a) in read_folder(FIX / name).items())
 
 
 def test_trained_run_exported_and_reimported_is_bitwise_equal(tmp_path):

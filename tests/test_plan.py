@@ -40,6 +40,9 @@ AGAINST_XLA = {
     "small-d8-z1": ["model.preset=small", "mesh.data=8", "train.zero_stage=1"],
     "small-d4m2-z2-m4-dots": ["model.preset=small", "mesh.data=4", "mesh.model=2", "train.zero_stage=2",
                               "train.microbatches=4", "train.batch_size=32", "model.remat=dots"],
+    # the Qwen families' extra weights (biases split over heads, q/k norms replicated) in the state and traffic
+    "qwen2-d4m2-z3": ["model.family=qwen2", "mesh.data=4", "mesh.model=2", "train.zero_stage=3"],
+    "qwen3-d2s2m2-z0-m4": ["model.family=qwen3", "mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=4"],
 }
 
 
