@@ -40,9 +40,9 @@ def _warn_fallback(reason: str):
 
 
 # What each implementation supports beyond causal attention: "segments" = attention inside each token's
-# document (segment_ids). cuDNN's claims nothing until it is checked on a GPU; a config that needs what
-# the chosen one lacks runs XLA's, which supports everything, and says so once.
-FEATURES = {"manual": {"segments"}, "xla": {"segments"}, "cudnn": set()}
+# document (segment_ids), "window" = a sliding window. cuDNN's claims nothing until it is checked on a GPU; a
+# config that needs what the chosen one lacks runs XLA's, which supports everything, and says so once.
+FEATURES = {"manual": {"segments", "window"}, "xla": {"segments", "window"}, "cudnn": set()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,14 +57,18 @@ def reset_warnings():
 
 
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
-              cpu_fast: bool = True, segments=None):
+              cpu_fast: bool = True, segments=None, window: int | None = None):
     """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
-    with segments (B, T), inside each token's segment only."""
+    with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
+    positions before each query (itself included) only."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
     if segments is not None and "segments" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "document masks (segment_ids)")
+        chosen = "xla"
+    if window and "window" not in FEATURES[chosen]:
+        _warn_unsupported(chosen, "sliding windows")
         chosen = "xla"
     # each implementation's ops are scoped `attention_<name>`: the HLO's metadata says which one ran
     if chosen == "cudnn" and impl == "auto":
@@ -76,7 +80,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
             chosen = "xla"
     with jax.named_scope(f"attention_{chosen}"):
         if chosen == "manual":
-            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments)
+            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments, window)
         mask = None if segments is None else (segments[:, None, :, None] == segments[:, None, None, :])
+        local = {"local_window_size": (window - 1, 0)} if window else {}
         return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, is_causal=True,
-                                            implementation=chosen)
+                                            implementation=chosen, **local)

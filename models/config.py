@@ -57,6 +57,9 @@ class ModelConfig:
     head_dim: int | None = None
     # The family (models/spec.py) whose inventory and layer function the model runs
     family: str = "llama"
+    # Sliding-window attention (Mistral): a query sees only the keys fewer than this many positions before it,
+    # itself included, in every attention path; None: the whole causal context
+    window: int | None = None
 
     def __post_init__(self):
         if self.head_dim is None:

@@ -10,8 +10,8 @@ FLOP convention (used for MFU everywhere in meshtrain):
         training gives 12 * L * T * H * Dh; causal masking halves the useful work -> 6.
 Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
 The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
-weights and biases are elementwise); a family whose attention is not full causal (a sliding window) states its own
-attention term when it is added.
+weights and biases are elementwise). With a sliding window (model.window = w < T) the attention term counts the
+keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of 12 * L * H * Dh * T / 2 (`attended`).
 """
 from __future__ import annotations
 
@@ -39,10 +39,17 @@ def matmul_param_count(c: ModelConfig) -> int:
     return c.n_layers * layer_matmul_params(c) + c.d_model * c.vocab_size
 
 
+def attended(c: ModelConfig, t: int) -> float:
+    """Keys a query attends to on average, by the convention: t / 2 (causal); with a sliding window w < t,
+    w - w^2 / (2t) (each query sees min(position + 1, w) keys, in the same continuous form; equal at w = t)."""
+    w = c.window
+    return t / 2 if not w or w >= t else w - w * w / (2 * t)
+
+
 def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
     """Model training FLOPs per token (the convention above)."""
     t = seq_len or c.seq_len
-    return 6 * matmul_param_count(c) + 6 * c.n_layers * t * c.n_heads * c.head_dim
+    return 6 * matmul_param_count(c) + 12 * c.n_layers * attended(c, t) * c.n_heads * c.head_dim
 
 
 def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
@@ -54,7 +61,7 @@ def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> floa
     half's backward needs its input, not its output).
     """
     t = seq_len or c.seq_len
-    attn_fwd = 2 * c.n_layers * t * c.n_heads * c.head_dim
+    attn_fwd = 4 * c.n_layers * attended(c, t) * c.n_heads * c.head_dim
     full = 2 * c.n_layers * (layer_matmul_params(c) - c.d_model * c.d_ff) + attn_fwd
     wo = 2 * c.n_layers * c.n_heads * c.head_dim * c.d_model
     extra = {"none": 0, "full": full, "dots": attn_fwd, "sublayer": full - wo}[c.remat]

@@ -40,7 +40,9 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     rope = rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
     # query at pos + t sees cache slots 0..pos + t (its own key is written first)
-    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+    ahead_TS = pos + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]  # query position - slot (key) position
+    keep_TS = (ahead_TS >= 0) & (ahead_TS < c.window) if c.window else ahead_TS >= 0  # a sliding window
+    mask_11TS = keep_TS[None, None]
 
     def body(x_BTD, xs):
         p, k_BSKE, v_BSKE = xs

@@ -83,7 +83,7 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
     # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
     attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
-                             cpu_fast=fast)
+                             cpu_fast=fast, **({"window": c.window} if c.window else {}))
     name = "fast" if fast else "reference"
     fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
     # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled

@@ -94,11 +94,19 @@ def hf_config(mc, dtype: str) -> dict:
             "pad_token_id": None, "torch_dtype": dtype, "dtype": dtype}
 
 
-def expressible(mc):
-    """Raise ValueError when HF's Llama cannot hold this model."""
+def heads_expressible(mc):
+    """Raise ValueError when the heads do not group (HF's attention repeats each kv head n_heads / n_kv_heads
+    times)."""
     if mc.n_heads % mc.n_kv_heads:
         raise ValueError(f"n_heads={mc.n_heads} is not a multiple of n_kv_heads={mc.n_kv_heads}, which a "
-                         "Hugging Face Llama cannot express")
+                         "Hugging Face model cannot express")
+
+
+def expressible(mc):
+    """Raise ValueError when HF's Llama cannot hold this model."""
+    heads_expressible(mc)
+    if mc.window:
+        raise ValueError(f"window={mc.window}: a sliding window, which a LlamaForCausalLM cannot express")
 
 
 LLAMA_HF = HFAdapter(ARCH, check, model_keys, leaves, hf_config, expressible)

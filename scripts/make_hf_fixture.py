@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-         "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+         "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, attention_bias=False, mlp_bias=False, hidden_act="silu",
@@ -61,6 +61,13 @@ FIXTURES = {
                                                        max_position_embeddings=512, use_sliding_window=False,
                                                        initializer_range=0.25),
                                 dtype=torch.bfloat16, shard=None, long_tokens=420),
+    # Mistral: a sliding window of 16 positions (the reference tokens are 24 long, the long prompt 420), GQA,
+    # untied, 512 positions
+    "mistral_window16_f32": dict(arch="mistral", cfg=dict(num_key_value_heads=2, tie_word_embeddings=False,
+                                                          rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=384,
+                                                          max_position_embeddings=512, sliding_window=16,
+                                                          initializer_range=0.25),
+                                 dtype=torch.float32, shard=None, long_tokens=420),
 }
 LLAMA_ONLY = ("attention_bias", "mlp_bias")
 

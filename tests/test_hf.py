@@ -93,6 +93,32 @@ def check_parity(name, layout):
     return s, params, ref
 
 
+def check_pipeline_step(name):
+    """One train step of a fixture imported into the (2,2,2) pipeline: its loss is the reference logits' loss."""
+    from trainer.ckpt.initial import state_from_params
+    from trainer.step import jit_train_step
+    s, params = loaded(name, "pipe_2x2x2")
+    ref = np.load(FIX / name / "reference.npz")
+    batch = from_windows(np.concatenate([ref["tokens"]] * 2))  # batch_size 4: a microbatch per data rank
+    with jax.set_mesh(s.mesh):
+        _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
+    assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5
+
+
+def check_long_prompt(s, params, ref, context=512):
+    """The reference's long prompt (at least 400 tokens): its last 8 positions' logits (1e-4) and the greedy
+    tokens of KV-cache decoding with the model's context, against transformers'."""
+    from models.decode import generate
+    from models.transformer import forward
+    long = ref["long_prompt"]
+    assert long.shape[1] >= 400
+    with jax.set_mesh(s.mesh):
+        last = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, long))[0, -8:]
+        cont = np.concatenate(list(generate(s.model, params, long, 8, context=context)))
+    assert np.abs(last - ref["long_logits"]).max() < 1e-4
+    np.testing.assert_array_equal(cont, ref["long_greedy"][0])
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_and_greedy_tokens_match_transformers(name, layout):
@@ -211,8 +237,9 @@ def _garble(d):
 
 BAD = {
     "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face model folder"),
-    "not_llama": (lambda d: _edit_config(d, architectures=["MistralForCausalLM"]),
-                  "describes MistralForCausalLM; meshtrain imports LlamaForCausalLM"),
+    "unknown_arch": (lambda d: _edit_config(d, architectures=["GPTNeoXForCausalLM"]),
+                     "describes GPTNeoXForCausalLM; meshtrain imports LlamaForCausalLM, MistralForCausalLM, "
+                     "Qwen2ForCausalLM, Qwen3ForCausalLM"),
     "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
                        "lacks tensor 'model.layers.1.mlp.up_proj.weight' (shape [96, 64])"),
     "unexpected_tensor": (lambda d: _edit_tensors(d, lambda t: t.update(

@@ -4,13 +4,10 @@ pipeline train step, bitwise round trips, the family picked from config.json, on
 families do not compute (tests/fixtures/hf, made by transformers: scripts/make_hf_fixture.py)."""
 import shutil
 
-import jax
-import numpy as np
 import pytest
 
 from conftest import TINY
-from models.batch import from_windows
-from test_hf import FIX, _cli, _edit_config, check_parity, loaded, ref_loss, round_trip
+from test_hf import FIX, _cli, _edit_config, check_long_prompt, check_parity, check_pipeline_step, round_trip
 
 QWEN = ["qwen2_tied_bias_f32", "qwen3_head_dim_bf16"]
 
@@ -20,30 +17,14 @@ QWEN = ["qwen2_tied_bias_f32", "qwen3_head_dim_bf16"]
 def test_logits_and_greedy_tokens_match_transformers(name, layout):
     """Short prompt on both layouts (biases and norms split with their heads over `model`, ZeRO-3 over data);
     the 420-token prompt's last logits and greedy tokens with the model's context of 512 on one device."""
-    from models.decode import generate
-    from models.transformer import forward
     s, params, ref = check_parity(name, layout)
     assert s.model.family == name.split("_")[0]
     if layout == "1dev":
-        long = ref["long_prompt"]
-        assert long.shape[1] >= 400
-        with jax.set_mesh(s.mesh):
-            last = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, long))[0, -8:]
-            cont = np.concatenate(list(generate(s.model, params, long, 8, context=512)))
-        assert np.abs(last - ref["long_logits"]).max() < 1e-4
-        np.testing.assert_array_equal(cont, ref["long_greedy"][0])
+        check_long_prompt(s, params, ref)
 
 
 def test_a_pipeline_train_step_gives_the_reference_loss():
-    from trainer.ckpt.initial import state_from_params
-    from trainer.step import jit_train_step
-    name = "qwen3_head_dim_bf16"
-    s, params = loaded(name, "pipe_2x2x2")
-    ref = np.load(FIX / name / "reference.npz")
-    batch = from_windows(np.concatenate([ref["tokens"]] * 2))
-    with jax.set_mesh(s.mesh):
-        _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
-    assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5
+    check_pipeline_step("qwen3_head_dim_bf16")
 
 
 @pytest.mark.parametrize("name", QWEN)

@@ -40,8 +40,8 @@ class ModelSection:
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
     norm_eps: Optional[float] = None
-    # llama3 RoPE scaling [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
-    rope_scaling: Optional[List[float]] = None
+    rope_scaling: Optional[List[float]] = None  # llama3 [factor, low_freq, high_freq, original_max_positions]
+    window: Optional[int] = None  # sliding-window attention (Mistral): keys fewer than this many positions back
     remat: str = "none"  # none | full | dots | sublayer
     scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
     attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
@@ -326,11 +326,11 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
         (t.steps >= 0 and t.batch_size > 0 and t.microbatches > 0,
          "train.steps must be >= 0 and train.batch_size, train.microbatches > 0; fix the value"),
         (cfg.run.log_every > 0, f"run.log_every={cfg.run.log_every} must be > 0; use 1 or more"),
-        (cfg.model.head_dim is not None or mc.d_model % mc.n_heads == 0,
-         f"model.d_model={mc.d_model} is not a multiple of model.n_heads={mc.n_heads}; change one or set "
-         "model.head_dim"),
-        (mc.head_dim > 0 and mc.head_dim % 2 == 0,
-         f"model.head_dim={mc.head_dim} must be even and > 0 (RoPE rotates pairs); change it (or d_model, n_heads)"),
+        (mc.window is None or mc.window > 0, f"model.window={mc.window} must be > 0 (positions) or null (no window)"),
+        (cfg.model.head_dim is not None or mc.d_model % mc.n_heads == 0, f"model.d_model={mc.d_model} is not a "
+         f"multiple of model.n_heads={mc.n_heads}; change one or set model.head_dim"),
+        (mc.head_dim > 0 and mc.head_dim % 2 == 0, f"model.head_dim={mc.head_dim} must be even and > 0 (RoPE rotates "
+         "pairs); change it (or d_model, n_heads)"),
         (mc.n_heads % mc.n_kv_heads == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={mc.n_kv_heads}; pick n_kv_heads dividing n_heads"),
     ]

@@ -91,8 +91,8 @@ def with_hf_shapes(cfg):
         mine = getattr(cfg.model, k)
         if mine is not None and v is not None and not _same(mine, v):
             raise UserError(f"model.{k}={mine} contradicts {where} ({hk}={v}); drop model.{k} or make them equal")
-        if mine is not None and v is None and k == "rope_scaling":
-            raise UserError(f"model.rope_scaling={mine} contradicts {where} (no rope scaling); drop it")
+        if mine is not None and v is None and k in ("rope_scaling", "window"):
+            raise UserError(f"model.{k}={mine} contradicts {where} ({hk} is null); drop it")
     cfg = replace(cfg, model={k: v for k, (v, _) in keys.items()})
     check_tensors(p, model_config(cfg))
     return cfg
