@@ -7,8 +7,9 @@ on 8 simulated CPU devices, and compiles two steps ahead of time from abstract i
 `meshtrain train` step (the default config on one device) and a (2,2,2) ZeRO-3 step (data x stage x
 model, two pipeline microbatches). The optimized HLO text of each is compared after dropping what
 says where the code came from, not what it computes: `metadata={...}` (source file, line, op name),
-the module's tables of source files and stack frames, and the module's name. Prints one line per case and exits 1 if any differs (the first differing
-lines are shown).
+the module's tables of source files and stack frames, and the module's name. Prints one line per case and exits 1
+if any differs; a differing case also says whether it differs in value names only, and shows XLA's FLOPs, bytes
+accessed, temp and output bytes on both sides and the first differing lines.
 """
 from __future__ import annotations
 
@@ -46,7 +47,12 @@ for name, (n, overrides) in json.loads(sys.argv[1]).items():
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes, s.shardings)
     batch = s.abstract_batch()
     with jax.set_mesh(s.mesh):
-        out[name] = jit_train_step(s).lower(state, batch).compile().as_text()
+        c = jit_train_step(s).lower(state, batch).compile()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    m = c.memory_analysis()
+    out[name] = {"hlo": c.as_text(), "cost": {"flops": cost.get("flops"), "bytes accessed": cost.get("bytes accessed"),
+                                             "temp bytes": m.temp_size_in_bytes, "output bytes": m.output_size_in_bytes}}
 json.dump(out, sys.stdout)
 """
 
@@ -58,6 +64,14 @@ def normalise(hlo: str) -> list[str]:
     hlo = re.sub(r",?\s*metadata=\{[^{}]*\}", "", "\n\n".join(blocks))
     hlo = re.sub(r"^HloModule \S+", "HloModule m", hlo, flags=re.M)
     return [ln.rstrip() for ln in hlo.splitlines() if ln.strip()]
+
+
+def renamed(lines: list[str]) -> list[str]:
+    """The lines with every value and computation name numbered by first appearance: two programs that differ only
+    in the names XLA gave their values are then equal."""
+    names: dict[str, str] = {}
+    pat = re.compile(r"%[\w.\-]+")
+    return [pat.sub(lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), ln) for ln in lines]
 
 
 def compile_in(tree: Path) -> dict[str, str]:
@@ -87,13 +101,17 @@ def main(argv=None) -> int:
         right = compile_in(checkout(a.rev_b, Path(tmp) / "b") if a.rev_b else ROOT)
     same = True
     for name in CASES:
-        x, y = normalise(left[name]), normalise(right[name])
+        x, y = normalise(left[name]["hlo"]), normalise(right[name]["hlo"])
         if x == y:
             print(f"{name}: same optimized HLO ({len(x)} lines)")
             continue
         same = False
         diff = list(difflib.unified_diff(x, y, a.rev, a.rev_b or "working tree", lineterm="", n=0))
         print(f"{name}: DIFFERENT ({sum(ln[:1] in '+-' for ln in diff[2:])} lines differ)")
+        if renamed(x) == renamed(y):
+            print("  ... in value names only: the same ops in the same order, on the same operands")
+        for k, v in left[name]["cost"].items():
+            print(f"  {k}: {v:,.0f} -> {right[name]['cost'][k]:,.0f}")
         print("\n".join(diff[:40]))
     return 0 if same else 1
 
