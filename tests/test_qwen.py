@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from conftest import TINY
-from test_hf import FIX, _cli, _edit_config, check_long_prompt, check_parity, check_pipeline_step, round_trip
+from test_hf import FIX, _cli, _edit_config, check_long_prompt, check_parity, check_pipeline_step, loaded, round_trip
 
 QWEN = ["qwen2_tied_bias_f32", "qwen3_head_dim_bf16"]
 
@@ -57,3 +57,27 @@ def test_a_config_feature_the_family_does_not_compute_is_one_line(case, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0] and "config.json" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", QWEN + ["mistral_window16_f32"])
+def test_generate_and_plan_work_on_the_folder(name, capsys):
+    """`meshtrain generate --run FOLDER` decodes what KV-cache decoding from the parity-checked import gives (no
+    tokenizer in the folder: bytes); `meshtrain plan` counts the family's parameters (biases and norms included)."""
+    import codecs
+    import io
+    import re
+
+    import numpy as np
+
+    from models import param_count
+    from models.decode import generate
+    from trainer.run.generate import generate_text
+    s, params = loaded(name, "1dev")
+    text = generate_text(str(FIX / name), "ab", 6, temperature=0.0, out=io.StringIO())
+    want = np.concatenate(list(generate(s.model, params, np.asarray([list(b"ab")], np.int32), 6)))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ids past the bytes show as U+FFFD
+    shown = "".join(decoder.decode(bytes([int(t)])) if t < 256 else "\ufffd" for t in want)
+    assert text == shown + decoder.decode(b"", final=True), (text, want)
+    assert _cli("plan", *TINY, f"model.init_from={FIX / name}", "mesh.data=1") == 0
+    kb = float(re.search(r"parameters\s+([\d.]+) KB", capsys.readouterr().out).group(1))
+    assert abs(kb - param_count(s.model) * 4 / 1e3) < 0.01, (kb, param_count(s.model))
