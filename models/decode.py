@@ -2,7 +2,8 @@
 
 Dimension letters as in models/transformer.py, plus S = cache length (positions held).
 The cache holds every layer's RoPE'd keys and values, k/v of shape (L, B, S, K, E); slots at
-positions >= the current one are garbage and masked out.
+positions >= the current one are garbage and masked out. With a sliding window (model.window) it is a ring of
+the window's length: the key of position p in slot p % window.
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def _stacked(c: ModelConfig, layers: dict) -> dict:
 
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
+    if c.window:
+        return _extend_window(c, params, tokens_BT, pos, cache, dtype)
     T, S = tokens_BT.shape[1], cache["k"].shape[2]
     rope = rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
     # query at pos + t sees cache slots 0..pos + t (its own key is written first)
-    ahead_TS = pos + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]  # query position - slot (key) position
-    keep_TS = (ahead_TS >= 0) & (ahead_TS < c.window) if c.window else ahead_TS >= 0  # a sliding window
-    mask_11TS = keep_TS[None, None]
+    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
 
     def body(x_BTD, xs):
         p, k_BSKE, v_BSKE = xs
@@ -52,6 +53,38 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
         o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
         return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BSKE, v_BSKE)
+
+    x_BTD = embed(c, params, tokens_BT, dtype)
+    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
+    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
+
+
+def _extend_window(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype):
+    """`extend` for a sliding window: the cache is a ring of R slots (R = the window, or less for a short run),
+    the key of position p in slot p % R. The new tokens attend to the ring's keys and their own (those fewer than
+    `window` positions back); then the last min(T, R) of them take their slots."""
+    B, T = tokens_BT.shape
+    R, W = cache["k"].shape[2], c.window
+    kernels = kernels_for(c)
+    q_pos = pos + jnp.arange(T)
+    rope = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, jnp.broadcast_to(q_pos, (B, T)))
+    slot_pos = pos - 1 - jnp.mod(pos - 1 - jnp.arange(R), R)  # the newest position before pos in each slot
+    k_pos = jnp.concatenate([jnp.where(slot_pos >= 0, slot_pos, -W - T), q_pos])  # empty slots: out of reach
+    ahead_TK = q_pos[:, None] - k_pos[None, :]
+    mask_11TK = ((ahead_TK >= 0) & (ahead_TK < W))[None, None]
+    m = min(T, R)
+    slots = jnp.mod(q_pos[T - m:], R)
+
+    def body(x_BTD, xs):
+        p, k_BRKE, v_BRKE = xs
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, kernels=kernels)
+        keys = jnp.concatenate([k_BRKE.astype(dtype), k_BTKE], axis=1)
+        values = jnp.concatenate([v_BRKE.astype(dtype), v_BTKE], axis=1)
+        o_BTHE = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
+        k_BRKE = k_BRKE.at[:, slots].set(k_BTKE[:, T - m:].astype(k_BRKE.dtype))
+        v_BRKE = v_BRKE.at[:, slots].set(v_BTKE[:, T - m:].astype(v_BRKE.dtype))
+        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BRKE, v_BRKE)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
@@ -101,7 +134,8 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
     temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)
     key = jax.random.key(seed)
     context_BT = tokens
-    cache, pos, nxt = init_cache(c, B, S, dtype), 0, context_BT
+    R = min(S, c.window) if c.window else S  # slots: a sliding window keeps only its own keys (a ring)
+    cache, pos, nxt = init_cache(c, B, R, dtype), 0, context_BT
     for _ in range(n):
         key, sub = jax.random.split(key)
         tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub, temperature, top_k)
@@ -111,6 +145,6 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
         context_BT = np.concatenate([context_BT, tok_B[:, None]], axis=1)
         if pos == S:  # full: keep the last half as context and prefill it again
             context_BT = context_BT[:, -(S // 2):]
-            cache, pos, nxt = init_cache(c, B, S, dtype), 0, context_BT
+            cache, pos, nxt = init_cache(c, B, R, dtype), 0, context_BT
         else:
             nxt = tok_B[:, None]

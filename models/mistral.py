@@ -1,6 +1,6 @@
 """The Mistral family (`MistralForCausalLM`): Llama's parameters and layer with one sliding window for every
 layer (`model.window`, config.json's `sliding_window`), which every attention path honours: training (XLA's
-attention with its local window, the CPU fast path skipping the key blocks outside it), KV-cache decoding. This
+attention with its local window, the CPU fast path skipping the key blocks outside it), KV-cache decoding (a ring of the window's length). This
 module is the family and its Hugging Face adapter."""
 from __future__ import annotations
 

@@ -90,3 +90,22 @@ def test_a_window_a_family_cannot_express_or_a_folder_contradicts_is_one_line(tm
     rc = _cli("train", *TINY, "model.window=0", f"run.dir={tmp_path / 'run2'}")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["meshtrain: error: model.window=0 must be > 0 (positions) or null (no window)"], err
+
+
+def test_decoding_keeps_a_ring_of_the_windows_length():
+    """The cache holds 16 positions whatever the length: a 40-token prefill and three one-token steps through the
+    ring (wrapping twice) give training's forward logits at each last position."""
+    from models.decode import extend, init_cache
+    from models.transformer import forward
+    s, params = loaded(NAME, "1dev")
+    c = s.model
+    tokens = np.load(FIX / NAME / "reference.npz")["long_prompt"][:, :43]
+    cache = init_cache(c, 1, c.window)
+    logits, cache = extend(c, params, tokens[:, :40], 0, cache)
+    assert cache["k"].shape[2] == 16
+    full = np.asarray(forward(c, params, tokens))
+    got = [np.asarray(logits)]
+    for t in range(40, 43):
+        logits, cache = extend(c, params, tokens[:, t:t + 1], t, cache)
+        got.append(np.asarray(logits))
+    assert np.abs(np.concatenate(got) - full[0, 39:43]).max() < 1e-4
