@@ -1,7 +1,7 @@
 """The Mistral family (`MistralForCausalLM`): Llama's parameters and layer with one sliding window for every
 layer (`model.window`, config.json's `sliding_window`), which every attention path honours: training (XLA's
-attention with its local window, the CPU fast path skipping the key blocks outside it), KV-cache decoding (a ring of the window's length). This
-module is the family and its Hugging Face adapter."""
+attention with its local window, the CPU fast path skipping the key blocks outside it) and KV-cache decoding
+(a ring of the window's length). This module is the family and its Hugging Face adapter."""
 from __future__ import annotations
 
 from models import llama_hf
