@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from conftest import TINY
-from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn
+from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn, matmul_param_count
 from models.batch import abstract
 from models.loss import cross_entropy
 from models.layers import REMAT, rope_tables, sublayer_remat
@@ -68,6 +68,28 @@ def test_flop_convention_matches_xla(family):
     one = from_preset("tiny", remat="none", n_layers=1)
     scan = _xla_flops_per_token(one, lambda c, p, b: loss_fn(c, p, b))
     assert abs(scan - _xla_flops_per_token(one, _unrolled_loss)) <= 1e-3 * scan
+
+
+def test_windowed_flop_convention_against_xla():
+    """A sliding window (Mistral, window 16, T = 64): the convention counts 12 L H Dh (w - w^2 / 2T) for
+    attention, within 1% of the keys each query sees counted by hand (min(i + 1, w)). The CPU fast path computes
+    a 16-query block against keys lo..b-1 (lo = a - w + 1): XLA's count must be that, plus elementwise work
+    (< 5%), and far below the whole causal context's."""
+    c = from_preset("tiny", remat="none", family="mistral", window=16, seq_len=64, attention_block=16)
+    T, W, blk = 64, 16, 16
+    per_key = 12 * c.n_layers * c.n_heads * c.head_dim
+    attention = flops_per_token(c) - 6 * matmul_param_count(c)
+    seen = sum(min(i + 1, W) for i in range(T)) / T
+    assert abs(attention / per_key - seen) < 0.01 * seen, (attention / per_key, seen)
+    computed = sum(blk * (a + blk - max(0, a - W + 1)) for a in range(0, T, blk)) / T
+    executed = 6 * matmul_param_count(c) + per_key * computed
+    xla = _xla_unrolled(c)
+    assert executed <= xla < 1.05 * executed, (xla, executed)
+    # the skipped blocks are not computed: the same model without a window runs its blocks' keys 0..b-1, at
+    # least per_key FLOPs (and their softmax) more per key
+    causal_blocks = sum(blk * (a + blk) for a in range(0, T, blk)) / T
+    saved = _xla_unrolled(dataclasses.replace(c, window=None)) - xla
+    assert per_key * (causal_blocks - computed) <= saved < 1.2 * per_key * (causal_blocks - computed), saved
 
 
 @functools.lru_cache(maxsize=None)
