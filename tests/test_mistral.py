@@ -32,7 +32,8 @@ def masked_softmax_attention(q, k, v, window, segments=None):
     return np.einsum("bhts,bshe->bthe", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("impl,block", [("manual", 16), ("manual", 0), ("xla", 0)])
+@pytest.mark.parametrize("impl,block", [("manual", 16), pytest.param("manual", 0, marks=pytest.mark.slow),
+                                        ("xla", 0)])  # -m slow: the unblocked manual kernel (one block, masked)
 @pytest.mark.parametrize("docs", [False, True], ids=["one-doc", "documents"])
 def test_window_attention_equals_its_definition_and_the_gradients_agree(impl, block, docs):
     """T = 64, window 20 (not a multiple of the 16-query blocks, so a block's first keys are partly seen); the
@@ -109,3 +110,26 @@ def test_decoding_keeps_a_ring_of_the_windows_length():
         logits, cache = extend(c, params, tokens[:, t:t + 1], t, cache)
         got.append(np.asarray(logits))
     assert np.abs(np.concatenate(got) - full[0, 39:43]).max() < 1e-4
+
+
+ZERO3 = ["mesh.data=2", "mesh.model=4", "train.zero_stage=3"]
+ONE_F1B = ["mesh.data=2", "mesh.stage=2", "mesh.model=1", "train.pipeline_schedule=1f1b", "train.microbatches=2"]
+
+
+# -m slow: the other two pairings (each family's other layout runs in the default set)
+@pytest.mark.parametrize("family,mesh", [("mistral", ZERO3), ("qwen3", ONE_F1B),
+                                         pytest.param("mistral", ONE_F1B, marks=pytest.mark.slow),
+                                         pytest.param("qwen3", ZERO3, marks=pytest.mark.slow)],
+                         ids=["mistral-zero3-2x1x4", "qwen3-1f1b-2x2x1", "mistral-1f1b-2x2x1", "qwen3-zero3-2x1x4"])
+def test_the_family_trains_as_on_one_device(family, mesh):
+    """Mistral with a window of 8 (seq_len 32; the fast path's blocks of 16 skip keys) and Qwen3 (q/k norms
+    replicated over `model`, head_dim 16 against d_model / n_heads = 8): SGD, losses, grad norms and parameters
+    against one device (1e-5)."""
+    from conftest import SGD, max_rel, run_steps, single_device
+    over = SGD + [f"model.family={family}", "model.attention_block=16"] + (
+        ["model.window=8"] if family == "mistral" else ["model.head_dim=16"]) + mesh
+    r = run_steps(over)
+    ref_losses, ref_params, ref_norms = single_device(over)
+    np.testing.assert_allclose(r.losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(r.grad_norms, ref_norms, rtol=1e-5)
+    assert max_rel(r.params, ref_params) < 1e-5 and ref_losses[-1] != ref_losses[0]
