@@ -1,0 +1,37 @@
+"""Issue 30's sensitivity figures: each family's distinguishing feature dropped from the imported model, and how
+far its logits then are from transformers' (the parity tests allow 1e-4). Run from the repo root."""
+import dataclasses
+import sys
+
+sys.path.insert(0, "tests")
+import conftest  # noqa: F401,E402  (8 devices)
+import numpy as np  # noqa: E402
+
+from models.transformer import forward  # noqa: E402
+from test_hf import FIX, loaded  # noqa: E402
+
+
+def off(name, edit):
+    s, params = loaded(name, "1dev")
+    ref = np.load(FIX / name / "reference.npz")
+    c, p = edit(s.model, dict(params))
+    return float(np.abs(np.asarray(forward(c, p, ref["tokens"])) - ref["logits"]).max())
+
+
+def without(*keys):
+    return lambda c, p: (c, {**p, "layers": {k: v for k, v in p["layers"].items() if k not in keys}})
+
+
+CASES = {
+    "qwen2 as imported": ("qwen2_tied_bias_f32", lambda c, p: (c, p)),
+    "qwen2 without its q/k/v biases": ("qwen2_tied_bias_f32", without("bq", "bk", "bv")),
+    "qwen2 with its head untied (a zero lm_head)": (
+        "qwen2_tied_bias_f32", lambda c, p: (dataclasses.replace(c, tie_embeddings=False),
+                                             {**p, "lm_head": np.zeros(p["embed"].shape[::-1], np.float32)})),
+    "qwen3 as imported": ("qwen3_head_dim_bf16", lambda c, p: (c, p)),
+    "qwen3 without its q/k norms": ("qwen3_head_dim_bf16", without("q_norm", "k_norm")),
+    "mistral as imported": ("mistral_window16_f32", lambda c, p: (c, p)),
+    "mistral without its window": ("mistral_window16_f32", lambda c, p: (dataclasses.replace(c, window=None), p)),
+}
+for label, (name, edit) in CASES.items():
+    print(f"{label}: max |logits - transformers'| = {off(name, edit):.3g}")
