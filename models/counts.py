@@ -24,7 +24,8 @@ from models.transformer import inventory
 def layer_matmul_params(c: ModelConfig) -> int:
     """Matmul weights of one layer: its parameters that map the embedding to something or back (two or more
     dimensions, one of them `embed`); biases and norm weights are elementwise."""
-    return sum(math.prod(p.shape) for p in inventory(c)["layers"].values() if len(p.shape) >= 2 and "embed" in p.axes)
+    return sum(math.prod(p.shape) for p in inventory(c)["layers"].values()
+               if len(p.shape) >= 2 and "embed" in p.axes)
 
 
 def param_count(c: ModelConfig) -> int:

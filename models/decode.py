@@ -37,37 +37,43 @@ def _stacked(c: ModelConfig, layers: dict) -> dict:
 
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
-    if c.window:
-        return _extend_window(c, params, tokens_BT, pos, cache, dtype)
-    T, S = tokens_BT.shape[1], cache["k"].shape[2]
-    rope = rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling)
     kernels = kernels_for(c)
-    # query at pos + t sees cache slots 0..pos + t (its own key is written first)
-    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+    rope, offset, attend = (_ring if c.window else _linear)(c, tokens_BT.shape, pos, cache["k"].shape[2], dtype)
 
     def body(x_BTD, xs):
-        p, k_BSKE, v_BSKE = xs
+        p, k_cache, v_cache = xs
         p = jax.tree.map(lambda w: w.astype(dtype), p)
-        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=pos, kernels=kernels)
-        k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
-        v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
-        o_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
-        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BSKE, v_BSKE)
+        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=offset, kernels=kernels)
+        o_BTHE, k_cache, v_cache = attend(q_BTHE, k_BTKE, v_BTKE, k_cache, v_cache)
+        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_cache, v_cache)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
     return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
 
 
-def _extend_window(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype):
-    """`extend` for a sliding window: the cache is a ring of R slots (R = the window, or less for a short run),
+def _linear(c: ModelConfig, shape, pos, S: int, dtype):
+    """(RoPE tables, their offset, attend) for a cache of S slots in position order: the new keys are written at
+    pos.., and a query at pos + t sees slots 0..pos + t (its own key is written first)."""
+    T = shape[1]
+    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE):
+        k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
+        v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
+        o = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
+        return o, k_BSKE, v_BSKE
+
+    return rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling), pos, attend
+
+
+def _ring(c: ModelConfig, shape, pos, R: int, dtype):
+    """The same for a sliding window: the cache is a ring of R slots (R = the window, or less for a short run),
     the key of position p in slot p % R. The new tokens attend to the ring's keys and their own (those fewer than
     `window` positions back); then the last min(T, R) of them take their slots."""
-    B, T = tokens_BT.shape
-    R, W = cache["k"].shape[2], c.window
-    kernels = kernels_for(c)
+    B, T = shape
+    W = c.window
     q_pos = pos + jnp.arange(T)
-    rope = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, jnp.broadcast_to(q_pos, (B, T)))
     slot_pos = pos - 1 - jnp.mod(pos - 1 - jnp.arange(R), R)  # the newest position before pos in each slot
     k_pos = jnp.concatenate([jnp.where(slot_pos >= 0, slot_pos, -W - T), q_pos])  # empty slots: out of reach
     ahead_TK = q_pos[:, None] - k_pos[None, :]
@@ -75,20 +81,16 @@ def _extend_window(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dt
     m = min(T, R)
     slots = jnp.mod(q_pos[T - m:], R)
 
-    def body(x_BTD, xs):
-        p, k_BRKE, v_BRKE = xs
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
-        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, kernels=kernels)
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BRKE, v_BRKE):
         keys = jnp.concatenate([k_BRKE.astype(dtype), k_BTKE], axis=1)
         values = jnp.concatenate([v_BRKE.astype(dtype), v_BTKE], axis=1)
-        o_BTHE = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
+        o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
         k_BRKE = k_BRKE.at[:, slots].set(k_BTKE[:, T - m:].astype(k_BRKE.dtype))
         v_BRKE = v_BRKE.at[:, slots].set(v_BTKE[:, T - m:].astype(v_BRKE.dtype))
-        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_BRKE, v_BRKE)
+        return o, k_BRKE, v_BRKE
 
-    x_BTD = embed(c, params, tokens_BT, dtype)
-    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
-    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
+    rope = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, jnp.broadcast_to(q_pos, (B, T)))
+    return rope, 0, attend
 
 
 def sample(logits_BV, key, temperature, top_k):

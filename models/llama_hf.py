@@ -7,13 +7,14 @@ from __future__ import annotations
 from models.spec import HFAdapter, Leaf
 
 ARCH = "LlamaForCausalLM"
+LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # config.json fields of Llama's config alone
 
 
 def check(hc: dict):
     """Raise ValueError for a config.json feature the Llama family does not compute."""
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hc.get(key, want) != want:
-            raise ValueError(f"{key}={hc[key]!r} is not supported; meshtrain's Llama has {key}={want!r}")
+            raise ValueError(f"{key}={hc[key]!r} is not supported; meshtrain computes {key}={want!r}")
 
 
 def rope(hc: dict) -> tuple[float, list | None]:

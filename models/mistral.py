@@ -17,8 +17,7 @@ def model_keys(hc: dict) -> dict:
 
 
 def hf_config(mc, dtype: str) -> dict:
-    base = {k: v for k, v in llama_hf.hf_config(mc, dtype).items()
-            if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+    base = {k: v for k, v in llama_hf.hf_config(mc, dtype).items() if k not in llama_hf.LLAMA_ONLY}
     return {**base, "architectures": [ARCH], "model_type": "mistral", "sliding_window": mc.window}
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from models import llama_hf
 from models.spec import HFAdapter, Leaf
 
-LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # config.json fields Qwen2's config does not have
-
 
 def _no_window(hc: dict):
     if hc.get("use_sliding_window"):
@@ -18,14 +16,8 @@ def _no_window(hc: dict):
         raise ValueError(f"layer_types={sorted(kinds)} is not supported; meshtrain's Qwen has full_attention layers")
 
 
-def qwen2_check(hc: dict):
-    if hc.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hc['hidden_act']!r} is not supported; meshtrain's Qwen2 has 'silu'")
-    _no_window(hc)
-
-
-def qwen3_check(hc: dict):
-    llama_hf.check(hc)  # silu, no attention or MLP biases
+def check(hc: dict):
+    llama_hf.check(hc)  # silu; no attention bias flag (Qwen3's) or MLP biases
     _no_window(hc)
 
 
@@ -57,7 +49,7 @@ def _config(arch: str, model_type: str, drop: tuple):
     return config
 
 
-QWEN2_HF = HFAdapter("Qwen2ForCausalLM", qwen2_check, llama_hf.model_keys, qwen2_leaves,
-                     _config("Qwen2ForCausalLM", "qwen2", LLAMA_ONLY), llama_hf.expressible)
-QWEN3_HF = HFAdapter("Qwen3ForCausalLM", qwen3_check, llama_hf.model_keys, qwen3_leaves,
+QWEN2_HF = HFAdapter("Qwen2ForCausalLM", check, llama_hf.model_keys, qwen2_leaves,
+                     _config("Qwen2ForCausalLM", "qwen2", llama_hf.LLAMA_ONLY), llama_hf.expressible)
+QWEN3_HF = HFAdapter("Qwen3ForCausalLM", check, llama_hf.model_keys, qwen3_leaves,
                      _config("Qwen3ForCausalLM", "qwen3", ("mlp_bias", "pretraining_tp")), llama_hf.expressible)
