@@ -6,7 +6,8 @@ Each fixture folder holds what `save_pretrained` wrote, plus `reference.npz`: fi
 transformers' float32 logits for them, and its greedy continuation of a prompt. The tests read
 only these files (safetensors + numpy), never transformers.
     python scripts/make_hf_fixture.py --reference FOLDER
-writes only the reference.npz of a folder meshtrain exported (scripts/make_localsgd_fixture.py).
+writes only the reference.npz of a folder meshtrain exported (scripts/make_localsgd_fixture.py,
+scripts/make_trained_hf_fixture.py).
 """
 from __future__ import annotations
 
@@ -145,8 +146,10 @@ def tokenizer(d: Path, cfg):
 
 
 def reference(d: Path, seed: int = 99):
-    """reference.npz of an existing folder: fixed tokens and transformers' float32 logits for them."""
-    ref = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    """reference.npz of an existing folder (any family, by its config.json): fixed tokens and transformers'
+    float32 logits for them."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    assert type(ref).__name__ in json.loads((d / "config.json").read_text())["architectures"]
     tokens = torch.randint(0, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         logits = ref(tokens).logits.numpy().astype(np.float32)

@@ -100,7 +100,7 @@ def test_a_family_defined_in_a_test_trains_as_on_one_device(mesh):
 def test_a_family_with_its_own_hf_adapter_goes_out_to_a_folder_and_back(tmp_path):
     """Export writes the adapter's tensor names and config.json; importing the folder picks the family from its
     architectures and reads back the same parameters; a family without an adapter is refused by name."""
-    from test_hf import read_folder
+    from hf_check import read_folder
 
     from trainer.ckpt.hf_export import write_hf
     from trainer.ckpt.params import load_params_at

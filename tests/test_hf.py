@@ -1,169 +1,30 @@
 """Hugging Face Llama folders in and out: transformers' logits and greedy tokens reproduced on 1 and 8
 devices, bitwise round trips, and one-line errors for bad folders (tests/fixtures/hf, made by transformers)."""
-import functools
 import io
 import json
 import shutil
-import struct
-from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY
-from models.batch import from_windows
+from conftest import TINY
+from hf_check import (FIX, LAYOUTS, check_parity, check_pipeline, cli, edit_config, loaded, read_folder,
+                      read_st, round_trip, save_run, write_st)
 
-FIX = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32", "head_dim_long_f32"]
-DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
-# (data, stage, model): ZeRO-3 over data with heads split 4 ways; a pipeline over stage (the 3-layer
-# fixture pipelines over 3 stages on 6 devices: 2 stages cannot split 3 layers)
-LAYOUTS = {"1dev": ["mesh.data=1", "mesh.stage=1", "mesh.model=1"],
-           "zero3_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"],
-           "pipe_2x2x2": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2"]}
-PIPE_3_LAYERS = ["mesh.data=2", "mesh.stage=3", "mesh.model=1", "train.microbatches=3", "train.batch_size=6"]
-
-
-def read_st(path) -> dict:
-    """A .safetensors file as {name: (dtype code, array)}, read here independently of trainer code."""
-    raw = Path(path).read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    head, data = json.loads(raw[8:8 + n]), raw[8 + n:]
-    return {k: (v["dtype"], np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]], DT[v["dtype"]])
-                .reshape(v["shape"])) for k, v in head.items() if k != "__metadata__"}
-
-
-def read_folder(d) -> dict:
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        out.update(read_st(f))
-    return out
-
-
-def write_st(path, tensors: dict):
-    """{name: array} as a .safetensors file (F32/BF16), written here independently of trainer code."""
-    head, off, blobs = {}, 0, []
-    for k, a in tensors.items():
-        code = "BF16" if a.dtype == ml_dtypes.bfloat16 else "F32"
-        b = np.ascontiguousarray(a).tobytes()
-        head[k] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        off += len(b)
-        blobs.append(b)
-    raw = json.dumps(head).encode()
-    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-
-
-@functools.lru_cache(maxsize=None)
-def loaded(name, layout):
-    """(setup, params) of a fixture imported into a layout's parameter shardings (seq_len 23: the
-    reference tokens are one (2, 24) batch)."""
-    from trainer.ckpt.params import init_params
-    from trainer import load_config, resolve
-    from trainer.state import make_setup
-    mesh = PIPE_3_LAYERS if (layout == "pipe_2x2x2" and name == "sharded_f32") else LAYOUTS[layout]
-    cfg = resolve(load_config(TINY + SGD + ["train.batch_size=4"] + mesh + [f"model.init_from={FIX / name}",
-                                                                            "model.seq_len=23"]))
-    n = int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))
-    s = make_setup(cfg, jax.devices()[:n])
-    return s, init_params(s, cfg.model.init_from)
-
-
-def ref_loss(logits, tokens):
-    """Next-token cross-entropy from transformers' logits, in float64."""
-    lg = logits[:, :-1].astype(np.float64)
-    m = lg.max(-1, keepdims=True)
-    logz = (m[..., 0] + np.log(np.exp(lg - m).sum(-1)))
-    return float(np.mean(logz - np.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]))
-
-
-def check_parity(name, layout):
-    """A fixture's logits (within 1e-4) and greedy tokens (equal) against transformers' from its import into a
-    layout; (setup, params, reference)."""
-    from models.decode import generate
-    from models.transformer import forward
-    s, params = loaded(name, layout)
-    ref = np.load(FIX / name / "reference.npz")
-    with jax.set_mesh(s.mesh):
-        got = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, ref["tokens"]))
-        greedy = np.concatenate(list(generate(s.model, params, ref["prompt"], ref["greedy"].shape[1])))
-    assert np.abs(got - ref["logits"]).max() < 1e-4
-    np.testing.assert_array_equal(greedy, ref["greedy"][0])
-    return s, params, ref
-
-
-def check_pipeline_step(name):
-    """One train step of a fixture imported into the (2,2,2) pipeline: its loss is the reference logits' loss."""
-    from trainer.ckpt.initial import state_from_params
-    from trainer.step import jit_train_step
-    s, params = loaded(name, "pipe_2x2x2")
-    ref = np.load(FIX / name / "reference.npz")
-    batch = from_windows(np.concatenate([ref["tokens"]] * 2))  # batch_size 4: a microbatch per data rank
-    with jax.set_mesh(s.mesh):
-        _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
-    assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5
-
-
-def check_long_prompt(s, params, ref, context=512):
-    """The reference's long prompt (at least 400 tokens): its last 8 positions' logits (1e-4) and the greedy
-    tokens of KV-cache decoding with the model's context, against transformers'."""
-    from models.decode import generate
-    from models.transformer import forward
-    long = ref["long_prompt"]
-    assert long.shape[1] >= 400
-    with jax.set_mesh(s.mesh):
-        last = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, long))[0, -8:]
-        cont = np.concatenate(list(generate(s.model, params, long, 8, context=context)))
-    assert np.abs(last - ref["long_logits"]).max() < 1e-4
-    np.testing.assert_array_equal(cont, ref["long_greedy"][0])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_and_greedy_tokens_match_transformers(name, layout):
-    """Logits: the forward on the params as loaded into that layout's shardings; greedy: KV-cache decoding
-    from them; the pipeline layouts also run one train step, whose loss must equal the loss of the
-    reference logits (one fixture: the train step's compile is the slowest part of this file)."""
-    s, params, ref = check_parity(name, layout)
-    if layout == "pipe_2x2x2" and name in ("tied_llama3_bf16", "head_dim_long_f32"):
-        from trainer.ckpt.initial import state_from_params
-        from trainer.step import jit_train_step
-        # batch_size 4: a microbatch per data rank and stage fill
-        batch = from_windows(np.concatenate([ref["tokens"]] * 2))
-        with jax.set_mesh(s.mesh):
-            _, m = jit_train_step(s)(state_from_params(s, params), jax.device_put(batch, s.batch_sharding()))
-        assert abs(float(m["loss"]) - ref_loss(ref["logits"], ref["tokens"])) < 1e-5
-
-
-def _cli(*args):
-    from trainer.cli import main
-    return main(list(args))
-
-
-def _save_run(name, run_dir):
-    """A run.dir whose checkpoint holds exactly the fixture's parameters (no training step)."""
-    from trainer.ckpt.checkpoint import Checkpointer
-    from trainer.ckpt.initial import state_from_params
-    s, params = loaded(name, "zero3_2x1x4")
-    ck = Checkpointer(s, run_dir, log=lambda m: None)
-    ck.save(1, state_from_params(s, params))
-    ck.close()
-
-
-def round_trip(name, tmp_path) -> tuple[dict, dict]:
-    """A fixture imported into a run, exported with `meshtrain export --format hf` (in its dtype) to tmp_path/hf,
-    every tensor checked back bitwise under its name; (the export's config.json, the fixture's)."""
-    src = read_folder(FIX / name)
-    _save_run(name, tmp_path / "run")
-    dtype = ["--dtype", "bfloat16"] if "bf16" in name else []
-    assert _cli("export", "--format", "hf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), *dtype) == 0
-    got = read_folder(tmp_path / "hf")
-    assert sorted(got) == sorted(src)
-    for k, (code, a) in src.items():
-        assert got[k][0] == code and got[k][1].shape == a.shape, k
-        assert got[k][1].tobytes() == a.tobytes(), k
-    return tuple(json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", FIX / name))
+    """1 device and ZeRO-3 (2,1,4): the forward on the params as loaded into that layout's shardings, greedy
+    tokens by KV-cache decoding from them. The pipeline: the 1F1B executor's own logits, loss and greedy tokens
+    (`check_pipeline`; the 3-layer fixture on 3 stages)."""
+    if layout == "pipe_2x2x2":
+        check_pipeline(name)
+    else:
+        check_parity(name, layout)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -197,7 +58,7 @@ def test_trained_run_exported_and_reimported_is_bitwise_equal(tmp_path):
     trained, _ = load_params(run, None, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     start = read_folder(FIX / "gqa_untied_f32")["model.embed_tokens.weight"][1]
     assert not np.array_equal(np.asarray(trained["embed"]), start)  # it trained
-    assert _cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
+    assert cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
     cfg = resolve(load_config(TINY + LAYOUTS["pipe_2x2x2"] + [f"model.init_from={tmp_path / 'hf'}"]))
     s = make_setup(cfg, jax.devices())
     again = init_params(s, cfg.model.init_from)
@@ -211,10 +72,6 @@ def _bad_copy(tmp_path, name="gqa_untied_f32"):
     return d
 
 
-def _edit_config(d, **kv):
-    c = json.loads((d / "config.json").read_text())
-    c.update(kv)
-    (d / "config.json").write_text(json.dumps(c))
 
 
 def _edit_tensors(d, fn):
@@ -237,7 +94,7 @@ def _garble(d):
 
 BAD = {
     "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face model folder"),
-    "unknown_arch": (lambda d: _edit_config(d, architectures=["GPTNeoXForCausalLM"]),
+    "unknown_arch": (lambda d: edit_config(d, architectures=["GPTNeoXForCausalLM"]),
                      "describes GPTNeoXForCausalLM; meshtrain imports LlamaForCausalLM, MistralForCausalLM, "
                      "Qwen2ForCausalLM, Qwen3ForCausalLM"),
     "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
@@ -250,7 +107,7 @@ BAD = {
         "tensor 'model.layers.1.self_attn.k_proj.weight' has shape [24, 64], config.json implies [32, 64]"),
     "corrupt_header": (_garble, "has a corrupt safetensors header"),
     "truncated": (lambda d: _cut(d, 100), "is truncated: 'model.norm.weight' ends at byte"),
-    "rope_yarn": (lambda d: _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    "rope_yarn": (lambda d: edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
                   "rope scaling of type 'yarn' is not supported"),
 }
 
@@ -261,7 +118,7 @@ def test_bad_hf_folder_is_one_line_exit_2_and_writes_nothing(case, tmp_path, cap
     d = _bad_copy(tmp_path)
     edit(d)
     run = tmp_path / "run"
-    assert _cli("train", *TINY, f"model.init_from={d}", f"run.dir={run}") == 2
+    assert cli("train", *TINY, f"model.init_from={d}", f"run.dir={run}") == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and msg in err, err
     assert not run.exists()
@@ -269,7 +126,7 @@ def test_bad_hf_folder_is_one_line_exit_2_and_writes_nothing(case, tmp_path, cap
 
 def test_explicit_model_key_contradicting_config_json_names_both(tmp_path, capsys):
     run = tmp_path / "run"
-    assert _cli("train", *TINY, f"model.init_from={FIX / 'tied_llama3_bf16'}", "model.d_model=128",
+    assert cli("train", *TINY, f"model.init_from={FIX / 'tied_llama3_bf16'}", "model.d_model=128",
                 f"run.dir={run}") == 2
     err = capsys.readouterr().err.strip()
     assert "model.d_model=128 contradicts" in err and "hidden_size=64" in err and "\n" not in err
@@ -277,7 +134,7 @@ def test_explicit_model_key_contradicting_config_json_names_both(tmp_path, capsy
 
 
 def test_plan_takes_shapes_from_config_json(capsys):
-    assert _cli("plan", *TINY, f"model.init_from={FIX / 'sharded_f32'}", "mesh.data=8") == 0
+    assert cli("plan", *TINY, f"model.init_from={FIX / 'sharded_f32'}", "mesh.data=8") == 0
     out = capsys.readouterr().out
     from trainer import load_config, resolve
     from trainer.config import model_config
@@ -287,13 +144,13 @@ def test_plan_takes_shapes_from_config_json(capsys):
 
 def test_export_hf_of_a_shape_hf_cannot_express_is_one_line(tmp_path, capsys):
     """An export whose config has n_heads not a multiple of n_kv_heads: no --out written."""
-    _save_run("gqa_untied_f32", tmp_path / "run")
-    assert _cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "orbax")) == 0
+    save_run("gqa_untied_f32", tmp_path / "run")
+    assert cli("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "orbax")) == 0
     meta = json.loads((tmp_path / "orbax" / "meta.json").read_text())
     meta["config"]["model"]["n_kv_heads"] = 3
     (tmp_path / "orbax" / "meta.json").write_text(json.dumps(meta))
     capsys.readouterr()
-    assert _cli("export", "--format", "hf", "--run", str(tmp_path / "orbax"), "--out", str(tmp_path / "hf")) == 2
+    assert cli("export", "--format", "hf", "--run", str(tmp_path / "orbax"), "--out", str(tmp_path / "hf")) == 2
     err = capsys.readouterr().err.strip()
     assert "n_heads=4 is not a multiple of n_kv_heads=3" in err and "\n" not in err, err
     assert not (tmp_path / "hf").exists()
@@ -374,7 +231,7 @@ def test_export_of_a_run_from_an_hf_folder_keeps_its_context_and_tokenizer(tmp_p
     train(load_config(TINY + LAYOUTS["zero3_2x1x4"] + [f"model.init_from={src}", "train.steps=2",
                                                        "train.eval_every=0", f"run.dir={run}"]))
     shutil.rmtree(src)
-    assert _cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
+    assert cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
     got, want = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", FIX / "head_dim_long_f32"))
     assert {k: got[k] for k in want if k not in ("dtype",)} == {k: v for k, v in want.items() if k != "dtype"}
     assert got["max_position_embeddings"] == 512 and got["head_dim"] == 24 and got["eos_token_id"] == 2

@@ -1,7 +1,7 @@
 """Mistral's sliding window: the CPU fast path and XLA's attention against a masked softmax written here, forward
-and backward, with and without documents; transformers' logits and greedy tokens on a short and a 420-token
-prompt (the window is 16) through training's forward, a pipeline step and KV-cache decoding; the window kept
-through export and refused where a family cannot express it (tests/fixtures/hf/mistral_window16_f32)."""
+and backward, with and without documents; KV-cache decoding through a ring of the window's length; the window
+kept through export and refused where a family cannot express it (tests/fixtures/hf/mistral_window16_f32);
+Mistral and Qwen3 training as on one device. Parity with transformers: tests/test_family_parity.py."""
 import shutil
 
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY
-from test_hf import FIX, _cli, _edit_config, check_long_prompt, check_parity, check_pipeline_step, loaded, round_trip
+from hf_check import FIX, cli, edit_config, loaded, round_trip
 
 NAME = "mistral_window16_f32"
 
@@ -32,9 +32,12 @@ def masked_softmax_attention(q, k, v, window, segments=None):
     return np.einsum("bhts,bshe->bthe", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("impl,block", [("manual", 16), pytest.param("manual", 0, marks=pytest.mark.slow),
-                                        ("xla", 0)])  # -m slow: the unblocked manual kernel (one block, masked)
-@pytest.mark.parametrize("docs", [False, True], ids=["one-doc", "documents"])
+# -m slow: the unblocked manual kernel (one block, masked)
+@pytest.mark.parametrize("impl,block,docs", [
+    ("manual", 16, True), ("xla", 0, True), ("xla", 0, False), ("manual", 16, False),
+    pytest.param("manual", 0, True, marks=pytest.mark.slow), pytest.param("manual", 0, False, marks=pytest.mark.slow)],
+    ids=["documents-manual-16", "documents-xla-0", "one-doc-xla-0", "one-doc-manual-16", "documents-manual-0",
+         "one-doc-manual-0"])
 def test_window_attention_equals_its_definition_and_the_gradients_agree(impl, block, docs):
     """T = 64, window 20 (not a multiple of the 16-query blocks, so a block's first keys are partly seen); the
     gradients of every implementation agree with XLA's (1e-6 relative)."""
@@ -43,31 +46,19 @@ def test_window_attention_equals_its_definition_and_the_gradients_agree(impl, bl
     B, T, H, K, E, W = 2, 64, 4, 2, 8, 20
     q, k, v = (jax.random.normal(kk, (B, T, n, E)) for kk, n in zip(key, (H, K, K)))
     seg = np.repeat(np.array([[1, 2, 3, 4], [1, 1, 2, 2]]), 16, axis=1).astype(np.float32) if docs else None
-    run = lambda impl, block: lambda q, k, v: attention(q, k, v, impl, block, "cpu", segments=seg, window=W)  # noqa: E731
+    # jitted: op by op, the blocked kernel's many small ops would each compile on their own (seconds)
+    run = lambda impl, block: jax.jit(lambda q, k, v: attention(q, k, v, impl, block, "cpu", segments=seg,  # noqa: E731
+                                                                window=W))
     got = run(impl, block)(q, k, v)
     want = masked_softmax_attention(q, k, v, W, seg)
     assert np.abs(np.asarray(got, np.float64) - want).max() < 1e-5
     # the window matters here: without it the output differs
     assert np.abs(masked_softmax_attention(q, k, v, T, seg) - want).max() > 1e-2
     cot = jax.random.normal(key[3], q.shape)
-    grads = [jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v) for f in (run(impl, block),
-                                                                                            run("xla", 0))]
+    grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2)))(q, k, v)
+             for f in (run(impl, block), run("xla", 0))]
     for a, b in zip(*grads):
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-6
-
-
-@pytest.mark.parametrize("layout", ["1dev", "zero3_2x1x4"])
-def test_logits_and_greedy_tokens_match_transformers_past_the_window(layout):
-    """24 reference tokens with a window of 16 on both layouts (fast kernels); the 420-token prompt's last
-    logits and greedy tokens from KV-cache decoding, whose mask keeps the window, on one device."""
-    s, params, ref = check_parity(NAME, layout)
-    assert s.model.family == "mistral" and s.model.window == 16
-    if layout == "1dev":
-        check_long_prompt(s, params, ref)
-
-
-def test_a_pipeline_train_step_gives_the_reference_loss():
-    check_pipeline_step(NAME)
 
 
 def test_export_keeps_the_window(tmp_path):
@@ -84,15 +75,16 @@ def test_a_window_a_family_cannot_express_or_a_folder_contradicts_is_one_line(tm
         write_hf(params, dataclasses.replace(s.model, window=8), tmp_path / "out")
     d = tmp_path / "hf"
     shutil.copytree(FIX / NAME, d)
-    _edit_config(d, sliding_window=None)
-    rc = _cli("train", *TINY, f"model.init_from={d}", "model.window=8", f"run.dir={tmp_path / 'run'}")
+    edit_config(d, sliding_window=None)
+    rc = cli("train", *TINY, f"model.init_from={d}", "model.window=8", f"run.dir={tmp_path / 'run'}")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.window=8 contradicts" in err[0] and "sliding_window" in err[0], err
-    rc = _cli("train", *TINY, "model.window=0", f"run.dir={tmp_path / 'run2'}")
+    rc = cli("train", *TINY, "model.window=0", f"run.dir={tmp_path / 'run2'}")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["meshtrain: error: model.window=0 must be > 0 (positions) or null (no window)"], err
 
 
+@pytest.mark.slow  # the default run decodes the 420-token prompt through the ring (tests/test_family_parity.py)
 def test_decoding_keeps_a_ring_of_the_windows_length():
     """The cache holds 16 positions whatever the length: a 40-token prefill and three one-token steps through the
     ring (wrapping twice) give training's forward logits at each last position."""
@@ -116,10 +108,10 @@ ZERO3 = ["mesh.data=2", "mesh.model=4", "train.zero_stage=3"]
 ONE_F1B = ["mesh.data=2", "mesh.stage=2", "mesh.model=1", "train.pipeline_schedule=1f1b", "train.microbatches=2"]
 
 
-# -m slow: the other two pairings (each family's other layout runs in the default set)
-@pytest.mark.parametrize("family,mesh", [("mistral", ZERO3), ("qwen3", ONE_F1B),
-                                         pytest.param("mistral", ONE_F1B, marks=pytest.mark.slow),
-                                         pytest.param("qwen3", ZERO3, marks=pytest.mark.slow)],
+# -m slow, all four (the suite's budget): tests/test_family.py trains a family defined there on both layouts
+@pytest.mark.slow
+@pytest.mark.parametrize("family,mesh", [("mistral", ZERO3), ("qwen3", ONE_F1B), ("mistral", ONE_F1B),
+                                         ("qwen3", ZERO3)],
                          ids=["mistral-zero3-2x1x4", "qwen3-1f1b-2x2x1", "mistral-1f1b-2x2x1", "qwen3-zero3-2x1x4"])
 def test_the_family_trains_as_on_one_device(family, mesh):
     """Mistral with a window of 8 (seq_len 32; the fast path's blocks of 16 skip keys) and Qwen3 (q/k norms

@@ -70,6 +70,7 @@ def test_flop_convention_matches_xla(family):
     assert abs(scan - _xla_flops_per_token(one, _unrolled_loss)) <= 1e-3 * scan
 
 
+@pytest.mark.slow  # the windowed layout's planner check runs by default (tests/test_plan.py)
 def test_windowed_flop_convention_against_xla():
     """A sliding window (Mistral, window 16, T = 64): the convention counts 12 L H Dh (w - w^2 / 2T) for
     attention, within 1% of the keys each query sees counted by hand (min(i + 1, w)). The CPU fast path computes

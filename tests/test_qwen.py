@@ -1,35 +1,18 @@
-"""Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm, its own head_dim) in and out of Hugging Face:
-transformers' logits and greedy tokens on a short and a 420-token prompt, on 1 device and split over heads, a
-pipeline train step, bitwise round trips, the family picked from config.json, one-line errors for what the
-families do not compute (tests/fixtures/hf, made by transformers: scripts/make_hf_fixture.py)."""
+"""Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm, its own head_dim) in and out of Hugging Face: bitwise
+round trips, the family picked from config.json, one-line errors for what the families do not compute, and
+`generate` and `plan` on each new family's folder (tests/fixtures/hf, made by transformers:
+scripts/make_hf_fixture.py). Parity with transformers' logits: tests/test_family_parity.py."""
 import shutil
 
 import pytest
 
 from conftest import TINY
-from test_hf import FIX, _cli, _edit_config, check_long_prompt, check_parity, check_pipeline_step, loaded, round_trip
+from hf_check import FIX, cli, edit_config, loaded, round_trip
 
 QWEN = ["qwen2_tied_bias_f32", "qwen3_head_dim_bf16"]
 
 
-# -m slow: Qwen2 on ZeRO-3 (2,1,4) (its biases split like Qwen3's heads, which run by default)
-@pytest.mark.parametrize("name,layout", [("qwen2_tied_bias_f32", "1dev"), ("qwen3_head_dim_bf16", "1dev"),
-                                         ("qwen3_head_dim_bf16", "zero3_2x1x4"),
-                                         pytest.param("qwen2_tied_bias_f32", "zero3_2x1x4", marks=pytest.mark.slow)])
-def test_logits_and_greedy_tokens_match_transformers(name, layout):
-    """Short prompt on both layouts (biases and norms split with their heads over `model`, ZeRO-3 over data);
-    the 420-token prompt's last logits and greedy tokens with the model's context of 512 on one device."""
-    s, params, ref = check_parity(name, layout)
-    assert s.model.family == name.split("_")[0]
-    if layout == "1dev":
-        check_long_prompt(s, params, ref)
-
-
-def test_a_pipeline_train_step_gives_the_reference_loss():
-    check_pipeline_step("qwen3_head_dim_bf16")
-
-
-@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("name", [pytest.param(QWEN[0], marks=pytest.mark.slow), QWEN[1]])  # -m slow: Qwen2's
 def test_import_export_round_trip_is_bitwise(name, tmp_path):
     """Every tensor (biases, q/k norms) back bitwise, under its name, and a config.json of the family."""
     cfg, want = round_trip(name, tmp_path)
@@ -54,14 +37,16 @@ def test_a_config_feature_the_family_does_not_compute_is_one_line(case, tmp_path
     name, edit, message = BAD[case]
     d = tmp_path / "hf"
     shutil.copytree(FIX / name, d)
-    _edit_config(d, **edit)
-    rc = _cli("train", *TINY, f"model.init_from={d}", f"run.dir={tmp_path / 'run'}")
+    edit_config(d, **edit)
+    rc = cli("train", *TINY, f"model.init_from={d}", f"run.dir={tmp_path / 'run'}")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0] and "config.json" in err[0], err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", QWEN + ["mistral_window16_f32"])
+# -m slow: Qwen2's and Mistral's (Mistral's decoding through its ring runs in tests/test_family_parity.py)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == QWEN[1] else pytest.mark.slow)
+                                  for n in QWEN + ["mistral_window16_f32"]])
 def test_generate_and_plan_work_on_the_folder(name, capsys):
     """`meshtrain generate --run FOLDER` decodes what KV-cache decoding from the parity-checked import gives (no
     tokenizer in the folder: bytes); `meshtrain plan` counts the family's parameters (biases and norms included)."""
@@ -80,6 +65,6 @@ def test_generate_and_plan_work_on_the_folder(name, capsys):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ids past the bytes show as U+FFFD
     shown = "".join(decoder.decode(bytes([int(t)])) if t < 256 else "\ufffd" for t in want)
     assert text == shown + decoder.decode(b"", final=True), (text, want)
-    assert _cli("plan", *TINY, f"model.init_from={FIX / name}", "mesh.data=1") == 0
+    assert cli("plan", *TINY, f"model.init_from={FIX / name}", "mesh.data=1") == 0
     kb = float(re.search(r"parameters\s+([\d.]+) KB", capsys.readouterr().out).group(1))
     assert abs(kb - param_count(s.model) * 4 / 1e3) < 0.01, (kb, param_count(s.model))

@@ -7,8 +7,9 @@ sys.path.insert(0, "tests")
 import conftest  # noqa: F401,E402  (8 devices)
 import numpy as np  # noqa: E402
 
+import models.transformer as transformer  # noqa: E402
 from models.transformer import forward, inventory  # noqa: E402
-from test_hf import FIX, loaded  # noqa: E402
+from hf_check import FIX, loaded  # noqa: E402
 
 
 def off(name, edit):
@@ -29,14 +30,28 @@ def untied(c, p):
     return c, {**p, **extra}
 
 
+def o_bias(c, p):
+    """An o bias the family does not have (as a wrong Qwen2 import would add): a random (d_model,) vector added to
+    every attention output, patched into the layer's output projection for this case only."""
+    bias = 0.5 * np.random.default_rng(0).standard_normal(c.d_model).astype(np.float32)
+    plain = transformer.attn_out
+    transformer.attn_out = lambda *a, **k: plain(*a, **k) + bias
+    return c, p
+
+
 CASES = {
     "qwen2 as imported": ("qwen2_tied_bias_f32", lambda c, p: (c, p)),
     "qwen2 without its q/k/v biases": ("qwen2_tied_bias_f32", without("bq", "bk", "bv")),
     "qwen2 with its head untied (a zero head)": ("qwen2_tied_bias_f32", untied),
+    "qwen2 with an o bias added": ("qwen2_tied_bias_f32", o_bias),
     "qwen3 as imported": ("qwen3_head_dim_bf16", lambda c, p: (c, p)),
     "qwen3 without its q/k norms": ("qwen3_head_dim_bf16", without("q_norm", "k_norm")),
     "mistral as imported": ("mistral_window16_f32", lambda c, p: (c, p)),
     "mistral without its window": ("mistral_window16_f32", lambda c, p: (dataclasses.replace(c, window=None), p)),
 }
 for label, (name, edit) in CASES.items():
-    print(f"{label}: max |logits - transformers'| = {off(name, edit):.3g}")
+    plain = transformer.attn_out
+    try:
+        print(f"{label}: max |logits - transformers'| = {off(name, edit):.3g}")
+    finally:
+        transformer.attn_out = plain

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
-from models.loss import chunk_tokens, head_loss, token_losses, zero_parts
+from models.loss import chunk_tokens, head_loss, scales, token_losses, zero_parts
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules, sync
 from trainer.parallel.circular import circular_blocks
@@ -73,11 +73,12 @@ def _put(buf, i, x):
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i < buf.shape[0], x, buf[j]), j, 0)
 
 
-def loss_and_grads(s, params, batch, scale):
+def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     """(parts, gradient) of the objective (models/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
     x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
     over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
-    aux pairs up, its backward seeds each aux sum with its scale."""
+    aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
+    (B, T, V) float32 logits the last stage computed as it finished each microbatch's forward (`step_logits`)."""
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
@@ -138,11 +139,13 @@ def loss_and_grads(s, params, batch, scale):
             return h, aux0
 
         # the steps that add to the sums read their inputs as `ins`: see run_if
-        def loss_step(ins, gbuf, dtop, loss):
+        def loss_step(ins, gbuf, dtop, loss, *out):
             tp, y, m, slot = ins
             ls, (dy, dt) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, tp, m)
             gbuf = _put(gbuf, slot, dy.astype(y.dtype))
-            return gbuf, add(dtop, dt), loss + ls
+            if out:  # keep_logits: microbatch m's logits, filed in its row
+                out = (_put(out[0], m, head(c, tp, y, constrain).astype(jnp.float32)),)
+            return gbuf, add(dtop, dt), loss + ls, *out
 
         def bwd_step(ins, dblk, dh):
             blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
@@ -174,14 +177,14 @@ def loss_and_grads(s, params, batch, scale):
         me = jax.lax.axis_index("stage")
 
         def tick(carry, row):
-            xbuf, gbuf, dblk, dtop, loss, aux = carry
+            xbuf, gbuf, dblk, dtop, loss, aux, *out = carry
             r = {k: a[me] for k, a in row.items()}
             br, m, v = r["branch"], r["m"], r["v"]
             h = xbuf[r["slot"]]
             y, aux_y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [idle, fwd, fwd_embed], h, m, v)
             aux = add(aux, aux_y)
-            gbuf, dtop, loss = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
-                                      gbuf, dtop, loss)
+            gbuf, dtop, loss, *out = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
+                                            gbuf, dtop, loss, *out)
             # read after the loss step's write (never on a backward's tick), which then needs no copy
             g = gbuf[r["cot_slot"]]
             # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
@@ -192,14 +195,15 @@ def loss_and_grads(s, params, batch, scale):
             dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v) + ((m,) if c.documents else ()), dblk, y)
             dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
             gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, dblk, dtop, loss, aux), None
+            return (xbuf, gbuf, dblk, dtop, loss, aux, *out), None
 
         rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
+        out = [jnp.zeros((M,) + h0.shape[:-1] + (c.vocab_size,), jnp.float32)] if keep_logits else []
         carry = (rows(pl.n_act), rows(pl.n_cot), jax.tree.map(jnp.zeros_like, blocks),
-                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32), aux0)
-        (_, _, dblk, dtop, loss, aux), _ = jax.lax.scan(tick, carry, xs)
+                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32), aux0, *out)
+        (_, _, dblk, dtop, loss, aux, *out), _ = jax.lax.scan(tick, carry, xs)
         parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
-        return parts, jax.lax.psum(dtop, "stage"), back(dblk)
+        return parts, jax.lax.psum(dtop, "stage"), back(dblk), *(jax.lax.psum(o, "stage") for o in out)
 
     k, zero = mesh.shape["data"], t.zero_stage
     dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
@@ -212,12 +216,12 @@ def loss_and_grads(s, params, batch, scale):
         if zero >= 3:
             layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
             top = reducer.all_gather_tree(top, top_dims, top_specs)
-        parts, dtop, dlayers = local(layers, top, mbs, scale)
+        parts, dtop, dlayers, *out = local(layers, top, mbs, scale)
         g = {**dtop, "layers": dlayers}
         if k > 1:
             g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
         # sums over this shard's rows: the step's are their sum over `data`
-        return jax.lax.psum(parts, "data"), g
+        return jax.lax.psum(parts, "data"), g, *out
 
     def manual_specs(sharded: bool):
         """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
@@ -228,5 +232,19 @@ def loss_and_grads(s, params, batch, scale):
 
     p_in, g_out = manual_specs(zero >= 3), manual_specs(zero >= 2)
     fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"), P()),
-                       out_specs=(P(), g_out), axis_names={"stage", "data"}, check_vma=False)
-    return fn(params["layers"], top, mbs, scale)
+                       out_specs=(P(), g_out) + ((P(None, "data"),) if keep_logits else ()),
+                       axis_names={"stage", "data"}, check_vma=False)
+    parts, g, *out = fn(params["layers"], top, mbs, scale)
+    if not keep_logits:
+        return parts, g
+    logits = out[0].swapaxes(0, 1)  # (M, B/M, T, V) -> (B, T, V): row j*M + m was microbatch m's row j
+    return parts, g, logits.reshape((-1,) + logits.shape[2:])
+
+
+def step_logits(s, params, batch):
+    """(logits, parts) of one step of the pipeline executor (train.pipeline_schedule's table, its forward and
+    backward ticks): the logits each microbatch's last stage fed its loss, (B, T, V) float32, and the step's
+    loss and aux parts (the batch's own scales). What the pipeline trains on, checked logit by logit
+    (tests/test_hf.py against transformers')."""
+    parts, _, logits = loss_and_grads(s, params, batch, scales(s.model, batch), keep_logits=True)
+    return logits, parts
