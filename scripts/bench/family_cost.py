@@ -1,0 +1,66 @@
+"""Each model family's train step against another's on the bench shape, in one process: Qwen2, Qwen3 and Mistral
+against Llama, and Mistral's sliding window against full attention at T = 4 x window.
+
+  python scripts/bench/family_cost.py [--steps 20] [--rounds 5] [--window 64] [-- key=value ...]
+
+Every step (scripts/bench/bench.yaml plus any key=value, data.source=builtin) is compiled in this process; each
+pair runs in alternating blocks of --steps steps (scripts/bench/alternate.py) on the same batch, so both see the
+same machine at the same moments: the median per-round ratio of their step times is the figure (absolute times
+hold only on a quiet machine). XLA's FLOPs per step (cost_analysis) are printed beside each.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from alternate import alternate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main():
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--window", type=int, default=64, help="Mistral's window (the bench's seq_len is 256)")
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from trainer.config import load_config
+    from trainer.data.batches import Batches, load_corpus
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_train_step
+    variants = {"llama": ["model.family=llama"], "qwen2": ["model.family=qwen2"], "qwen3": ["model.family=qwen3"],
+                "mistral-full": ["model.family=mistral"],
+                f"mistral-window{a.window}": ["model.family=mistral", f"model.window={a.window}"]}
+    steps, states, batches = {}, {}, {}
+    for name, over in variants.items():
+        cfg = load_config([str(ROOT / "scripts/bench/bench.yaml"), *extra, *over, "data.source=builtin",
+                           "run.progress=false"])
+        s = make_setup(cfg, jax.devices()[:1])
+        states[name] = init_state(s)
+        if not batches:
+            batch = jax.device_put(Batches(load_corpus("builtin"), 0, cfg.train.batch_size, s.model.seq_len,
+                                           s.model.vocab_size).global_train(0))
+        batches[name] = batch
+        steps[name] = jit_train_step(s)
+        cost = steps[name].lower(states[name], batch).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        print(f"{name}: seq_len {s.model.seq_len}, window {s.model.window}, XLA {cost['flops'] / 1e6:,.1f} MFLOP "
+              "per step", flush=True)
+    results = {}
+    for pair in (("llama", "qwen2"), ("llama", "qwen3"), ("llama", f"mistral-window{a.window}"),
+                 ("mistral-full", f"mistral-window{a.window}")):
+        ratios = alternate(steps, states, batches, a.steps, a.rounds, pair)
+        results[pair] = statistics.median(ratios)
+    print("summary (median step-time ratio, one process):")
+    for (x, y), r in results.items():
+        print(f"  {y} / {x}: {r:.3f}")
+
+
+if __name__ == "__main__":
+    main()
