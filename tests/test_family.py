@@ -190,8 +190,9 @@ def test_aux_outputs_and_per_layer_data_reach_the_loss_and_gradients_on_every_la
     state = init_state(s)
     b = Batches(corpus(), 0, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size).global_train(0)
     params = jax.tree.map(np.asarray, state["params"])
-    ref = jax.value_and_grad(reference_objective, argnums=1, has_aux=True)
-    (_, (token, aux)), want = ref(s.model, params, jax.tree.map(jnp.asarray, b))
+    # jitted: op by op, the hand-written objective's ops would each compile on their own (most of this test's time)
+    ref = jax.jit(lambda p, x: jax.value_and_grad(reference_objective, argnums=1, has_aux=True)(s.model, p, x))
+    (_, (token, aux)), want = ref(params, jax.tree.map(jnp.asarray, b))
     with jax.set_mesh(s.mesh):
         batch = jax.device_put(b, s.batch_sharding())
         parts, got = jax.jit(lambda p, x: loss_and_grads(s, p, x))(state["params"], batch)
@@ -206,5 +207,5 @@ def test_aux_outputs_and_per_layer_data_reach_the_loss_and_gradients_on_every_la
     assert count == 4 * b["tokens"].size  # the layers' count: every layer's tokens
     assert max_rel(jax.tree.map(np.asarray, got), want) < 1e-5
     if not mesh:  # the aux term moves the gradient (so the comparison can fail): without it the layers' differ
-        no_aux = jax.grad(lambda p: reference_objective(s.model, p, jax.tree.map(jnp.asarray, b))[1][0])(params)
+        no_aux = jax.jit(jax.grad(lambda p: reference_objective(s.model, p, jax.tree.map(jnp.asarray, b))[1][0]))(params)
         assert max_rel(no_aux["layers"], want["layers"]) > 1e-3
