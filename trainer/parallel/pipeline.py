@@ -78,7 +78,7 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
     over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
     aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
-    (B, T, V) float32 logits the last stage computed as it finished each microbatch's forward (`step_logits`)."""
+    (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
@@ -243,8 +243,8 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
 
 def step_logits(s, params, batch):
     """(logits, parts) of one step of the pipeline executor (train.pipeline_schedule's table, its forward and
-    backward ticks): the logits each microbatch's last stage fed its loss, (B, T, V) float32, and the step's
-    loss and aux parts (the batch's own scales). What the pipeline trains on, checked logit by logit
-    (tests/test_hf.py against transformers')."""
+    backward ticks): the head's logits, (B, T, V) float32, of the hidden states each microbatch's last stage feeds
+    its loss (taken again beside the loss, which may tile them), and the step's loss and aux parts (the batch's own
+    scales). What the pipeline trains on, checked logit by logit (tests/hf_check.py against transformers')."""
     parts, _, logits = loss_and_grads(s, params, batch, scales(s.model, batch), keep_logits=True)
     return logits, parts
