@@ -60,7 +60,7 @@ def _plan(overrides, device=H100, dtype="float32", platform=None):
 
 # -m slow: layouts the default ones cover (ZeRO-2 and accumulation, TP with ZeRO-3 beside its sublayer case, the
 # small preset beside tiny's ZeRO-1, TP with accumulation; the Qwen families beside Mistral's windowed layout: by
-# default their extra weights are checked in `plan`'s parameter count, tests/test_qwen.py)
+# default Qwen3's extra weights are checked in `plan`'s parameter count, tests/test_qwen.py, Qwen2's under -m slow)
 SLOW_AGAINST_XLA = {"d8-z2-m4", "d4m2-z3", "small-d8-z1", "d4m2-z0-m4", "qwen2-d4m2-z3", "qwen3-d2s2m2-z0-m4"}
 
 

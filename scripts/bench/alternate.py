@@ -2,8 +2,23 @@
 same moments, so the per-round ratio of their step times holds on a noisy host."""
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
+
+
+def alternating_args(doc: str, *more: tuple) -> tuple[argparse.Namespace, list[str]]:
+    """(options, key=value overrides) of an alternating benchmark's command line `[--steps N] [--rounds R] [more
+    options] [-- key=value ...]`; `more`: (flag, argparse keywords) pairs of its own options."""
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    for flag, kw in more:
+        ap.add_argument(flag, **kw)
+    return ap.parse_args(argv[:cut]), argv[cut + 1:]
 
 
 def alternate(steps: dict, states: dict, batches: dict, n_steps: int, rounds: int, names=("a", "b"),

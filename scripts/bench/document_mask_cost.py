@@ -9,22 +9,16 @@ per-round ratio of their step times is the figure (absolute times hold only on a
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from alternate import alternate
+from alternate import alternate, alternating_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def main():
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5)
-    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a, extra = alternating_args(__doc__)
     sys.path.insert(0, str(ROOT))
     import jax
     from trainer.config import load_config
