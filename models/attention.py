@@ -56,13 +56,45 @@ def reset_warnings():
     _warn_unsupported.cache_clear()
 
 
+def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask, softcap=None, scale=None):
+    """Attention written out: scores (float32) scaled by `scale` (default head_dim ** -0.5), soft-capped as
+    softcap * tanh(scores / softcap), masked where `mask` (broadcast against (B, K, G, T, S)) is False, softmax,
+    values. For what the fused kernels do not take: a soft-cap, another scale, a window that differs by layer."""
+    B, T, H, E = q_BTHE.shape
+    K = k_BSKE.shape[2]
+    q = q_BTHE.reshape(B, T, K, H // K, E)
+    s = jnp.einsum("btkge,bske->bkgts", q, k_BSKE, preferred_element_type=jnp.float32)
+    s = s * (E ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1).astype(v_BSKE.dtype)
+    return jnp.einsum("bkgts,bske->btkge", p, v_BSKE).reshape(B, T, H, E)
+
+
+def causal_mask(T: int, segments=None, window=None):
+    """(B or 1, 1, 1, T, T) True where a query may see a key: causal, inside `window` positions (may be traced),
+    inside its document."""
+    ahead = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
+    keep = ahead >= 0
+    if window is not None:
+        keep = keep & (ahead < window)
+    keep = keep[None, None, None]
+    if segments is not None:
+        keep = keep & (segments[:, :, None] == segments[:, None, :])[:, None, None]
+    return keep
+
+
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
-              cpu_fast: bool = True, segments=None, window: int | None = None):
+              cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None):
     """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
     with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
     positions before each query (itself included) only."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
+    if softcap is not None or scale is not None or not isinstance(window, (int, type(None))):
+        with jax.named_scope("attention_masked"):  # Gemma's: no fused kernel takes these
+            return masked_attention(q_BTHE, k_BTKE, v_BTKE, causal_mask(q_BTHE.shape[1], segments, window),
+                                    softcap, scale)
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
     if segments is not None and "segments" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "document masks (segment_ids)")

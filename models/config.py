@@ -60,10 +60,34 @@ class ModelConfig:
     # Sliding-window attention (Mistral): a query sees only the keys fewer than this many positions before it,
     # itself included, in every attention path; None: the whole causal context
     window: int | None = None
+    # Gemma's options (models/gemma.py), read by the pieces every family shares: embeddings x sqrt(d_model) in the
+    # compute dtype; every RMSNorm gain stored as w and applied as (1 + w); the logits soft-capped as
+    # cap * tanh(logits / cap) (in the tiled loss's forward and backward too)
+    embed_scale: bool = False
+    norm_plus_one: bool = False
+    final_softcap: float | None = None
+    # ... and the Gemma layer's own: attention scores soft-capped the same way; scores scaled by
+    # query_scale ** -0.5 (query_pre_attn_scalar) instead of head_dim ** -0.5
+    attn_softcap: float | None = None
+    query_scale: float | None = None
+    # Layers of two kinds (Gemma): True where a layer is local (attends through `window`), False where global;
+    # None: every layer alike (`window`, if set, for all of them)
+    local_layers: tuple[bool, ...] | None = None
+    # Gemma 3: the local layers' RoPE base, and the global layers' linear RoPE factor (positions / factor)
+    rope_local_theta: float | None = None
+    rope_linear: float | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.local_layers is not None:
+            object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (a window-length KV ring, block skipping); None for no
+        window or a stack of local and global layers (masked layer by layer, a full-length cache)."""
+        return self.window if self.local_layers is None else None
 
     @property
     def target_platform(self) -> str:

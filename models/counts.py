@@ -11,7 +11,8 @@ FLOP convention (used for MFU everywhere in meshtrain):
 Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
 The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
 weights and biases are elementwise). With a sliding window (model.window = w < T) the attention term counts the
-keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of 12 * L * H * Dh * T / 2 (`attended`).
+keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of 12 * L * H * Dh * T / 2 (`attended`); a
+stack of local and global layers (Gemma, model.local_layers) counts each layer by its own kind.
 """
 from __future__ import annotations
 
@@ -41,10 +42,14 @@ def matmul_param_count(c: ModelConfig) -> int:
 
 
 def attended(c: ModelConfig, t: int) -> float:
-    """Keys a query attends to on average, by the convention: t / 2 (causal); with a sliding window w < t,
-    w - w^2 / (2t) (each query sees min(position + 1, w) keys, in the same continuous form; equal at w = t)."""
-    w = c.window
-    return t / 2 if not w or w >= t else w - w * w / (2 * t)
+    """Keys a query attends to on average over the stack's layers, by the convention: t / 2 (causal); with a
+    sliding window w < t, w - w^2 / (2t) (each query sees min(position + 1, w) keys, in the same continuous form;
+    equal at w = t); a mixed stack averages its local layers' and its global layers' counts."""
+    def one(w):
+        return t / 2 if not w or w >= t else w - w * w / (2 * t)
+    if c.local_layers is None:
+        return one(c.window)
+    return sum(one(c.window if local else None) for local in c.local_layers) / len(c.local_layers)
 
 
 def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:

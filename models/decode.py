@@ -16,14 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.layers import kernels_for, rope_tables
-from models.transformer import attn_out_mlp, embed, head, inventory, qkv
+from models.attention import masked_attention
+from models.layers import kernels_for, rope_for, rope_tables
+from models.spec import LayerCall, family
+from models.transformer import _identity, _no_constrain, attn_out_mlp, embed, head, inventory, layer, qkv
 
 log = logging.getLogger(__name__)
 
 
+def _own_layer(c: ModelConfig) -> bool:
+    """The family runs a layer of its own (Gemma), decoded through its layer function (`_extend_layer`)."""
+    return family(c.family).layer is not layer
+
+
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
-    shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
+    # a family's own layer repeats the kv heads (kv_repeat) before its attention, and the cache holds them so
+    shape = (c.n_layers, batch, length, c.n_kv_heads * (c.kv_repeat if _own_layer(c) else 1), c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -37,8 +45,10 @@ def _stacked(c: ModelConfig, layers: dict) -> dict:
 
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
+    if _own_layer(c):
+        return _extend_layer(c, params, tokens_BT, pos, cache, dtype)
     kernels = kernels_for(c)
-    rope, offset, attend = (_ring if c.window else _linear)(c, tokens_BT.shape, pos, cache["k"].shape[2], dtype)
+    rope, offset, attend = (_ring if c.uniform_window else _linear)(c, tokens_BT.shape, pos, cache["k"].shape[2], dtype)
 
     def body(x_BTD, xs):
         p, k_cache, v_cache = xs
@@ -49,6 +59,40 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
 
     x_BTD = embed(c, params, tokens_BT, dtype)
     x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
+    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
+
+
+def _extend_layer(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype):
+    """`extend` through the family's layer function: its attention strategy writes the new keys and values into
+    a cache in position order and attends to it, with the mask (window by layer), soft-cap and scale the layer
+    asks for."""
+    spec, kernels = family(c.family), kernels_for(c)
+    B, T = tokens_BT.shape
+    S = cache["k"].shape[2]
+    q_pos = pos + jnp.arange(T)
+    rope = rope_for(c, T, jnp.broadcast_to(q_pos, (B, T)))
+    tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
+    ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
+
+    def body(x_BTD, xs):
+        p, i, k_cache, v_cache = xs
+        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        new = {}
+
+        def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None):
+            new["k"] = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BTKE.astype(k_cache.dtype), pos, axis=1)
+            new["v"] = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BTKE.astype(v_cache.dtype), pos, axis=1)
+            keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
+            return masked_attention(q_BTHE, new["k"].astype(dtype), new["v"].astype(dtype), keep, softcap, scale)
+
+        call = LayerCall(rope, _no_constrain, kernels, _identity, None, attend, i,
+                         {k: v[i] for k, v in tables.items()})
+        x_BTD, _ = spec.layer(c, p, x_BTD, call)
+        return x_BTD, (new["k"], new["v"])
+
+    x_BTD = embed(c, params, tokens_BT, dtype)
+    xs = (_stacked(c, params["layers"]), jnp.arange(c.n_layers, dtype=jnp.int32), cache["k"], cache["v"])
+    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, xs)
     return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
 
 
@@ -136,7 +180,7 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
     temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)
     key = jax.random.key(seed)
     context_BT = tokens
-    R = min(S, c.window) if c.window else S  # slots: a sliding window keeps only its own keys (a ring)
+    R = min(S, c.uniform_window) if c.uniform_window else S  # slots: a sliding window keeps only its own keys (a ring)
     cache, pos, nxt = init_cache(c, B, R, dtype), 0, context_BT
     for _ in range(n):
         key, sub = jax.random.split(key)

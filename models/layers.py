@@ -16,10 +16,13 @@ from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
 
-def rms_norm(x, w, eps):
+
+def rms_norm(x, w, eps, plus_one: bool = False):
+    """RMSNorm over the last axis in float32, gain w (Gemma's: 1 + w, the weight stored as HF stores it)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    gain = w.astype(jnp.float32)
+    return (y * (1.0 + gain if plus_one else gain)).astype(x.dtype)
 
 
 def rope_inv_freq(E: int, theta: float, scaling=None):
@@ -37,12 +40,25 @@ def rope_inv_freq(E: int, theta: float, scaling=None):
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None):
-    """cos, sin (T, E/2) of positions 0..T-1, or (B, T, E/2) of each token's own position."""
+def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None, linear: float | None = None):
+    """cos, sin (T, E/2) of positions 0..T-1, or (B, T, E/2) of each token's own position; `linear`: the
+    frequencies divided by that factor (transformers' `linear` rope type)."""
     inv = rope_inv_freq(E, theta, scaling)
+    if linear:
+        inv = inv / linear
     pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
     ang = pos[..., None] * inv
     return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope_for(c: ModelConfig, T: int, positions_BT=None) -> tuple:
+    """The RoPE tables a layer of c gets (LayerCall.rope): (cos, sin), or for a stack whose local layers have
+    their own base (Gemma 3, c.rope_local_theta) (cos, sin) of the global layers (their positions divided by
+    c.rope_linear) then (cos, sin) of the local ones."""
+    glob = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, positions_BT, c.rope_linear)
+    if c.rope_local_theta is None:
+        return glob
+    return glob + rope_tables(T, c.head_dim, c.rope_local_theta, None, positions_BT)
 
 
 def rope_at(cos, sin, T: int, offset=0):
@@ -83,7 +99,7 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
     # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
     attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
-                             cpu_fast=fast, **({"window": c.window} if c.window else {}))
+                             cpu_fast=fast, **({"window": c.window} if c.uniform_window else {}))
     name = "fast" if fast else "reference"
     fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
     # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
 from models.spec import family
-from models.transformer import Constrain, _identity, _no_constrain, embed, final_norm, head, head_weight, layer_stack
+from models.transformer import (Constrain, _identity, _no_constrain, embed, final_norm, head, head_weight, layer_stack,
+                                softcap)
 
 # Default rule (model.loss_chunk unset): tile when the whole float32 logits would exceed
 # TILE_ABOVE bytes, in chunks of the largest power-of-two token count whose logits fit in
@@ -66,7 +67,7 @@ def vocab_blocks(vocab: int, at_most: int) -> int:
     return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
 
 
-def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain):
+def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain, cap: float | None = None):
     """Sum of weight x cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
     w_axes "dv" or (V, D) for "vd" (a tied embedding, used as stored: its gradient then needs no
     transpose before it meets the lookup's).
@@ -79,6 +80,7 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
     weight gradient is written once into its place. By token chunk, every chunk's (V, D)
     weight gradient would be a second head-sized buffer next to the accumulated one (XLA:CPU
     does not add a matmul's output in place).
+    cap: the logits soft-capped first (Gemma's final_logit_softcapping), in both passes.
     """
     N, D = x_ND.shape
     C = -(-N // n)
@@ -96,7 +98,7 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
 
         def chunk(total, c):
             x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
-            logits = _logits(x_nD, w, w_axes, constrain)
+            logits = softcap(_logits(x_nD, w, w_axes, constrain), cap)
             logz = jax.nn.logsumexp(logits, axis=-1)
             return total + jnp.sum((logz - _target_logits(logits, t_n, 1, 0)) * m_n), logz
 
@@ -119,10 +121,13 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
         def block(carry, b):
             dx_ND, dw = carry
             w_b = jax.lax.dynamic_index_in_dim(w_r, b, v_axis, keepdims=False)
-            logits = _logits(x_ND, w_b, w_axes, constrain)
+            logits = softcap(_logits(x_ND, w_b, w_axes, constrain), cap)
             # d loss / d logits = (softmax - one-hot) g weight; vocabulary entry i*nb + b in this block
             hit = _target_logits(None, targets_N, nb, b, logits.shape)
-            d = ((jnp.exp(logits - logz_N[:, None]) - hit) * (g * weight_N)[:, None]).astype(x_ND.dtype)
+            d = (jnp.exp(logits - logz_N[:, None]) - hit) * (g * weight_N)[:, None]
+            if cap is not None:  # through cap * tanh(z / cap): d/dz = 1 - (capped / cap)^2
+                d = d * (1.0 - jnp.square(logits / cap))
+            d = d.astype(x_ND.dtype)
             dx_ND = dx_ND + jnp.einsum(f"nv,{w_axes}->nd", d, w_b.astype(x_ND.dtype),
                                        preferred_element_type=jnp.float32)
             dw_b = jnp.einsum(f"nv,nd->{w_axes}", d, x_ND, preferred_element_type=jnp.float32).astype(w.dtype)
@@ -154,7 +159,7 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constr
     x = final_norm(c, params, x_BTD)
     w, w_axes = head_weight(c, params)
     return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T),
-                               weight_BT.reshape(B * T), n, constrain)
+                               weight_BT.reshape(B * T), n, constrain, c.final_softcap)
 
 
 def stack_sums(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,

@@ -62,6 +62,17 @@ def leaf_shape(leaf: Leaf) -> tuple:
     return (len(leaf.names),) + one if leaf.stacked else one
 
 
+class HFWrapper(NamedTuple):
+    """A folder of a larger (multimodal) model whose text tower is a family's model: its text config under
+    config.json's `config_key`, its text tensors under one of `renames`' folder prefixes (each read under the
+    family's prefix), the other towers' tensors (`dropped` prefixes) left out. Such a folder exports as the
+    family's own architecture."""
+    architecture: str  # e.g. "Gemma3ForConditionalGeneration"
+    config_key: str  # e.g. "text_config"
+    renames: tuple  # ((folder prefix, family prefix), ...), the first that matches a tensor's name renames it
+    dropped: tuple  # prefixes of the other towers' tensors
+
+
 class HFAdapter(NamedTuple):
     """A family's Hugging Face form. Each function raises ValueError (with the config.json field) on what the
     family cannot compute or express."""
@@ -71,6 +82,7 @@ class HFAdapter(NamedTuple):
     leaves: Callable  # (ModelConfig) -> [Leaf]: every parameter and its tensors
     config: Callable  # (ModelConfig, dtype name) -> config.json dict
     expressible: Callable = lambda mc: None  # (ModelConfig) -> None: refuse a model HF cannot hold
+    wrappers: tuple = ()  # HFWrapper: larger models whose text tower this family reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +105,11 @@ class ModelSpec:
     # backward: the step scales each aux sum by 1/its count over the whole step batch where its backward starts,
     # as it does the token loss)
     aux_counts: Callable = no_aux
+    # the family's own feature keys (model.* keys no other family reads unless it names them too): a config that
+    # sets one for a family without it is an error naming the family
+    keys: tuple = ()
+    # model keys a config leaves null take these for this family (Gemma: sqrt(d) embeddings, (1 + w) norms)
+    defaults: dict = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: dict[str, ModelSpec] = {}
@@ -116,5 +133,17 @@ def hf_family(architecture: str) -> ModelSpec:
     for spec in FAMILIES.values():
         if spec.hf is not None and spec.hf.architecture == architecture:
             return spec
-    known = sorted(s.hf.architecture for s in FAMILIES.values() if s.hf is not None)
+    if hf_wrapper(architecture) is not None:
+        return hf_wrapper(architecture)[0]
+    known = sorted([s.hf.architecture for s in FAMILIES.values() if s.hf is not None]
+                   + [w.architecture for s in FAMILIES.values() if s.hf is not None for w in s.hf.wrappers])
     raise ValueError(f"describes {architecture}; meshtrain imports {', '.join(known)}")
+
+
+def hf_wrapper(architecture: str) -> tuple[ModelSpec, HFWrapper] | None:
+    """The family and HFWrapper of a larger model's architecture whose text tower a family reads, or None."""
+    for spec in FAMILIES.values():
+        for w in spec.hf.wrappers if spec.hf is not None else ():
+            if w.architecture == architecture:
+                return spec, w
+    return None

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_tables, sublayer_remat
+from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_for, sublayer_remat
 from models.llama_hf import LLAMA_HF
 from models.spec import LayerCall, ModelSpec, Param, family, register
 
@@ -175,7 +175,7 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
     options its weights hold (ATTENTION_OPTIONS): q/k/v biases (Qwen2), RMSNorm of each q and k head over head_dim
     before RoPE, one weight shared by the heads (Qwen3)."""
     kn = kernels or kernels_for(c)
-    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps, c.norm_plus_one)
     # same-shaped weights in one call: the fast path shares their backward
     if c.fused_qkv:
         q_BTHE, k_BTKE, v_BTKE = kn.project(h_BTD, (p["wq"], p["wk"], p["wv"]))
@@ -186,7 +186,8 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
         q_BTHE, k_BTKE, v_BTKE = (a + p[b].astype(a.dtype) for a, b in ((q_BTHE, "bq"), (k_BTKE, "bk"),
                                                                          (v_BTKE, "bv")))
     if "q_norm" in p:
-        q_BTHE, k_BTKE = rms_norm(q_BTHE, p["q_norm"], c.norm_eps), rms_norm(k_BTKE, p["k_norm"], c.norm_eps)
+        q_BTHE, k_BTKE = (rms_norm(a, p[n], c.norm_eps, c.norm_plus_one) for a, n in ((q_BTHE, "q_norm"),
+                                                                                         (k_BTKE, "k_norm")))
     q_BTHE = constrain(kn.rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
     k_BTKE = constrain(kn.rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
@@ -238,7 +239,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # segment ids travel as float32 (exact below 2^24): every constant a remat'd half closes over is then
     # differentiable, as jax.closure_convert and the sub-layer remat's branches need
     segments = None if segments is None else segments.astype(jnp.float32)
-    rope = rope_tables(x_BTD.shape[1], c.head_dim, c.rope_theta, c.rope_scaling, positions)
+    rope = rope_for(c, x_BTD.shape[1], positions)
     kernels = kernels_for(c)
 
     L = jax.tree.leaves(layers)[0].shape[0]
@@ -283,12 +284,22 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
 
 def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
     x = jnp.take(params["embed"], tokens_BT, axis=0).astype(dtype)
-    return constrain(x, ("batch", "seq", "embed"))
+    return constrain(scale_embedding(c, x), ("batch", "seq", "embed"))
+
+
+def scale_embedding(c: ModelConfig, x_BTD):
+    """Gemma's embeddings x sqrt(d_model), the factor rounded to the compute dtype as transformers rounds it."""
+    return x_BTD * jnp.asarray(c.d_model ** 0.5, x_BTD.dtype) if c.embed_scale else x_BTD
+
+
+def softcap(logits, cap: float | None):
+    """cap * tanh(logits / cap) (Gemma's soft-capping); cap None: the logits as they are."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def final_norm(c: ModelConfig, params: dict, x_BTD):
     """The hidden state the output projection reads."""
-    return rms_norm(x_BTD, params["final_norm"], c.norm_eps)
+    return rms_norm(x_BTD, params["final_norm"], c.norm_eps, c.norm_plus_one)
 
 
 def head_weight(c: ModelConfig, params: dict):
@@ -302,7 +313,7 @@ def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constra
     w, layout = head_weight(c, params)
     w_DV = w.T if layout == "vd" else w
     logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(x.dtype), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "seq", "vocab"))
+    return constrain(softcap(logits, c.final_softcap), ("batch", "seq", "vocab"))
 
 
 def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,

@@ -1,4 +1,4 @@
-"""Build the tiny Hugging Face fixtures (Llama, Qwen2, Qwen3) under tests/fixtures/hf/ (needs torch + transformers).
+"""Build the tiny Hugging Face fixtures (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3) under tests/fixtures/hf/ (needs torch + transformers).
 
 Neither is a meshtrain dependency: install them once in a separate venv and run
     python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
@@ -19,11 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-         "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+         "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+         "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+         "gemma3_vlm": (Gemma3Config, Gemma3ForConditionalGeneration)}
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, attention_bias=False, mlp_bias=False, hidden_act="silu",
@@ -69,16 +73,60 @@ FIXTURES = {
                                                           max_position_embeddings=512, sliding_window=16,
                                                           initializer_range=0.25),
                                  dtype=torch.float32, shard=None, long_tokens=420),
+    # Gemma 2: 4 layers local, global, local, global (window 16), head_dim 24 with query_pre_attn_scalar 32,
+    # soft-caps small enough to bend the scores and logits of these bumped weights, tied embeddings
+    "gemma2_mixed_f32": dict(arch="gemma2", cfg=dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=24,
+                                                     query_pre_attn_scalar=32, sliding_window=16,
+                                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                                     attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                                                     rms_norm_eps=1e-6, vocab_size=384, max_position_embeddings=512,
+                                                     tie_word_embeddings=True, initializer_range=0.25,
+                                                     hidden_activation="gelu_pytorch_tanh"),
+                             dtype=torch.float32, shard=None, long_tokens=420),
+    # Gemma 3: q/k norms, local RoPE base 10^4 and global 10^6 with linear scaling x4, layers global first
+    # (local, local, global, local would be the Hub's pattern; this order shows a swapped kind), bfloat16
+    "gemma3_mixed_bf16": dict(arch="gemma3", cfg=dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=24,
+                                                      query_pre_attn_scalar=32, sliding_window=16,
+                                                      layer_types=["full_attention", "sliding_attention",
+                                                                   "sliding_attention", "full_attention"],
+                                                      rope_parameters={
+                                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                             "rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 1e4}},
+                                                      rms_norm_eps=1e-6, vocab_size=384, max_position_embeddings=512,
+                                                      tie_word_embeddings=True, initializer_range=0.25,
+                                                      hidden_activation="gelu_pytorch_tanh"),
+                              dtype=torch.bfloat16, shard=None, long_tokens=420),
+    # Gemma 3's multimodal model (a one-layer SigLIP tower, text weights under model.language_model.*), its
+    # config.json in the older Hub form: rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern
+    # (local, global), no layer_types; config.transformers5.json is the same config as transformers 5 saves it
+    "gemma3_vlm_f32": dict(arch="gemma3_vlm", cfg=dict(
+        text_config=dict(num_hidden_layers=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
+                         sliding_window=16, rms_norm_eps=1e-6, vocab_size=320, max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.25, hidden_activation="gelu_pytorch_tanh"),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8),
+        mm_tokens_per_image=4),
+        hub_text=dict(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      sliding_window_pattern=2),
+        dtype=torch.float32, shard=None, long_tokens=420),
 }
 LLAMA_ONLY = ("attention_bias", "mlp_bias")
+NOT_GEMMA = ("hidden_act",)
 
 
 def build(name: str, spec: dict, out: Path, seed: int):
     torch.manual_seed(seed)
     arch = spec.get("arch", "llama")
     config_cls, model_cls = ARCHS[arch]
-    base = {k: v for k, v in BASE.items() if arch == "llama" or k not in LLAMA_ONLY}
-    cfg = config_cls(**{**base, **spec["cfg"]})
+    base = {k: v for k, v in BASE.items() if (arch == "llama" or k not in LLAMA_ONLY)
+            and not (arch.startswith("gemma") and k in NOT_GEMMA)}
+    if arch == "gemma3_vlm":  # the text model's keys under text_config, built from the older form's RoPE keys
+        text = {**base, **spec["cfg"]["text_config"], **spec["hub_text"]}
+        cfg = config_cls(**{**spec["cfg"], "text_config": text})
+    else:
+        cfg = config_cls(**{**base, **spec["cfg"]})
     model = model_cls(cfg).eval()
     with torch.no_grad():  # random norms and biases too, so that a missing or swapped one shows in the logits
         for n, p in model.named_parameters():
@@ -91,6 +139,9 @@ def build(name: str, spec: dict, out: Path, seed: int):
     shutil.rmtree(d, ignore_errors=True)
     kw = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
     model.save_pretrained(d, safe_serialization=True, **kw)
+    if spec.get("hub_text"):
+        hub_form(d, spec["hub_text"])
+    cfg = cfg.get_text_config()
     # the reference: float32 logits of the saved weights (bf16 values upcast exactly)
     ref = model_cls.from_pretrained(d, torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed + 1)
@@ -125,6 +176,21 @@ def build(name: str, spec: dict, out: Path, seed: int):
                         prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32), **extra)
     files = sorted(p.name for p in d.iterdir())
     print(f"{name}: {files}, {sum(p.stat().st_size for p in d.iterdir()) / 1e3:.0f} kB")
+
+
+def hub_form(d: Path, hub_text: dict):
+    """config.json rewritten in the older Hub form (the text config's RoPE and layer kinds as hub_text's keys),
+    transformers' own form kept as config.transformers5.json; transformers reads the older form back to it."""
+    new = json.loads((d / "config.json").read_text())
+    (d / "config.transformers5.json").write_text(json.dumps(new, indent=2) + "\n")
+    old = json.loads(json.dumps(new))
+    for k in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        old["text_config"].pop(k, None)
+    old["text_config"].update(hub_text)
+    (d / "config.json").write_text(json.dumps(old, indent=2) + "\n")
+    back = transformers.AutoConfig.from_pretrained(d).get_text_config()
+    assert back.layer_types == new["text_config"]["layer_types"], back.layer_types
+    assert back.rope_parameters == new["text_config"]["rope_parameters"], back.rope_parameters
 
 
 def tokenizer(d: Path, cfg):

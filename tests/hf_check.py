@@ -130,6 +130,33 @@ def check_pipeline(name, long=False):
     return s
 
 
+def check_both_prompts(name, layout):
+    """Parity on the reference tokens and on the long prompt: on 1 device and (2,1,4) the forward on the params as
+    imported into the layout and KV-cache decoding; on the pipeline the 1F1B executor's own logits. The setup."""
+    if layout == "pipe_2x2x2":
+        s = check_pipeline(name)
+        check_pipeline(name, long=True)
+        return s
+    s, params, ref = check_parity(name, layout)
+    check_long_prompt(s, params, ref)
+    return s
+
+
+def layout_cases(names, default) -> list:
+    """pytest params (name, layout) of every fixture on every layout; those not in `default` marked slow."""
+    import pytest
+    return [pytest.param(n, lay, marks=() if (n, lay) in default else pytest.mark.slow, id=f"{n}-{lay}")
+            for n in names for lay in LAYOUTS]
+
+
+def trainer_script():
+    """scripts/make_trained_hf_fixture.py as a module."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import make_trained_hf_fixture
+    return make_trained_hf_fixture
+
+
 def check_long_prompt(s, params, ref, context=512):
     """The reference's long prompt (at least 400 tokens): its last 8 positions' logits (1e-4) and the greedy
     tokens of KV-cache decoding with the model's context, against transformers'."""

@@ -3,15 +3,13 @@ tokens and on the 420-token prompt (past Mistral's window of 16), on 1 device, Z
 1F1B pipeline executor; and a 3-step run from each fixture, exported, against transformers' logits of the
 committed export (tests/fixtures/hf_trained: scripts/make_trained_hf_fixture.py, then make_hf_fixture.py
 --reference in a venv with transformers)."""
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import TINY
-from hf_check import FIX, LAYOUTS, check_long_prompt, check_parity, check_pipeline, read_folder
+from hf_check import FIX, LAYOUTS, check_both_prompts, layout_cases, read_folder, trainer_script
 
 FAMILIES = ["qwen2_tied_bias_f32", "qwen3_head_dim_bf16", "mistral_window16_f32"]
 TRAINED = FIX.parent / "hf_trained"
@@ -20,29 +18,13 @@ DEFAULT = {("qwen2_tied_bias_f32", "zero3_2x1x4"), ("qwen3_head_dim_bf16", "pipe
            ("mistral_window16_f32", "1dev")}
 
 
-def _cases():
-    return [pytest.param(n, lay, marks=() if (n, lay) in DEFAULT else pytest.mark.slow, id=f"{n}-{lay}")
-            for n in FAMILIES for lay in LAYOUTS]
-
-
-@pytest.mark.parametrize("name,layout", _cases())
+@pytest.mark.parametrize("name,layout", layout_cases(FAMILIES, DEFAULT))
 def test_logits_and_greedy_tokens_match_transformers_on_both_prompts(name, layout):
     """1 device and (2,1,4): the forward on the params as imported into the layout, greedy tokens by KV-cache
     decoding (Mistral's a ring of 16 positions). The pipeline: the 1F1B executor's own logits and the greedy
     tokens read from them (hf_check.check_pipeline)."""
-    if layout == "pipe_2x2x2":
-        s = check_pipeline(name)
-        check_pipeline(name, long=True)
-    else:
-        s, params, ref = check_parity(name, layout)
-        check_long_prompt(s, params, ref)
+    s = check_both_prompts(name, layout)
     assert s.model.family == name.split("_")[0] and s.model.window == (16 if "mistral" in name else None)
-
-
-def _trainer_script():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import make_trained_hf_fixture
-    return make_trained_hf_fixture
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if "mistral" in n else pytest.mark.slow)
@@ -55,7 +37,7 @@ def test_a_3_step_run_exported_gives_transformers_logits(name, tmp_path):
     from trainer import load_config, resolve
     from trainer.ckpt.params import init_params
     from trainer.state import make_setup
-    out = _trainer_script().export_run(name, tmp_path / "run", tmp_path / "hf")
+    out = trainer_script().export_run(name, tmp_path / "run", tmp_path / "hf")
     mine, committed, start = (read_folder(d) for d in (out, TRAINED / name, FIX / name))
     assert sorted(mine) == sorted(committed) == sorted(start)
     moved = 0.0

@@ -24,9 +24,11 @@ def _reference_loss(c, p, batch):
     return (ce * batch["loss_weight"]).sum() / batch["loss_weight"].sum()
 
 
-@pytest.mark.parametrize("tie", [pytest.param(True, marks=pytest.mark.slow), False])  # default: the untied head
-def test_tiled_loss_and_grads_match_whole_logits(tie):
-    c = from_preset("tiny", tie_embeddings=tie, loss_chunk=0)
+# default: the untied head, and the tied one with Gemma's final soft-cap (in the tiled forward and backward)
+@pytest.mark.parametrize("tie,cap", [pytest.param(True, None, marks=pytest.mark.slow), (False, None), (True, 0.05)],
+                         ids=["tied", "untied", "tied-softcap"])
+def test_tiled_loss_and_grads_match_whole_logits(tie, cap):
+    c = from_preset("tiny", tie_embeddings=tie, loss_chunk=0, final_softcap=cap)
     p = params_of(Transformer(c, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(1)
     # N = 96 tokens, about a third not counted (loss_weight 0): the weights reach the tiled backward
@@ -34,6 +36,9 @@ def test_tiled_loss_and_grads_match_whole_logits(tie):
     ref_loss, ref_g = jax.jit(jax.value_and_grad(lambda p: _reference_loss(c, p, batch)))(p)
     whole_loss, _ = jax.jit(jax.value_and_grad(lambda p: loss_fn(c, p, batch)))(p)
     assert abs(float(whole_loss) - float(ref_loss)) < 1e-6 * abs(float(ref_loss))  # relative: a few float32 ulps
+    if cap:  # the cap (0.05: an initial model's logits are that small) bends them: without it the loss is another
+        plain = _reference_loss(dataclasses.replace(c, final_softcap=None), p, batch)
+        assert abs(float(plain) - float(ref_loss)) > 1e-4 * abs(float(ref_loss)), (float(plain), float(ref_loss))
     # 32 divides N; 7 leaves a remainder (padded, masked-out tokens)
     for n in (32, 7):
         cn = dataclasses.replace(c, loss_chunk=n)

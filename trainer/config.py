@@ -16,6 +16,7 @@ from meshes import load_preset, resolve_shape, MeshError
 from models import FAMILIES, PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.config import ATTENTION_IMPLS, KERNELS
 from trainer.errors import UserError
+from trainer.model_section import ModelSection
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
@@ -23,32 +24,6 @@ OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (tables: trainer/parallel/schedules.py)
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    preset: str = "small"
-    family: Optional[str] = None  # models/spec.py's registry; null: an HF init_from's, else llama
-    d_model: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None  # one attention head's width; null: d_model / n_heads
-    d_ff: Optional[int] = None
-    vocab_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    tie_embeddings: Optional[bool] = None
-    rope_theta: Optional[float] = None
-    norm_eps: Optional[float] = None
-    rope_scaling: Optional[List[float]] = None  # llama3 [factor, low_freq, high_freq, original_max_positions]
-    window: Optional[int] = None  # sliding-window attention (Mistral): keys fewer than this many positions back
-    remat: str = "none"  # none | full | dots | sublayer
-    scan_layers: Optional[bool] = None  # null: unroll up to 8 layers without remat, else scan (docs/performance.md)
-    attention: str = "auto"  # auto | manual | xla | cudnn (models/attention.py)
-    attention_block: int = 128  # manual attention's causal query block (0 = no blocking)
-    kernels: str = "auto"  # auto | reference | fast: plain math or XLA:CPU fast paths (models/fast_cpu.py)
-    loss_chunk: Optional[int] = None  # tokens per cross-entropy chunk (models/loss.py); 0 = whole logits; null: auto
-    init_from: Optional[str] = None  # parameters from `meshtrain export`, a run, or a Hugging Face model folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +279,17 @@ def model_config(cfg: Config) -> ModelConfig:
                             "high_freq_factor, original_max_position_embeddings")
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
+    if m.local_layers is not None:
+        over["local_layers"] = tuple(bool(x) for x in m.local_layers)
+    spec = FAMILIES[m.family or "llama"]
+    neutral = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # a saved config holds every key
+    for k in sorted({k for f in FAMILIES.values() for k in f.keys} - set(spec.keys)):
+        if over.get(k) not in (None, neutral[k]):
+            owners = ", ".join(sorted(f.name for f in FAMILIES.values() if k in f.keys))
+            raise UserError(f"model.{k} is a key of {owners}, not of model.family='{spec.name}'; drop it or set "
+                            "model.family")
+    for k, v in spec.defaults.items():
+        over[k] = v if over.get(k) is None else over[k]
     return from_preset(m.preset, **over, documents=cfg.data.document_mask)
 
 

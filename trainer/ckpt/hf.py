@@ -4,13 +4,14 @@ one device's at a time), and the folder's context that `export --format hf` and 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family
+from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family, hf_wrapper
 from trainer.ckpt import safetensors as st
 from trainer.ckpt.store import kind_of
 from trainer.config import model_config, replace
@@ -19,6 +20,7 @@ from trainer.errors import UserError
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size for save_pretrained
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry: RoPE is recomputed from config.json
+log = logging.getLogger(__name__)
 
 
 def _user(where, fn, *args):
@@ -37,8 +39,7 @@ def spec_of(hc: dict, where) -> ModelSpec:
     return _user(where, hf_family, str(arch[0]))
 
 
-def read_config(path) -> dict:
-    """config.json of an HF folder, checked by its family's adapter for what meshtrain's model computes."""
+def _raw_config(path) -> dict:
     f = Path(path) / "config.json"
     try:
         hc = json.loads(f.read_text())
@@ -48,6 +49,35 @@ def read_config(path) -> dict:
         raise UserError(f"{f} is not valid JSON ({str(e)[:80]})") from None
     if not isinstance(hc, dict):
         raise UserError(f"{f} is not a JSON object; save the model again")
+    return hc
+
+
+def _wrapped(hc: dict):
+    """(family, HFWrapper) when config.json describes a larger model whose text tower a family reads, else None."""
+    arch = hc.get("architectures")
+    return hf_wrapper(str(arch[0])) if isinstance(arch, list) and len(arch) == 1 else None
+
+
+def text_config(hc: dict, where) -> dict:
+    """The config.json a family reads: a wrapped model's text config (models/spec.py HFWrapper) under the family's
+    own architecture, its tie_word_embeddings the outer config's where that says; any other config as it is."""
+    found = _wrapped(hc)
+    if found is None:
+        return hc
+    spec, w = found
+    text = hc.get(w.config_key)
+    if not isinstance(text, dict):
+        raise UserError(f"{where} describes {hc['architectures'][0]} without a '{w.config_key}' object; "
+                        "save the model again")
+    tie = {"tie_word_embeddings": hc["tie_word_embeddings"]} if "tie_word_embeddings" in hc else {}
+    return {**text, **tie, "architectures": [spec.hf.architecture]}
+
+
+def read_config(path) -> dict:
+    """config.json of an HF folder (a wrapped model's text config), checked by its family's adapter for what
+    meshtrain's model computes."""
+    f = Path(path) / "config.json"
+    hc = text_config(_raw_config(path), f)
     _user(f, spec_of(hc, f).hf.check, hc)
     return hc
 
@@ -124,9 +154,31 @@ def index(path) -> dict[str, st.Tensor]:
     return out
 
 
-def check_tensors(path, mc) -> dict[str, st.Tensor]:
-    """The folder's tensors, checked against the model that mc describes (names and shapes)."""
-    have, want = index(path), {n: lf.hf_shape for lf in leaves(mc) for n in lf.names}
+def text_tensors(path, have: dict) -> tuple[dict, int]:
+    """The tensors of a wrapped model's text tower under the family's names, and how many of the other towers'
+    were left out; any other folder's tensors as they are (and 0)."""
+    found = _wrapped(_raw_config(path))
+    if found is None:
+        return have, 0
+    w = found[1]
+    out, dropped = {}, 0
+    for n, t in have.items():
+        if n.startswith(w.dropped):
+            dropped += 1
+            continue
+        prefix = next(((a, b) for a, b in w.renames if n.startswith(a)), None)
+        out[n if prefix is None else prefix[1] + n[len(prefix[0]):]] = t
+    return out, dropped
+
+
+def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
+    """The folder's tensors, checked against the model that mc describes (names and shapes); with `say`, one
+    log line for a wrapped model's towers left out."""
+    have, dropped = text_tensors(path, index(path))
+    if dropped and say:
+        log.info("%s: the text model of a %s read; its other towers (%d tensors) are left out", path,
+                 _raw_config(path)["architectures"][0], dropped)
+    want = {n: lf.hf_shape for lf in leaves(mc) for n in lf.names}
     for n, shape in want.items():
         if n not in have:
             raise UserError(f"{path} lacks tensor '{n}' (shape {list(shape)}); the folder is incomplete")
@@ -152,7 +204,7 @@ def _read(t: st.Tensor, leaf: Leaf, idx: tuple) -> np.ndarray:
 
 def load(path, mc, shapes: dict, shardings: dict) -> dict:
     """Parameters of an HF folder as arrays with `shardings`, of `shapes`' dtypes, read slice by slice."""
-    have = check_tensors(path, mc)
+    have = check_tensors(path, mc, say=True)
     out: dict = {}
     for leaf in leaves(mc):
         target, sh = _get(shapes, leaf.path), _get(shardings, leaf.path)
@@ -230,5 +282,5 @@ def context_of(origin: Path | None) -> int | None:
     """The HF model's context (config.json's max_position_embeddings), or None."""
     if origin is None:
         return None
-    n = json.loads((origin / "config.json").read_text()).get("max_position_embeddings")
+    n = text_config(json.loads((origin / "config.json").read_text()), origin).get("max_position_embeddings")
     return int(n) if n else None

@@ -12,7 +12,7 @@ import numpy as np
 
 from trainer.ckpt import safetensors as st
 from models.spec import leaf_shape
-from trainer.ckpt.hf import INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, origin_of
+from trainer.ckpt.hf import INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, origin_of, text_config
 from trainer.errors import UserError
 
 
@@ -97,7 +97,7 @@ def _keep(origin: Path, out: Path):
     """The origin folder's config fields over the written ones, but for the dtype (the run cannot have changed
     the model's shape: importing checked every shape key against that config.json): its context length,
     special ids, rope scaling and whatever else it holds; then its generation config and tokenizer files."""
-    ours, theirs = (json.loads((d / "config.json").read_text()) for d in (out, origin))
+    ours, theirs = (text_config(json.loads((d / "config.json").read_text()), d) for d in (out, origin))
     merged = {**ours, **{k: v for k, v in theirs.items() if k not in ("torch_dtype", "dtype")}}
     (out / "config.json").write_text(json.dumps(merged, indent=2) + "\n")
     for name in ORIGIN_FILES[1:]:

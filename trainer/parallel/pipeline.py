@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshes.rules import RULES, constrainer, without_axes
 from models.loss import chunk_tokens, head_loss, scales, token_losses, zero_parts
-from models.transformer import embed, head, layer_stack
+from models.transformer import embed, head, layer_stack, scale_embedding
 from trainer.parallel import schedules, sync
 from trainer.parallel.circular import circular_blocks
 from trainer.parallel.microbatch import split_microbatches
@@ -56,7 +56,7 @@ def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
         return embed(c, params, tokens_BT, dtype, constrain)
     onehot = jax.nn.one_hot(tokens_BT, params["embed"].shape[0], dtype=params["embed"].dtype)
     x = jnp.einsum("btv,vd->btd", onehot, params["embed"]).astype(dtype)
-    return constrain(x, ("batch", "seq", "embed"))
+    return constrain(scale_embedding(c, x), ("batch", "seq", "embed"))
 
 
 def _cross_entropy(logits_BTV, targets_BT, weight_BT):

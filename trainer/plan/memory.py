@@ -141,17 +141,28 @@ def _residuals(fn, *args) -> float:
                      if "argument w" not in where))
 
 
+def _only_half(n: int):
+    """A LayerCall.half that runs only the n-th residual half of a layer (0 attention, 1 MLP), the other as
+    the identity: a family's halves measured through its own layer function."""
+    seen = []
+
+    def half(f):
+        seen.append(f)
+        return f if len(seen) - 1 == n else (lambda p, x: x)
+    return half
+
+
 @functools.lru_cache(maxsize=512)
 def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss."""
     from models.loss import cross_entropy
-    from models.layers import REMAT, rope_tables, sublayer_remat
+    from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
-    from models.transformer import attention_half, head, inventory, layer_call, mlp_half
+    from models.transformer import head, inventory, layer_call
     c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
-    D, E = c.d_model, c.head_dim
+    D = c.d_model
     out = []
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, T, D), dt)
@@ -162,12 +173,14 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
             out.append(_residuals(lambda x, weights: cross_entropy(head(cfg, weights, x), targets), x, weights))
             continue
         weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
-        rope, kn = rope_tables(T, E, c.rope_theta, c.rope_scaling), _device_kernels(c, dt)
-        layer, call = family(c.family).layer, layer_call(c, rope, kernels=kn)
+        rope, kn = rope_for(c, T), _device_kernels(c, dt)
+        spec = family(c.family)
+        data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
+        layer, call = spec.layer, layer_call(c, rope, kernels=kn, data=data)
         fn = lambda x, weights: layer(c, weights, x, call)[0]  # noqa: E731
         if what in ("attention", "mlp", "sublayer"):
-            fn = {"attention": lambda x, weights: attention_half(c, weights, x, call),
-                  "mlp": lambda x, weights: mlp_half(c, weights, x, kernels=kn),
+            fn = {"attention": lambda x, weights: layer(c, weights, x, call._replace(half=_only_half(0)))[0],
+                  "mlp": lambda x, weights: layer(c, weights, x, call._replace(half=_only_half(1)))[0],
                   "sublayer": lambda x, weights: layer(c, weights, x, call._replace(half=sublayer_remat))[0]}[what]
         elif what != "none":
             fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
