@@ -84,13 +84,27 @@ def causal_mask(T: int, segments=None, window=None):
     return keep
 
 
+GLOBAL = 2 ** 30  # a traced window that means every causal key (a mixed stack's global layer)
+
+
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
-              cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None):
+              cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None,
+              windows: tuple | None = None):
     """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
     with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
-    positions before each query (itself included) only."""
+    positions before each query (itself included) only. `scale`: the scores' (default head_dim ** -0.5);
+    `softcap`: scores soft-capped (the masked path); a traced `window` (a mixed stack's, GLOBAL for every key)
+    that takes one of the static `windows` (None: every key) runs that window's own kernel, picked at run time."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
+    if scale is not None and softcap is None:  # the kernels' own scale, the rest folded into q
+        q_BTHE = q_BTHE * jnp.asarray(scale * q_BTHE.shape[-1] ** 0.5, q_BTHE.dtype)
+        scale = None
+    if softcap is None and windows is not None and not isinstance(window, (int, type(None))):
+        kw = dict(impl=impl, block=block, platform=platform, cpu_fast=cpu_fast, segments=segments)
+        branches = [functools.partial(attention, window=w, **kw) for w in windows]
+        index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
+        return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
     if softcap is not None or scale is not None or not isinstance(window, (int, type(None))):
         with jax.named_scope("attention_masked"):  # Gemma's: no fused kernel takes these
             return masked_attention(q_BTHE, k_BTKE, v_BTKE, causal_mask(q_BTHE.shape[1], segments, window),

@@ -79,7 +79,7 @@ def _extend_layer(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dty
         p = jax.tree.map(lambda w: w.astype(dtype), p)
         new = {}
 
-        def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None):
+        def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
             new["k"] = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BTKE.astype(k_cache.dtype), pos, axis=1)
             new["v"] = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BTKE.astype(v_cache.dtype), pos, axis=1)
             keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)

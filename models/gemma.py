@@ -7,7 +7,7 @@
   - attention scores scaled by query_pre_attn_scalar ** -0.5 (query_scale) and, in Gemma 2, soft-capped
     (attn_softcap), the logits soft-capped too (final_softcap);
   - local (sliding-window) and global layers in one stack (local_layers: per-layer data of the spec, so the
-    stack stays one scanned (L, ...) stack in every pipeline schedule); the attention is masked layer by layer;
+    stack stays one scanned (L, ...) stack in every pipeline schedule); each layer runs its own kind's attention;
   - Gemma 3: per-head q/k RMSNorm ((1 + w) too), the local layers' own RoPE base and linear RoPE scaling on the
     global ones (rope_local_theta, rope_linear).
 """
@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.attention import GLOBAL
 from models.config import ModelConfig
 from models.gemma_hf import GEMMA2_HF, GEMMA3_HF
 from models.layers import rms_norm
 from models.spec import LayerCall, ModelSpec, Param, register
 from models.transformer import llama_inventory, qkv
-
-GLOBAL = 2 ** 30  # a global layer's window: every causal key
 
 
 def gemma_inventory(c: ModelConfig, qk_norm: bool = False) -> dict:
@@ -62,9 +61,11 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     if c.kv_repeat > 1:
         k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
                           for a in (k_BTKE, v_BTKE))
+    # the layer's window, traced (GLOBAL: every causal key); the kernels run each kind's own (models/attention.py)
     window = jnp.where(local, c.window or GLOBAL, GLOBAL)
     o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments, window=window,
-                            softcap=c.attn_softcap, scale=(c.query_scale or c.head_dim) ** -0.5)
+                            softcap=c.attn_softcap, scale=(c.query_scale or c.head_dim) ** -0.5,
+                            windows=(c.window, None) if c.window else (None,))
     B, T, D = x_BTD.shape
     HE = c.n_heads * c.head_dim
     o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)

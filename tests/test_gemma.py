@@ -210,3 +210,21 @@ def test_a_gemma_key_for_another_family_is_one_line(tmp_path, capsys):
     assert rc == 2 and err == ["meshtrain: error: model.attn_softcap is a key of gemma2, gemma3, not of "
                                "model.family='llama'; drop it or set model.family"], err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_each_kind_runs_its_own_kernel_and_soft_caps_take_the_masked_path():
+    """In a scanned mixed stack (the window traced) Gemma 3's layers run the fused kernels, the windowed one among
+    them (lax.switch on the layer's window), never the masked path; Gemma 2's soft-capped scores take the masked
+    path. Read from the lowered program's scopes (models/attention.py names each path's ops)."""
+    from models import abstract_model, from_preset, loss_fn
+    from models.batch import abstract
+    base = dict(window=16, seq_len=64, n_layers=4, local_layers=(True, False) * 2, scan_layers=True,
+                attention="manual", attention_block=16, embed_scale=True, norm_plus_one=True, query_scale=24.0)
+    texts = {}
+    for fam, extra in (("gemma3", dict(rope_local_theta=1e4)), ("gemma2", dict(attn_softcap=5.0))):
+        c = from_preset("tiny", family=fam, **base, **extra)
+        texts[fam] = jax.jit(lambda p, b: loss_fn(c, p, b)).lower(abstract_model(c).params, abstract(2, 64)).as_text(
+            debug_info=True)
+    assert "attention_manual" in texts["gemma3"] and "attention_masked" not in texts["gemma3"]
+    assert "stablehlo.case" in texts["gemma3"]  # the kind picked at run time
+    assert "attention_masked" in texts["gemma2"]

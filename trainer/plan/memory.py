@@ -126,11 +126,13 @@ def _device_kernels(c: _Shard, dtype=None):
     from models.layers import kernels_for
     kn = kernels_for(c)
     if dtype is not None and select(c.attention, dtype, c.target_platform, kn.name == "fast") == "cudnn":
-        kn = kn._replace(attention=lambda q, k, v, segments=None: causal_attention(q, k, v, c.attention_block))
+        kn = kn._replace(attention=lambda q, k, v, segments=None, **kw: causal_attention(q, k, v,
+                                                                                        c.attention_block))
     if c.kv_repeat == 1:
         return kn
     # the repeat makes n_kv_heads x kv_repeat = mesh.model heads, one per rank
-    return kn._replace(attention=lambda q, k, v, segments=None: kn.attention(q, k[:, :, :1], v[:, :, :1]))
+    return kn._replace(attention=lambda q, k, v, segments=None, **kw: kn.attention(q, k[:, :, :1], v[:, :, :1],
+                                                                                    **kw))
 
 
 def _residuals(fn, *args) -> float:
