@@ -42,7 +42,8 @@ def gemma_inventory(c: ModelConfig, qk_norm: bool = False) -> dict:
 
 def layer_data(c: ModelConfig) -> dict:
     local = c.local_layers if c.local_layers is not None else (c.window is not None,) * c.n_layers
-    return {"local": np.asarray(local, bool)}
+    # float32 (1.0: local): the remat'd halves close over it, and a sub-layer remat's closure must be differentiable
+    return {"local": np.asarray(local, np.float32)}
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -53,7 +54,7 @@ def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
 def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     kn, constrain = call.kernels, call.constrain
     p = {k: v.astype(x_BTD.dtype) for k, v in p.items()}
-    local = call.data["local"]
+    local = call.data["local"] > 0.5
     rope = call.rope
     if len(rope) == 4:  # Gemma 3: (global cos, sin, local cos, sin)
         rope = tuple(jnp.where(local, lo, gl) for gl, lo in zip(rope[:2], rope[2:]))

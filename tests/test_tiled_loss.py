@@ -40,7 +40,7 @@ def test_tiled_loss_and_grads_match_whole_logits(tie, cap):
         plain = _reference_loss(dataclasses.replace(c, final_softcap=None), p, batch)
         assert abs(float(plain) - float(ref_loss)) > 1e-4 * abs(float(ref_loss)), (float(plain), float(ref_loss))
     # 32 divides N; 7 leaves a remainder (padded, masked-out tokens)
-    for n in (32, 7):
+    for n in (32, 7) if not cap else (7,):  # the soft-cap: the remainder case alone (the suite's budget)
         cn = dataclasses.replace(c, loss_chunk=n)
         assert chunk_tokens(n, 96, c.vocab_size) == n
         loss, g = jax.jit(jax.value_and_grad(lambda p: loss_fn(cn, p, batch)))(p)
