@@ -53,7 +53,8 @@ def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
 
 def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     kn, constrain = call.kernels, call.constrain
-    p = {k: v.astype(x_BTD.dtype) for k, v in p.items()}
+    p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
+                                                "post_attn_norm") if k in p}
     local = call.data["local"] > 0.5
     rope = call.rope
     if len(rope) == 4:  # Gemma 3: (global cos, sin, local cos, sin)

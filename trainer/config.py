@@ -279,8 +279,6 @@ def model_config(cfg: Config) -> ModelConfig:
                             "high_freq_factor, original_max_position_embeddings")
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
-    if m.local_layers is not None:
-        over["local_layers"] = tuple(bool(x) for x in m.local_layers)
     spec = FAMILIES[m.family or "llama"]
     neutral = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # a saved config holds every key
     for k in sorted({k for f in FAMILIES.values() for k in f.keys} - set(spec.keys)):
