@@ -71,7 +71,8 @@ def test_eval_is_due_every_eval_every_and_at_the_last_step():
         run.record = {}
         ev.at_sync(run, step)
         if step in (4, 8, 10):
-            assert run.record == {"step": step, "eval_loss": 1.75, "eval_bpb": pytest.approx(1.75 / np.log(2) / 2)}
+            assert run.record == {"step": step, "eval_loss": 1.75, "eval_bpb": pytest.approx(1.75 / np.log(2) / 2),
+                                  "eval_counted_tokens": 40}
         else:
             assert run.record == {}
     assert seen == [("P", 0), ("P", 1)] * 3

@@ -115,19 +115,28 @@ def _generate(args: list[str]) -> int:
 
 
 def _prepare(args: list[str]) -> int:
-    p = ArgParser(prog="meshtrain prepare", description="Tokenize text files, folders or builtin into a token "
-                  ".bin (train documents, then held-out ones) and its JSON sidecar; train with data.source=OUT.")
-    p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, or builtin")
+    p = ArgParser(prog="meshtrain prepare", description="Tokenize text files, JSONL and Parquet records (texts, "
+                  "conversations, prompt/completion), folders or builtin into a token .bin (train documents, then "
+                  "held-out ones), its loss mask where records have an assistant, and its JSON sidecar; train with "
+                  "data.source=OUT.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="text, .jsonl or .parquet file, folder, or builtin")
     p.add_argument("--out", required=True, help="the .bin to write (its sidecar: OUT.json)")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--tokenizer", help="a Hugging Face tokenizer.json, or a folder holding one")
     how.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
                      help="train a byte-level BPE of this many tokens on the train documents first")
     p.add_argument("--heldout", type=float, default=0.05, help="share of documents held out (default: 0.05)")
+    p.add_argument("--field", default="text", help="the column of a text record (default: text)")
+    p.add_argument("--chat-template", metavar="FILE", help="a jinja chat template to render conversations with "
+                   "(default: the tokenizer folder's)")
+    p.add_argument("--date", help="the date a template's strftime_now gives, YYYY-MM-DD (default: 2026-01-01)")
+    p.add_argument("--loss-on", default="assistant", choices=("assistant", "all"),
+                   help="the tokens of a conversation the loss counts (default: assistant)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ns = p.parse_args(args)
     from trainer.data.prepare import prepare
-    prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress)
+    prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress,
+            field=ns.field, chat_template=ns.chat_template, date=ns.date, loss_on=ns.loss_on)
     return 0
 
 

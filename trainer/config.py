@@ -97,7 +97,9 @@ class DataSection:
     heldout_fraction: float = 0.05
     bin_dtype: str = "uint16"  # token .bin element type: uint16 | uint32
     tokenizer: Optional[str] = None  # tokenizer.json of a .bin's tokens; filled from its sidecar (docs/data.md)
-    document_mask: bool = False  # attention inside each document, positions per document (docs/data.md)
+    # attention inside each document, positions per document (docs/data.md); unset: false, or true where the data
+    # has a loss mask (conversations), which only trains with it
+    document_mask: Optional[bool] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +290,7 @@ def model_config(cfg: Config) -> ModelConfig:
                             "model.family")
     for k, v in spec.defaults.items():
         over[k] = v if over.get(k) is None else over[k]
-    return from_preset(m.preset, **over, documents=cfg.data.document_mask)
+    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask))
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:

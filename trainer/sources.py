@@ -7,6 +7,7 @@ from __future__ import annotations
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
 from trainer.data.batches import read_sidecar, tokenizer_of
+from trainer.errors import UserError
 
 
 def resolve(cfg: Config) -> Config:
@@ -18,8 +19,14 @@ def resolve(cfg: Config) -> Config:
 
 
 def _with_sidecar(cfg: Config) -> Config:
-    if not cfg.data.source.endswith(".bin") or not (meta := read_sidecar(cfg.data.source)):
-        return cfg
+    meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
+    masked = bool(meta and meta.get("loss_mask"))
+    if masked and cfg.data.document_mask is False:
+        raise UserError(f"data.source '{cfg.data.source}' has a loss mask (conversations), which trains on whole "
+                        "documents: data.document_mask=false cannot hold; drop it or set it true")
+    documents = {"document_mask": masked or bool(cfg.data.document_mask)}
+    if not meta:
+        return replace(cfg, data=documents)
     model = {} if cfg.model.vocab_size is not None else {"vocab_size": int(meta["vocab_size"])}
-    return replace(cfg, data={"tokenizer": tokenizer_of(cfg.data.source, meta), "bin_dtype": meta["dtype"]},
-                   model=model)
+    return replace(cfg, data={"tokenizer": tokenizer_of(cfg.data.source, meta), "bin_dtype": meta["dtype"],
+                              **documents}, model=model)

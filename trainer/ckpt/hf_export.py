@@ -90,7 +90,17 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
         _keep(origin, out)
     if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
         _write_tokenizer(cfg.data.tokenizer, out, mc)
+        _write_chat_template(cfg.data.source, out)
     return out
+
+
+def _write_chat_template(source: str, out: Path):
+    """The chat template the run's conversations were rendered with, as chat_template.jinja (which transformers
+    reads before tokenizer_config.json's): the export chats as its training data did."""
+    from trainer.data.batches import read_sidecar
+    meta = read_sidecar(source) if source.endswith(".bin") else None
+    if meta and meta.get("chat_template"):
+        shutil.copyfile(Path(source).parent / meta["chat_template"]["path"], out / "chat_template.jinja")
 
 
 def _keep(origin: Path, out: Path):

@@ -54,6 +54,7 @@ class Corpus:
     file_starts: np.ndarray | None = None  # files read as bytes: each file's start in `whole`, the total last
     index: Path | None = None  # a prepared .bin's document index file (its sidecar's `document_index`)
     eot_id: int | None = None  # a prepared .bin's end-of-text token: older ones have no index
+    loss_mask: np.ndarray | None = None  # a prepared .bin's loss mask (uint8 per token: 1 = a counted target)
 
     def documents(self) -> np.ndarray | None:
         """The start offset of every document in `whole`, with len(whole) last (one more entry than
@@ -86,6 +87,16 @@ def sidecar_path(bin_path) -> Path:
 def index_path(bin_path) -> Path:
     """Where `meshtrain prepare` writes a .bin's document index (the sidecar's `document_index` names it)."""
     return Path(str(bin_path) + ".docs")
+
+
+def mask_path(bin_path) -> Path:
+    """Where `meshtrain prepare` writes a .bin's loss mask (the sidecar's `loss_mask` names it)."""
+    return Path(str(bin_path) + ".mask")
+
+
+def template_path(bin_path) -> Path:
+    """Where `meshtrain prepare` keeps the chat template its conversations were rendered with."""
+    return Path(str(bin_path) + ".chat_template.jinja")
 
 
 def read_sidecar(bin_path) -> dict | None:
@@ -161,10 +172,11 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         toks = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else np.zeros(0, meta["dtype"])
         cut = int(meta["heldout_range"][0])
         bpt = meta.get("heldout_bytes_per_token") or meta.get("bytes_per_token")
-        index = meta.get("document_index")
-        return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks, bytes_per_token=bpt,
+        index, mask = meta.get("document_index"), _mask_of(path, meta, len(toks))
+        return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks,
+                             bytes_per_token=None if mask is not None else bpt,  # counted bytes unknown
                              prepared=True, index=path.parent / index["path"] if index else None,
-                             eot_id=meta.get("eot_id")), source)
+                             eot_id=meta.get("eot_id"), loss_mask=mask), source)
     if path.suffix == ".bin":
         if bin_dtype not in ("uint16", "uint32"):
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
@@ -179,6 +191,17 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
     data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     cut = int(len(data) * (1 - heldout_fraction))
     return _check(Corpus(data[:cut], data[cut:], 256, whole=data, bytes_per_token=1.0), source)
+
+
+def _mask_of(path: Path, meta: dict, n: int) -> np.ndarray | None:
+    """The sidecar's loss mask, one uint8 per token, or None where it names none."""
+    if not (m := meta.get("loss_mask")):
+        return None
+    f = path.parent / m["path"]
+    if not f.is_file() or f.stat().st_size != n:
+        raise UserError(f"the loss mask {f} of data.source '{path}' is missing or not one byte per token ({n:,}); "
+                        "run meshtrain prepare again")
+    return np.memmap(f, dtype=np.uint8, mode="r") if n else np.zeros(0, np.uint8)
 
 
 def _check(c: Corpus, source: str) -> Corpus:
@@ -228,6 +251,10 @@ class Batches:
                             f"use a multiple of {process_count}")
         rows = batch_size // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        self.packed = self.packed_eval = None  # with a loss mask: conversations packed whole (trainer/data/packing.py)
+        if corpus.loss_mask is not None:
+            self._pack(corpus, document_mask, evaluates)
+            return
         if not corpus.synthetic:
             if corpus.vocab > vocab_size and corpus.prepared:
                 raise UserError(f"the tokenizer of data.source '{corpus.source}' has {corpus.vocab} tokens but "
@@ -250,6 +277,42 @@ class Batches:
                                 "file, a bare .bin and synthetic are one stream); use a folder, builtin or a file "
                                 "from meshtrain prepare, or set data.document_mask=false")
 
+    def _pack(self, corpus: Corpus, document_mask: bool, evaluates: bool):
+        from trainer.data.packing import pack
+        if not document_mask:
+            raise UserError(f"data.source '{corpus.source}' has a loss mask (conversations), which trains on whole "
+                            "documents and needs data.document_mask=true; drop data.document_mask=false or set it true")
+        if corpus.vocab > self.V:
+            raise UserError(f"the tokenizer of data.source '{corpus.source}' has {corpus.vocab} tokens but "
+                            f"model.vocab_size={self.V}; set model.vocab_size >= {corpus.vocab}, or leave it unset "
+                            "to take the vocabulary from the data's sidecar")
+        self.c, starts, cut = corpus, corpus.documents(), len(corpus.train)
+        self.starts = starts
+        self.packed = pack(starts[starts <= cut], self.T)
+        if self.packed.rows == 0:
+            raise UserError(f"data.source '{corpus.source}' has no training document with a target; prepare it "
+                            "from more records")
+        p = self.packed
+        log.info("packed %d training documents into %d rows of %d (%.1f%% of the slots filled); %d longer than a "
+                 "row were split, none dropped", p.documents, p.rows, self.T, 100 * p.filled(self.T), p.split)
+        if evaluates:
+            self.packed_eval = pack(starts[starts >= cut], self.T)
+            if self.packed_eval.rows == 0:
+                raise UserError(f"data.source '{corpus.source}' has no held-out documents to evaluate on (prepared "
+                                "with --heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
+        self._epochs: dict = {}
+
+    def _packed_rows(self, eval_batch: int | None, step: int, everyone: bool = False) -> dict:
+        from trainer.data.packing import fields, rows_of
+        if eval_batch is None:
+            rows, p = rows_of(self.packed, self.seed, step * self.B, self.B, self._epochs), self.packed
+        else:
+            p = self.packed_eval
+            g = eval_batch * self.B + np.arange(self.B)
+            rows = np.where(g < p.rows, g, -1)  # each held-out row once over the eval batches, then padding
+        rows = rows if everyone else rows[self.rows]
+        return fields(p, rows, self.c.whole, self.c.loss_mask, self.T)
+
     def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> dict:
         windows, at = self._windows(tokens, seed_words, n)
         if self.starts is None:
@@ -271,10 +334,14 @@ class Batches:
 
     def train(self, step: int) -> dict:
         """This process's rows of step `step`'s global batch: each field (B/P, T)."""
+        if self.packed is not None:
+            return self._packed_rows(None, step)
         return self._rows(self.c.train, [self.seed, step, _TRAIN], self.B)
 
     def global_train(self, step: int) -> dict:
         """The whole global batch of a step (tests and single-process tools)."""
+        if self.packed is not None:
+            return self._packed_rows(None, step, everyone=True)
         saved, self.rows = self.rows, slice(None)
         try:
             return self._rows(self.c.train, [self.seed, step, _TRAIN], self.B)
@@ -283,6 +350,10 @@ class Batches:
 
     def eval(self, i: int) -> dict:
         """This process's rows of eval batch i, drawn from the held-out tokens only."""
+        if self.packed is not None:
+            if self.packed_eval is None:
+                raise ValueError("no held-out part to evaluate on: build Batches with evaluates=True")
+            return self._packed_rows(i, 0)
         if not self.c.synthetic and len(self.c.heldout) <= self.T + 1:
             raise ValueError("no held-out part to evaluate on: build Batches with evaluates=True")
         return self._rows(self.c.heldout, [self.seed, i, _EVAL], self.B)

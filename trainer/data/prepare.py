@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.batches import _split_files, index_path, sidecar_path, stdlib_files
+from trainer.data.batches import _split_files, index_path, mask_path, sidecar_path, stdlib_files, template_path
+from trainer.data.chat import load_template, parse_date
+from trainer.data.records import Encoder, Kinds, held_out, is_records, key, kind_of, normalised, read
 from trainer.errors import UserError
 
 VERSION = 2  # 2: the document index
 EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+LOSS_ON = ("assistant", "all")  # --loss-on: the tokens a conversation's loss counts
 PIECE = 1 << 22  # bytes of one document handed to the encoder at a time: bounds memory on huge files
 BATCH = 1 << 23  # bytes per encode_batch call (the library encodes a batch's texts in parallel)
 
@@ -36,9 +40,10 @@ class Doc:
     size: int
 
 
-def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc]]:
-    """Every source's files, split into train and held-out documents by a hash of their names."""
-    train, held = [], []
+def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc], list[Doc]]:
+    """Every source's files: text files split into train and held-out documents by a hash of their names,
+    and record files (JSONL, Parquet), whose records are split one by one as they are read."""
+    train, held, records = [], [], []
     for src in sources:
         if src == "builtin":
             root = Path(sysconfig.get_paths()["stdlib"])
@@ -46,7 +51,8 @@ def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc]]:
         else:
             p = Path(src)
             if not p.exists():
-                raise UserError(f"source '{src}' does not exist; give text files, folders or builtin")
+                raise UserError(f"source '{src}' does not exist; give text files, JSONL or Parquet files, folders "
+                                "or builtin")
             root = p if p.is_dir() else p.parent
             files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
         try:
@@ -56,10 +62,13 @@ def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc]]:
                             "give readable files") from None
         if sum(d.size for d in docs.values()) == 0:
             raise UserError(f"source '{src}' is empty (no bytes to tokenize); give files with text in them")
-        tr, ho = _split_files([f for f in files if docs[f].size], root, heldout)
-        train += [docs[f] for f in tr]
-        held += [docs[f] for f in ho]
-    return train, held
+        records += [docs[f] for f in files if docs[f].size and is_records(f)]
+        texts = [f for f in files if docs[f].size and not is_records(f)]
+        if texts:
+            tr, ho = _split_files(texts, root, heldout)
+            train += [docs[f] for f in tr]
+            held += [docs[f] for f in ho]
+    return train, held, records
 
 
 def _pieces(doc: Doc):
@@ -75,10 +84,15 @@ def _pieces(doc: Doc):
             yield rest.decode("utf-8", errors="replace"), len(rest)
 
 
-def _texts(docs: list[Doc]):
+def _texts(docs: list[Doc], records: list[Doc], enc: Encoder):
+    """The text a tokenizer is trained on: the files' pieces, each record's text (conversations rendered)."""
     for d in docs:
         for text, _ in _pieces(d):
             yield text
+    for d in records:
+        for where, rec, _ in read(d.path):
+            kind = kind_of(rec := normalised(rec), where, enc.field)
+            yield enc.render(where, kind, rec)[0]
 
 
 def sha256_file(path) -> str:
@@ -116,44 +130,72 @@ def _eos_id(tok, p: Path, path: str) -> int:
                     "tokenizer_config.json's eos_token); add one to it or use --train-tokenizer VOCAB_SIZE")
 
 
-def train_tokenizer(docs: list[Doc], vocab_size: int):
-    """A byte-level BPE trained on the documents' text, with EOT as its one special token."""
+def train_tokenizer(texts, vocab_size: int, length: int):
+    """A byte-level BPE trained on the texts, with EOT as its one special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts(docs), trainer, length=len(docs))
+    tok.train_from_iterator(texts, trainer, length=length)
     return tok
 
 
-def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, counts: list[int],
-                  doc_ends: list[int]) -> int:
-    """Encode documents in batches, each followed by EOT, appending to f; returns the tokens written and
-    appends each document's end (the offset after its EOT, in the whole file) to doc_ends."""
-    batch, ends, nbytes, written = [], [], 0, 0
+class Split:
+    """One split's output as it is written: tokens and their loss mask under temporary names, and the end of
+    each document (the offset after its last token, in this split)."""
+
+    def __init__(self, tokens: Path, dtype):
+        self.path, self.dtype, self.n, self.ends, self.docs, self.bytes, self.counted = tokens, dtype, 0, [], 0, 0, 0
+        self.f, self.m = open(tokens, "wb"), open(_mask_name(tokens), "wb")
+
+    def add(self, ids: np.ndarray, mask: np.ndarray, end: bool):
+        """Append a piece of a document (`end`: its last)."""
+        np.asarray(ids, self.dtype).tofile(self.f)
+        np.asarray(mask, np.uint8).tofile(self.m)
+        self.n += len(ids)
+        self.counted += int(np.count_nonzero(mask))
+        if end:
+            self.ends.append(self.n)
+            self.docs += 1
+
+    def close(self):
+        self.f.close()
+        self.m.close()
+
+
+def _mask_name(p: Path) -> Path:
+    return p.with_name(p.name + ".mask")
+
+
+class Bar:
+    """The progress bar's task: bytes read of all sources, tokens written and tokens/s."""
+
+    def __init__(self, progress, total: int, splits: tuple[Split, Split]):
+        self.p, self.splits, self.t0 = progress, splits, time.perf_counter()
+        self.task = progress.add_task("tokenize", total=total, tokens=0, rate="")
+
+    def advance(self, nbytes: int):
+        n = sum(s.n for s in self.splits)
+        self.p.update(self.task, advance=nbytes, tokens=n,
+                      rate=f"{n / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s")
+
+
+def _write_files(tok, docs: list[Doc], eot: int, split: Split, bar: Bar):
+    """Encode text files in batches, each document followed by EOT, into the split."""
+    batch, ends, nbytes = [], [], 0
 
     def flush():
-        nonlocal batch, ends, nbytes, written
-        encs = tok.encode_batch_fast(batch, add_special_tokens=False)
-        parts, at = [], counts[0]
-        for enc, end in zip(encs, ends):
-            parts.append(np.asarray(enc.ids, dtype))
-            at += len(enc.ids)
-            if end:
-                parts.append(np.asarray([eot], dtype))
-                at += 1
-                doc_ends.append(at)
-        arr = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        arr.tofile(f)
-        written += len(arr)
-        counts[0] += len(arr)
-        progress.update(task, advance=nbytes, tokens=counts[0],
-                        rate=f"{counts[0] / max(time.perf_counter() - counts[1], 1e-9):,.0f} tok/s")
+        nonlocal batch, ends, nbytes
+        for enc, end in zip(tok.encode_batch_fast(batch, add_special_tokens=False), ends):
+            ids = np.append(np.asarray(enc.ids, np.int64), eot) if end else np.asarray(enc.ids, np.int64)
+            split.add(ids, np.ones(len(ids), np.uint8), end)
+        bar.advance(nbytes)
         batch, ends, nbytes = [], [], 0
 
     for d in docs:
+        split.bytes += d.size
         for text, size in _pieces(d):
             batch.append(text)
             ends.append(False)
@@ -163,13 +205,41 @@ def _write_tokens(tok, docs: list[Doc], eot: int, f, dtype, progress, task, coun
         if ends:
             ends[-1] = True
         else:  # the document's last piece went out in the previous batch: its EOT alone
-            np.asarray([eot], dtype).tofile(f)
-            written += 1
-            counts[0] += 1
-            doc_ends.append(counts[0])
+            split.add(np.asarray([eot]), np.ones(1, np.uint8), True)
     if batch:
         flush()
-    return written
+
+
+def _write_records(enc: Encoder, doc: Doc, heldout: float, train: Split, held: Split, kinds: Kinds, bar: Bar):
+    """Encode a record file's records in batches into the split each one's hash sends it to."""
+    batch, nbytes, done = [], 0, 0
+
+    def flush():
+        nonlocal batch, nbytes
+        for (split, n), (ids, mask) in zip(((s, n) for s, n, _ in batch), enc.encode([b for _, _, b in batch])):
+            split.add(ids, mask, True)
+            split.bytes += n
+        bar.advance(0)
+        batch, nbytes = [], 0
+
+    for where, rec, at in read(doc.path):
+        kind = kind_of(rec := normalised(rec), where, enc.field)
+        setattr(kinds, _KIND_FIELD[kind], getattr(kinds, _KIND_FIELD[kind]) + 1)
+        k = key(rec)
+        size = len(k)
+        batch.append((held if held_out(k, heldout) else train, size, (where, kind, rec)))
+        nbytes += size
+        if at > done:
+            bar.advance(at - done)
+            done = at
+        if nbytes >= BATCH // 8:  # rendering is Python; keep the batches the tokenizer encodes in parallel big
+            flush()
+    if batch:
+        flush()
+    bar.advance(doc.size - done)
+
+
+_KIND_FIELD = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}
 
 
 def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
@@ -194,7 +264,8 @@ def _up_to_date(out: Path, digest: str) -> bool:
 
 
 def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vocab: int | None = None,
-            heldout: float = 0.05, log=print, show_progress: bool = True) -> dict:
+            heldout: float = 0.05, log=print, show_progress: bool = True, field: str = "text",
+            chat_template: str | None = None, date: str | None = None, loss_on: str = "assistant") -> dict:
     """Tokenize the sources into `out` and its sidecar; returns the sidecar (`skipped`: it was up to date)."""
     if (tokenizer is None) == (train_vocab is None):
         raise UserError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB_SIZE")
@@ -203,77 +274,159 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
                         "tokens (256 bytes and the end-of-text token); use e.g. 4096")
     if not 0 <= heldout < 1:
         raise UserError(f"--heldout {heldout} must be in [0, 1); e.g. 0.05")
+    if loss_on not in LOSS_ON:
+        raise UserError(f"--loss-on {loss_on} is unknown; choose one of {', '.join(LOSS_ON)}")
     if not sources:
         raise UserError("give at least one source: text files, folders or builtin")
     out_p = Path(out)
     if out_p.suffix != ".bin":
         raise UserError(f"--out '{out}' must end in .bin (data.source tells token files by that suffix)")
-    train_docs, held_docs = collect(sources, heldout)
+    day = parse_date(date)
+    train_docs, held_docs, record_docs = collect(sources, heldout)
     given = load_tokenizer(tokenizer) if tokenizer else None
+    template = load_template(given[1] if given else None, chat_template, day)
     settings = {"version": VERSION, "sources": sources, "heldout": heldout, "train_vocab": train_vocab,
                 "tokenizer_sha256": given and sha256_file(given[1])}
-    digest = inputs_hash(train_docs, held_docs, settings)
+    if record_docs:  # what else decides a record file's tokens (a text-only prepare hashes as it always did)
+        settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
+                        chat_template=template and hashlib.sha256(template.text.encode()).hexdigest())
+    digest = inputs_hash(train_docs, held_docs + record_docs, settings)
     if _up_to_date(out_p, digest):
         log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
         return {**json.loads(sidecar_path(out_p).read_text()), "skipped": True}
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    enc = Encoder(None, -1, template, loss_on, field)
     if given:
         tok, tok_path, eot = given
     else:
-        log(f"training a byte-level BPE tokenizer ({train_vocab} tokens) on {len(train_docs)} documents")
-        tok = train_tokenizer(train_docs, train_vocab)
+        log(f"training a byte-level BPE tokenizer ({train_vocab} tokens) on {len(train_docs)} documents"
+            + (f" and {len(record_docs)} record files" if record_docs else ""))
+        tok = train_tokenizer(_texts(train_docs, record_docs, enc), train_vocab, len(train_docs) + len(record_docs))
         tok_path, eot = out_p.parent / "tokenizer.json", tok.token_to_id(EOT)
-        tok.save(str(tok_path) + ".tmp")
+    enc.tok, enc.eot = tok, eot
     train_s = time.perf_counter() - t0
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
-    n_bytes = [sum(d.size for d in train_docs), sum(d.size for d in held_docs)]
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     progress = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                         TextColumn("{task.fields[tokens]:,} tokens | {task.fields[rate]}"), TimeRemainingColumn(),
                         console=Console(stderr=True), disable=not show_progress)
-    tmp = out_p.with_name(out_p.name + ".tmp")
+    names = _Names(out_p)
     t1 = time.perf_counter()
-    counts, doc_ends = [0, t1], []  # tokens so far, start time (the progress line's tokens/s); documents' ends
-    with progress, open(tmp, "wb") as f:
-        task = progress.add_task("tokenize", total=sum(n_bytes), tokens=0, rate="")
-        n_train = _write_tokens(tok, train_docs, eot, f, dtype, progress, task, counts, doc_ends)
-        n_held = _write_tokens(tok, held_docs, eot, f, dtype, progress, task, counts, doc_ends)
-    encode_s = time.perf_counter() - t1
-    total = n_train + n_held
-    index_p = index_path(out_p)
-    index = np.asarray([0] + doc_ends, np.uint64)
-    assert len(index) == len(train_docs) + len(held_docs) + 1 and int(index[-1]) == total
-    index.tofile(index_p.with_name(index_p.name + ".tmp"))
+    kinds = Kinds()
+    try:
+        train, held = Split(names.tokens, dtype), Split(names.held, dtype)
+        with progress:
+            bar = Bar(progress, sum(d.size for d in train_docs + held_docs + record_docs), (train, held))
+            _write_files(tok, train_docs, eot, train, bar)
+            _write_files(tok, held_docs, eot, held, bar)
+            for d in record_docs:
+                _write_records(enc, d, heldout, train, held, kinds, bar)
+        train.close()
+        held.close()
+        encode_s = time.perf_counter() - t1
+        masked = bool(kinds.conversations or kinds.exchanges)
+        _check_splits(record_docs, kinds, train, held, heldout, masked, names)
+        meta = _finish(names, out_p, train, held, masked, tok, tok_path, given is not None, eot, vocab, dtype,
+                       template if masked else None, sources, heldout, digest, kinds, day, loss_on,
+                       {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)})
+    finally:
+        names.clean()
+    if masked:
+        log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
+            f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({loss_on})")
+    log(f"wrote {out}: {meta['tokens']['total']:,} {dtype.name} tokens ({train.n:,} train, {held.n:,} held-out) from "
+        f"{train.docs + held.docs} documents, {meta['bytes_per_token']:.3f} bytes/token, vocab {vocab}; "
+        f"{'tokenizer trained in ' + f'{train_s:.1f}s, ' if not given else ''}encoded in {encode_s:.1f}s "
+        f"({meta['tokens_per_sec']:,} tokens/s)")
+    return meta
+
+
+class _Names:
+    """The temporary files a prepare writes, renamed into place at the end or removed."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.tokens = out.with_name(out.name + ".tmp")
+        self.held = out.with_name(out.name + ".heldout.tmp")
+        self.tokenizer = out.parent / "tokenizer.json.tmp"
+
+    def all(self):
+        return [self.tokens, self.held, _mask_name(self.tokens), _mask_name(self.held), self.tokenizer,
+                *(p.with_name(p.name + ".tmp") for p in (index_path(self.out), sidecar_path(self.out),
+                                                         mask_path(self.out), template_path(self.out)))]
+
+    def clean(self):
+        for p in self.all():
+            p.unlink(missing_ok=True)
+
+
+def _check_splits(record_docs, kinds: Kinds, train: Split, held: Split, heldout: float, masked: bool, names: _Names):
+    n = kinds.text + kinds.conversations + kinds.exchanges
+    if record_docs and heldout > 0 and held.docs == 0:
+        raise UserError(f"--heldout {heldout} held out none of the {n:,} records (a record is held out by a hash "
+                        "of its content); use a larger --heldout, more records, or --heldout 0 to hold out none")
+    if masked and not train.counted:
+        raise UserError(f"the loss mask counts no token of the training split ({n:,} records): no conversation "
+                        "has an assistant turn the template marks; check the records or use --loss-on all")
+
+
+def _append(dst: Path, src: Path):
+    with open(dst, "ab") as f, open(src, "rb") as g:
+        shutil.copyfileobj(g, f, 1 << 24)
+
+
+def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool, tok, tok_path: Path, given: bool,
+            eot: int, vocab: int, dtype, template, sources, heldout, digest, kinds: Kinds, day, loss_on,
+            seconds: dict) -> dict:
+    """Join the splits, write the index, the mask and the sidecar under temporary names, then rename them all."""
+    _append(names.tokens, names.held)
+    total = train.n + held.n
+    index = np.asarray([0] + train.ends + [train.n + e for e in held.ends], np.uint64)
+    assert len(index) == train.docs + held.docs + 1 and int(index[-1]) == total
+    tmp = {p: p.with_name(p.name + ".tmp") for p in (index_path(out_p), sidecar_path(out_p), mask_path(out_p),
+                                                      template_path(out_p))}
+    index.tofile(tmp[index_path(out_p)])
+    mask_meta = None
+    if masked:
+        mask_tmp = _mask_name(names.tokens)
+        _append(mask_tmp, _mask_name(names.held))
+        os.replace(mask_tmp, tmp[mask_path(out_p)])
+        mask_meta = {"path": mask_path(out_p).name, "dtype": "uint8", "loss_on": loss_on,
+                     "counted": {"train": train.counted, "heldout": held.counted}}
+        if template is not None:
+            tmp[template_path(out_p)].write_text(template.text)
     if not given:
-        os.replace(str(tok_path) + ".tmp", tok_path)
-    os.replace(tmp, out_p)
-    os.replace(index_p.with_name(index_p.name + ".tmp"), index_p)
+        tok.save(str(names.tokenizer))
+        os.replace(names.tokenizer, tok_path)
     rel = tok_path.resolve().relative_to(out_p.parent.resolve()) if tok_path.resolve().is_relative_to(
         out_p.parent.resolve()) else tok_path.resolve()
     meta = {
         "format": "meshtrain-tokens", "version": VERSION, "dtype": dtype.name, "vocab_size": vocab, "eot_id": eot,
         "tokenizer": {"path": str(rel), "sha256": sha256_file(tok_path), "trained": not given},
-        "documents": {"train": len(train_docs), "heldout": len(held_docs)},
-        "document_index": {"path": index_p.name, "dtype": "uint64", "entries": len(index)},
-        "tokens": {"train": n_train, "heldout": n_held, "total": total},
-        "bytes": {"train": n_bytes[0], "heldout": n_bytes[1]},
-        "bytes_per_token": sum(n_bytes) / total,
-        "heldout_bytes_per_token": n_bytes[1] / n_held if n_held else None,
-        "heldout_range": [n_train, total], "sources": sources, "heldout_fraction": heldout,
-        "seconds": {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)},
-        "tokens_per_sec": round(total / max(encode_s, 1e-9)), "inputs_sha256": digest,
+        "documents": {"train": train.docs, "heldout": held.docs},
+        "document_index": {"path": index_path(out_p).name, "dtype": "uint64", "entries": len(index)},
+        "tokens": {"train": train.n, "heldout": held.n, "total": total},
+        "bytes": {"train": train.bytes, "heldout": held.bytes},
+        "bytes_per_token": (train.bytes + held.bytes) / total,
+        "heldout_bytes_per_token": held.bytes / held.n if held.n else None,
+        "heldout_range": [train.n, total], "sources": sources, "heldout_fraction": heldout,
+        "seconds": seconds, "tokens_per_sec": round(total / max(seconds["encode"], 1e-9)), "inputs_sha256": digest,
     }
-    side = sidecar_path(out_p)
-    side.with_name(side.name + ".tmp").write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(side.with_name(side.name + ".tmp"), side)
-    log(f"wrote {out}: {total:,} {dtype.name} tokens ({n_train:,} train, {n_held:,} held-out) from "
-        f"{len(train_docs) + len(held_docs)} documents, {meta['bytes_per_token']:.3f} bytes/token, vocab {vocab}; "
-        f"{'tokenizer trained in ' + f'{train_s:.1f}s, ' if not given else ''}encoded in {encode_s:.1f}s "
-        f"({meta['tokens_per_sec']:,} tokens/s)")
+    if masked:
+        meta["loss_mask"] = mask_meta
+        meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges}
+        meta["chat_template"] = template and {"path": template_path(out_p).name, "source": template.source,
+                                              "sha256": hashlib.sha256(template.text.encode()).hexdigest(),
+                                              "generation_blocks": template.blocks, "date": day.isoformat()}
+    tmp[sidecar_path(out_p)].write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(names.tokens, out_p)
+    for final, t in tmp.items():  # the sidecar last: it names the others
+        if t.exists() and final != sidecar_path(out_p):
+            os.replace(t, final)
+    os.replace(tmp[sidecar_path(out_p)], sidecar_path(out_p))
     return meta
-

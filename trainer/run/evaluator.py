@@ -26,6 +26,6 @@ class Eval(Plugin):
         sums = jax.device_get([run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)])
         total, count = np.sum(sums, axis=0, dtype=np.float64)  # a collective's result: every process waits
         run.eval_loss = float(total / count) if count > 0 else 0.0
-        run.record.update({"step": step, "eval_loss": run.eval_loss})
+        run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_counted_tokens": int(count)})
         if self.bpt:
             run.record["eval_bpb"] = bits_per_byte(run.eval_loss, self.bpt)

@@ -1,0 +1,219 @@
+"""Chat templates: a conversation's text and which of its characters are the assistant's.
+
+A template renders in a sandboxed jinja2 environment made as transformers 5.x's `apply_chat_template` makes
+it (`trim_blocks`, `lstrip_blocks`, loop controls, `tojson` without ASCII escaping, `raise_exception`,
+`strftime_now`, `dict`, a `namespace` refusing underscore names, `{% generation %}` blocks), given the
+messages with their None-valued keys dropped, `tools` when the record has them, `add_generation_prompt`,
+and the tokenizer's named special tokens. `strftime_now` returns the date given (`--date`), never today's,
+so that a prepared file does not depend on the day it was made.
+
+The assistant's characters: with `{% generation %}` blocks, what the blocks rendered (transformers'
+`return_assistant_tokens_mask`). Without them, each assistant turn i is the text between the rendering of
+the turns before it with `add_generation_prompt=True` and the rendering of the turns up to it, whose
+trailing whitespace is left out: the generation prompt is prompt, the end-of-turn token is the assistant's,
+the template's separator after it is not. That takes every earlier rendering to be a prefix of the whole.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.errors import UserError
+
+DEFAULT_DATE = "2026-01-01"  # what strftime_now returns unless --date says otherwise
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_spans: ContextVar = ContextVar("generation_spans", default=None)
+
+
+class TemplateFailed(Exception):
+    """The template raised on a record (its own raise_exception or any jinja error)."""
+
+
+def _environment(date: _dt.date):
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}`: records where the block's text lands in the output."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+        def _track(self, caller):
+            text = caller()
+            if (state := _spans.get()) is not None:
+                parts, spans = state
+                start = sum(map(len, parts))
+                spans.append((start, start + len(text)))
+            return text
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # noqa: N805 (jinja's own signature trick, so namespace(self=...) works)
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+    class Dict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, dict=Dict(), namespace=Namespace,
+                       strftime_now=lambda fmt: _dt.datetime.combine(date, _dt.time()).strftime(fmt))
+    return env
+
+
+_REASONING = ("reasoning_content", "thinking", "reasoning")  # names a message's reasoning goes by
+
+
+def _message(message):
+    """A message as transformers hands it to a template: None-valued keys dropped, its reasoning (under any of
+    its names) under `reasoning_content` and `thinking` too."""
+    if not isinstance(message, dict):
+        return message
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+@dataclass
+class ChatTemplate:
+    source: str  # where the template came from (the tokenizer folder's file, or --chat-template)
+    text: str
+    specials: dict  # the tokenizer's named special tokens: bos_token, eos_token, ...
+    date: _dt.date
+
+    def __post_init__(self):
+        import jinja2
+        self.blocks = bool(_GENERATION.search(self.text))
+        try:
+            self._t = _environment(self.date).from_string(self.text)
+        except jinja2.TemplateError as e:
+            raise UserError(f"the chat template {self.source} does not parse ({type(e).__name__}: {e}); fix it or "
+                            "give another with --chat-template FILE") from None
+
+    def render(self, messages: list, tools=None, add_generation_prompt: bool = False,
+               spans: list | None = None) -> str:
+        """The conversation's text; `spans` (a list) receives the (start, end) of each generation block."""
+        import jinja2
+        messages = [_message(m) for m in messages]
+        parts: list[str] = []
+        token = _spans.set((parts, spans if spans is not None else []))
+        try:
+            for part in self._t.generate(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.specials):
+                parts.append(part)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise TemplateFailed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]) from None
+        finally:
+            _spans.reset(token)
+        return "".join(parts)
+
+    def assistant_spans(self, messages: list, tools=None) -> tuple[str, list[tuple[int, int]]]:
+        """(the whole conversation's text, the character spans of the assistant's turns in it)."""
+        if self.blocks:
+            spans: list = []
+            return self.render(messages, tools, spans=spans), spans
+        whole = self.render(messages, tools)
+        spans = []
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and m.get("role") == "assistant"):
+                continue
+            prompt = self.render(messages[:i], tools, add_generation_prompt=True)
+            upto = self.render(messages[:i + 1], tools) if i + 1 < len(messages) else whole
+            if not (whole.startswith(upto) and upto.startswith(prompt)):
+                raise PrefixMismatch(i)
+            spans.append((len(prompt), len(upto.rstrip())))
+        return whole, spans
+
+
+class PrefixMismatch(Exception):
+    """An assistant turn's rendering is not a prefix of the whole conversation's."""
+
+
+def specials_of(tokenizer_dir: Path) -> dict:
+    """The tokenizer folder's named special tokens (tokenizer_config.json), as strings."""
+    try:
+        conf = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for name in SPECIAL_NAMES:
+        v = conf.get(name)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
+def template_text(tokenizer_dir: Path) -> tuple[str, str] | None:
+    """(where, text) of a tokenizer folder's chat template: chat_template.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates whose `default` is taken); None without one."""
+    f = tokenizer_dir / "chat_template.jinja"
+    if f.is_file():
+        return str(f), f.read_text()
+    try:
+        conf = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    t = conf.get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return (str(tokenizer_dir / "tokenizer_config.json"), t) if isinstance(t, str) and t else None
+
+
+def parse_date(date: str | None) -> _dt.date:
+    try:
+        return _dt.date.fromisoformat(date or DEFAULT_DATE)
+    except ValueError:
+        raise UserError(f"--date '{date}' is not a date; give YYYY-MM-DD, e.g. {DEFAULT_DATE}") from None
+
+
+def load_template(tokenizer_json: Path | None, override: str | None, date: _dt.date) -> ChatTemplate | None:
+    """The chat template conversations render with: --chat-template FILE, else the tokenizer folder's; None
+    when neither has one (a trained tokenizer has none)."""
+    folder = tokenizer_json.parent if tokenizer_json else None
+    if override:
+        p = Path(override)
+        try:
+            found = (str(p), p.read_text())
+        except OSError as e:
+            raise UserError(f"--chat-template '{override}' cannot be read ({e.strerror or e}); give a jinja file") from None
+    else:
+        found = template_text(folder) if folder else None
+    if found is None:
+        return None
+    return ChatTemplate(found[0], found[1], specials_of(folder) if folder else {}, date)

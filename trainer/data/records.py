@@ -1,0 +1,182 @@
+"""Records: JSONL and Parquet files of documents, conversations and exchanges, read as a stream.
+
+A record is one of
+  {"text": ...}                                   one document (--field NAME for another column)
+  {"messages": [{"role": ..., "content": ...}]}   one conversation, rendered with the chat template
+  {"prompt": ..., "completion": ...}              one exchange: a user turn and an assistant turn
+Keys whose value is None are dropped first, at every depth (Parquet fills a column a record lacks with
+None), so the same records read the same from either format. A record goes to the held-out split by a
+hash of that normalised form (keys sorted), whatever file or format holds it.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.chat import ChatTemplate, PrefixMismatch, TemplateFailed
+from trainer.errors import UserError
+
+SUFFIXES = (".jsonl", ".parquet")
+ROWS = 1024  # Parquet rows read at a time
+
+
+def is_records(path: Path) -> bool:
+    return path.suffix in SUFFIXES
+
+
+def normalised(x):
+    """x with every None-valued key dropped, at every depth."""
+    if isinstance(x, dict):
+        return {k: normalised(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [normalised(v) for v in x]
+    return x
+
+
+def key(record: dict) -> bytes:
+    """A (normalised) record's identity: its JSON with sorted keys, UTF-8."""
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def held_out(record_key: bytes, frac: float) -> bool:
+    """Whether a record is held out: the CRC-32 of its key, mod 10,000, below frac x 10,000 (the rule files
+    are split by)."""
+    return zlib.crc32(record_key) % 10_000 < frac * 10_000
+
+
+def read(path: Path):
+    """(where, record, bytes read so far) for each record of a JSONL or Parquet file, a few at a time."""
+    if path.suffix == ".parquet":
+        yield from _parquet(path)
+        return
+    with open(path, "rb") as f:
+        at = 0
+        for n, line in enumerate(f, 1):
+            at += len(line)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path}:{n} is not JSON ({getattr(e, 'msg', e)}); fix or remove that line") from None
+            yield f"{path}:{n}", rec, at
+
+
+def _parquet(path: Path):
+    import pyarrow.parquet as pq
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own ArrowInvalid and friends
+        raise UserError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0][:120]}); "
+                        "give a Parquet or JSONL file") from None
+    total, size, n = max(f.metadata.num_rows, 1), path.stat().st_size, 0
+    for batch in f.iter_batches(batch_size=ROWS):
+        for rec in batch.to_pylist():
+            n += 1
+            yield f"{path} row {n}", rec, size * n // total
+
+
+@dataclass
+class Kinds:
+    text: int = 0
+    conversations: int = 0
+    exchanges: int = 0
+
+
+def kind_of(rec, where: str, field: str) -> str:
+    if not isinstance(rec, dict):
+        raise UserError(f"{where} is a JSON {type(rec).__name__}, not a record; give objects with '{field}', "
+                        "'messages' or 'prompt' and 'completion'")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                         for m in msgs)):
+            raise UserError(f"{where}: 'messages' must be a non-empty list of objects with a 'role'; fix the record")
+        return "conversation"
+    if "prompt" in rec and "completion" in rec:
+        if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
+            raise UserError(f"{where}: 'prompt' and 'completion' must be strings; fix the record")
+        return "exchange"
+    if field in rec:
+        if not isinstance(rec[field], str):
+            raise UserError(f"{where}: '{field}' must be a string; fix the record or choose another --field")
+        return "text"
+    raise UserError(f"{where} has none of the fields '{field}', 'messages', 'prompt' + 'completion' (it has "
+                    f"{', '.join(map(repr, sorted(rec))) or 'none'}); fix the record or name its text with --field")
+
+
+def _mask_of(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose characters overlap a span (transformers' assistant mask), else 0."""
+    if not spans or not len(offsets):
+        return np.zeros(len(offsets), np.uint8)
+    starts = np.asarray([s for s, _ in spans])
+    ends = np.asarray([e for _, e in spans])
+    k = np.searchsorted(ends, offsets[:, 0], side="right")  # the first span ending after the token starts
+    hit = k < len(spans)
+    hit[hit] = starts[k[hit]] < offsets[hit, 1]
+    return hit.astype(np.uint8)
+
+
+class Encoder:
+    """Turns records into (ids, mask) documents, a batch at a time (the tokenizer encodes a batch in parallel)."""
+
+    def __init__(self, tok, eot: int, template: ChatTemplate | None, loss_on: str, field: str):
+        self.tok, self.eot, self.template, self.loss_on, self.field = tok, eot, template, loss_on, field
+
+    def _needs_template(self, where: str):
+        if self.template is None:
+            raise UserError(f"{where} is a conversation, and the tokenizer has no chat template (no chat_template in "
+                            "its tokenizer_config.json, no chat_template.jinja); give one with --chat-template FILE")
+
+    def render(self, where: str, kind: str, rec: dict) -> tuple[str, list, bool]:
+        """(text, the assistant's character spans, whether an end-of-text token follows)."""
+        if kind == "text":
+            return rec[self.field], [], True
+        if kind == "exchange" and self.template is None:
+            p, c = rec["prompt"], rec["completion"]
+            return p + c, [(len(p), len(p) + len(c))], True  # the end-of-text token after it is the completion's
+        msgs = rec["messages"] if kind == "conversation" else [
+            {"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["completion"]}]
+        self._needs_template(where)
+        tools = rec.get("tools")
+        if isinstance(tools, str):  # JSON text: how Parquet keeps a schema's key order (a struct column merges them)
+            try:
+                tools = json.loads(tools)
+            except ValueError as e:
+                raise UserError(f"{where}: 'tools' is a string but not JSON ({e}); fix the record") from None
+        try:
+            text, spans = self.template.assistant_spans(msgs, tools)
+        except TemplateFailed as e:
+            raise UserError(f"{where}: the chat template {self.template.source} cannot render it ({e}); fix the "
+                            "record or give another template with --chat-template") from None
+        except PrefixMismatch as e:
+            raise UserError(f"{where}: assistant turn {e.args[0]} was not found: the template renders the earlier "
+                            f"turns differently from the whole conversation, so the template needs "
+                            "{% generation %} blocks to mark the assistant's tokens; add them, or use --loss-on all") \
+                from None
+        return text, spans, False
+
+    def encode(self, batch: list[tuple[str, str, dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(where, kind, record)] -> [(ids, mask)], each a document (the end-of-text token included where
+        one follows it: plain text and exchanges without a template)."""
+        rendered = [self.render(w, k, r) for w, k, r in batch]
+        texts = [t for t, _, _ in rendered]
+        plain = all(k == "text" for _, k, _ in batch)
+        encs = (self.tok.encode_batch_fast(texts, add_special_tokens=False) if plain
+                else self.tok.encode_batch(texts, add_special_tokens=False))
+        out = []
+        for (_, kind, _), (text, spans, eot), enc in zip(batch, rendered, encs):
+            ids = np.asarray(enc.ids, np.int64)
+            if kind == "text" or self.loss_on == "all":
+                mask = np.ones(len(ids), np.uint8)
+            else:
+                mask = _mask_of(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans)
+            if eot:
+                ids = np.append(ids, self.eot)
+                mask = np.append(mask, np.uint8(1))  # a text's end, or an exchange's: the completion's
+            out.append((ids, mask))
+        return out
