@@ -208,7 +208,7 @@ def test_document_index_matches_each_documents_token_count(prepared):
     assert meta["document_index"] == {"path": "corpus.bin.docs", "dtype": "uint64", "entries": 13}
     index = np.fromfile(out.parent / "corpus.bin.docs", np.uint64).astype(np.int64)
     tok = Tokenizer.from_file(str(out.parent / "tokenizer.json"))
-    train, held = collect([str(docs)], HELDOUT)
+    train, held, _ = collect([str(docs)], HELDOUT)
     counts = [len(tok.encode(d.path.read_text(), add_special_tokens=False).ids) + 1 for d in train + held]
     np.testing.assert_array_equal(np.diff(index), counts)
     assert index[0] == 0 and index[-1] == meta["tokens"]["total"] and index[len(train)] == meta["heldout_range"][0]

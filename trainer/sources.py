@@ -24,7 +24,7 @@ def _with_sidecar(cfg: Config) -> Config:
     if masked and cfg.data.document_mask is False:
         raise UserError(f"data.source '{cfg.data.source}' has a loss mask (conversations), which trains on whole "
                         "documents: data.document_mask=false cannot hold; drop it or set it true")
-    documents = {"document_mask": masked or bool(cfg.data.document_mask)}
+    documents = {"document_mask": True} if masked else {}  # unset stays unset: false
     if not meta:
         return replace(cfg, data=documents)
     model = {} if cfg.model.vocab_size is not None else {"vocab_size": int(meta["vocab_size"])}
