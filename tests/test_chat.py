@@ -258,10 +258,14 @@ def test_resume_is_bit_exact_and_another_mesh_continues_with_the_same_batches(ch
                for r in res.history if "eval_loss" in r)
 
 
-def test_an_exported_chat_run_carries_its_chat_template(chats, tmp_path):
+def test_an_exported_chat_run_carries_its_chat_template(chats, tmp_path, capsys):
     run = tmp_path / "r"
     assert main(["train", *TRAIN, f"data.source={chats[0]}", f"run.dir={run}", "train.steps=1",
                  "train.eval_every=0"]) == 0
+    # conversations of up to 1,374 tokens in rows of 128: split, and said so
+    note = [x for x in capsys.readouterr().err.splitlines() if x.startswith("packed ")]
+    assert len(note) == 1 and f"{chats[1]['documents']['train']} training conversations" in note[0], note
+    assert "none dropped" in note[0] and " 0 longer" not in note[0], note
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     got = (tmp_path / "hf" / "chat_template.jinja").read_text()
     assert got == (F / "templates" / "chatml.jinja").read_text()

@@ -251,6 +251,7 @@ class Batches:
                             f"use a multiple of {process_count}")
         rows = batch_size // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        self.note = None  # what the run prints about its data (packing)
         self.packed = self.packed_eval = None  # with a loss mask: conversations packed whole (trainer/data/packing.py)
         if corpus.loss_mask is not None:
             self._pack(corpus, document_mask, evaluates)
@@ -293,8 +294,9 @@ class Batches:
             raise UserError(f"data.source '{corpus.source}' has no training document with a target; prepare it "
                             "from more records")
         p = self.packed
-        log.info("packed %d training documents into %d rows of %d (%.1f%% of the slots filled); %d longer than a "
-                 "row were split, none dropped", p.documents, p.rows, self.T, 100 * p.filled(self.T), p.split)
+        self.note = (f"packed {p.documents:,} training conversations into {p.rows:,} rows of {self.T} "
+                     f"({100 * p.filled(self.T):.1f}% of the slots filled); {p.split:,} longer than a row were split, "
+                     "none dropped")
         if evaluates:
             self.packed_eval = pack(starts[starts >= cut], self.T)
             if self.packed_eval.rows == 0:

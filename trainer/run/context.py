@@ -101,6 +101,8 @@ class Run:
                                *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
                                document_mask=cfg.data.document_mask)
         self.console.print(f"[bold]meshtrain[/] {describe(s)}")
+        if self.batches.note:
+            self.console.print(self.batches.note)
         if jax.process_count() > 1:
             self.console.print(distributed.describe(s.mesh, self.batches.rows, t.batch_size))
         t0 = self.t0 = time.perf_counter()
