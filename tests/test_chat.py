@@ -270,3 +270,20 @@ def test_an_exported_chat_run_carries_its_chat_template(chats, tmp_path, capsys)
     got = (tmp_path / "hf" / "chat_template.jinja").read_text()
     assert got == (F / "templates" / "chatml.jinja").read_text()
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (F / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+@SLOW  # two training processes and a restart (~40 s); the in-process resume above covers the stop-and-resume case
+def test_kill9_mid_run_resumes_bit_exact_on_conversations(chats, tmp_path):
+    import os
+    from test_checkpoint import finish, losses, start, step_dirs, wait_for
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    extra = [f"data.source={chats[0]}", "model.vocab_size=1032", f"model.seq_len={T}", "train.steps=12"]
+    assert finish(start(tmp_path / "a", env, *extra)) == 0
+    p = start(tmp_path / "b", env, *extra, "checkpoint.every=4")
+    wait_for(lambda: 4 in step_dirs(tmp_path / "b"), p, "the step-4 checkpoint")
+    p.kill()
+    p.wait()
+    assert finish(start(tmp_path / "b", env, *extra, "checkpoint.every=4")) == 0
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == 12 and a == b  # exact float equality, every step

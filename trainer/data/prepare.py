@@ -22,7 +22,8 @@ import numpy as np
 
 from trainer.data.batches import _split_files, index_path, mask_path, sidecar_path, stdlib_files, template_path
 from trainer.data.chat import load_template, parse_date
-from trainer.data.records import Encoder, Kinds, held_out, is_records, key, kind_of, normalised, read
+from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read
+from trainer.data.writers import Bar, Split, mask_name, write_files, write_records
 from trainer.errors import UserError
 
 VERSION = 2  # 2: the document index
@@ -30,7 +31,6 @@ EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 LOSS_ON = ("assistant", "all")  # --loss-on: the tokens a conversation's loss counts
 PIECE = 1 << 22  # bytes of one document handed to the encoder at a time: bounds memory on huge files
-BATCH = 1 << 23  # bytes per encode_batch call (the library encodes a batch's texts in parallel)
 
 
 @dataclass
@@ -142,106 +142,6 @@ def train_tokenizer(texts, vocab_size: int, length: int):
     return tok
 
 
-class Split:
-    """One split's output as it is written: tokens and their loss mask under temporary names, and the end of
-    each document (the offset after its last token, in this split)."""
-
-    def __init__(self, tokens: Path, dtype):
-        self.path, self.dtype, self.n, self.ends, self.docs, self.bytes, self.counted = tokens, dtype, 0, [], 0, 0, 0
-        self.f, self.m = open(tokens, "wb"), open(_mask_name(tokens), "wb")
-
-    def add(self, ids: np.ndarray, mask: np.ndarray, end: bool):
-        """Append a piece of a document (`end`: its last)."""
-        np.asarray(ids, self.dtype).tofile(self.f)
-        np.asarray(mask, np.uint8).tofile(self.m)
-        self.n += len(ids)
-        self.counted += int(np.count_nonzero(mask))
-        if end:
-            self.ends.append(self.n)
-            self.docs += 1
-
-    def close(self):
-        self.f.close()
-        self.m.close()
-
-
-def _mask_name(p: Path) -> Path:
-    return p.with_name(p.name + ".mask")
-
-
-class Bar:
-    """The progress bar's task: bytes read of all sources, tokens written and tokens/s."""
-
-    def __init__(self, progress, total: int, splits: tuple[Split, Split]):
-        self.p, self.splits, self.t0 = progress, splits, time.perf_counter()
-        self.task = progress.add_task("tokenize", total=total, tokens=0, rate="")
-
-    def advance(self, nbytes: int):
-        n = sum(s.n for s in self.splits)
-        self.p.update(self.task, advance=nbytes, tokens=n,
-                      rate=f"{n / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s")
-
-
-def _write_files(tok, docs: list[Doc], eot: int, split: Split, bar: Bar):
-    """Encode text files in batches, each document followed by EOT, into the split."""
-    batch, ends, nbytes = [], [], 0
-
-    def flush():
-        nonlocal batch, ends, nbytes
-        for enc, end in zip(tok.encode_batch_fast(batch, add_special_tokens=False), ends):
-            ids = np.append(np.asarray(enc.ids, np.int64), eot) if end else np.asarray(enc.ids, np.int64)
-            split.add(ids, np.ones(len(ids), np.uint8), end)
-        bar.advance(nbytes)
-        batch, ends, nbytes = [], [], 0
-
-    for d in docs:
-        split.bytes += d.size
-        for text, size in _pieces(d):
-            batch.append(text)
-            ends.append(False)
-            nbytes += size
-            if nbytes >= BATCH:
-                flush()
-        if ends:
-            ends[-1] = True
-        else:  # the document's last piece went out in the previous batch: its EOT alone
-            split.add(np.asarray([eot]), np.ones(1, np.uint8), True)
-    if batch:
-        flush()
-
-
-def _write_records(enc: Encoder, doc: Doc, heldout: float, train: Split, held: Split, kinds: Kinds, bar: Bar):
-    """Encode a record file's records in batches into the split each one's hash sends it to."""
-    batch, nbytes, done = [], 0, 0
-
-    def flush():
-        nonlocal batch, nbytes
-        for (split, n), (ids, mask) in zip(((s, n) for s, n, _ in batch), enc.encode([b for _, _, b in batch])):
-            split.add(ids, mask, True)
-            split.bytes += n
-        bar.advance(0)
-        batch, nbytes = [], 0
-
-    for where, rec, at in read(doc.path):
-        kind = kind_of(rec := normalised(rec), where, enc.field)
-        setattr(kinds, _KIND_FIELD[kind], getattr(kinds, _KIND_FIELD[kind]) + 1)
-        k = key(rec)
-        size = len(k)
-        batch.append((held if held_out(k, heldout) else train, size, (where, kind, rec)))
-        nbytes += size
-        if at > done:
-            bar.advance(at - done)
-            done = at
-        if nbytes >= BATCH // 8:  # rendering is Python; keep the batches the tokenizer encodes in parallel big
-            flush()
-    if batch:
-        flush()
-    bar.advance(doc.size - done)
-
-
-_KIND_FIELD = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}
-
-
 def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for part, docs in (("train", train), ("heldout", held)):
@@ -322,10 +222,10 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
         train, held = Split(names.tokens, dtype), Split(names.held, dtype)
         with progress:
             bar = Bar(progress, sum(d.size for d in train_docs + held_docs + record_docs), (train, held))
-            _write_files(tok, train_docs, eot, train, bar)
-            _write_files(tok, held_docs, eot, held, bar)
+            write_files(tok, train_docs, eot, train, bar, _pieces)
+            write_files(tok, held_docs, eot, held, bar, _pieces)
             for d in record_docs:
-                _write_records(enc, d, heldout, train, held, kinds, bar)
+                write_records(enc, d, heldout, train, held, kinds, bar)
         train.close()
         held.close()
         encode_s = time.perf_counter() - t1
@@ -356,7 +256,7 @@ class _Names:
         self.tokenizer = out.parent / "tokenizer.json.tmp"
 
     def all(self):
-        return [self.tokens, self.held, _mask_name(self.tokens), _mask_name(self.held), self.tokenizer,
+        return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), self.tokenizer,
                 *(p.with_name(p.name + ".tmp") for p in (index_path(self.out), sidecar_path(self.out),
                                                          mask_path(self.out), template_path(self.out)))]
 
@@ -393,8 +293,8 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
     index.tofile(tmp[index_path(out_p)])
     mask_meta = None
     if masked:
-        mask_tmp = _mask_name(names.tokens)
-        _append(mask_tmp, _mask_name(names.held))
+        mask_tmp = mask_name(names.tokens)
+        _append(mask_tmp, mask_name(names.held))
         os.replace(mask_tmp, tmp[mask_path(out_p)])
         mask_meta = {"path": mask_path(out_p).name, "dtype": "uint8", "loss_on": loss_on,
                      "counted": {"train": train.counted, "heldout": held.counted}}
