@@ -199,7 +199,8 @@ LAST_DIFFERS = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }
 @pytest.mark.parametrize("case,lines,template,extra,says", [
     ("not json", [CONV, "{not json"], None, (), "bad.jsonl:2 is not JSON"),
     ("no known field", [CONV, json.dumps({"body": "x"})], None, (), "has none of the fields 'text', 'messages'"),
-    ("template error", [CONV], "{{ raise_exception('no tools here') }}", (), "cannot render it (TemplateError: no tools"),
+    ("template error", [CONV], "{{ raise_exception('no tools here') }}", (),
+     "cannot render it (TemplateError: no tools"),
     ("turn not found", [CONV], LAST_DIFFERS, (), "needs {% generation %} blocks"),
     ("no counted token", [json.dumps({"messages": [{"role": "user", "content": "hi"}]})], None, ("--heldout", "0"),
      "counts no token of the training split"),

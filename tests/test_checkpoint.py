@@ -422,7 +422,8 @@ print("RESTORED", step, flush=True)
 """
 
 
-@pytest.mark.parametrize("fault", ["eio", "damage", pytest.param("eio-step", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fault", [pytest.param("eio", marks=pytest.mark.slow), "damage",
+                                   pytest.param("eio-step", marks=pytest.mark.slow)])
 def test_processes_take_the_same_decision(tmp_path, tiny, fault):
     """An I/O error on one process stops all of them, moving nothing; damage seen by one process makes
     all of them fall back to the same older checkpoint. eio-step: the same I/O error while both read

@@ -85,8 +85,10 @@ def test_the_family_is_registered_and_declares_its_parameters():
 
 
 @pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.model=4", "train.zero_stage=3"],
-                                  ["mesh.data=2", "mesh.stage=2", "mesh.model=1", "train.pipeline_schedule=1f1b",
-                                   "train.microbatches=2"]], ids=["zero3-2x1x4", "1f1b-2x2x1"])
+                                  pytest.param(["mesh.data=2", "mesh.stage=2", "mesh.model=1",
+                                                "train.pipeline_schedule=1f1b", "train.microbatches=2"],
+                                               marks=pytest.mark.slow)],  # the aux test below runs 1F1B by default
+                         ids=["zero3-2x1x4", "1f1b-2x2x1"])
 def test_a_family_defined_in_a_test_trains_as_on_one_device(mesh):
     over = TOY + mesh
     r = run_steps(over)

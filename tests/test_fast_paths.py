@@ -145,8 +145,9 @@ def test_reference_path_is_plain_and_default_is_fast():
     assert "custom_vjp" in jaxpr(_tiny())
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads,remat", [(8, "none"), pytest.param(8, "dots", marks=pytest.mark.slow),
+                                            pytest.param(4, "none", marks=pytest.mark.slow), (4, "dots")],
+                         ids=["mha-none", "mha-dots", "gqa-none", "gqa-dots"])  # -m slow: the other two pairings
 def test_model_loss_and_grads_fast_equal_reference(kv_heads, remat):
     batch = from_windows(corpus().train[: 4 * 33].reshape(4, 33))
     p, out = params_of(Transformer(_tiny(n_kv_heads=kv_heads), rngs=nnx.Rngs(0))), {}

@@ -15,8 +15,13 @@ from hf_check import (FIX, LAYOUTS, check_parity, check_pipeline, cli, edit_conf
 NAMES = ["gqa_untied_f32", "tied_llama3_bf16", "sharded_f32", "head_dim_long_f32"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", NAMES)
+# -m slow: the sharded fixture runs every layout by default, the others 1 device (and one more layout each)
+SLOW_PARITY = {("gqa_untied_f32", "pipe_2x2x2"), ("tied_llama3_bf16", "pipe_2x2x2"), ("gqa_untied_f32", "zero3_2x1x4")}
+
+
+@pytest.mark.parametrize("name,layout", [
+    pytest.param(n, lay, marks=[pytest.mark.slow] if (n, lay) in SLOW_PARITY else [], id=f"{n}-{lay}")
+    for n in NAMES for lay in LAYOUTS])
 def test_logits_and_greedy_tokens_match_transformers(name, layout):
     """1 device and ZeRO-3 (2,1,4): the forward on the params as loaded into that layout's shardings, greedy
     tokens by KV-cache decoding from them. The pipeline: the 1F1B executor's own logits, loss and greedy tokens

@@ -69,7 +69,7 @@ def _plan(overrides, device=H100, dtype="float32", platform=None):
 # small preset beside tiny's ZeRO-1, TP with accumulation; the Qwen families beside Mistral's windowed layout: by
 # default Qwen3's extra weights are checked in `plan`'s parameter count, tests/test_qwen.py, Qwen2's under -m slow;
 # the Gemma layouts under -m slow too: their weights are Qwen3's and Llama's kinds, the same state rules)
-SLOW_AGAINST_XLA = {"d8-z2-m4", "d4m2-z3", "small-d8-z1", "d4m2-z0-m4", "qwen2-d4m2-z3", "qwen3-d2s2m2-z0-m4",
+SLOW_AGAINST_XLA = {"small-d4m2-z2-m4-dots", "d2s4-z1-m4", "d8-z2-m4", "d4m2-z3", "small-d8-z1", "d4m2-z0-m4", "qwen2-d4m2-z3", "qwen3-d2s2m2-z0-m4",
                     "gemma2-d2s2m2-z1-m4", "gemma3-d4m2-z3"}
 
 

@@ -42,7 +42,8 @@ def main():
     (tmp / "plain.txt").write_text("".join(t.render(m) for m in convs))
     best: dict[str, float] = {}
     for r in range(a.rounds):
-        for name, src, template in (("plain text", "plain.txt", None), ("chatml (prefix rule)", "chats.jsonl", "chatml"),
+        for name, src, template in (("plain text", "plain.txt", None),
+                                    ("chatml (prefix rule)", "chats.jsonl", "chatml"),
                                     ("chatml_gen (generation blocks)", "chats.jsonl", "chatml_gen")):
             meta = prepare([str(tmp / src)], str(tmp / f"{r}-{template}.bin"), tokenizer=str(F / "tokenizer"),
                            heldout=0, show_progress=False, log=lambda *x: None,

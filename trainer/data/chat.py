@@ -211,7 +211,8 @@ def load_template(tokenizer_json: Path | None, override: str | None, date: _dt.d
         try:
             found = (str(p), p.read_text())
         except OSError as e:
-            raise UserError(f"--chat-template '{override}' cannot be read ({e.strerror or e}); give a jinja file") from None
+            raise UserError(f"--chat-template '{override}' cannot be read ({e.strerror or e}); give a jinja "
+                            "file") from None
     else:
         found = template_text(folder) if folder else None
     if found is None:
