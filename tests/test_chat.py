@@ -288,3 +288,13 @@ def test_kill9_mid_run_resumes_bit_exact_on_conversations(chats, tmp_path):
     assert finish(start(tmp_path / "b", env, *extra, "checkpoint.every=4")) == 0
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(a) == 12 and a == b  # exact float equality, every step
+
+
+def test_a_rerun_is_skipped_until_the_mask_is_gone(tmp_path, capsys):
+    args = ["prepare", str(F / "exchanges.jsonl"), "--out", str(tmp_path / "d.bin"),
+            "--tokenizer", str(F / "tokenizer"), "--heldout", "0", "--no-progress"]
+    assert main(args) == 0 and main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("skipped: ")
+    (tmp_path / "d.bin.mask").unlink()
+    assert main(args) == 0 and not capsys.readouterr().out.splitlines()[-1].startswith("skipped: ")
+    assert (tmp_path / "d.bin.mask").is_file()

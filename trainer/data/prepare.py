@@ -156,6 +156,9 @@ def _up_to_date(out: Path, digest: str) -> bool:
         tok = Path(meta["tokenizer"]["path"])
         tok = tok if tok.is_absolute() else out.parent / tok
         index = out.parent / meta["document_index"]["path"]
+        mask = meta.get("loss_mask")
+        if mask and (out.parent / mask["path"]).stat().st_size != meta["tokens"]["total"]:
+            return False
         return (meta.get("inputs_sha256") == digest and sha256_file(tok) == meta["tokenizer"]["sha256"]
                 and out.stat().st_size == meta["tokens"]["total"] * np.dtype(meta["dtype"]).itemsize
                 and index.stat().st_size == 8 * meta["document_index"]["entries"])
@@ -233,7 +236,7 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
         _check_splits(record_docs, kinds, train, held, heldout, masked, names)
         meta = _finish(names, out_p, train, held, masked, tok, tok_path, given is not None, eot, vocab, dtype,
                        template if masked else None, sources, heldout, digest, kinds, day, loss_on,
-                       {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)})
+                       {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)}, encode_s)
     finally:
         names.clean()
     if masked:
@@ -282,7 +285,7 @@ def _append(dst: Path, src: Path):
 
 def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool, tok, tok_path: Path, given: bool,
             eot: int, vocab: int, dtype, template, sources, heldout, digest, kinds: Kinds, day, loss_on,
-            seconds: dict) -> dict:
+            seconds: dict, encode_s: float) -> dict:
     """Join the splits, write the index, the mask and the sidecar under temporary names, then rename them all."""
     _append(names.tokens, names.held)
     total = train.n + held.n
@@ -315,7 +318,7 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
         "bytes_per_token": (train.bytes + held.bytes) / total,
         "heldout_bytes_per_token": held.bytes / held.n if held.n else None,
         "heldout_range": [train.n, total], "sources": sources, "heldout_fraction": heldout,
-        "seconds": seconds, "tokens_per_sec": round(total / max(seconds["encode"], 1e-9)), "inputs_sha256": digest,
+        "seconds": seconds, "tokens_per_sec": round(total / max(encode_s, 1e-9)), "inputs_sha256": digest,
     }
     if masked:
         meta["loss_mask"] = mask_meta
