@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
-from trainer.data.batches import read_sidecar, tokenizer_of
-from trainer.errors import UserError
+from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
 
 
 def resolve(cfg: Config) -> Config:
@@ -22,8 +21,7 @@ def _with_sidecar(cfg: Config) -> Config:
     meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
     masked = bool(meta and meta.get("loss_mask"))
     if masked and cfg.data.document_mask is False:
-        raise UserError(f"data.source '{cfg.data.source}' has a loss mask (conversations), which trains on whole "
-                        "documents: data.document_mask=false cannot hold; drop it or set it true")
+        raise needs_documents(cfg.data.source)
     documents = {"document_mask": True} if masked else {}  # unset stays unset: false
     if not meta:
         return replace(cfg, data=documents)

@@ -99,6 +99,12 @@ def template_path(bin_path) -> Path:
     return Path(str(bin_path) + ".chat_template.jinja")
 
 
+def needs_documents(source: str) -> UserError:
+    """A loss mask trains on whole documents: data.document_mask=false contradicts it."""
+    return UserError(f"data.source '{source}' has a loss mask (conversations), which trains on whole documents and "
+                     "needs data.document_mask=true; drop data.document_mask=false or set it true")
+
+
 def read_sidecar(bin_path) -> dict | None:
     """The JSON sidecar `meshtrain prepare` wrote beside a token .bin, or None for a bare .bin."""
     side = sidecar_path(bin_path)
@@ -253,9 +259,6 @@ class Batches:
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
         self.note = None  # what the run prints about its data (packing)
         self.packed = self.packed_eval = None  # with a loss mask: conversations packed whole (trainer/data/packing.py)
-        if corpus.loss_mask is not None:
-            self._pack(corpus, document_mask, evaluates)
-            return
         if not corpus.synthetic:
             if corpus.vocab > vocab_size and corpus.prepared:
                 raise UserError(f"the tokenizer of data.source '{corpus.source}' has {corpus.vocab} tokens but "
@@ -264,6 +267,10 @@ class Batches:
             if corpus.vocab > vocab_size:
                 raise UserError(f"the data has token ids up to {corpus.vocab - 1} but model.vocab_size={vocab_size}; "
                                 f"set model.vocab_size >= {corpus.vocab}")
+        if corpus.loss_mask is not None:
+            self._pack(corpus, document_mask, evaluates)
+            return
+        if not corpus.synthetic:
             if evaluates and len(corpus.heldout) <= seq_len + 1:
                 corpus = _hold_out_tail(corpus, seq_len)
             if len(corpus.train) <= seq_len + 1:
@@ -281,14 +288,8 @@ class Batches:
     def _pack(self, corpus: Corpus, document_mask: bool, evaluates: bool):
         from trainer.data.packing import pack
         if not document_mask:
-            raise UserError(f"data.source '{corpus.source}' has a loss mask (conversations), which trains on whole "
-                            "documents and needs data.document_mask=true; drop data.document_mask=false or set it true")
-        if corpus.vocab > self.V:
-            raise UserError(f"the tokenizer of data.source '{corpus.source}' has {corpus.vocab} tokens but "
-                            f"model.vocab_size={self.V}; set model.vocab_size >= {corpus.vocab}, or leave it unset "
-                            "to take the vocabulary from the data's sidecar")
+            raise needs_documents(corpus.source)
         self.c, starts, cut = corpus, corpus.documents(), len(corpus.train)
-        self.starts = starts
         self.packed = pack(starts[starts <= cut], self.T)
         if self.packed.rows == 0:
             raise UserError(f"data.source '{corpus.source}' has no training document with a target; prepare it "

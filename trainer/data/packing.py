@@ -54,7 +54,7 @@ def pieces(doc_starts: np.ndarray, T: int):
 def pack(doc_starts: np.ndarray, T: int) -> Packing:
     start, length, offset, split, n_docs = pieces(doc_starts, T)
     order = np.argsort(-length, kind="stable")
-    rows_of = np.empty(len(order), np.int64)
+    row_of = np.empty(len(order), np.int64)  # each piece's row
     size = 1 << int(T).bit_length()  # a tree over room left 0..T: tree[node] counts the rows below it
     tree = [0] * (2 * size)
     bucket: list[list[int]] = [[] for _ in range(T + 1)]  # the rows with each room left
@@ -90,12 +90,12 @@ def pack(doc_starts: np.ndarray, T: int) -> Packing:
         else:
             r = bucket[room].pop()
             change(room, -1)
-        rows_of[p] = r
+        row_of[p] = r
         if room - need > 0:
             bucket[room - need].append(r)
             change(room - need, 1)
-    by_row = np.lexsort((np.arange(len(order)), rows_of))  # pieces row by row, each row in document order
-    counts = np.bincount(rows_of, minlength=n_rows)
+    by_row = np.lexsort((np.arange(len(order)), row_of))  # pieces row by row, each row in document order
+    counts = np.bincount(row_of, minlength=n_rows)
     return Packing(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), start[by_row], length[by_row],
                    offset[by_row], n_docs, split)
 

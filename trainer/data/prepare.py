@@ -220,9 +220,9 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
                         console=Console(stderr=True), disable=not show_progress)
     names = _Names(out_p)
     t1 = time.perf_counter()
-    kinds = Kinds()
+    kinds, splits = Kinds(), []
     try:
-        train, held = Split(names.tokens, dtype), Split(names.held, dtype)
+        train, held = splits[:] = Split(names.tokens, dtype), Split(names.held, dtype)
         with progress:
             bar = Bar(progress, sum(d.size for d in train_docs + held_docs + record_docs), (train, held))
             write_files(tok, train_docs, eot, train, bar, _pieces)
@@ -238,6 +238,8 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
                        template if masked else None, sources, heldout, digest, kinds, day, loss_on,
                        {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)}, encode_s)
     finally:
+        for split in splits:  # closed already unless something failed on the way
+            split.close()
         names.clean()
     if masked:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
