@@ -16,6 +16,7 @@ the template's separator after it is not. That takes every earlier rendering to 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import re
 from contextvars import ContextVar
@@ -119,6 +120,7 @@ class ChatTemplate:
     def __post_init__(self):
         import jinja2
         self.blocks = bool(_GENERATION.search(self.text))
+        self.sha256 = hashlib.sha256(self.text.encode()).hexdigest()
         try:
             self._t = _environment(self.date).from_string(self.text)
         except jinja2.TemplateError as e:

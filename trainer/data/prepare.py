@@ -192,7 +192,7 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
                 "tokenizer_sha256": given and sha256_file(given[1])}
     if record_docs:  # what else decides a record file's tokens (a text-only prepare hashes as it always did)
         settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
-                        chat_template=template and hashlib.sha256(template.text.encode()).hexdigest())
+                        chat_template=template and template.sha256)
     digest = inputs_hash(train_docs, held_docs + record_docs, settings)
     if _up_to_date(out_p, digest):
         log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
@@ -222,7 +222,8 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
     t1 = time.perf_counter()
     kinds, splits = Kinds(), []
     try:
-        train, held = splits[:] = Split(names.tokens, dtype), Split(names.held, dtype)
+        train, held = splits[:] = (Split(names.tokens, dtype, bool(record_docs)),
+                                   Split(names.held, dtype, bool(record_docs)))
         with progress:
             bar = Bar(progress, sum(d.size for d in train_docs + held_docs + record_docs), (train, held))
             write_files(tok, train_docs, eot, train, bar, _pieces)
@@ -259,11 +260,13 @@ class _Names:
         self.tokens = out.with_name(out.name + ".tmp")
         self.held = out.with_name(out.name + ".heldout.tmp")
         self.tokenizer = out.parent / "tokenizer.json.tmp"
+        # each final file beside the .bin -> its temporary name
+        self.staged = {p: p.with_name(p.name + ".tmp") for p in (index_path(out), sidecar_path(out), mask_path(out),
+                                                                 template_path(out))}
 
     def all(self):
         return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), self.tokenizer,
-                *(p.with_name(p.name + ".tmp") for p in (index_path(self.out), sidecar_path(self.out),
-                                                         mask_path(self.out), template_path(self.out)))]
+                *self.staged.values()]
 
     def clean(self):
         for p in self.all():
@@ -271,7 +274,7 @@ class _Names:
 
 
 def _check_splits(record_docs, kinds: Kinds, train: Split, held: Split, heldout: float, masked: bool, names: _Names):
-    n = kinds.text + kinds.conversations + kinds.exchanges
+    n = kinds.total
     if record_docs and heldout > 0 and held.docs == 0:
         raise UserError(f"--heldout {heldout} held out none of the {n:,} records (a record is held out by a hash "
                         "of its content); use a larger --heldout, more records, or --heldout 0 to hold out none")
@@ -293,8 +296,7 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
     total = train.n + held.n
     index = np.asarray([0] + train.ends + [train.n + e for e in held.ends], np.uint64)
     assert len(index) == train.docs + held.docs + 1 and int(index[-1]) == total
-    tmp = {p: p.with_name(p.name + ".tmp") for p in (index_path(out_p), sidecar_path(out_p), mask_path(out_p),
-                                                      template_path(out_p))}
+    tmp = names.staged
     index.tofile(tmp[index_path(out_p)])
     mask_meta = None
     if masked:
@@ -326,7 +328,7 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
         meta["loss_mask"] = mask_meta
         meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges}
         meta["chat_template"] = template and {"path": template_path(out_p).name, "source": template.source,
-                                              "sha256": hashlib.sha256(template.text.encode()).hexdigest(),
+                                              "sha256": template.sha256,
                                               "generation_blocks": template.blocks, "date": day.isoformat()}
     tmp[sidecar_path(out_p)].write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(names.tokens, out_p)

@@ -82,9 +82,18 @@ def _parquet(path: Path):
 
 @dataclass
 class Kinds:
+    """How many records of each kind a prepare read."""
     text: int = 0
     conversations: int = 0
     exchanges: int = 0
+
+    def add(self, kind: str):
+        name = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}[kind]
+        setattr(self, name, getattr(self, name) + 1)
+
+    @property
+    def total(self) -> int:
+        return self.text + self.conversations + self.exchanges
 
 
 def kind_of(rec, where: str, field: str) -> str:

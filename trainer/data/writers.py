@@ -15,14 +15,16 @@ class Split:
     """One split's output as it is written: tokens and their loss mask under temporary names, and the end of
     each document (the offset after its last token, in this split)."""
 
-    def __init__(self, tokens: Path, dtype):
+    def __init__(self, tokens: Path, dtype, masks: bool):
+        """`masks`: write the loss mask too (only records can have one: a text-only prepare writes none)."""
         self.path, self.dtype, self.n, self.ends, self.docs, self.bytes, self.counted = tokens, dtype, 0, [], 0, 0, 0
-        self.f, self.m = open(tokens, "wb"), open(mask_name(tokens), "wb")
+        self.f, self.m = open(tokens, "wb"), open(mask_name(tokens), "wb") if masks else None
 
     def add(self, ids: np.ndarray, mask: np.ndarray, end: bool):
         """Append a piece of a document (`end`: its last)."""
         np.asarray(ids, self.dtype).tofile(self.f)
-        np.asarray(mask, np.uint8).tofile(self.m)
+        if self.m is not None:
+            np.asarray(mask, np.uint8).tofile(self.m)
         self.n += len(ids)
         self.counted += int(np.count_nonzero(mask))
         if end:
@@ -31,7 +33,8 @@ class Split:
 
     def close(self):
         self.f.close()
-        self.m.close()
+        if self.m is not None:
+            self.m.close()
 
 
 def mask_name(p: Path) -> Path:
@@ -85,7 +88,7 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
 
     def flush():
         nonlocal batch, nbytes
-        for (split, n), (ids, mask) in zip(((s, n) for s, n, _ in batch), enc.encode([b for _, _, b in batch])):
+        for (split, n, _), (ids, mask) in zip(batch, enc.encode([b for _, _, b in batch])):
             split.add(ids, mask, True)
             split.bytes += n
         bar.advance(0)
@@ -93,7 +96,7 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
 
     for where, rec, at in read(doc.path):
         kind = kind_of(rec := normalised(rec), where, enc.field)
-        setattr(kinds, _KIND_FIELD[kind], getattr(kinds, _KIND_FIELD[kind]) + 1)
+        kinds.add(kind)
         k = key(rec)
         size = len(k)
         batch.append((held if held_out(k, heldout) else train, size, (where, kind, rec)))
@@ -107,5 +110,3 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
         flush()
     bar.advance(doc.size - done)
 
-
-_KIND_FIELD = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}
