@@ -195,6 +195,21 @@ def test_json_has_per_device_bytes(capsys):
     assert doc["links"] == {"model": "fast", "stage": "fast", "data": "net"}  # 8 GPUs per node: data crosses
 
 
+def test_plan_help_and_docs_name_every_device():
+    """`meshtrain plan --help` and docs/plan.md name every device of the table (tpu-v6e was missing), the docs with
+    its figures."""
+    from trainer.hardware import ALIASES, DEVICES
+    from trainer.plan.cli import DESCRIPTION
+    docs = DOCS.read_text(encoding="utf-8")
+    key_row = next(line for line in docs.splitlines() if line.startswith("| `plan.device` |"))
+    help_names = set(re.findall(r"[\w-]+", DESCRIPTION.split("plan.device", 1)[1].split(")", 1)[0]))
+    assert set(DEVICES) | set(ALIASES) <= help_names and all(f"`{d}`" in key_row for d in DEVICES), help_names
+    for name, d in DEVICES.items():
+        if name != "cpu":  # measured on the host
+            row = next(line for line in docs.splitlines() if line.startswith(f"| {name} |"))
+            assert row.split("|")[2].split()[0] == f"{d.peak('bfloat16') / 1e12:g}", row
+
+
 def test_links_follow_mesh_order_and_hosts():
     st = strategy_of(load_config(["model.preset=7b", "mesh.data=4", "mesh.model=16"]), 64)
     assert links(st, H100, 4) == {"model": "net", "stage": "net", "data": "net"}  # 16 GPUs span 2 nodes
@@ -407,6 +422,75 @@ def test_search_tries_every_schedule_and_the_plan_names_it(capsys):
     out = capsys.readouterr().out
     assert "M=16 1f1b" in out and "pipeline 1f1b (S=4 M=16 V=1): 38 ticks, bubble 15.8%" in out
     assert "4 stage inputs live" in out
+
+
+def _as_run(layout: dict) -> tuple:
+    """A search row's layout as the executor runs it: trainer/parallel/pipeline.py recomputes each stage body whole for
+    its backward and runs its layers without remat, unless sublayer."""
+    piped = layout["stage"] > 1 and layout["remat"] != "sublayer"
+    return tuple(sorted({**layout, "remat": "none" if piped else layout["remat"]}.items()))
+
+
+def test_search_shows_each_layout_once(capsys):
+    """`plan --search` lists a layout once: rows that differed only in remat under a pipeline made its top three one
+    layout. Layouts that tie stay apart (1F1B and GPipe at S=2, M=16: the same bubble, the same time), and a
+    pipeline's row keeps train.grad_sync, whose reducer it runs (it said auto)."""
+    # an odd vocabulary keeps the model axis out (it must divide it): the search plans one width, in half the time
+    code = main(["plan", *TINY, "model.vocab_size=257", "train.grad_sync=ring", "plan.device=h100-80g", "--search",
+                 "--devices", "2", "--top", "100", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    rows = [p["layout"] for p in doc["plans"]]
+    keys = [_as_run(r) for r in rows]
+    assert len(set(keys)) == len(keys), [dict(k) for k in keys[:3]]
+    # by hand, tiny (2 layers) at batch 16 on 2 devices: data=2: ZeRO 0-3 x M = 1, 2, 4, 8 x 3 remats; stage=2: gpipe
+    # and 1f1b (interleaving needs 4 layers) x M = 2, 4, 8, 16, each once
+    assert code == 0 and doc["tried"] == doc["fit"] == len(rows) == 48 + 8
+    piped = {(r["pipeline_schedule"], r["microbatches"], r["remat"]) for r in rows if r["stage"] == 2}
+    assert piped == {(s, m, "none") for s in ("gpipe", "1f1b") for m in (2, 4, 8, 16)}
+    tie = [p["step_s"] for p in doc["plans"] if p["layout"]["stage"] == 2 and p["layout"]["microbatches"] == 16]
+    assert len(tie) == 2 and tie[0] == tie[1] and {r["grad_sync"] for r in rows} == {"ring"}
+
+
+def test_the_pipeline_runs_the_remats_the_search_merges_alike():
+    """The search's one layout (trainer.plan.types.executed) against the executor's program: under a pipeline the
+    search's remats (none, dots, full) trace one jaxpr (sublayer, which the search does not try, would be another)."""
+    import functools
+
+    import jax
+
+    from trainer.plan.search import REMATS
+    from trainer.plan.types import executed
+    from trainer.plan.verify import abstract_inputs
+    from trainer.state import make_setup
+    from trainer.step import loss_and_grads
+    programs, merged = {}, {}
+    for remat in REMATS:
+        cfg = load_config(TINY + ["mesh.data=1", "mesh.stage=2", "train.microbatches=2", f"model.remat={remat}"])
+        s = make_setup(cfg, jax.devices()[:2])
+        state, batch = abstract_inputs(s)
+        with jax.set_mesh(s.mesh):
+            jaxpr = jax.make_jaxpr(functools.partial(loss_and_grads, s))(state["params"], batch)
+        programs[remat] = re.sub(r" at 0x[0-9a-f]+", "", str(jaxpr))
+        merged[remat] = executed(strategy_of(cfg, 2))
+    assert len(set(programs.values())) == len(set(merged.values())) == 1, merged
+
+
+def test_a_7b_layer_saves_what_the_docs_count():
+    """docs/plan.md's figure of what one Llama-2-7B layer saves per token (T = 4096, bfloat16, XLA's attention, no
+    remat) against a count by hand and the planner's; its table of the terms adds up to it."""
+    text = DOCS.read_text(encoding="utf-8")
+    quoted = float(re.search(r"7B layer at T = 4096[^.]*?\*{0,2}([\d.]+) MB per token", text).group(1))
+    mc = dataclasses.replace(model_config(load_config(["model.preset=7b"])), platform="tpu")
+    D, F, H, T = mc.d_model, mc.d_ff, mc.n_heads, mc.seq_len
+    # per head and key: mask, masked scores, exponentials, bf16 probabilities; the softmax's two per head; q, k, v and
+    # the attention output; two norms' float32 input and output, bf16 output, two scalars; six (F) arrays of the MLP
+    hand = H * T * (1 + 4 + 4 + 2) + H * 8 + 4 * D * 2 + 2 * (D * (4 + 4 + 2) + 8) + 6 * F * 2
+    assert quoted == round(hand / 1e6, 2), (quoted, hand)
+    from trainer.plan.memory import layer_residuals
+    from trainer.plan.types import Strategy
+    assert layer_residuals(mc, Strategy(1, 1, 1, 0, 1, "none"), "bfloat16")[1] == hand
+    rows = [r[0] for r in _doc_numbers("### What one Llama-2-7B layer saves per token")]
+    assert len(rows) == 6 and sum(rows[:-1]) == rows[-1] == hand, rows
 
 
 # the 125m preset's vocabulary and 8 x 1024 tokens, narrow and shallow so that the head dominates

@@ -13,8 +13,8 @@ from trainer.errors import UserError
 
 DESCRIPTION = """Per-device memory, communication per mesh axis and roofline step time of a layout,
 from shapes alone: nothing is allocated and the planned devices need not exist. plan.device
-(h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, cpu, or the short h100, a100, v5p, v5e,
-v4; default: this machine's) and
+(h100-80g, h200, a100-80g, tpu-v5p, tpu-v5e, tpu-v4, tpu-v6e, cpu, or the short h100, a100, v5p, v5e,
+v4, v6e; default: this machine's) and
 plan.hbm_gb choose the device. --verify compiles the real step for simulated CPU devices and
 prints XLA's numbers beside the prediction; --search ranks every layout for --devices N.
 --compile-for TOPOLOGY (e.g. v5p:4x4x8, v5e:4x4) compiles the train step ahead of time for that TPU

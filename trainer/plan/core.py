@@ -12,7 +12,7 @@ import dataclasses
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
 from trainer.plan.comm import transfers
 from trainer.hardware import Device
-from trainer.plan.memory import activation_bytes, buffer_bytes, state_bytes
+from trainer.plan.memory import activation_bytes, buffer_bytes, layer_residuals, state_bytes
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
@@ -38,6 +38,7 @@ class Plan:
     compute_s: float
     comm_s: dict  # axis -> seconds
     links: dict  # axis -> "fast" | "net"
+    layer_bytes: tuple = (0.0, 0.0)  # one layer's residuals: (bytes whatever the batch, bytes per token)
 
     @property
     def total_bytes(self) -> float:
@@ -110,7 +111,8 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     for t in moves:  # a collective over several axes runs at the slowest of their links
         slow = min(bw[lk[a]] for a in t.axis.split(","))
         comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
-    return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk)
+    return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk,
+                layer_residuals(mc, st, dtype))
 
 
 def strategy_of(cfg, n_devices: int) -> Strategy:

@@ -20,7 +20,7 @@ from meshes import AXES, Layout
 from models import ModelConfig, abstract_model
 from trainer.optim import make_optimizer
 from trainer.plan.schedule_cost import cost
-from trainer.plan.types import Strategy
+from trainer.plan.types import Strategy, executed
 
 
 @functools.lru_cache(maxsize=64)
@@ -193,6 +193,12 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
 def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
     fixed, per = _per_row(_no_remat(mc), tp, dtype, what)
     return fixed + per * rows
+
+
+def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str) -> tuple[float, float]:
+    """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device, as it runs."""
+    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, executed(st).remat)
+    return fixed, per_row / mc.seq_len
 
 
 def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool = False) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from models import param_count
 from trainer.plan.core import Plan
 from trainer.plan.schedule_cost import cost
+from trainer.plan.types import executed
 
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}
@@ -59,6 +60,7 @@ def as_json(p: Plan) -> dict:
         "comm_bytes_by_axis": {a: p.axis_bytes(a) for a in sorted({t.axis for t in p.transfers})},
         "transfers": [{"axis": t.axis, "kind": t.kind, "what": t.what, "bytes": t.bytes, "count": t.count}
                       for t in p.transfers],
+        "layer_residuals": {"fixed_bytes": p.layer_bytes[0], "bytes_per_token": p.layer_bytes[1]},
         "links": p.links, "bubble": p.bubble, "compute_s": p.compute_s, "comm_s": p.comm_s,
         "step_s": p.step_s, "tokens_per_step": p.tokens_per_step, "mfu": p.mfu,
     }
@@ -71,6 +73,10 @@ def text(p: Plan) -> str:
             "memory per device"]
     for key, name in TERMS.items():
         rows.append(f"  {name:<30}{size(getattr(p, key)):>12}")
+        if key == "activations_bytes":
+            fixed, per_token = p.layer_bytes
+            remat = executed(st).remat
+            rows.append(f"    one layer saves {size(per_token)} per token + {size(fixed)} (remat {remat})")
     verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else f"DOES NOT FIT, {size(p.over_bytes)} over"
     rows += [f"  {'total':<30}{size(p.total_bytes):>12}  of {size(p.device.hbm)} ({p.device.name}): {verdict}",
              "", "communication per step and device (bus bytes)",
@@ -141,6 +147,9 @@ def search_text(ranked, best_n: int, why) -> str:
                     f"{st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% "
                     f"{p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
         rows.append(f"       {why(p, p0, i)}")
+    if any(p.strategy.stage > 1 for p in fit[:best_n]):
+        rows.append("a pipeline recomputes each stage body whole for its backward: remat none, dots and full run "
+                    "alike there, one row (none)")
     return "\n".join(rows)
 
 

@@ -5,6 +5,7 @@ import dataclasses
 
 from models import ModelConfig
 from trainer.plan.core import Plan, Strategy, estimate
+from trainer.plan.types import executed
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")
@@ -15,7 +16,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
-    """(data, stage, model) x schedule x ZeRO x microbatches x remat that the trainer accepts on n_devices."""
+    """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`)."""
+    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync))))
+
+
+def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str):
+    """Every (data, stage, model) x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for model in _divisors(n_devices):
         # fewer kv heads than model ranks are replicated over the ranks that share one
@@ -23,7 +29,6 @@ def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, gr
             continue
         for stage in _divisors(n_devices // model):
             data = n_devices // (model * stage)
-            sync = grad_sync if stage == 1 else "auto"  # the pipeline leaves data sync to the compiler
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):
                     continue
@@ -34,7 +39,7 @@ def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, gr
                         continue
                     for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
                         for remat in REMATS:
-                            yield Strategy(data, stage, model, zero, m, remat, v, sync, schedule)
+                            yield Strategy(data, stage, model, zero, m, remat, v, grad_sync, schedule)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:

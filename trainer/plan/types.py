@@ -1,4 +1,5 @@
-"""The planner's vocabulary: a layout (Strategy) and one kind of traffic (Transfer)."""
+"""The planner's vocabulary: a layout (Strategy), as the trainer runs it (executed), and one kind of traffic
+(Transfer)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,15 @@ class Strategy:
         pp += f" {self.schedule}" if self.stage > 1 else ""
         return (f"data={self.data} stage={self.stage} model={self.model} ZeRO-{self.zero} "
                 f"M={self.microbatches}{pp} remat={self.remat}")
+
+
+def executed(st: Strategy) -> Strategy:
+    """The layout as the trainer runs it: a key its executor ignores set to the value it runs with."""
+    if st.stage > 1 and st.remat != "sublayer":
+        # trainer/parallel/pipeline.py recomputes each stage body whole for its backward and runs its layers
+        # without per-layer remat: none, dots and full trace the same program (tests/test_plan.py)
+        return dataclasses.replace(st, remat="none")
+    return st
 
 
 @dataclasses.dataclass(frozen=True)
