@@ -12,6 +12,9 @@ The assistant's characters: with `{% generation %}` blocks, what the blocks rend
 the turns before it with `add_generation_prompt=True` and the rendering of the turns up to it, whose
 trailing whitespace is left out: the generation prompt is prompt, the end-of-turn token is the assistant's,
 the template's separator after it is not. That takes every earlier rendering to be a prefix of the whole.
+
+What a template may not lose (docs/data.md, "Nothing dropped silently"): a role other than the usual four and those
+the template compares against, and any message text missing from the rendering, bar the exemptions in `_shown`.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from pathlib import Path
 from trainer.errors import UserError
 
 DEFAULT_DATE = "2026-01-01"  # what strftime_now returns unless --date says otherwise
+ROLES = ("system", "user", "assistant", "tool")  # a message's role: these, or one the template compares against
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _spans: ContextVar = ContextVar("generation_spans", default=None)
@@ -97,6 +101,7 @@ def _environment(date: _dt.date):
     return env
 
 
+_REPLY = "MESHTRAIN-REPLY"  # an assistant turn's content: what the template writes after it ends the turn
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # names a message's reasoning goes by
 
 
@@ -121,11 +126,14 @@ class ChatTemplate:
         import jinja2
         self.blocks = bool(_GENERATION.search(self.text))
         self.sha256 = hashlib.sha256(self.text.encode()).hexdigest()
+        env = _environment(self.date)
         try:
-            self._t = _environment(self.date).from_string(self.text)
+            self._t = env.from_string(self.text)
         except jinja2.TemplateError as e:
             raise UserError(f"the chat template {self.source} does not parse ({type(e).__name__}: {e}); fix it or "
                             "give another with --chat-template FILE") from None
+        named = _named_roles(env.parse(self.text)) - set(ROLES)
+        self.roles = (*ROLES, *sorted(named))  # the roles a message may have: the usual four, then the template's
 
     def render(self, messages: list, tools=None, add_generation_prompt: bool = False,
                spans: list | None = None) -> str:
@@ -161,9 +169,91 @@ class ChatTemplate:
             spans.append((len(prompt), len(upto.rstrip())))
         return whole, spans
 
+    def end_of_turn(self, added: dict[str, int]) -> int | None:
+        """The added token (`added`: text -> id) the template writes right after an assistant's reply (ChatML's
+        <|im_end|>, Llama 3's <|eot_id|>); None when it writes none there or cannot render a user/assistant turn."""
+        try:
+            text = self.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _REPLY}])
+        except TemplateFailed:
+            return None
+        at = text.rfind(_REPLY)
+        rest = text[at + len(_REPLY):].lstrip() if at >= 0 else ""
+        found = [t for t in added if t and rest.startswith(t)]
+        return added[max(found, key=len)] if found else None
+
 
 class PrefixMismatch(Exception):
     """An assistant turn's rendering is not a prefix of the whole conversation's."""
+
+
+def _reads_role(node) -> bool:
+    """Whether an expression reads a role: `m.role`, `m['role']` or a variable named like `role`, filtered or not."""
+    import jinja2.nodes as n
+    return any(isinstance(x, n.Getattr) and x.attr == "role"
+               or isinstance(x, n.Getitem) and isinstance(x.arg, n.Const) and x.arg.value == "role"
+               or isinstance(x, n.Name) and "role" in x.name for x in (node, *node.find_all(n.Node)))
+
+
+def _named_roles(ast) -> set[str]:
+    """The strings a template compares a role against: `m.role == 'developer'`, `m['role'] in ['ipython', ...]`."""
+    import jinja2.nodes as n
+    names = set()
+    for cmp in ast.find_all(n.Compare):
+        sides = [cmp.expr, *(op.expr for op in cmp.ops)]
+        if any(_reads_role(x) for x in sides):
+            for x in sides:
+                consts = x.items if isinstance(x, (n.List, n.Tuple)) else [x]
+                names.update(c.value for c in consts if isinstance(c, n.Const) and isinstance(c.value, str))
+    return names
+
+
+_ANYWHERE, _AFTER, _NEXT = 0, 1, 2  # where a message's text is looked for: anywhere, after the previous
+# message's (without moving past it: reasoning precedes its answer), the next in order (moving past it)
+
+
+def _shown(m: dict, final: bool):
+    """(field, text, where) of each text of a message that its rendering must show."""
+    # Exempt: an earlier turn's reasoning (a field, or <think>...</think> heading the content), which Qwen3-style
+    # templates drop on purpose; the conversation's final assistant turn keeps it. A system message may be anywhere:
+    # templates fold it into a header or a user turn.
+    where = _ANYWHERE if m.get("role") == "system" else _NEXT
+    assistant = m.get("role") == "assistant"
+    content, reasoning = m.get("content"), final and assistant
+    if reasoning and (name := next((k for k in _REASONING if isinstance(m.get(k), str)), None)):
+        yield name, m[name], _AFTER
+    if isinstance(content, str):
+        if assistant and "</think>" in content:
+            if reasoning:
+                yield "content's <think> part", content.split("</think>")[0].split("<think>")[-1], _AFTER
+            content = content.split("</think>")[-1]
+        yield "content", content, where
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                yield f"content[{j}].text", part["text"], where
+
+
+def _find(text: str, piece: str, start: int) -> tuple[int, int]:
+    """(where, length) of a piece in the text from `start`, as written or as `tojson` writes it; (-1, 0) if absent."""
+    if (at := text.find(piece, start)) >= 0:
+        return at, len(piece)
+    escaped = json.dumps(piece, ensure_ascii=False)[1:-1]
+    return (at, len(escaped)) if escaped != piece and (at := text.find(escaped, start)) >= 0 else (-1, 0)
+
+
+def missing(messages: list, text: str) -> tuple[int, str] | None:
+    """(message index, field) of the first message text, in order, that the rendering lacks; None when none."""
+    at, last = 0, len(messages) - 1
+    for i, m in enumerate(messages):
+        for field, piece, where in _shown(m, i == last):
+            if not (piece := piece.strip()):  # templates trim
+                continue
+            found, n = _find(text, piece, 0 if where == _ANYWHERE else at)
+            if found < 0:
+                return i, field
+            if where == _NEXT:
+                at = found + n
+    return None
 
 
 def specials_of(tokenizer_dir: Path) -> dict:

@@ -150,9 +150,11 @@ def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
     return h.hexdigest()
 
 
-def _up_to_date(out: Path, digest: str) -> bool:
+def _up_to_date(out: Path, digest: str, require_counted: bool) -> bool:
     try:
         meta = json.loads(sidecar_path(out).read_text())
+        if require_counted and meta.get("records", {}).get("uncounted"):
+            return False  # prepared again, to stop at the first such record
         tok = Path(meta["tokenizer"]["path"])
         tok = tok if tok.is_absolute() else out.parent / tok
         index = out.parent / meta["document_index"]["path"]
@@ -168,8 +170,10 @@ def _up_to_date(out: Path, digest: str) -> bool:
 
 def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vocab: int | None = None,
             heldout: float = 0.05, log=print, show_progress: bool = True, field: str = "text",
-            chat_template: str | None = None, date: str | None = None, loss_on: str = "assistant") -> dict:
+            chat_template: str | None = None, date: str | None = None, loss_on: str = "assistant",
+            require_counted: bool = False) -> dict:
     """Tokenize the sources into `out` and its sidecar; returns the sidecar (`skipped`: it was up to date)."""
+    # require_counted: a record without a token the loss counts is an error; else it is kept and counted
     if (tokenizer is None) == (train_vocab is None):
         raise UserError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB_SIZE")
     if train_vocab is not None and not 257 <= train_vocab <= 2**32:
@@ -194,13 +198,13 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
         settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
                         chat_template=template and template.sha256)
     digest = inputs_hash(train_docs, held_docs + record_docs, settings)
-    if _up_to_date(out_p, digest):
+    if _up_to_date(out_p, digest, require_counted):
         log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
         return {**json.loads(sidecar_path(out_p).read_text()), "skipped": True}
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    enc = Encoder(None, -1, template, loss_on, field)
+    enc = Encoder(None, -1, template, loss_on, field, require_counted)
     if given:
         tok, tok_path, eot = given
     else:
@@ -244,7 +248,9 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
         names.clean()
     if masked:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
-            f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({loss_on})")
+            f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({loss_on})"
+            + (f"; {kinds.uncounted:,} records kept without a counted token (the first: {kinds.first_uncounted}; "
+               "--require-counted makes them errors)" if kinds.uncounted else ""))
     log(f"wrote {out}: {meta['tokens']['total']:,} {dtype.name} tokens ({train.n:,} train, {held.n:,} held-out) from "
         f"{train.docs + held.docs} documents, {meta['bytes_per_token']:.3f} bytes/token, vocab {vocab}; "
         f"{'tokenizer trained in ' + f'{train_s:.1f}s, ' if not given else ''}encoded in {encode_s:.1f}s "
@@ -275,12 +281,17 @@ class _Names:
 
 def _check_splits(record_docs, kinds: Kinds, train: Split, held: Split, heldout: float, masked: bool, names: _Names):
     n = kinds.total
+    none = (f"{kinds.uncounted:,} of the {n:,} records have no assistant turn the template marks (the first: "
+            f"{kinds.first_uncounted}); add assistant turns, or use --loss-on all")
+    if masked and not train.counted:
+        raise UserError("the loss mask counts no token of the training split: " + (
+            none if train.docs else f"--heldout {heldout} holds out all {n:,} records; use a smaller --heldout"))
     if record_docs and heldout > 0 and held.docs == 0:
         raise UserError(f"--heldout {heldout} held out none of the {n:,} records (a record is held out by a hash "
                         "of its content); use a larger --heldout, more records, or --heldout 0 to hold out none")
-    if masked and not train.counted:
-        raise UserError(f"the loss mask counts no token of the training split ({n:,} records): no conversation "
-                        "has an assistant turn the template marks; check the records or use --loss-on all")
+    if masked and held.docs and not held.counted:
+        raise UserError(f"the loss mask counts no token of the held-out split ({held.docs:,} records), so eval would "
+                        f"measure nothing: {none}, or another --heldout")
 
 
 def _append(dst: Path, src: Path):
@@ -326,7 +337,8 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
     }
     if masked:
         meta["loss_mask"] = mask_meta
-        meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges}
+        meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges,
+                           "uncounted": kinds.uncounted}
         meta["chat_template"] = template and {"path": template_path(out_p).name, "source": template.source,
                                               "sha256": template.sha256,
                                               "generation_blocks": template.blocks, "date": day.isoformat()}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.chat import ChatTemplate, PrefixMismatch, TemplateFailed
+from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing
 from trainer.errors import UserError
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -82,14 +82,20 @@ def _parquet(path: Path):
 
 @dataclass
 class Kinds:
-    """How many records of each kind a prepare read."""
+    """How many records of each kind a prepare read, and how many had no token the loss counts (the first: where)."""
     text: int = 0
     conversations: int = 0
     exchanges: int = 0
+    uncounted: int = 0
+    first_uncounted: str = ""
 
     def add(self, kind: str):
         name = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}[kind]
         setattr(self, name, getattr(self, name) + 1)
+
+    def add_uncounted(self, where: str):
+        self.uncounted += 1
+        self.first_uncounted = self.first_uncounted or where
 
     @property
     def total(self) -> int:
@@ -133,8 +139,10 @@ def _mask_of(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
 class Encoder:
     """Turns records into (ids, mask) documents, a batch at a time (the tokenizer encodes a batch in parallel)."""
 
-    def __init__(self, tok, eot: int, template: ChatTemplate | None, loss_on: str, field: str):
+    def __init__(self, tok, eot: int, template: ChatTemplate | None, loss_on: str, field: str,
+                 require_counted: bool = False):
         self.tok, self.eot, self.template, self.loss_on, self.field = tok, eot, template, loss_on, field
+        self.require_counted = require_counted  # a record without a counted token is an error, not a count
 
     def _needs_template(self, where: str):
         if self.template is None:
@@ -151,6 +159,8 @@ class Encoder:
         msgs = rec["messages"] if kind == "conversation" else [
             {"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["completion"]}]
         self._needs_template(where)
+        if kind == "conversation":
+            self._check_roles(where, msgs)
         tools = rec.get("tools")
         if isinstance(tools, str):  # JSON text: how Parquet keeps a schema's key order (a struct column merges them)
             try:
@@ -167,7 +177,22 @@ class Encoder:
                             f"turns differently from the whole conversation, so the template needs "
                             "{% generation %} blocks to mark the assistant's tokens; add them, or use --loss-on all") \
                 from None
+        if (lost := missing(msgs, text)) is not None:
+            i, field = lost
+            name = f"messages[{i}].{field}" if kind == "conversation" else ("prompt", "completion")[i]
+            raise UserError(f"{where}: {name} is missing from the text the chat template {self.template.source} "
+                            "renders (the template drops it); fix the record, or give a template that renders it "
+                            "with --chat-template FILE")
         return text, spans, False
+
+    def _check_roles(self, where: str, msgs: list):
+        t = self.template
+        for i, m in enumerate(msgs):
+            if m["role"] not in t.roles:
+                named = f" ({', '.join(t.roles[len(ROLES):])})" if len(t.roles) > len(ROLES) else ""
+                raise UserError(f"{where}: messages[{i}].role is '{m['role']}': neither {', '.join(ROLES)} nor a role "
+                                f"the chat template {t.source} names{named}; rename it (the model's turns are "
+                                "'assistant'), or give a chat template that names it with --chat-template FILE")
 
     def encode(self, batch: list[tuple[str, str, dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """[(where, kind, record)] -> [(ids, mask)], each a document (the end-of-text token included where

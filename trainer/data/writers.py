@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.records import Encoder, Kinds, held_out, key, kind_of, normalised, read
+from trainer.errors import UserError
 
 BATCH = 1 << 23  # bytes per encode_batch call (the library encodes a batch's texts in parallel)
 
@@ -88,7 +89,9 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
 
     def flush():
         nonlocal batch, nbytes
-        for (split, n, _), (ids, mask) in zip(batch, enc.encode([b for _, _, b in batch])):
+        for (split, n, (where, kind, _)), (ids, mask) in zip(batch, enc.encode([b for _, _, b in batch])):
+            if not mask.any():
+                _uncounted(enc, kinds, where, kind)
             split.add(ids, mask, True)
             split.bytes += n
         bar.advance(0)
@@ -110,3 +113,12 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
         flush()
     bar.advance(doc.size - done)
 
+
+def _uncounted(enc: Encoder, kinds: Kinds, where: str, kind: str):
+    """A record without a token the loss counts: counted (summary and sidecar), or with --require-counted an error."""
+    if enc.require_counted:
+        field = "messages" if kind == "conversation" else "completion"
+        raise UserError(f"{where}: {field} gives no token the loss counts (--loss-on {enc.loss_on}: no assistant "
+                        "turn the template marks); add one, or leave out --require-counted to keep such records "
+                        "(prepare counts them)")
+    kinds.add_uncounted(where)
