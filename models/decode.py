@@ -159,6 +159,18 @@ def _step_fn(c: ModelConfig, dtype):
     return jax.jit(step, donate_argnums=3)
 
 
+def fit_prompt(prompt_BT, context: int) -> np.ndarray:
+    """The prompt as `generate` keeps it in a context of that many positions: whole, or, longer than that, its last
+    context/2 tokens, the log saying how many were dropped (call it before printing, so the line stands alone)."""
+    tokens = np.asarray(prompt_BT, np.int32)
+    P = tokens.shape[1]
+    if P <= context:
+        return tokens
+    log.warning("generate: the prompt's %d tokens exceed the model's context of %d positions; its first %d "
+                "tokens were dropped", P, context, P - context // 2)
+    return tokens[:, -(context // 2):]
+
+
 def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: float = 0.0, top_k: int = 0,
              seed: int = 0, dtype=jnp.float32, context: int | None = None) -> Iterator[np.ndarray]:
     """Yield n new tokens (B,) one at a time: one prefill, then one cached step per token.
@@ -169,12 +181,8 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
     cache and decoding continues from there.
     """
     C = context or c.seq_len
-    tokens = np.asarray(prompt_BT, np.int32)
-    B, P = tokens.shape
-    if P > C:
-        log.warning("generate: the prompt's %d tokens exceed the model's context of %d positions; its first %d "
-                    "tokens were dropped", P, C, P - C // 2)
-        tokens = tokens[:, -(C // 2):]
+    tokens = fit_prompt(prompt_BT, C)
+    B = tokens.shape[0]
     S = min(tokens.shape[1] + n, C)
     step = _step_fn(c, jnp.dtype(dtype))
     temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)

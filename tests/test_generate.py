@@ -1,5 +1,11 @@
-"""KV-cache decoding equals full recomputation; sampling (the CLI's test is in test_observe.py)."""
+"""KV-cache decoding equals full recomputation; sampling; stop tokens, --chat, BOS and --stop against
+transformers' greedy `generate` (the CLI's streaming test is in test_observe.py)."""
 import functools
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +96,138 @@ def test_the_cli_counts_tokens_not_bytes(capsys):
     entry = text[text.rindex("--tokens TOKENS"):].split(" --", 1)[0]  # the option's entry, not the usage line
     assert "tokens to sample" in entry and "of the run's tokenizer" in entry and "bytes to generate" not in entry, \
         entry
+
+
+# ------------------------------------------------------------------ stop tokens, chat and BOS as transformers'
+# tests/fixtures/generate/ (scripts/make_generate_fixture.py): a tiny Llama trained to answer two chats and finish
+# a sentence, and transformers' greedy `generate` ids for it, stopped by its generation config's eos list.
+
+FIX = Path(__file__).parent / "fixtures" / "generate"
+IM_END, EOT = 2, 0  # the fixture tokenizer's <|im_end|> and <|endoftext|>
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return {c["name"]: c for c in json.loads((FIX / "reference.json").read_text(encoding="utf-8"))["cases"]}
+
+
+def _args(case):
+    """The CLI arguments of a reference case."""
+    if "messages" not in case:
+        return ["--prompt", case["prompt"]] + [a for s in case.get("stop", []) for a in ("--stop", s)]
+    (user,) = [m["content"] for m in case["messages"] if m["role"] == "user"]
+    system = [a for m in case["messages"] if m["role"] == "system" for a in ("--system", m["content"])]
+    return ["--chat", "--prompt", user] + system
+
+
+def _ours(run, case, **kw):
+    """complete() on a reference case, greedy, with transformers' token limit."""
+    from trainer.run.generate import complete
+    messages = case.get("messages")
+    if messages is None:
+        return complete(str(run), case["prompt"], 32, temperature=0.0, out=io.StringIO(),
+                        stops=tuple(case.get("stop", ())), **kw)
+    by_role = {m["role"]: m["content"] for m in messages}
+    return complete(str(run), by_role["user"], 32, temperature=0.0, out=io.StringIO(), chat=True,
+                    system=by_role.get("system"), **kw)
+
+
+def test_generate_chat_equals_transformers_token_for_token(ref, capsys):
+    """--chat renders the user message (and --system) with the folder's template, as apply_chat_template with
+    add_generation_prompt=True; greedy decoding gives transformers' ids and stops where it stopped, at
+    <|im_end|>, which is not printed."""
+    from trainer.cli import main
+    assert main(["generate", "--run", str(FIX), "--temperature", "0", "--tokens", "32"] + _args(ref["chat1"])) == 0
+    assert capsys.readouterr().out == ref["chat1"]["text"] + "\n"  # the reply alone, without <|im_end|>
+    for name in ("chat0", "chat1"):
+        got = _ours(FIX, ref[name])
+        assert got.prompt_ids == ref[name]["prompt_ids"], name
+        assert got.ids == ref[name]["new_ids"] and got.ids[-1] == IM_END and got.stopped, (name, got.ids)
+
+
+def test_generate_plain_prompt_gets_bos_and_stops_as_transformers(ref, capsys):
+    """A plain prompt is encoded as transformers' tokenizer(prompt): the BOS that tokenizer.json's post-processor
+    puts first; decoding stops at <|endoftext|> (the generation config's second eos), not printed."""
+    from trainer.cli import main
+    case = ref["plain"]
+    assert main(["generate", "--run", str(FIX), "--temperature", "0", "--tokens", "32"] + _args(case)) == 0
+    assert capsys.readouterr().out == case["prompt"] + case["text"] + "\n"
+    got = _ours(FIX, case)
+    assert got.prompt_ids == case["prompt_ids"] and got.prompt_ids[0] == 1024  # <|begin_of_text|>
+    assert got.ids == case["new_ids"] and got.ids[-1] == EOT and got.stopped, got.ids
+
+
+def test_generate_bos_follows_tokenizer_json_as_transformers(ref, tmp_path):
+    """transformers 5 ignores tokenizer_config.json's add_bos_token / add_eos_token beside a tokenizer.json:
+    the reference records tokenizer(prompt) under each, and the prompt's ids here equal them."""
+    from trainer.run.generate import complete
+    for k, enc in enumerate(json.loads((FIX / "reference.json").read_text(encoding="utf-8"))["encodings"]):
+        d = tmp_path / str(k)
+        shutil.copytree(FIX, d)
+        conf = json.loads((d / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**conf, **enc["tokenizer_config"]}))
+        got = complete(str(d), enc["prompt"], 32, temperature=0.0, out=io.StringIO())  # 32: the same compiled step
+        assert got.prompt_ids == enc["ids"], enc["tokenizer_config"]
+
+
+def test_generate_stop_text_as_transformers_stop_strings(ref):
+    """--stop TEXT ends where transformers' stop_strings ends (the token that completes the text, last); the
+    text is not printed: what comes before it is."""
+    from trainer.run.generate import complete
+    case, out = ref["stop_string"], io.StringIO()
+    got = complete(str(FIX), case["prompt"], 32, temperature=0.0, out=out, stops=(" lazy",))
+    assert got.ids == case["new_ids"] and got.stopped, got.ids
+    assert case["text"].endswith(" lazy")
+    assert out.getvalue() == case["prompt"] + case["text"].removesuffix(" lazy") + "\n"
+
+
+def test_generate_stops_at_the_templates_end_of_turn_and_at_stop_tokens(ref, tmp_path):
+    """With a generation config that names only <|endoftext|>, --chat still stops at <|im_end|>: the token the
+    template writes after an assistant turn. Without the template, the same prompt written out runs past it,
+    unless --stop names it."""
+    from tokenizers import Tokenizer
+
+    from trainer.run.generate import complete
+    case = ref["chat0"]
+    d = tmp_path / "eot_only"
+    shutil.copytree(FIX, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOT}))
+    assert _ours(d, case).ids == case["new_ids"]
+    (d / "chat_template.jinja").unlink()
+    text = Tokenizer.from_file(str(FIX / "tokenizer.json")).decode(case["prompt_ids"][1:], skip_special_tokens=False)
+    run_on = complete(str(d), text, 32, temperature=0.0, out=io.StringIO())
+    assert run_on.prompt_ids == case["prompt_ids"]  # the BOS, then the rendered chat
+    assert run_on.ids[:len(case["new_ids"])] == case["new_ids"] and len(run_on.ids) > len(case["new_ids"])
+    stopped = complete(str(d), text, 32, temperature=0.0, out=io.StringIO(), stops=("<|im_end|>",))
+    assert stopped.ids == case["new_ids"] and stopped.stopped
+
+
+def test_generate_long_prompt_warning_stands_on_its_own_line(monkeypatch):
+    """The warning that a prompt was cut to the context comes on a line of its own (stderr, before anything is
+    printed), not inside the streamed text, even when stdout and stderr are one terminal."""
+    import models.decode
+    from trainer.cli import main
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    # where the lines go, not what the model says: a step that always answers "P" spares the 128-token compile
+    monkeypatch.setattr(models.decode, "_step_fn", lambda c, dtype: lambda p, toks, *a: (jnp.full((1,), 53), a[1]))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12  # past the fixture's 256 positions
+    assert main(["generate", "--run", str(FIX), "--prompt", prompt, "--tokens", "2", "--temperature", "0"]) == 0
+    lines = screen.getvalue().split("\n")
+    assert lines[0].startswith("meshtrain: warning: generate: the prompt's "), lines[0][:120]
+    assert "exceed the model's context of 256 positions" in lines[0]
+    assert lines[1].startswith(prompt) and "warning" not in "\n".join(lines[1:]), lines[1:]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--run", str(FIX), "--system", "Be brief."], "--system is a chat's system message; add --chat"),
+    (["--run", str(FIX), "--stop", ""], "--stop '' is empty"),
+    (["--run", str(Path(__file__).parent / "fixtures" / "hf" / "gqa_untied_f32"), "--chat"],
+     "--chat needs a chat template"),
+], ids=["system-without-chat", "empty-stop", "chat-without-template"])
+def test_generate_chat_and_stop_bad_input(args, msg, capsys):
+    from trainer.cli import main
+    assert main(["generate", "--tokens", "1"] + args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtrain: error: ") and msg in err and err.count("\n") == 1, err

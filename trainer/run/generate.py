@@ -1,17 +1,41 @@
 """`meshtrain generate`: sample from a run's newest checkpoint with a KV cache, streamed as text: bytes, or
-tokens decoded with the run's tokenizer (data.tokenizer) when it trained on `meshtrain prepare` data."""
+tokens decoded with the run's tokenizer (data.tokenizer: of its `meshtrain prepare` data, or an HF folder's own).
+
+As transformers' `generate` does: a plain prompt is encoded with the tokenizer's special tokens (tokenizer.json's
+post-processor, a BOS where it adds one: transformers 5 ignores tokenizer_config.json's add_bos_token when a
+tokenizer.json is there); a `--chat` prompt is a user message (after `--system`'s) rendered by the run's chat
+template with the generation prompt, encoded without them (the template writes its own BOS). Decoding stops at
+the model's end-of-text and end-of-turn tokens: the generation config's eos_token_id (int or list; config.json's
+when it has none), the tokenizer's eos, the token the chat template writes after an assistant turn, and each
+`--stop` (an added token of the tokenizer, or a text). What stopped it is not printed (transformers' decode with
+skip_special_tokens leaves the eos out too); other special tokens are.
+"""
 from __future__ import annotations
 
 import codecs
+import datetime as _dt
+import json
+import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from trainer.errors import UserError
 
+log = logging.getLogger(__name__)
 
-def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int):
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]  # what the model was given
+    ids: list[int]  # the new tokens, the stop token last where one stopped them (as transformers returns them)
+    text: str  # what was printed of them: without the stop token or stop text
+    stopped: bool  # False: --tokens ran out
+
+
+def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int, chat: bool, system, stops):
     if not Path(run_dir).is_dir():
         raise UserError(f"--run '{run_dir}' is not a directory; give the run.dir of a trained run")
     if n_tokens < 1:
@@ -20,15 +44,27 @@ def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int):
         raise UserError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
     if top_k < 0:
         raise UserError(f"--top_k {top_k} must be >= 0 (0 = no cut-off)")
+    if system is not None and not chat:
+        raise UserError("--system is a chat's system message; add --chat (the prompt becomes the user's message)")
+    if any(not s for s in stops):
+        raise UserError("--stop '' is empty; give a token of the tokenizer (e.g. '<|im_end|>') or a text")
 
 
 def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8,
-                  top_k: int = 40, seed: int = 0, step: int | None = None, out=None) -> str:
-    """Write the prompt and n_tokens sampled tokens (of the run's tokenizer, or bytes without one) to `out` as
-    they come; return the new text."""
-    _check(run_dir, n_tokens, temperature, top_k)
+                  top_k: int = 40, seed: int = 0, step: int | None = None, out=None, chat: bool = False,
+                  system: str | None = None, stops: tuple[str, ...] = ()) -> str:
+    """Write the prompt (not with `chat`) and up to n_tokens sampled tokens to `out` as they come; return the new
+    text."""
+    return complete(run_dir, prompt, n_tokens, temperature, top_k, seed, step, out, chat, system, stops).text
+
+
+def complete(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+             seed: int = 0, step: int | None = None, out=None, chat: bool = False, system: str | None = None,
+             stops: tuple[str, ...] = ()) -> Completion:
+    """generate_text, returning the token ids as well."""
+    _check(run_dir, n_tokens, temperature, top_k, chat, system, stops)
     import jax
-    from models.decode import generate
+    from models.decode import fit_prompt, generate
     from trainer.config import model_config
     from trainer.ckpt.hf import context_of, origin_of
     from trainer.ckpt.params import load_params
@@ -39,38 +75,173 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
         raise UserError(f"run '{run_dir}' was trained on token ids ({cfg.data.source}) with no tokenizer recorded; "
                         "generate decodes bytes, so use a run trained on text or on `meshtrain prepare` data")
     mc = model_config(cfg)
-    context = context_of(origin_of(cfg, run_dir))  # an HF model's own context, else the trained seq_len
-    if cfg.data.tokenizer:
-        ids, step_fn = _tokenizer_codec(cfg.data.tokenizer, prompt)
-    else:
-        ids = list(prompt.encode("utf-8")) or [ord("\n")]  # an empty prompt starts a new line
+    origin = origin_of(cfg, run_dir)  # the HF folder the model came from: its context and generation config
+    context = context_of(origin) or mc.seq_len
+    codec = _Tokens(cfg, chat) if cfg.data.tokenizer else _Bytes()
+    ids = codec.chat(run_dir, prompt, system) if chat else codec.encode(prompt)
+    stop_ids, stop_texts = _stops(codec, origin, stops)
+    kept = fit_prompt(np.asarray([ids], np.int32), context)  # its warning comes before anything is printed
+    if not chat:
+        out.write(prompt)
+    tokens = (int(t[0]) for t in generate(mc, params, kept, n_tokens, temperature=temperature, top_k=top_k,
+                                          seed=seed, context=context))
+    new, text, stopped = _stream(tokens, codec.decoder(), stop_ids, stop_texts, out)
+    out.write("\n")
+    out.flush()
+    return Completion(ids, new, text, stopped)
+
+
+def _stream(tokens, decoder, stop_ids: set, stop_texts: tuple, out) -> tuple[list[int], str, bool]:
+    """Print the tokens' text as it comes until a stop token (not printed) or a stop text (printed up to it):
+    text that may be the start of a stop text is held back until the next tokens tell."""
+    step, end = decoder
+    ids, shown, held = [], [], ""
+
+    def show(text):
+        shown.append(text)
+        out.write(text)
+        out.flush()
+
+    for t in tokens:
+        ids.append(t)
+        if t in stop_ids:
+            show(held + end())
+            return ids, "".join(shown), True
+        held += step(t)
+        cut = min((i for i in (held.find(s) for s in stop_texts) if i >= 0), default=None)
+        if cut is not None:
+            show(held[:cut])
+            return ids, "".join(shown), True
+        keep = max((k for s in stop_texts for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+        show(held[:len(held) - keep])
+        held = held[len(held) - keep:]
+    show(held + end())
+    return ids, "".join(shown), False
+
+
+def _stops(codec, origin: Path | None, given) -> tuple[set[int], tuple[str, ...]]:
+    """(token ids, texts) that end the generation: the model's and the tokenizer's eos, the template's end-of-turn
+    token, and each --stop: a token where the tokenizer has it as an added token, else a text."""
+    ids, texts = _model_eos(origin) | codec.eos(), []
+    for s in given:
+        i = codec.token(s)
+        if i is None:
+            texts.append(s)
+        else:
+            ids.add(i)
+    return ids, tuple(texts)
+
+
+def _model_eos(origin: Path | None) -> set[int]:
+    """eos_token_id (an id or a list) of the HF folder's generation_config.json, else of its config.json."""
+    for name in ("generation_config.json", "config.json") if origin is not None else ():
+        f = origin / name
+        if not f.is_file():
+            continue
+        try:
+            eos = json.loads(f.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            raise UserError(f"{f} is not a readable JSON object; save the model again") from None
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos):
+            raise UserError(f"{f}: eos_token_id {eos} is not a token id or a list of them; fix it")
+        if eos:
+            return set(eos)
+    return set()
+
+
+class _Bytes:
+    """A byte-level run: a token is a byte; no chat template, no end-of-text token."""
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(prompt.encode("utf-8")) or [ord("\n")]  # an empty prompt starts a new line
+
+    def chat(self, run_dir, prompt, system):
+        raise UserError(f"--chat needs a chat template, and run '{run_dir}' decodes bytes (no tokenizer, no "
+                        "template); drop --chat, or train on `meshtrain prepare` conversations")
+
+    def eos(self) -> set[int]:
+        return set()
+
+    def token(self, text: str) -> None:
+        return None
+
+    def decoder(self):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # ids past the byte range exist only in a vocabulary wider than 256; show them as U+FFFD
-        step_fn = lambda t: decoder.decode(bytes([t])) if t < 256 else "\ufffd"  # noqa: E731
-    out.write(prompt)
-    new = []
-    for tok in generate(mc, params, np.asarray([ids], np.int32), n_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed, context=context):
-        piece = step_fn(int(tok[0]))
-        new.append(piece)
-        out.write(piece)
-        out.flush()
-    tail = decoder.decode(b"", final=True) if not cfg.data.tokenizer else ""
-    out.write(tail + "\n")
-    out.flush()
-    return "".join(new) + tail
+        return (lambda t: decoder.decode(bytes([t])) if t < 256 else "\ufffd"), lambda: decoder.decode(b"", final=True)
 
 
-def _tokenizer_codec(path: str, prompt: str):
-    """The prompt's ids under the run's tokenizer and a step function: id -> the text it completes."""
-    from tokenizers.decoders import DecodeStream
-    from trainer.data.prepare import load_tokenizer
-    if not Path(path).exists():
-        raise UserError(f"the run's tokenizer '{path}' (data.tokenizer) is missing; put the file back "
-                        "there (the run's config.yaml names it)")
-    tok, _, eot = load_tokenizer(path)
-    ids = tok.encode(prompt, add_special_tokens=False).ids or [eot]  # an empty prompt starts a new document
-    stream, vocab = DecodeStream(skip_special_tokens=False), tok.get_vocab_size(with_added_tokens=True)
-    # DecodeStream holds back ids that end inside a UTF-8 character until it is whole; ids the model has
-    # but the tokenizer lacks (a wider model.vocab_size) show as U+FFFD
-    return ids, lambda t: (stream.step(tok, t) or "") if t < vocab else "\ufffd"
+class _Tokens:
+    """The run's tokenizer (data.tokenizer), its eos, its added tokens and the run's chat template."""
+
+    def __init__(self, cfg, chat: bool):
+        from trainer.data.prepare import load_tokenizer
+        path = cfg.data.tokenizer
+        if not Path(path).exists():
+            raise UserError(f"the run's tokenizer '{path}' (data.tokenizer) is missing; put the file back "
+                            "there (the run's config.yaml names it)")
+        self.tok, file, self.eot = load_tokenizer(path)
+        self.added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
+        self.template = _template(cfg, file.parent, chat)
+
+    def encode(self, prompt: str) -> list[int]:
+        # with the special tokens, as transformers' tokenizer(prompt); an empty prompt starts a new document
+        return self.tok.encode(prompt).ids or [self.eot]
+
+    def chat(self, run_dir, prompt: str, system: str | None) -> list[int]:
+        from trainer.data.chat import TemplateFailed
+        if self.template is None:
+            raise UserError(f"--chat needs a chat template, and run '{run_dir}' has none (not in its data's "
+                            "sidecar, nor chat_template.jinja or tokenizer_config.json beside its tokenizer); "
+                            "drop --chat, or add the template there")
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]
+        try:
+            text = self.template.render(messages, add_generation_prompt=True)
+        except TemplateFailed as e:
+            raise UserError(f"the chat template {self.template.source} failed on the message ({e}); change "
+                            "--prompt / --system, or fix the template") from None
+        return self.tok.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
+
+    def eos(self) -> set[int]:
+        turn = self.template.end_of_turn(self.added) if self.template else None
+        return {self.eot} | ({turn} if turn is not None else set())
+
+    def token(self, text: str) -> int | None:
+        return self.added.get(text)
+
+    def decoder(self):
+        from tokenizers.decoders import DecodeStream
+        stream, vocab = DecodeStream(skip_special_tokens=False), self.tok.get_vocab_size(with_added_tokens=True)
+        # DecodeStream holds back ids that end inside a UTF-8 character until it is whole; ids the model has
+        # but the tokenizer lacks (a wider model.vocab_size) show as U+FFFD
+        return (lambda t: (stream.step(self.tok, t) or "") if t < vocab else "\ufffd"), lambda: ""
+
+
+def _template(cfg, folder: Path, chat: bool):
+    """The run's chat template: the one its prepared conversations were rendered with (the sidecar names it),
+    else the tokenizer folder's; None without one. A template that does not parse is an error for --chat, and
+    for plain generation only a warning (it then gives no end-of-turn token)."""
+    from trainer.data.batches import read_sidecar
+    from trainer.data.chat import ChatTemplate, specials_of, template_text
+    meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
+    kept = meta and meta.get("chat_template")
+    found = None
+    if kept:
+        f = Path(cfg.data.source).parent / kept["path"]
+        try:
+            found = (str(f), f.read_text())
+        except OSError as e:
+            raise UserError(f"the chat template of the run's data, {f}, cannot be read ({e.strerror}); put it "
+                            "back (meshtrain prepare wrote it beside the .bin)") from None
+    found = found or template_text(folder)
+    if found is None:
+        return None
+    try:  # today's date for strftime_now, as transformers' apply_chat_template
+        return ChatTemplate(found[0], found[1], specials_of(folder), _dt.date.today())
+    except UserError as e:
+        if chat:
+            raise
+        log.warning("%s; generating without its end-of-turn token", e)
+        return None
