@@ -21,7 +21,6 @@ from trainer.ckpt.store import (FORMAT, SUBDIR, abstract, check_shapes, choose, 
 from trainer.config import Config
 from trainer.errors import UserError
 
-ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable: when run.dir has checkpoints and none restores
 log = logging.getLogger(__name__)
 
 
@@ -29,17 +28,19 @@ class Checkpointer:
     """Saves one run's train state asynchronously and restores the newest valid checkpoint."""
 
     def __init__(self, s, run_dir, log: Callable[[str], None] | None = None):
-        c = s.cfg.checkpoint
-        if c.every < 0 or c.keep < 0 or c.keep_every < 0:
-            raise UserError(f"checkpoint.every={c.every}, keep={c.keep}, keep_every={c.keep_every} must be >= 0; "
-                            "fix the negative value")
-        if c.on_unreadable not in ON_UNREADABLE:
-            raise UserError(f"checkpoint.on_unreadable='{c.on_unreadable}' is unknown; choose stop (the default) "
-                            "or fresh (start again from step 0 when no checkpoint of run.dir can be restored)")
+        # checkpoint.* keys were range-checked by the config loader (trainer/sections.py)
         self.s, self.log = s, log or logging.getLogger(__name__).info
         self.dir = Path(run_dir) / SUBDIR
-        self.mngr = manager(self.dir, s.cfg)
+        self._mngr = None
         self._open = True
+
+    @property
+    def mngr(self) -> ocp.CheckpointManager:
+        """Orbax's manager, made at its first use: it creates its directory, which a start that fails (or finds
+        nothing to restore) must not leave behind."""
+        if self._mngr is None:
+            self._mngr = manager(self.dir, self.s.cfg)
+        return self._mngr
 
     def due(self, step: int) -> bool:
         every = self.s.cfg.checkpoint.every
@@ -65,6 +66,8 @@ class Checkpointer:
         initialises, trainer/ckpt/initial.py). Checkpoints that exist but are all damaged stop the run
         unless checkpoint.on_unreadable=fresh, which moves them aside and returns None."""
         s, where = self.s, f"run.dir checkpoints {self.dir}"
+        if not self.dir.is_dir():  # nothing saved yet; looking creates nothing
+            return None
         target = abstract(s.shapes, s.shardings)
 
         def read(step):
@@ -80,10 +83,12 @@ class Checkpointer:
         step, found, damaged = choose(self.mngr, where, read, check, None, self._quarantine)
         if found is not None:
             state, meta = found
-            left = "" if step < s.cfg.train.steps else \
-                f"; train.steps={s.cfg.train.steps}: nothing left to train, raise train.steps to continue"
-            self.log(f"resumed from {self.dir / str(step)} (saved on mesh {_mesh_str(meta['mesh'])} "
-                     f"ZeRO-{meta['zero_stage']}){_changes(meta['config'], s.cfg)}{left}")
+            if step >= s.cfg.train.steps:  # the caller compiles and writes nothing (trainer/run/context.py)
+                self.log(f"run.dir {self.dir.parent} holds step {step} >= train.steps={s.cfg.train.steps}: nothing "
+                         f"to train, nothing written; raise train.steps above {step} to continue")
+            else:
+                self.log(f"resumed from {self.dir / str(step)} (saved on mesh {_mesh_str(meta['mesh'])} "
+                         f"ZeRO-{meta['zero_stage']}){_changes(meta['config'], s.cfg)}")
             return state, step
         if damaged:
             listing = "; ".join(f"{self.dir / str(st)}: {why}" for st, why in damaged)
@@ -110,7 +115,7 @@ class Checkpointer:
 
     def close(self):
         """Wait for the save in flight, then release the manager."""
-        if self._open:
+        if self._open and self._mngr is not None:
             self._open = False
             # Orbax cleans up old temporary directories in a thread started with the manager and awaits it
             # only in a save: a run that stops before its first one (bad input) must wait for it too, or

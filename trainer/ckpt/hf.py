@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -116,16 +117,46 @@ def with_hf_shapes(cfg):
         raise UserError(f"model.init_from='{p}' is neither an export (meshtrain export --out) nor a run.dir with "
                         "checkpoints, and has no config.json of a Hugging Face model folder; give one of those")
     where = p / "config.json"
-    keys = model_keys(read_config(p), where)
+    hc = read_config(p)
+    keys = model_keys(hc, where)
+    # a family that reads llama3 RoPE scaling from config.json, on a folder with plain RoPE: a model.rope_scaling
+    # extends the folder's context (as Llama 3.1 extended Llama 3's) rather than contradicting it
+    extendable = keys["rope_scaling"] == (None, "rope_scaling")
     for k, (v, hk) in keys.items():
         mine = getattr(cfg.model, k)
         if mine is not None and v is not None and not _same(mine, v):
             raise UserError(f"model.{k}={mine} contradicts {where} ({hk}={v}); drop model.{k} or make them equal")
-        if mine is not None and v is None and k in ("rope_scaling", "window"):
+        if mine is not None and v is None and k in ("rope_scaling", "window") and not (k == "rope_scaling"
+                                                                                         and extendable):
             raise UserError(f"model.{k}={mine} contradicts {where} ({hk} is null); drop it")
-    cfg = replace(cfg, model={k: v for k, (v, _) in keys.items()})
+    extended = extendable and cfg.model.rope_scaling is not None
+    cfg = replace(cfg, model={k: v for k, (v, _) in keys.items() if not (k == "rope_scaling" and extended)})
+    _check_context(model_config(cfg), hc.get("max_position_embeddings"), where, extendable)
     check_tensors(p, model_config(cfg))
     return cfg
+
+
+def _check_context(mc, positions, where, extendable: bool):
+    """model.seq_len within the folder's context (max_position_embeddings), or past it with RoPE scaling set for
+    it: a model.rope_scaling over the folder's plain RoPE whose original context (4th number) is at most the
+    folder's and whose factor x original context reaches seq_len (a folder's own scaling is in its context)."""
+    if not positions:
+        return
+    T, M, sc = mc.seq_len, int(positions), mc.rope_scaling if extendable else None
+    if sc is not None and sc[3] > M:
+        raise UserError(f"model.rope_scaling's original context {sc[3]} (its 4th number) exceeds the {M} positions "
+                        f"of {where} (max_position_embeddings), the context the model was trained at; set it to {M}")
+    if T <= M or (sc is not None and sc[0] * sc[3] >= T):
+        return
+    if sc is not None:
+        raise UserError(f"model.rope_scaling={list(sc)} extends the context of {where} to factor x original = "
+                        f"{sc[0] * sc[3]:g} positions, fewer than model.seq_len={T}; raise its factor to "
+                        f"{math.ceil(T / sc[3])} or use model.seq_len<={int(sc[0] * sc[3])}")
+    scale = "" if not extendable else (
+        f", or extend its context with llama3 RoPE scaling: model.rope_scaling=[{math.ceil(T / M)},1,4,{M}] "
+        f"(factor, low_freq_factor, high_freq_factor, original context; factor x {M} >= {T})")
+    raise UserError(f"model.seq_len={T} exceeds the {M} positions of {where} (max_position_embeddings); use "
+                    f"model.seq_len<={M}{scale}")
 
 
 # ----------------------------------------------------------------------------- tensor layout

@@ -12,7 +12,8 @@ import numpy as np
 
 from trainer.ckpt import safetensors as st
 from models.spec import leaf_shape
-from trainer.ckpt.hf import INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, origin_of, text_config
+from trainer.ckpt.hf import (INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, model_keys, origin_of,
+                             text_config)
 from trainer.errors import UserError
 
 
@@ -89,37 +90,54 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
     if origin is not None and jax.process_index() == 0:  # started from an HF folder: what it said of the model
         _keep(origin, out)
     if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
-        _write_tokenizer(cfg.data.tokenizer, out, mc)
-        _write_chat_template(cfg.data.source, out)
+        turn = _write_chat_template(cfg.data.source, out)
+        _write_tokenizer(cfg.data.tokenizer, out, mc, turn)
     return out
 
 
-def _write_chat_template(source: str, out: Path):
+def _write_chat_template(source: str, out: Path) -> str | None:
     """The chat template the run's conversations were rendered with, as chat_template.jinja (which transformers
-    reads before tokenizer_config.json's): the export chats as its training data did."""
+    reads before tokenizer_config.json's): the export chats as its training data did. Returns its text."""
     from trainer.data.batches import read_sidecar
     meta = read_sidecar(source) if source.endswith(".bin") else None
-    if meta and meta.get("chat_template"):
-        shutil.copyfile(Path(source).parent / meta["chat_template"]["path"], out / "chat_template.jinja")
+    if not (meta and meta.get("chat_template")):
+        return None
+    shutil.copyfile(Path(source).parent / meta["chat_template"]["path"], out / "chat_template.jinja")
+    return (out / "chat_template.jinja").read_text()
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "rope_scaling", "rope_parameters")  # a run's context and RoPE scaling
 
 
 def _keep(origin: Path, out: Path):
     """The origin folder's config fields over the written ones, but for the dtype (the run cannot have changed
     the model's shape: importing checked every shape key against that config.json): its context length,
-    special ids, rope scaling and whatever else it holds; then its generation config and tokenizer files."""
+    special ids, rope scaling and whatever else it holds, unless the run extended its context with RoPE scaling
+    (trainer/ckpt/hf.py: then the run's context and scaling); then its generation config and tokenizer files."""
     ours, theirs = (text_config(json.loads((d / "config.json").read_text()), d) for d in (out, origin))
-    merged = {**ours, **{k: v for k, v in theirs.items() if k not in ("torch_dtype", "dtype")}}
+    scaling = [model_keys(c, d)["rope_scaling"][0] for c, d in ((ours, out), (theirs, origin))]
+    extended = scaling[0] is not None and scaling[1] is None
+    mine = ("torch_dtype", "dtype") + (CONTEXT_KEYS if extended else ())
+    merged = {**ours, **{k: v for k, v in theirs.items() if k not in mine}}
     (out / "config.json").write_text(json.dumps(merged, indent=2) + "\n")
     for name in ORIGIN_FILES[1:]:
         if (origin / name).is_file():
             shutil.copyfile(origin / name, out / name)
 
 
-def _write_tokenizer(path: str, out: Path, mc):
+def _write_tokenizer(path: str, out: Path, mc, template: str | None = None):
     """The run's tokenizer.json beside the weights, a tokenizer_config.json naming its end-of-text token (so
-    that transformers' AutoTokenizer loads the folder), and that token as generation's eos."""
+    that transformers' AutoTokenizer loads the folder), and generation's eos: that token, and the end-of-turn
+    token the chat template writes after an assistant's reply (so that transformers' generate stops there too)."""
+    from trainer.data.chat import ChatTemplate, DEFAULT_DATE, parse_date, specials_of
     from trainer.data.prepare import load_tokenizer
     tok, src, eot = load_tokenizer(path)
+    eos = [eot]
+    if template is not None:
+        added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+        turn = ChatTemplate("chat_template.jinja", template, specials_of(src.parent), parse_date(DEFAULT_DATE)) \
+            .end_of_turn(added)
+        eos += [turn] if turn is not None and turn != eot else []
     shutil.copyfile(src, out / "tokenizer.json")
     if (src.parent / "tokenizer_config.json").is_file():
         shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
@@ -128,7 +146,10 @@ def _write_tokenizer(path: str, out: Path, mc):
                 "model_max_length": mc.seq_len}
         (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
     gen = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eot}, indent=2) + "\n")
+    had = gen.get("eos_token_id")  # an origin folder's own stop tokens (Llama 3 Instruct lists three) are kept
+    eos = list(dict.fromkeys(eos + (had if isinstance(had, list) else [had] if had is not None else [])))
+    gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,

@@ -14,8 +14,8 @@ import orbax.checkpoint as ocp
 
 from models import abstract_model
 from trainer.ckpt.evidence import EXPORT, evidence, short as _short
-from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_of, kind_of,
-                                leaf_names, list_steps, manager, meta_of, read_meta, restore, verify)
+from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_dict, config_of,
+                                kind_of, leaf_names, list_steps, manager, meta_of, read_meta, restore, verify)
 from trainer.config import Config, model_config
 from trainer.errors import CheckpointUnreadable, UserError
 
@@ -85,12 +85,13 @@ def _read_export(path: Path) -> dict:
         raise _export_failed(path, e) from None
 
 
-def _load_export(path: Path, shardings, target=None):
-    """(params, Config, step) of an export."""
+def _load_export(path: Path, shardings, target=None, target_cfg: Config | None = None):
+    """(params, Config, step) of an export; its shapes checked against `target` (of `target_cfg`) when given."""
     meta = _read_export(path)
     cfg = config_of(meta)
     if target is not None:
-        check_shapes(meta["leaves"], target, f"exported parameters {path}", "params.")
+        check_shapes(meta["leaves"], target, f"model.init_from export {path}", "params.",
+                     init_fix(meta["config"], target_cfg, path))
     item = _params_target(meta["leaves"], param_shardings(cfg, shardings))
     try:
         params = ocp.StandardCheckpointer().restore((path / "params").absolute(), item)
@@ -152,11 +153,30 @@ def _load_hf(path: Path, shardings):
     from trainer.ckpt import hf
     from trainer.config import load_config, replace
     from trainer.sources import resolve
-    cfg = resolve(load_config([f"model.init_from={path}"]))
+    cfg = load_config([f"model.init_from={path}"])
+    context = hf.context_of(path)  # a folder of fewer positions than the preset's seq_len is read at its own
+    if context and context < model_config(cfg).seq_len:
+        cfg = replace(cfg, model={"seq_len": context})
+    cfg = resolve(cfg)
     if (path / "tokenizer.json").is_file():
         cfg = replace(cfg, data={"tokenizer": str(path / "tokenizer.json")})
     shapes = _shape_tree(cfg)[0]
     return hf.load(path, model_config(cfg), shapes, param_shardings(cfg, shardings)), cfg, 0
+
+
+SHAPE_KEYS = ("family", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
+              "tie_embeddings")  # the model keys that decide the parameters' shapes
+
+
+def init_fix(saved: dict, cfg: Config, path) -> str:
+    """What to do when `model.init_from` (saved with config `saved`) has other shapes than cfg's model: the
+    shape keys it was saved with, each named with its value."""
+    mine, theirs = config_dict(cfg)["model"], saved.get("model", {})
+    keys = [f"model.{k}={str(theirs[k]).lower() if isinstance(theirs[k], bool) else theirs[k]}"
+            for k in SHAPE_KEYS if k in theirs and theirs[k] != mine.get(k)]
+    use = (f"set {' '.join(keys)} as it was saved" if keys else
+           f"use the model settings it was saved with (meshtrain inspect --run {path} shows them)")
+    return f"{use}, or give a model.init_from of this config's shapes"
 
 
 def init_params(s, path) -> dict:
@@ -166,14 +186,15 @@ def init_params(s, path) -> dict:
     p, (target, shardings) = Path(path), localsgd.one_replica(s)  # local SGD: every replica starts from them
     kind = kind_of(p)
     if kind == "export":
-        params = _load_export(p, shardings, target)[0]
+        params = _load_export(p, shardings, target, s.cfg)[0]
     elif kind == "hf":
         from trainer.ckpt.hf import load as load_hf
         return load_hf(p, model_config(s.cfg), target, shardings)  # already in target's dtypes
     elif kind == "run" and list_steps(p):
         step = list_steps(p)[-1]
-        check_shapes(one_set(read_meta(p, step))[1], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}",
-                     "params.")
+        meta = read_meta(p, step)
+        check_shapes(one_set(meta)[1], target, f"model.init_from checkpoint {p / SUBDIR / str(step)}", "params.",
+                     init_fix(meta["config"], s.cfg, p))
         params, _ = load_params(p, None, shardings)
     else:
         raise UserError(f"model.init_from='{path}' is neither an export (meshtrain export --out) nor a run.dir "

@@ -103,20 +103,21 @@ def verify(tree, leaves: dict):
             raise CorruptCheckpoint(f"'{name}' does not match its checksum")
 
 
-def check_shapes(leaves: dict, target, where: str, prefix: str = ""):
+RESUME_FIX = "use the model settings it was saved with (meshtrain inspect shows them) or a new run.dir"
+
+
+def check_shapes(leaves: dict, target, where: str, prefix: str = "", fix: str = RESUME_FIX):
     """UserError naming the first leaf of `target` (named `prefix` + its path) whose saved shape
-    differs or that is missing."""
+    differs or that is missing, and `fix`."""
     pairs = sorted(zip([prefix + n for n in leaf_names(target)], jax.tree.leaves(target)),
                    key=lambda p: not p[0].startswith("params."))  # name a parameter first
     for full, x in pairs:
         what = f"parameter '{full.removeprefix('params.')}'" if full.startswith("params.") else f"state '{full}'"
         if full not in leaves:
-            raise UserError(f"{where} has no {what}; use the model settings it was saved with "
-                            "(meshtrain inspect shows them) or a new run.dir")
+            raise UserError(f"{where} has no {what}; {fix}")
         saved = tuple(leaves[full]["shape"])
         if saved != tuple(x.shape):
-            raise UserError(f"{where}: {what} has shape {saved} there but {tuple(x.shape)} in this config; "
-                            "use the model settings it was saved with (meshtrain inspect shows them) or a new run.dir")
+            raise UserError(f"{where}: {what} has shape {saved} there but {tuple(x.shape)} in this config; {fix}")
 
 
 def classified(d: Path, fn: Callable, step: int):

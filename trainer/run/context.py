@@ -1,13 +1,16 @@
 """A training run's context: what the loop and its plug-ins share between steps.
 
 `Run(cfg)` sets the run up (config resolved, memory checked, mesh, data, the state restored or initialised,
-the step compiled); the loop then moves `state`, `metrics` and `done` on, and applies a plug-in's Rollback
-through `rewind`, the one place that moves a run back.
+the step compiled) and writes nothing: `begin()` makes the first writes once the plug-ins are made too, so that
+a start that fails, or finds run.dir at train.steps already (`complete`), leaves run.dir as it was. The loop then
+moves `state`, `metrics` and `done` on, and applies a plug-in's Rollback through `rewind`, the one place that
+moves a run back.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from trainer.data.feed import Feed
 from trainer.errors import UserError
 from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
+from trainer.optim import warn_if_no_decay
 from trainer.parallel.schedules import describe as describe_pipeline
 from trainer.run import distributed
 from trainer.run.memory_check import check_fits, is_out_of_memory, out_of_memory
@@ -45,15 +49,19 @@ class Result:
     goodput: dict | None = None  # seconds per part of the run (trainer/observe/goodput.py)
 
 
-def prepare_run_dir(path: str) -> Path:
+def _not_writable(path: str, why: str) -> UserError:
+    return UserError(f"run.dir '{path}' is not writable ({why}); choose another run.dir")
+
+
+def check_run_dir(path: str) -> Path:
+    """run.dir checked writable without creating or touching anything (a start that fails leaves it as it was):
+    the directory itself or, where it does not exist yet, its nearest existing parent."""
     d = Path(path)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".write_test.{jax.process_index()}"  # processes sharing run.dir probe at once
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"run.dir '{path}' is not writable ({e.strerror}); choose another run.dir") from None
+    near = next(p for p in (d, *d.absolute().parents) if p.exists())
+    if not near.is_dir():
+        raise _not_writable(path, "not a directory" if near == d else f"{near} is a file")
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise _not_writable(path, f"{near}: permission denied")
     return d
 
 
@@ -92,7 +100,7 @@ class Run:
         distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
         self.main = jax.process_index() == 0
         cfg = self.cfg = resolve(cfg)  # an HF init_from folder's shapes; a .bin's sidecar: tokenizer, dtype, vocab
-        self.dir = prepare_run_dir(cfg.run.dir)
+        self.dir = check_run_dir(cfg.run.dir)  # nothing is written before begin()
         s = self.s = make_setup(cfg, devices)
         check_fits(s)  # the plan against the device's memory, before anything compiles (train.memory_check)
         t = cfg.train
@@ -100,38 +108,64 @@ class Run:
                                t.batch_size, s.model.seq_len, s.model.vocab_size,
                                *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
                                document_mask=cfg.data.document_mask)
-        self.console.print(f"[bold]meshtrain[/] {describe(s)}")
-        if self.batches.note:
-            self.console.print(self.batches.note)
-        if jax.process_count() > 1:
-            self.console.print(distributed.describe(s.mesh, self.batches.rows, t.batch_size))
-        t0 = self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         self.ckpt = Checkpointer(s, self.dir, log=self.console.print)
+        self.history, self.eval_loss, self.preempted, self.goodput_record = [], None, False, None
+        self.writer = None  # begin() opens it
         try:
-            self.state, self.start = self.ckpt.restore() or (self.initial(), 0)
-            if self.main:  # only now: a command that fails on its input leaves run.dir as it was
-                (self.dir / "config.yaml").write_text(to_yaml(cfg))
-                if cfg.model.init_from and kind_of(cfg.model.init_from) == "hf":  # context, special ids, tokenizer
-                    keep_origin(cfg.model.init_from, self.dir)
-            self.eval_fn = jit_eval_step(s)
-            with jax.set_mesh(s.mesh):
-                self.step_fn = jit_train_step(s).lower(self.state, to_global(s, self.batches.train(self.start))).compile()
+            restored = self.ckpt.restore()
+            self.state, self.start = restored or (self.initial(), 0)
+            # run.dir holds train.steps already (restore said so): nothing to compile, nothing to write
+            self.complete = restored is not None and self.start >= t.steps
+            if not self.complete:
+                self._announce()
+                warn_if_no_decay(t)
+                self.step_fn = self._compile()
         except BaseException as e:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
             self.ckpt.close()  # background clean-up joined first (left running, it raised at interpreter exit)
             if is_out_of_memory(e):
                 raise out_of_memory(e, "compiling the train step") from None
             raise
-        self.compile_s = time.perf_counter() - t0
-        self.goodput.add("compile", self.compile_s)
         self.done, self.metrics, self.host, self.record = self.start, None, None, {}
-        self.history, self.eval_loss, self.preempted = [], None, False
+        if self.complete:
+            self.ckpt.close()
+            return
+        self.compile_s = time.perf_counter() - self.t0
+        self.goodput.add("compile", self.compile_s)
         self.offset = int(jax.device_get(self.state["guard"]["offset"]))  # rollbacks moved the data this far
         self.feed = Feed(self.batches, self.start, t.steps, self.offset)
-        self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=self.start)
         self.rewound_at = None  # (time, step) of the last rewind
         self.synced_at = time.perf_counter()  # when the last step's sync point ended
-        self.goodput_record = None
         self.phase = lambda what: contextlib.nullcontext()  # a waiting phase, watched once the watchdog is in
+
+    def _announce(self):
+        """The start-up lines, once every source (HF folder, data, checkpoint or model.init_from) is read: they
+        describe the model that trains."""
+        self.console.print(f"[bold]meshtrain[/] {describe(self.s)}")
+        if self.batches.note:
+            self.console.print(self.batches.note)
+        if jax.process_count() > 1:
+            self.console.print(distributed.describe(self.s.mesh, self.batches.rows, self.cfg.train.batch_size))
+
+    def _compile(self):
+        s = self.s
+        self.eval_fn = jit_eval_step(s)
+        with jax.set_mesh(s.mesh):
+            return jit_train_step(s).lower(self.state, to_global(s, self.batches.train(self.start))).compile()
+
+    def begin(self):
+        """The run's first writes, once nothing can refuse the start (the plug-ins made too): run.dir created,
+        config.yaml, an HF model.init_from's context, metrics.jsonl and TensorBoard."""
+        cfg = self.cfg
+        if self.main:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                (self.dir / "config.yaml").write_text(to_yaml(cfg))
+                if cfg.model.init_from and kind_of(cfg.model.init_from) == "hf":  # context, special ids, tokenizer
+                    keep_origin(cfg.model.init_from, self.dir)
+            except OSError as e:
+                raise _not_writable(cfg.run.dir, e.strerror) from None
+        self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=self.start)
 
     def initial(self) -> dict:
         """The state of a run with no checkpoint to resume: from model.init_from, else random."""

@@ -46,8 +46,11 @@ def _timed(run: Run, p):
 def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     """Train according to cfg; returns the final state and the logged metrics."""
     run, ps, error = Run(cfg, devices, console), [], None
+    if run.complete:  # nothing to train: nothing compiled, nothing written (CLI exit 0, as a finished run's rerun)
+        return run.result()
     try:
         ps = plugins(run)
+        run.begin()
         with jax.set_mesh(run.s.mesh):
             for step, rows in run.goodput.timed("data", run.feed):
                 with run.goodput.span("data"):
@@ -90,7 +93,8 @@ def _exit(run: Run, ps: list, error: BaseException | None) -> BaseException | No
             error = error or e
     if not ps:
         run.ckpt.close()  # a plug-in failed to start: the checkpointer still closes
-    run.writer.close()
+    if run.writer is not None:
+        run.writer.close()
     return error
 
 
