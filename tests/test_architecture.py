@@ -19,7 +19,7 @@ LAYERS = [
     ("errors, logs, hardware", ["trainer.errors", "trainer.logs", "trainer.hardware", "trainer.platforms"]),
     ("meshes", ["meshes"]),
     ("models", ["models"]),
-    ("config (pure)", ["trainer.config", "trainer.model_section"]),
+    ("config (pure)", ["trainer.config", "trainer.model_section", "trainer.schema", "trainer.sections"]),
     ("training core", ["trainer.state", "trainer.step", "trainer.optim", "trainer.guard", "trainer.parallel",
                        "trainer.data"]),
     ("ckpt, observe, plan", ["trainer.ckpt", "trainer.observe", "trainer.plan", "trainer.sources"]),
@@ -199,11 +199,11 @@ def test_each_fact_is_written_once(fact):
 
 
 def test_the_pipeline_schedules_are_listed_once():
-    """The schedules' names are one tuple, trainer/config.SCHEDULES, with the config's other choices."""
+    """The schedules' names are one tuple, trainer/sections.SCHEDULES, with the config's other choices."""
     pattern = r"\(\s*[\"']gpipe[\"'],\s*[\"']1f1b[\"'],\s*[\"']interleaved_1f1b[\"']\s*\)"
     files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
     assert sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, f.read_text())}) == \
-        ["trainer/config.py"]
+        ["trainer/sections.py"]
 
 
 def _string_literals(path: Path) -> set[str]:

@@ -44,7 +44,7 @@ CASES = {
     "unknown-key": (["train.zero_stag=1"], "did you mean 'train.zero_stage'"),
     "wrong-type": (["train.steps=many"], "'train.steps'"),
     "missing-data": (["data.source=/nonexistent/corpus.txt"], "does not exist"),
-    "zero-stage-range": (["train.zero_stage=4"], "outside 0..3"),
+    "zero-stage-range": (["train.zero_stage=4"], "train.zero_stage=4 must be >= 0 and <= 3"),
     "mesh-preset-unknown": (["mesh.preset=nope"], "unknown mesh preset 'nope'; choose one of"),
     # config
     "yaml-python-tag": (["{F}/evil.yaml"], "meshtrain reads plain YAML only (no Python tags)"),
@@ -62,7 +62,7 @@ CASES = {
     "max-bad-steps-zero": (["train.max_bad_steps=0"], "train.max_bad_steps=0 must be >= 1"),
     "spike-factor-below-one": (["train.spike_factor=0.5"], "must be 0 (off) or > 1"),
     "inject-nan-form": (["train.inject_nan_at=5:2"], "is not STEP or A:B"),
-    "checkpoint-every-negative": (["checkpoint.every=-1"], "must be >= 0; fix the negative value"),
+    "checkpoint-every-negative": (["checkpoint.every=-1"], "checkpoint.every=-1 must be >= 0"),
     "on-unreadable-unknown": (["checkpoint.on_unreadable=ignore"], "checkpoint.on_unreadable='ignore' is unknown"),
     # data files
     "bin-odd-bytes": (["data.source={F}/odd.bin"], "not a whole number of uint16 tokens"),
@@ -95,10 +95,7 @@ COMMANDS = {
 def files(tmp_path_factory):
     """Bad files to point at, and a run.dir as a run leaves it: config, metrics, TensorBoard, a checkpoint."""
     import shutil
-    from trainer.ckpt.checkpoint import Checkpointer
-    from trainer.config import load_config, to_yaml
-    from trainer.observe.metrics import MetricsWriter
-    from trainer.state import init_state, make_setup
+    from test_run_start import finished_run
     f = tmp_path_factory.mktemp("bad")
     (f / "evil.yaml").write_text(f'train:\n  steps: !!python/object/apply:os.system ["touch {f}/pwned"]\n')
     (f / "broken.yaml").write_text("train: [1, 2\n")
@@ -109,15 +106,7 @@ def files(tmp_path_factory):
     (f / "empty.txt").write_text("")
     (f / "emptydir").mkdir()
     run = f / "run"
-    s = make_setup(load_config(BASE + [f"run.dir={run}"]))
-    c = Checkpointer(s, run)
-    c.save(2, init_state(s))
-    c.close()
-    (run / "config.yaml").write_text(to_yaml(s.cfg))
-    w = MetricsWriter(run)
-    for step in (1, 2):
-        w.write({"step": step, "loss": 5.5 - step / 10})
-    w.close()
+    finished_run(BASE + [f"run.dir={run}"])
     shutil.copytree(run, f / "corrupt")
     for data in (f / "corrupt" / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
         data.write_bytes(bytes(b ^ 0x5A for b in data.read_bytes()))  # every byte of every array file
@@ -185,7 +174,7 @@ def test_a_plan_larger_than_the_device_stops_before_compiling(tmp_path, capsys):
     assert re.match(r"meshtrain: error: the plan needs [\d.]+ GB per device but this host's available memory "
                     r"(/ 8 local devices )?is [\d.]+ GB \(activations [\d.]+ GB the largest\); reduce it with "
                     r"model\.remat=full, .*train\.memory_check=false", err[0]), err[0]
-    assert sorted(p.name for p in run.iterdir()) == []  # nothing compiled, nothing written
+    assert not run.exists()  # nothing compiled, nothing written: not even run.dir
 
 
 def test_an_out_of_memory_error_from_xla_is_one_line(tmp_path, capsys):

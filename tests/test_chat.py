@@ -273,6 +273,10 @@ def test_an_exported_chat_run_carries_its_chat_template(chats, tmp_path, capsys)
     got = (tmp_path / "hf" / "chat_template.jinja").read_text()
     assert got == (F / "templates" / "chatml.jinja").read_text()
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (F / "tokenizer" / "tokenizer.json").read_bytes()
+    # transformers' generate stops at the end of an assistant's turn as well as at the end of the text
+    ids = {t["content"]: t["id"] for t in json.loads((F / "tokenizer" / "tokenizer.json").read_text())["added_tokens"]}
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [ids["<|endoftext|>"], ids["<|im_end|>"]], gen
 
 
 @SLOW  # two training processes and a restart (~40 s); the in-process resume above covers the stop-and-resume case

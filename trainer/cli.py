@@ -16,6 +16,7 @@ With no arguments: the `small` model on the built-in corpus on all local devices
 If run.dir holds checkpoints, training resumes from the newest complete one; SIGTERM or
 Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
 """
+KEYS = "\nkeys: key, type = default, allowed values; under it the meaning (docs/config.md: the same table)\n"
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -27,26 +28,26 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def _train(args: list[str]) -> int:
-    from trainer.config import all_keys, load_config
+    from trainer.config import keys_help, load_config
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE + KEYS + keys_help())
+        return 0
+    cfg = load_config(args)  # every key's range checked before anything is imported, read or created
     from trainer.run.distributed import initialize
     from trainer.run.loop import train
-    if args and args[0] in ("-h", "--help"):
-        print(USAGE + "\nkeys:\n  " + "\n  ".join(all_keys()))
-        return 0
-    cfg = load_config(args)
     initialize(cfg.dist)  # before jax touches a device
     train(cfg)
     return 0
 
 
 def _simulate(args: list[str]) -> int:
-    from trainer.config import all_keys, load_config
+    from trainer.config import keys_help, load_config
     from trainer.plan.simulate import plot, simulate
     from trainer.sources import resolve
     if args and args[0] in ("-h", "--help"):
         print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
-              "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot.\n\n"
-              "keys:\n  " + "\n  ".join(k for k in all_keys() if k.startswith("sim.")))
+              "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot. It takes "
+              "every key of `meshtrain train --help`; its own:\n" + KEYS + keys_help("sim."))
         return 0
     cfg = resolve(load_config(args))
     rows = simulate(cfg)
@@ -99,9 +100,16 @@ def _plot(args: list[str]) -> int:
 
 def _generate(args: list[str]) -> int:
     p = ArgParser(prog="meshtrain generate", description="Sample text from a run's newest "
-                                "checkpoint (KV-cache decoding), streamed to stdout.")
+                                "checkpoint (KV-cache decoding), streamed to stdout, up to the model's end-of-text "
+                                "or end-of-turn token (not printed).")
     p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face model folder")
-    p.add_argument("--prompt", default="", help="text to continue (default: a new line)")
+    p.add_argument("--prompt", default="", help="text to continue (default: a new line); with --chat the user's "
+                   "message")
+    p.add_argument("--chat", action="store_true", help="render the prompt with the run's chat template as a user "
+                   "message awaiting the assistant's reply, and print only the reply")
+    p.add_argument("--system", help="with --chat: a system message before the user's")
+    p.add_argument("--stop", action="append", default=[], metavar="TOKEN_OR_TEXT", help="also stop at this added "
+                   "token of the tokenizer (e.g. '<|im_end|>'), or before this text (repeatable)")
     p.add_argument("--tokens", type=int, default=256,
                    help="how many tokens to sample: of the run's tokenizer, or bytes where it has none (default: 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
@@ -110,7 +118,8 @@ def _generate(args: list[str]) -> int:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     ns = p.parse_args(args)
     from trainer.run.generate import generate_text
-    generate_text(ns.run, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed, ns.step)
+    generate_text(ns.run, ns.prompt, ns.tokens, ns.temperature, ns.top_k, ns.seed, ns.step, chat=ns.chat,
+                  system=ns.system, stops=tuple(ns.stop))
     return 0
 
 
@@ -132,11 +141,14 @@ def _prepare(args: list[str]) -> int:
     p.add_argument("--date", help="the date a template's strftime_now gives, YYYY-MM-DD (default: 2026-01-01)")
     p.add_argument("--loss-on", default="assistant", choices=("assistant", "all"),
                    help="the tokens of a conversation the loss counts (default: assistant)")
+    p.add_argument("--require-counted", action="store_true", help="a record without a token the loss counts is "
+                   "an error (default: kept, and counted in the summary and the sidecar)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ns = p.parse_args(args)
     from trainer.data.prepare import prepare
     prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress,
-            field=ns.field, chat_template=ns.chat_template, date=ns.date, loss_on=ns.loss_on)
+            field=ns.field, chat_template=ns.chat_template, date=ns.date, loss_on=ns.loss_on,
+            require_counted=ns.require_counted)
     return 0
 
 

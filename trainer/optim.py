@@ -1,14 +1,31 @@
 """AdamW (or SGD with momentum) with linear warmup, cosine decay and global-norm clipping (optax)."""
 from __future__ import annotations
 
+import logging
+
 import jax
 import optax
+
+log = logging.getLogger(__name__)
+
+
+def warmup_of(t) -> int:
+    """The schedule's warmup steps: train.warmup_steps, at most steps - 1 (so that the last step has the peak)."""
+    return min(t.warmup_steps, max(t.steps - 1, 0))
+
+
+def warn_if_no_decay(t) -> None:
+    """A warning at start when warmup fills the run: its learning rate rises to the peak and never decays."""
+    if t.steps > 1 and t.warmup_steps >= t.steps - 1:
+        log.warning(f"train.warmup_steps={t.warmup_steps} fills the run of train.steps={t.steps}: the learning rate "
+                    f"rises for {warmup_of(t)} steps to its peak train.lr={t.lr} and never decays; for a run that "
+                    f"decays set train.warmup_steps below {t.steps - 1}, e.g. train.warmup_steps={t.steps // 10}")
 
 
 def make_optimizer(t, decay: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer and its schedule; `decay` says, per parameter (a tree like the parameters', declared
     where each was created: models.weight_decay_of), whether weight decay applies to it."""
-    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    warmup = warmup_of(t)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
         decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)

@@ -36,6 +36,7 @@ import numpy as np
 
 from models.batch import from_windows
 from trainer.errors import UserError
+from trainer.sections import BIN_DTYPES
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
 log = logging.getLogger(__name__)
@@ -190,8 +191,8 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
                              prepared=True, index=path.parent / index["path"] if index else None,
                              eot_id=meta.get("eot_id"), loss_mask=mask), source)
     if path.suffix == ".bin":
-        if bin_dtype not in ("uint16", "uint32"):
-            raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use uint16 or uint32")
+        if bin_dtype not in BIN_DTYPES:
+            raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use {' or '.join(BIN_DTYPES)}")
         size = np.dtype(bin_dtype).itemsize
         if path.stat().st_size % size:
             raise UserError(f"data.source '{source}' has {path.stat().st_size} bytes, not a whole number of "

@@ -26,8 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from trainer.errors import UserError
-
-KINDS = ("auto", "psum", "ring", "ring_bf16")
+from trainer.sections import GRAD_SYNC
 
 
 class Psum:
@@ -232,5 +231,5 @@ def make(kind: str, axis: str, size: int):
         return Ring(axis, size)
     if kind == "ring_bf16":
         return Ring(axis, size, wire=jnp.bfloat16)
-    raise UserError(f"train.grad_sync='{kind}' is unknown; choose one of {', '.join(KINDS)}")
+    raise UserError(f"train.grad_sync='{kind}' is unknown; choose one of {', '.join(GRAD_SYNC)}")
 

@@ -43,9 +43,6 @@ from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Transfer
 
 
-STRAGGLERS = ("none", "lognormal", "slow")
-
-
 def ring_allreduce(size: float, k: int, bw: float, lat: float) -> Transfer:
     """Reduce-scatter (K-1 steps) then all-gather (K-1 steps) of `size` bytes around K devices."""
     return Transfer("data", "all-reduce", "ring all-reduce", bus_factor("all-reduce", k) * size,
@@ -193,16 +190,7 @@ def check(cfg: Config) -> tuple[int, int, int]:
     if min(mesh) < 1 and not sim.devices:
         raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
     k = sim.devices or math.prod(mesh)
-    shape = validate(cfg, k)
-    checks = [
-        (sim.straggler in STRAGGLERS, f"sim.straggler='{sim.straggler}' is unknown; choose one of {', '.join(STRAGGLERS)}"),
-        (sim.efficiency > 0 and sim.efficiency <= 1, f"sim.efficiency={sim.efficiency} must be in (0, 1]"),
-        (0 <= sim.overlap <= 1, f"sim.overlap={sim.overlap} must be in [0, 1]"),
-        (sim.steps > 0 and sim.max_devices > 0, "sim.steps and sim.max_devices must be > 0"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError(msg)
+    shape = validate(cfg, k)  # sim.* keys' ranges and choices too (trainer/sections.py)
     return shape
 
 
