@@ -196,11 +196,13 @@ def test_config_parsing_never_evaluates_code(tmp_path):
         for args in ([str(evil)], ['train.steps=!!python/object/apply:os.system ["touch x"]']):
             with pytest.raises(UserError, match="could not determine a constructor"):
                 load_config(args)
+        compile("'the audit sees this'", "<control>", "eval")  # the hook is live: a compile is recorded
     assert not marker.exists() and not [e for e in events if e[0] == "pickle.find_class"], events
-    # OmegaConf evaluates the schema's own type annotations (strings under `from __future__ import
-    # annotations`); nothing else, and nothing from the files or overrides, is compiled
+    # OmegaConf may evaluate the schema's own type annotations (strings under `from __future__ import
+    # annotations`; once per process); nothing else, and nothing from the files or overrides, is compiled
     compiled = {e[2] for e in events if e[0] == "compile"}
-    assert compiled and compiled <= _annotations(), compiled - _annotations()
+    assert "'the audit sees this'" in compiled, events
+    assert compiled - {"'the audit sees this'"} <= _annotations(), compiled - _annotations()
 
 
 def _annotations() -> set:
