@@ -10,7 +10,8 @@ and the chat fixture's ChatML) and reference.json: for each case the prompt's id
 add_generation_prompt=True, or tokenizer(prompt)), the new ids of greedy `generate` (do_sample=False, stopped by the
 generation config's eos list, or by `stop_strings`), their text (decode with skip_special_tokens=True) and the
 smallest top-1/top-2 logit gap on the way (a gap this wide cannot flip between float32 implementations); plus
-tokenizer(prompt) under tokenizer_config.json's add_bos_token / add_eos_token, and the versions. Training is seeded
+tokenizer(prompt) under tokenizer_config.json's add_bos_token / add_eos_token, with the tokenizer.json as written and
+without its post-processor (then no BOS, whatever the flags say), and the versions. Training is seeded
 and single-threaded: a second run writes the same bytes.
 """
 from __future__ import annotations
@@ -37,7 +38,11 @@ CHATS = [[{"role": "user", "content": "Hello! What is the capital of France?"},
 TEXT = "Pack my box with five dozen liquor jugs. The quick brown fox jumps over the lazy dog."
 PLAIN = "Pack my box with five dozen liquor jugs. The quick brown fox"
 STOP_STRING = " lazy"
-FLAG_VARIANTS = [{"add_bos_token": False}, {"add_eos_token": True}, {"add_bos_token": True, "add_eos_token": True}]
+NO_BOS_PLAIN = PLAIN + " j"  # as many tokens without a BOS as PLAIN with one: the tests compile one prefill
+# (tokenizer_config.json's flags, whether tokenizer.json keeps its post-processor, the prompt)
+VARIANTS = [({"add_bos_token": False}, True, PLAIN), ({"add_eos_token": True}, True, PLAIN),
+            ({"add_bos_token": True, "add_eos_token": True}, True, PLAIN),
+            ({"add_bos_token": True}, False, NO_BOS_PLAIN)]
 
 
 def template() -> str:
@@ -126,17 +131,21 @@ def cases(model, tok) -> list[dict]:
 
 
 def encodings(out: Path) -> list[dict]:
-    """tokenizer(PLAIN) when tokenizer_config.json sets add_bos_token / add_eos_token."""
+    """tokenizer(prompt) when tokenizer_config.json sets add_bos_token / add_eos_token, and when tokenizer.json has
+    no post-processor."""
     from transformers import AutoTokenizer
     found = []
-    for flags in FLAG_VARIANTS:
+    for flags, post_processor, prompt in VARIANTS:
         with tempfile.TemporaryDirectory() as tmp:
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(out / name, Path(tmp) / name)
+            tok = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+            tok["post_processor"] = tok["post_processor"] if post_processor else None
+            (Path(tmp) / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
             conf = json.loads((out / "tokenizer_config.json").read_text())
             (Path(tmp) / "tokenizer_config.json").write_text(json.dumps({**conf, **flags}))
-            found.append({"tokenizer_config": flags, "prompt": PLAIN,
-                          "ids": AutoTokenizer.from_pretrained(tmp)(PLAIN)["input_ids"]})
+            found.append({"tokenizer_config": flags, "post_processor": post_processor, "prompt": prompt,
+                          "ids": AutoTokenizer.from_pretrained(tmp)(prompt)["input_ids"]})
+    print("tokenizer(prompt):", [(e["tokenizer_config"], e["post_processor"], e["ids"][:2]) for e in found])
+    assert len({len(e["ids"]) for e in found}) == 1, "keep every encoding the same number of tokens"
     return found
 
 

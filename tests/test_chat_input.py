@@ -189,11 +189,16 @@ def test_a_split_without_a_counted_token_is_refused_for_what_it_is(tmp_path):
         return zlib.crc32(json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()) % 10_000 < 3000
     variants = [{"messages": _msgs(("user", f"question {i}"))} for i in range(40)]
     asked = next(r for r in variants if held(r))
+    trained = next(r for r in variants if not held(r))  # a training record without a counted token, first
     goods = [r for r in ({"messages": _msgs(("user", f"hi {i}"), ("assistant", "hello"))} for i in range(40))
              if not held(r)][:3]
-    src, err = _refused(tmp_path / "held", [*goods, asked], heldout=0.3)
+    # each message names a record of the split it is about, not the file's first uncounted one (of the other split)
+    src, err = _refused(tmp_path / "held", [trained, *goods, asked], heldout=0.3)
     assert err.startswith("the loss mask counts no token of the held-out split (1 records)"), err
-    assert f"{src}:4" in err, err
+    assert f"{src}:5" in err and f"{src}:1" not in err, err
+    src, err = _refused(tmp_path / "train", [asked, trained], heldout=0.3)
+    assert err.startswith("the loss mask counts no token of the training split"), err
+    assert f"{src}:2" in err and f"{src}:1" not in err, err
 
 
 def test_a_refused_prepare_through_the_cli_is_one_line_and_leaves_the_previous_output(tmp_path):

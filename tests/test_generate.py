@@ -111,6 +111,11 @@ def ref():
     return {c["name"]: c for c in json.loads((FIX / "reference.json").read_text(encoding="utf-8"))["cases"]}
 
 
+def ref_encodings() -> list[dict]:
+    """The reference's tokenizer(prompt) under tokenizer_config.json flags, with and without the post-processor."""
+    return json.loads((FIX / "reference.json").read_text(encoding="utf-8"))["encodings"]
+
+
 def _args(case):
     """The CLI arguments of a reference case."""
     if "messages" not in case:
@@ -121,15 +126,15 @@ def _args(case):
 
 
 def _ours(run, case, **kw):
-    """complete() on a reference case, greedy, with transformers' token limit."""
-    from trainer.run.generate import complete
+    """completion() on a reference case, greedy, with transformers' token limit."""
+    from trainer.run.generate import completion
     messages = case.get("messages")
     if messages is None:
-        return complete(str(run), case["prompt"], 32, temperature=0.0, out=io.StringIO(),
-                        stops=tuple(case.get("stop", ())), **kw)
+        return completion(str(run), case["prompt"], 32, temperature=0.0, out=io.StringIO(),
+                          stops=tuple(case.get("stop", ())), **kw)
     by_role = {m["role"]: m["content"] for m in messages}
-    return complete(str(run), by_role["user"], 32, temperature=0.0, out=io.StringIO(), chat=True,
-                    system=by_role.get("system"), **kw)
+    return completion(str(run), by_role["user"], 32, temperature=0.0, out=io.StringIO(), chat=True,
+                      system=by_role.get("system"), **kw)
 
 
 def test_generate_chat_equals_transformers_token_for_token(ref, capsys):
@@ -157,25 +162,74 @@ def test_generate_plain_prompt_gets_bos_and_stops_as_transformers(ref, capsys):
     assert got.ids == case["new_ids"] and got.ids[-1] == EOT and got.stopped, got.ids
 
 
+def _variant(d: Path, enc: dict):
+    """FIX copied to d with a reference encoding's tokenizer_config.json flags, and tokenizer.json without its
+    post-processor where the encoding was made without it."""
+    shutil.copytree(FIX, d)
+    conf = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**conf, **enc["tokenizer_config"]}))
+    if not enc["post_processor"]:
+        tok = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+        (d / "tokenizer.json").write_text(json.dumps({**tok, "post_processor": None}), encoding="utf-8")
+    return d
+
+
 def test_generate_bos_follows_tokenizer_json_as_transformers(ref, tmp_path):
-    """transformers 5 ignores tokenizer_config.json's add_bos_token / add_eos_token beside a tokenizer.json:
-    the reference records tokenizer(prompt) under each, and the prompt's ids here equal them."""
-    from trainer.run.generate import complete
-    for k, enc in enumerate(json.loads((FIX / "reference.json").read_text(encoding="utf-8"))["encodings"]):
-        d = tmp_path / str(k)
-        shutil.copytree(FIX, d)
-        conf = json.loads((d / "tokenizer_config.json").read_text())
-        (d / "tokenizer_config.json").write_text(json.dumps({**conf, **enc["tokenizer_config"]}))
-        got = complete(str(d), enc["prompt"], 32, temperature=0.0, out=io.StringIO())  # 32: the same compiled step
-        assert got.prompt_ids == enc["ids"], enc["tokenizer_config"]
+    """transformers 5 takes the BOS from tokenizer.json's post-processor alone: the reference records
+    tokenizer(prompt) under tokenizer_config.json's add_bos_token / add_eos_token, with the post-processor (a BOS
+    first, even with add_bos_token false) and without it (none, even with add_bos_token true and a bos_token named);
+    the prompt's ids here equal each, so neither never nor always putting the BOS first passes."""
+    from trainer.run.generate import completion
+    encodings = ref_encodings()
+    assert {e["ids"][0] == 1024 for e in encodings} == {True, False}  # both kinds are there
+    for k, enc in enumerate(encodings):
+        d = _variant(tmp_path / str(k), enc)
+        got = completion(str(d), enc["prompt"], 32, temperature=0.0, out=io.StringIO())  # 32: one compiled step
+        assert got.prompt_ids == enc["ids"], (enc["tokenizer_config"], enc["post_processor"])
+
+
+def test_a_run_on_prepared_text_sees_the_bos_in_its_data_and_in_generate(ref, tmp_path, monkeypatch):
+    """prepare encodes a text document as transformers' tokenizer(text) (the fixture's BOS first), then the
+    end-of-text token, and records the BOS in the sidecar; generate prompts a run trained on that .bin with the same
+    ids, and an empty prompt with the BOS. A .bin whose sidecar predates the record holds no BOS, and generate adds
+    none: the prompt is tokenizer(prompt) of the tokenizer without its post-processor, an empty one the end-of-text
+    token."""
+    import models.decode
+    import trainer.ckpt.params
+    from trainer.config import replace
+    from trainer.data.prepare import prepare
+    from trainer.run.generate import completion
+    case = ref["plain"]
+    (tmp_path / "doc.txt").write_text(case["prompt"])
+    out = tmp_path / "d.bin"
+    prepare([str(tmp_path / "doc.txt")], str(out), tokenizer=str(FIX), heldout=0, log=lambda *a: None,
+            show_progress=False)
+    assert np.fromfile(out, np.uint16).tolist() == case["prompt_ids"] + [EOT]
+    load = trainer.ckpt.params.load_params
+
+    def trained_on_it(run_dir, step, shardings):  # FIX's weights, with the config of a run trained on the .bin
+        params, cfg = load(run_dir, step, shardings)
+        return params, replace(cfg, data={"source": str(out), "tokenizer": str(FIX / "tokenizer.json")})
+    monkeypatch.setattr(trainer.ckpt.params, "load_params", trained_on_it)
+    # what the model is prompted with, not what it says: a step that ends at once spares the compiles
+    monkeypatch.setattr(models.decode, "_step_fn", lambda c, dtype: lambda p, toks, *a: (jnp.full((1,), EOT), a[1]))
+
+    def prompt_ids(prompt):
+        return completion(str(FIX), prompt, 1, temperature=0.0, out=io.StringIO()).prompt_ids
+    assert prompt_ids(case["prompt"]) == case["prompt_ids"] and prompt_ids("") == [1024]
+    side = out.with_name(out.name + ".json")
+    side.write_text(json.dumps({k: v for k, v in json.loads(side.read_text()).items() if k != "text_specials"}))
+    (bare,) = [e for e in ref_encodings() if not e["post_processor"]]
+    assert prompt_ids(bare["prompt"]) == bare["ids"] and prompt_ids("") == [EOT]
+
 
 
 def test_generate_stop_text_as_transformers_stop_strings(ref):
     """--stop TEXT ends where transformers' stop_strings ends (the token that completes the text, last); the
     text is not printed: what comes before it is."""
-    from trainer.run.generate import complete
+    from trainer.run.generate import completion
     case, out = ref["stop_string"], io.StringIO()
-    got = complete(str(FIX), case["prompt"], 32, temperature=0.0, out=out, stops=(" lazy",))
+    got = completion(str(FIX), case["prompt"], 32, temperature=0.0, out=out, stops=(" lazy",))
     assert got.ids == case["new_ids"] and got.stopped, got.ids
     assert case["text"].endswith(" lazy")
     assert out.getvalue() == case["prompt"] + case["text"].removesuffix(" lazy") + "\n"
@@ -187,7 +241,7 @@ def test_generate_stops_at_the_templates_end_of_turn_and_at_stop_tokens(ref, tmp
     unless --stop names it."""
     from tokenizers import Tokenizer
 
-    from trainer.run.generate import complete
+    from trainer.run.generate import completion
     case = ref["chat0"]
     d = tmp_path / "eot_only"
     shutil.copytree(FIX, d)
@@ -195,10 +249,10 @@ def test_generate_stops_at_the_templates_end_of_turn_and_at_stop_tokens(ref, tmp
     assert _ours(d, case).ids == case["new_ids"]
     (d / "chat_template.jinja").unlink()
     text = Tokenizer.from_file(str(FIX / "tokenizer.json")).decode(case["prompt_ids"][1:], skip_special_tokens=False)
-    run_on = complete(str(d), text, 32, temperature=0.0, out=io.StringIO())
+    run_on = completion(str(d), text, 32, temperature=0.0, out=io.StringIO())
     assert run_on.prompt_ids == case["prompt_ids"]  # the BOS, then the rendered chat
     assert run_on.ids[:len(case["new_ids"])] == case["new_ids"] and len(run_on.ids) > len(case["new_ids"])
-    stopped = complete(str(d), text, 32, temperature=0.0, out=io.StringIO(), stops=("<|im_end|>",))
+    stopped = completion(str(d), text, 32, temperature=0.0, out=io.StringIO(), stops=("<|im_end|>",))
     assert stopped.ids == case["new_ids"] and stopped.stopped
 
 

@@ -3,7 +3,9 @@ eval_bpb, generate through the run's tokenizer, and each bad input."""
 import hashlib
 import json
 import math
+import shutil
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,6 +121,32 @@ def test_dtype_from_vocab_size_and_given_eos(tmp_path):
         assert np.fromfile(out, dtype).tolist() == want
 
 
+def test_text_records_and_exchanges_are_tokenizer_text_then_eot(tmp_path, capsys):
+    """With a tokenizer whose post-processor puts a BOS first (tests/fixtures/generate's), a text record and an
+    exchange without a template are transformers' tokenizer(text) (the fixture's reference.json), then the
+    end-of-text token; the exchange's BOS is its prompt's (not counted), its end-of-text the completion's. A rerun
+    is up to date."""
+    fix = Path(__file__).parent / "fixtures" / "generate"
+    (plain,) = [c for c in json.loads((fix / "reference.json").read_text())["cases"] if c["name"] == "plain"]
+    (tmp_path / "tok").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # without the folder's chat template
+        shutil.copy(fix / name, tmp_path / "tok")
+    text, cut = plain["prompt"], plain["prompt"].index(" The")
+    (tmp_path / "r.jsonl").write_text(json.dumps({"text": text}) + "\n"
+                                      + json.dumps({"prompt": text[:cut], "completion": text[cut:]}) + "\n")
+    out = tmp_path / "o" / "d.bin"
+    args = ["prepare", str(tmp_path / "r.jsonl"), "--out", str(out), "--tokenizer", str(tmp_path / "tok"),
+            "--heldout", "0", "--no-progress"]
+    assert main(args) == 0
+    want = plain["prompt_ids"] + [0]  # <|begin_of_text|> ... <|endoftext|>
+    assert np.fromfile(out, np.uint16).tolist() == want + want
+    mask = np.fromfile(out.with_name("d.bin.mask"), np.uint8)
+    assert mask[:len(want)].all() and mask[len(want)] == 0 and mask[-1] == 1, mask
+    assert json.loads(out.with_name("d.bin.json").read_text())["text_specials"] == {"before": [1024], "after": []}
+    capsys.readouterr()
+    assert main(args) == 0 and "skipped" in capsys.readouterr().out
+
+
 def test_training_logs_eval_bpb(prepared):
     docs, out, run = prepared
     from tokenizers import Tokenizer
@@ -217,7 +245,6 @@ def test_document_index_matches_each_documents_token_count(prepared):
 
 def test_an_older_bin_without_an_index_finds_documents_by_its_eot(prepared, tmp_path, caplog):
     import logging
-    import shutil
     from trainer.data.batches import load_corpus
     _, out, _ = prepared
     old = tmp_path / "old.bin"

@@ -1,14 +1,17 @@
 """`meshtrain prepare`: text sources -> a token .bin (train documents, then held-out ones) and its JSON sidecar.
 
 Documents are files; each goes to train or held-out by a hash of its name (trainer/data/batches.py's file split),
-and an end-of-text token follows every document. The sidecar (DATA.bin.json) tells trainer/data/batches.py the
-dtype, the vocabulary, the held-out token range and the bytes per token, and records the tokenizer. The
+is encoded as transformers' tokenizer(text) (the special tokens the post-processor puts around it: a BOS first for
+Llama's), and an end-of-text token follows unless that ends with one. The sidecar (DATA.bin.json) tells
+trainer/data/batches.py the dtype, the vocabulary, the held-out token range and the bytes per token, and records
+the tokenizer and those special tokens (`text_specials`, which generate puts before a prompt). The
 document index (DATA.bin.docs, named by the sidecar's `document_index`) holds the start offset of every
 document, uint64, and the total token count last (one more entry than documents): the one source of document
 boundaries, since end-of-text tokens may also occur inside a document (a chat template's turns).
 """
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -21,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.batches import _split_files, index_path, mask_path, sidecar_path, stdlib_files, template_path
-from trainer.data.chat import load_template, parse_date
-from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read
-from trainer.data.writers import Bar, Split, mask_name, write_files, write_records
+from trainer.data.chat import ChatTemplate, load_template, parse_date
+from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read, text_specials
+from trainer.data.writers import Bar, Names, Split, mask_name, write_files, write_records
 from trainer.errors import UserError
 
 VERSION = 2  # 2: the document index
@@ -168,12 +171,66 @@ def _up_to_date(out: Path, digest: str, require_counted: bool) -> bool:
         return False
 
 
+@dataclass
+class _Job:
+    """One prepare: its documents, settings and output, read by the steps below."""
+    out: Path
+    sources: list[str]
+    heldout: float
+    loss_on: str
+    day: _dt.date
+    template: ChatTemplate | None
+    train: list[Doc]
+    held: list[Doc]
+    records: list[Doc]
+    digest: str = ""
+
+
+@dataclass
+class _Tok:
+    """The tokenizer a prepare encodes with: given (--tokenizer) or trained, its file, end-of-text id and the ids
+    tokenizer(text) puts around a text (text_specials)."""
+    tok: object
+    path: Path
+    eot: int
+    given: bool
+    specials: tuple[list[int], list[int]]
+
+
 def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vocab: int | None = None,
             heldout: float = 0.05, log=print, show_progress: bool = True, field: str = "text",
             chat_template: str | None = None, date: str | None = None, loss_on: str = "assistant",
             require_counted: bool = False) -> dict:
     """Tokenize the sources into `out` and its sidecar; returns the sidecar (`skipped`: it was up to date)."""
     # require_counted: a record without a token the loss counts is an error; else it is kept and counted
+    _check_args(sources, out, tokenizer, train_vocab, heldout, loss_on)
+    out_p, day = Path(out), parse_date(date)
+    docs = collect(sources, heldout)
+    tk = _given(tokenizer) if tokenizer else None
+    job = _Job(out_p, sources, heldout, loss_on, day, load_template(tk and tk.path, chat_template, day), *docs)
+    settings = {"version": VERSION, "sources": sources, "heldout": heldout, "train_vocab": train_vocab,
+                "tokenizer_sha256": tk and sha256_file(tk.path)}
+    if tk and any(tk.specials):  # a tokenizer that adds none hashes as before text_specials existed
+        settings["text_specials"] = tk.specials
+    if job.records:  # what else decides a record file's tokens (a text-only prepare hashes as it always did)
+        settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
+                        chat_template=job.template and job.template.sha256)
+    job.digest = inputs_hash(job.train, job.held + job.records, settings)
+    if _up_to_date(out_p, job.digest, require_counted):
+        log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
+        return {**json.loads(sidecar_path(out_p).read_text()), "skipped": True}
+
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    enc = Encoder(None, -1, job.template, loss_on, field, require_counted)
+    t0 = time.perf_counter()
+    tk = tk or _trained(job, train_vocab, enc, log)
+    enc.tok, enc.eot, enc.specials = tk.tok, tk.eot, tk.specials
+    meta, (train, held, kinds) = _write(job, tk, enc, time.perf_counter() - t0, show_progress)
+    _summary(job, meta, train, held, kinds, tk, log)
+    return meta
+
+
+def _check_args(sources, out: str, tokenizer, train_vocab, heldout: float, loss_on: str):
     if (tokenizer is None) == (train_vocab is None):
         raise UserError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB_SIZE")
     if train_vocab is not None and not 257 <= train_vocab <= 2**32:
@@ -185,113 +242,93 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
         raise UserError(f"--loss-on {loss_on} is unknown; choose one of {', '.join(LOSS_ON)}")
     if not sources:
         raise UserError("give at least one source: text files, folders or builtin")
-    out_p = Path(out)
-    if out_p.suffix != ".bin":
+    if Path(out).suffix != ".bin":
         raise UserError(f"--out '{out}' must end in .bin (data.source tells token files by that suffix)")
-    day = parse_date(date)
-    train_docs, held_docs, record_docs = collect(sources, heldout)
-    given = load_tokenizer(tokenizer) if tokenizer else None
-    template = load_template(given[1] if given else None, chat_template, day)
-    settings = {"version": VERSION, "sources": sources, "heldout": heldout, "train_vocab": train_vocab,
-                "tokenizer_sha256": given and sha256_file(given[1])}
-    if record_docs:  # what else decides a record file's tokens (a text-only prepare hashes as it always did)
-        settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
-                        chat_template=template and template.sha256)
-    digest = inputs_hash(train_docs, held_docs + record_docs, settings)
-    if _up_to_date(out_p, digest, require_counted):
-        log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
-        return {**json.loads(sidecar_path(out_p).read_text()), "skipped": True}
 
-    out_p.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    enc = Encoder(None, -1, template, loss_on, field, require_counted)
-    if given:
-        tok, tok_path, eot = given
-    else:
-        log(f"training a byte-level BPE tokenizer ({train_vocab} tokens) on {len(train_docs)} documents"
-            + (f" and {len(record_docs)} record files" if record_docs else ""))
-        tok = train_tokenizer(_texts(train_docs, record_docs, enc), train_vocab, len(train_docs) + len(record_docs))
-        tok_path, eot = out_p.parent / "tokenizer.json", tok.token_to_id(EOT)
-    enc.tok, enc.eot = tok, eot
-    train_s = time.perf_counter() - t0
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+
+def _given(path: str) -> _Tok:
+    tok, file, eot = load_tokenizer(path)
+    return _Tok(tok, file, eot, True, text_specials(tok, eot))
+
+
+def _trained(job: _Job, train_vocab: int, enc: Encoder, log) -> _Tok:
+    """A byte-level BPE trained on the training documents (saved beside the output by _finish)."""
+    log(f"training a byte-level BPE tokenizer ({train_vocab} tokens) on {len(job.train)} documents"
+        + (f" and {len(job.records)} record files" if job.records else ""))
+    tok = train_tokenizer(_texts(job.train, job.records, enc), train_vocab, len(job.train) + len(job.records))
+    eot = tok.token_to_id(EOT)
+    return _Tok(tok, job.out.parent / "tokenizer.json", eot, False, text_specials(tok, eot))
+
+
+def _write(job: _Job, tk: _Tok, enc: Encoder, train_s: float, show_progress: bool):
+    """Encode every document into the two splits under temporary names, check them and put the output in place:
+    (the sidecar, (train split, held-out split, the records' kinds))."""
+    vocab = tk.tok.get_vocab_size(with_added_tokens=True)
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
-
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-    progress = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                        TextColumn("{task.fields[tokens]:,} tokens | {task.fields[rate]}"), TimeRemainingColumn(),
-                        console=Console(stderr=True), disable=not show_progress)
-    names = _Names(out_p)
+    names, kinds, splits = Names(job.out), Kinds(), []
     t1 = time.perf_counter()
-    kinds, splits = Kinds(), []
     try:
-        train, held = splits[:] = (Split(names.tokens, dtype, bool(record_docs)),
-                                   Split(names.held, dtype, bool(record_docs)))
-        with progress:
-            bar = Bar(progress, sum(d.size for d in train_docs + held_docs + record_docs), (train, held))
-            write_files(tok, train_docs, eot, train, bar, _pieces)
-            write_files(tok, held_docs, eot, held, bar, _pieces)
-            for d in record_docs:
-                write_records(enc, d, heldout, train, held, kinds, bar)
+        train, held = splits[:] = (Split(names.tokens, dtype, bool(job.records)),
+                                   Split(names.held, dtype, bool(job.records)))
+        with _progress(show_progress) as progress:
+            bar = Bar(progress, sum(d.size for d in job.train + job.held + job.records), (train, held))
+            write_files(tk.tok, job.train, tk.eot, tk.specials, train, bar, _pieces)
+            write_files(tk.tok, job.held, tk.eot, tk.specials, held, bar, _pieces)
+            for d in job.records:
+                write_records(enc, d, job.heldout, train, held, kinds, bar)
         train.close()
         held.close()
         encode_s = time.perf_counter() - t1
         masked = bool(kinds.conversations or kinds.exchanges)
-        _check_splits(record_docs, kinds, train, held, heldout, masked, names)
-        meta = _finish(names, out_p, train, held, masked, tok, tok_path, given is not None, eot, vocab, dtype,
-                       template if masked else None, sources, heldout, digest, kinds, day, loss_on,
+        _check_splits(job, kinds, train, held, masked)
+        meta = _finish(job, names, tk, train, held, masked, kinds,
                        {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)}, encode_s)
     finally:
         for split in splits:  # closed already unless something failed on the way
             split.close()
         names.clean()
-    if masked:
+    return meta, (train, held, kinds)
+
+
+def _progress(show: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    return Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                    TextColumn("{task.fields[tokens]:,} tokens | {task.fields[rate]}"), TimeRemainingColumn(),
+                    console=Console(stderr=True), disable=not show)
+
+
+def _summary(job: _Job, meta: dict, train: Split, held: Split, kinds: Kinds, tk: _Tok, log):
+    if "loss_mask" in meta:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
-            f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({loss_on})"
+            f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({job.loss_on})"
             + (f"; {kinds.uncounted:,} records kept without a counted token (the first: {kinds.first_uncounted}; "
                "--require-counted makes them errors)" if kinds.uncounted else ""))
-    log(f"wrote {out}: {meta['tokens']['total']:,} {dtype.name} tokens ({train.n:,} train, {held.n:,} held-out) from "
-        f"{train.docs + held.docs} documents, {meta['bytes_per_token']:.3f} bytes/token, vocab {vocab}; "
-        f"{'tokenizer trained in ' + f'{train_s:.1f}s, ' if not given else ''}encoded in {encode_s:.1f}s "
-        f"({meta['tokens_per_sec']:,} tokens/s)")
-    return meta
+    s = meta["seconds"]
+    trained = "" if tk.given else f"tokenizer trained in {s['train_tokenizer']:.1f}s, "
+    log(f"wrote {job.out}: {meta['tokens']['total']:,} {meta['dtype']} tokens ({train.n:,} train, {held.n:,} held-out) "
+        f"from {train.docs + held.docs} documents, {meta['bytes_per_token']:.3f} bytes/token, vocab "
+        f"{meta['vocab_size']}; {trained}encoded in {s['encode']:.1f}s ({meta['tokens_per_sec']:,} tokens/s)")
 
 
-class _Names:
-    """The temporary files a prepare writes, renamed into place at the end or removed."""
+def _check_splits(job: _Job, kinds: Kinds, train: Split, held: Split, masked: bool):
+    """Refuse a split the loss mask counts nothing of (naming its first such record), or a held-out split that
+    holds out none of the records."""
+    n, heldout = kinds.total, job.heldout
 
-    def __init__(self, out: Path):
-        self.out = out
-        self.tokens = out.with_name(out.name + ".tmp")
-        self.held = out.with_name(out.name + ".heldout.tmp")
-        self.tokenizer = out.parent / "tokenizer.json.tmp"
-        # each final file beside the .bin -> its temporary name
-        self.staged = {p: p.with_name(p.name + ".tmp") for p in (index_path(out), sidecar_path(out), mask_path(out),
-                                                                 template_path(out))}
-
-    def all(self):
-        return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), self.tokenizer,
-                *self.staged.values()]
-
-    def clean(self):
-        for p in self.all():
-            p.unlink(missing_ok=True)
-
-
-def _check_splits(record_docs, kinds: Kinds, train: Split, held: Split, heldout: float, masked: bool, names: _Names):
-    n = kinds.total
-    none = (f"{kinds.uncounted:,} of the {n:,} records have no assistant turn the template marks (the first: "
-            f"{kinds.first_uncounted}); add assistant turns, or use --loss-on all")
+    def none(split: Split) -> str:  # every record of a split without a counted token is one without any
+        return (f"its {split.docs:,} records have no assistant turn the template marks (the first: "
+                f"{split.first_uncounted}); add assistant turns, or use --loss-on all")
     if masked and not train.counted:
         raise UserError("the loss mask counts no token of the training split: " + (
-            none if train.docs else f"--heldout {heldout} holds out all {n:,} records; use a smaller --heldout"))
-    if record_docs and heldout > 0 and held.docs == 0:
+            none(train) if train.docs else
+            f"--heldout {heldout} holds out all {n:,} records; use a smaller --heldout"))
+    if job.records and heldout > 0 and held.docs == 0:
         raise UserError(f"--heldout {heldout} held out none of the {n:,} records (a record is held out by a hash "
                         "of its content); use a larger --heldout, more records, or --heldout 0 to hold out none")
     if masked and held.docs and not held.counted:
         raise UserError(f"the loss mask counts no token of the held-out split ({held.docs:,} records), so eval would "
-                        f"measure nothing: {none}, or another --heldout")
+                        f"measure nothing: {none(held)}, or another --heldout")
 
 
 def _append(dst: Path, src: Path):
@@ -299,49 +336,33 @@ def _append(dst: Path, src: Path):
         shutil.copyfileobj(g, f, 1 << 24)
 
 
-def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool, tok, tok_path: Path, given: bool,
-            eot: int, vocab: int, dtype, template, sources, heldout, digest, kinds: Kinds, day, loss_on,
+def _finish(job: _Job, names: Names, tk: _Tok, train: Split, held: Split, masked: bool, kinds: Kinds,
             seconds: dict, encode_s: float) -> dict:
     """Join the splits, write the index, the mask and the sidecar under temporary names, then rename them all."""
+    out_p, tmp = job.out, names.staged
     _append(names.tokens, names.held)
     total = train.n + held.n
     index = np.asarray([0] + train.ends + [train.n + e for e in held.ends], np.uint64)
     assert len(index) == train.docs + held.docs + 1 and int(index[-1]) == total
-    tmp = names.staged
     index.tofile(tmp[index_path(out_p)])
-    mask_meta = None
     if masked:
         mask_tmp = mask_name(names.tokens)
         _append(mask_tmp, mask_name(names.held))
         os.replace(mask_tmp, tmp[mask_path(out_p)])
-        mask_meta = {"path": mask_path(out_p).name, "dtype": "uint8", "loss_on": loss_on,
-                     "counted": {"train": train.counted, "heldout": held.counted}}
-        if template is not None:
-            tmp[template_path(out_p)].write_text(template.text)
-    if not given:
-        tok.save(str(names.tokenizer))
-        os.replace(names.tokenizer, tok_path)
-    rel = tok_path.resolve().relative_to(out_p.parent.resolve()) if tok_path.resolve().is_relative_to(
-        out_p.parent.resolve()) else tok_path.resolve()
-    meta = {
-        "format": "meshtrain-tokens", "version": VERSION, "dtype": dtype.name, "vocab_size": vocab, "eot_id": eot,
-        "tokenizer": {"path": str(rel), "sha256": sha256_file(tok_path), "trained": not given},
-        "documents": {"train": train.docs, "heldout": held.docs},
-        "document_index": {"path": index_path(out_p).name, "dtype": "uint64", "entries": len(index)},
-        "tokens": {"train": train.n, "heldout": held.n, "total": total},
-        "bytes": {"train": train.bytes, "heldout": held.bytes},
-        "bytes_per_token": (train.bytes + held.bytes) / total,
-        "heldout_bytes_per_token": held.bytes / held.n if held.n else None,
-        "heldout_range": [train.n, total], "sources": sources, "heldout_fraction": heldout,
-        "seconds": seconds, "tokens_per_sec": round(total / max(encode_s, 1e-9)), "inputs_sha256": digest,
-    }
+        if job.template is not None:
+            tmp[template_path(out_p)].write_text(job.template.text)
+    if not tk.given:
+        tk.tok.save(str(names.tokenizer))
+        os.replace(names.tokenizer, tk.path)
+    meta = _sidecar(job, tk, train, held, len(index), seconds, encode_s)
     if masked:
-        meta["loss_mask"] = mask_meta
+        meta["loss_mask"] = {"path": mask_path(out_p).name, "dtype": "uint8", "loss_on": job.loss_on,
+                             "counted": {"train": train.counted, "heldout": held.counted}}
         meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges,
                            "uncounted": kinds.uncounted}
-        meta["chat_template"] = template and {"path": template_path(out_p).name, "source": template.source,
-                                              "sha256": template.sha256,
-                                              "generation_blocks": template.blocks, "date": day.isoformat()}
+        t = job.template
+        meta["chat_template"] = t and {"path": template_path(out_p).name, "source": t.source, "sha256": t.sha256,
+                                       "generation_blocks": t.blocks, "date": job.day.isoformat()}
     tmp[sidecar_path(out_p)].write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(names.tokens, out_p)
     for final, t in tmp.items():  # the sidecar last: it names the others
@@ -349,3 +370,24 @@ def _finish(names: _Names, out_p: Path, train: Split, held: Split, masked: bool,
             os.replace(t, final)
     os.replace(tmp[sidecar_path(out_p)], sidecar_path(out_p))
     return meta
+
+
+def _sidecar(job: _Job, tk: _Tok, train: Split, held: Split, entries: int, seconds: dict, encode_s: float) -> dict:
+    """The sidecar's keys every prepare writes (docs/data.md lists them)."""
+    out_p, total = job.out, train.n + held.n
+    path, folder = tk.path.resolve(), out_p.parent.resolve()
+    return {
+        "format": "meshtrain-tokens", "version": VERSION, "dtype": np.dtype(train.dtype).name,
+        "vocab_size": tk.tok.get_vocab_size(with_added_tokens=True), "eot_id": tk.eot,
+        "text_specials": {"before": tk.specials[0], "after": tk.specials[1]},
+        "tokenizer": {"path": str(path.relative_to(folder) if path.is_relative_to(folder) else path),
+                      "sha256": sha256_file(tk.path), "trained": not tk.given},
+        "documents": {"train": train.docs, "heldout": held.docs},
+        "document_index": {"path": index_path(out_p).name, "dtype": "uint64", "entries": entries},
+        "tokens": {"train": train.n, "heldout": held.n, "total": total},
+        "bytes": {"train": train.bytes, "heldout": held.bytes},
+        "bytes_per_token": (train.bytes + held.bytes) / total,
+        "heldout_bytes_per_token": held.bytes / held.n if held.n else None,
+        "heldout_range": [train.n, total], "sources": job.sources, "heldout_fraction": job.heldout,
+        "seconds": seconds, "tokens_per_sec": round(total / max(encode_s, 1e-9)), "inputs_sha256": job.digest,
+    }

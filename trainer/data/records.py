@@ -136,6 +136,32 @@ def _mask_of(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     return hit.astype(np.uint8)
 
 
+def text_specials(tok, eot: int) -> tuple[list[int], list[int]]:
+    """The ids tokenizer(text) puts before and after a text's own: its post-processor's (Llama's BOS first; none
+    for a trained byte-level BPE), found around a probe's ids (the end-of-text token's text: one id)."""
+    for probe in (tok.id_to_token(eot), "a", "0"):
+        try:
+            bare, full = tok.encode(probe, add_special_tokens=False).ids, tok.encode(probe).ids
+        except Exception:  # noqa: BLE001 - the library's own error: a probe this vocabulary cannot encode
+            continue
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+        if bare and at is not None:
+            return full[:at], full[at + len(bare):]
+    raise UserError("the tokenizer's post-processor changes a text's own tokens, not only adds special tokens around "
+                    "them; give a tokenizer.json whose post-processor only adds them (or none)")
+
+
+def as_text(ids, specials: tuple[list[int], list[int]], eot: int, first: bool = True,
+            last: bool = True) -> tuple[np.ndarray, int, int]:
+    """A text's ids (a piece of it: its `first`, its `last`) as tokenizer(text) gives them, the specials around
+    them, then the end-of-text token unless they end with it; with how many ids went before and after."""
+    head, tail = (specials[0] if first else []), (list(specials[1]) if last else [])
+    body = [*head, *ids, *tail]
+    if last and (not body or body[-1] != eot):
+        tail.append(eot)
+    return np.asarray([*head, *ids, *tail], np.int64), len(head), len(tail)
+
+
 class Encoder:
     """Turns records into (ids, mask) documents, a batch at a time (the tokenizer encodes a batch in parallel)."""
 
@@ -143,6 +169,7 @@ class Encoder:
                  require_counted: bool = False):
         self.tok, self.eot, self.template, self.loss_on, self.field = tok, eot, template, loss_on, field
         self.require_counted = require_counted  # a record without a counted token is an error, not a count
+        self.specials = ([], [])  # text_specials of tok, set with it
 
     def _needs_template(self, where: str):
         if self.template is None:
@@ -195,8 +222,9 @@ class Encoder:
                                 "'assistant'), or give a chat template that names it with --chat-template FILE")
 
     def encode(self, batch: list[tuple[str, str, dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """[(where, kind, record)] -> [(ids, mask)], each a document (the end-of-text token included where
-        one follows it: plain text and exchanges without a template)."""
+        """[(where, kind, record)] -> [(ids, mask)], each a document. Plain text and exchanges without a template
+        are texts: as tokenizer(text) encodes them, then the end-of-text token (as_text); a conversation's text
+        holds the template's own special tokens, so the tokenizer adds none."""
         rendered = [self.render(w, k, r) for w, k, r in batch]
         texts = [t for t, _, _ in rendered]
         plain = all(k == "text" for _, k, _ in batch)
@@ -205,12 +233,12 @@ class Encoder:
         out = []
         for (_, kind, _), (text, spans, eot), enc in zip(batch, rendered, encs):
             ids = np.asarray(enc.ids, np.int64)
-            if kind == "text" or self.loss_on == "all":
-                mask = np.ones(len(ids), np.uint8)
-            else:
-                mask = _mask_of(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans)
+            every = kind == "text" or self.loss_on == "all"
+            mask = (np.ones(len(ids), np.uint8) if every
+                    else _mask_of(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans))
             if eot:
-                ids = np.append(ids, self.eot)
-                mask = np.append(mask, np.uint8(1))  # a text's end, or an exchange's: the completion's
+                ids, head, tail = as_text(enc.ids, self.specials, self.eot)
+                # a BOS before an exchange is the prompt's, what ends it (an EOS, end-of-text) the completion's
+                mask = np.concatenate([np.full(head, every, np.uint8), mask, np.ones(tail, np.uint8)])
             out.append((ids, mask))
         return out

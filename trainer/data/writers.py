@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.records import Encoder, Kinds, held_out, key, kind_of, normalised, read
+from trainer.data.batches import index_path, mask_path, sidecar_path, template_path
+from trainer.data.records import Encoder, Kinds, as_text, held_out, key, kind_of, normalised, read
 from trainer.errors import UserError
 
 BATCH = 1 << 23  # bytes per encode_batch call (the library encodes a batch's texts in parallel)
+
 
 class Split:
     """One split's output as it is written: tokens and their loss mask under temporary names, and the end of
@@ -19,6 +21,7 @@ class Split:
     def __init__(self, tokens: Path, dtype, masks: bool):
         """`masks`: write the loss mask too (only records can have one: a text-only prepare writes none)."""
         self.path, self.dtype, self.n, self.ends, self.docs, self.bytes, self.counted = tokens, dtype, 0, [], 0, 0, 0
+        self.first_uncounted = ""  # where its first record without a counted token is
         self.f, self.m = open(tokens, "wb"), open(mask_name(tokens), "wb") if masks else None
 
     def add(self, ids: np.ndarray, mask: np.ndarray, end: bool):
@@ -42,6 +45,27 @@ def mask_name(p: Path) -> Path:
     return p.with_name(p.name + ".mask")
 
 
+class Names:
+    """The temporary files a prepare writes, renamed into place at the end or removed."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.tokens = out.with_name(out.name + ".tmp")
+        self.held = out.with_name(out.name + ".heldout.tmp")
+        self.tokenizer = out.parent / "tokenizer.json.tmp"
+        # each final file beside the .bin -> its temporary name
+        self.staged = {p: p.with_name(p.name + ".tmp") for p in (index_path(out), sidecar_path(out), mask_path(out),
+                                                                 template_path(out))}
+
+    def all(self):
+        return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), self.tokenizer,
+                *self.staged.values()]
+
+    def clean(self):
+        for p in self.all():
+            p.unlink(missing_ok=True)
+
+
 class Bar:
     """The progress bar's task: bytes read of all sources, tokens written and tokens/s."""
 
@@ -55,32 +79,40 @@ class Bar:
                       rate=f"{n / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s")
 
 
-def write_files(tok, docs: list, eot: int, split: Split, bar: Bar, pieces):
-    """Encode text files in batches, each document followed by EOT, into the split."""
-    batch, ends, nbytes = [], [], 0
+def write_files(tok, docs: list, eot: int, specials, split: Split, bar: Bar, pieces):
+    """Encode text files in batches into the split, each document as tokenizer(text) encodes it (`specials`: the
+    ids around a text) followed by EOT unless it ends with one (as_text), a document's pieces as one text."""
+    batch, nbytes = [], 0  # (text, its document's first piece, its last)
 
     def flush():
-        nonlocal batch, ends, nbytes
-        for enc, end in zip(tok.encode_batch_fast(batch, add_special_tokens=False), ends):
-            ids = np.append(np.asarray(enc.ids, np.int64), eot) if end else np.asarray(enc.ids, np.int64)
-            split.add(ids, np.ones(len(ids), np.uint8), end)
+        nonlocal batch, nbytes
+        for enc, (_, first, last) in zip(tok.encode_batch_fast([t for t, _, _ in batch], add_special_tokens=False),
+                                         batch):
+            ids = as_text(enc.ids, specials, eot, first, last)[0]
+            split.add(ids, np.ones(len(ids), np.uint8), last)
         bar.advance(nbytes)
-        batch, ends, nbytes = [], [], 0
+        batch, nbytes = [], 0
 
     for d in docs:
         split.bytes += d.size
-        for text, size in pieces(d):
-            batch.append(text)
-            ends.append(False)
+        for i, ((text, size), last) in enumerate(_last_marked(pieces(d))):
+            batch.append((text, i == 0, last))
             nbytes += size
             if nbytes >= BATCH:
                 flush()
-        if ends:
-            ends[-1] = True
-        else:  # the document's last piece went out in the previous batch: its EOT alone
-            split.add(np.asarray([eot]), np.ones(1, np.uint8), True)
     if batch:
         flush()
+
+
+def _last_marked(pieces):
+    """(piece, whether it is the last) for each piece; one empty piece where there are none (a file emptied since
+    it was listed is still a document)."""
+    prev = None
+    for piece in pieces:
+        if prev is not None:
+            yield prev, False
+        prev = piece
+    yield (prev if prev is not None else ("", 0)), True
 
 
 def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, kinds: Kinds, bar: Bar):
@@ -92,6 +124,7 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
         for (split, n, (where, kind, _)), (ids, mask) in zip(batch, enc.encode([b for _, _, b in batch])):
             if not mask.any():
                 _uncounted(enc, kinds, where, kind)
+                split.first_uncounted = split.first_uncounted or where
             split.add(ids, mask, True)
             split.bytes += n
         bar.advance(0)

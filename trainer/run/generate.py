@@ -1,14 +1,17 @@
 """`meshtrain generate`: sample from a run's newest checkpoint with a KV cache, streamed as text: bytes, or
 tokens decoded with the run's tokenizer (data.tokenizer: of its `meshtrain prepare` data, or an HF folder's own).
 
-As transformers' `generate` does: a plain prompt is encoded with the tokenizer's special tokens (tokenizer.json's
-post-processor, a BOS where it adds one: transformers 5 ignores tokenizer_config.json's add_bos_token when a
-tokenizer.json is there); a `--chat` prompt is a user message (after `--system`'s) rendered by the run's chat
-template with the generation prompt, encoded without them (the template writes its own BOS). Decoding stops at
-the model's end-of-text and end-of-turn tokens: the generation config's eos_token_id (int or list; config.json's
-when it has none), the tokenizer's eos, the token the chat template writes after an assistant turn, and each
-`--stop` (an added token of the tokenizer, or a text). What stopped it is not printed (transformers' decode with
-skip_special_tokens leaves the eos out too); other special tokens are.
+A plain prompt starts as the run's text documents start: `meshtrain prepare` encodes each as transformers'
+tokenizer(text) does, with the special tokens tokenizer.json's post-processor puts before it (a BOS where it adds
+one; transformers 5 ignores tokenizer_config.json's add_bos_token beside a tokenizer.json), and records them in the
+sidecar (`text_specials`); an older sidecar without them means none, so none are added. Without a sidecar (a model
+read straight from an HF folder, a bare .bin) the prompt gets them as transformers' tokenizer(prompt) does. Those
+after a text (an EOS) are left out: the prompt is a document to continue. A `--chat` prompt is a user message (after
+`--system`'s) rendered by the run's chat template with the generation prompt, encoded without them (the template
+writes its own BOS). Decoding stops at the model's end-of-text and end-of-turn tokens: the generation config's
+eos_token_id (int or list; config.json's when it has none), the tokenizer's eos, the token the chat template writes
+after an assistant turn, and each `--stop` (an added token of the tokenizer, or a text). What stopped it is not
+printed (transformers' decode with skip_special_tokens leaves the eos out too); other special tokens are.
 """
 from __future__ import annotations
 
@@ -55,12 +58,12 @@ def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperatu
                   system: str | None = None, stops: tuple[str, ...] = ()) -> str:
     """Write the prompt (not with `chat`) and up to n_tokens sampled tokens to `out` as they come; return the new
     text."""
-    return complete(run_dir, prompt, n_tokens, temperature, top_k, seed, step, out, chat, system, stops).text
+    return completion(run_dir, prompt, n_tokens, temperature, top_k, seed, step, out, chat, system, stops).text
 
 
-def complete(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
-             seed: int = 0, step: int | None = None, out=None, chat: bool = False, system: str | None = None,
-             stops: tuple[str, ...] = ()) -> Completion:
+def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+               seed: int = 0, step: int | None = None, out=None, chat: bool = False, system: str | None = None,
+               stops: tuple[str, ...] = ()) -> Completion:
     """generate_text, returning the token ids as well."""
     _check(run_dir, n_tokens, temperature, top_k, chat, system, stops)
     import jax
@@ -176,6 +179,7 @@ class _Tokens:
     """The run's tokenizer (data.tokenizer), its eos, its added tokens and the run's chat template."""
 
     def __init__(self, cfg, chat: bool):
+        from trainer.data.batches import read_sidecar
         from trainer.data.prepare import load_tokenizer
         path = cfg.data.tokenizer
         if not Path(path).exists():
@@ -183,11 +187,25 @@ class _Tokens:
                             "there (the run's config.yaml names it)")
         self.tok, file, self.eot = load_tokenizer(path)
         self.added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
-        self.template = _template(cfg, file.parent, chat)
+        meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
+        self.start = self._document_start(cfg.data.source, meta)
+        self.template = _template(meta, cfg.data.source, file.parent, chat)
+
+    def _document_start(self, source: str, meta: dict | None) -> list[int]:
+        """What the run's text documents start with: the sidecar's record (none in one written before it was
+        kept); without a sidecar (a model straight from an HF folder, a bare .bin) what tokenizer(text) puts
+        first, as transformers does."""
+        from trainer.data.records import text_specials
+        if meta is not None:
+            return list(meta.get("text_specials", {}).get("before", []))
+        if source.endswith(".bin") and not Path(source).exists():
+            log.warning("generate: the run's data %s is gone, so how its documents start is not known; a plain "
+                        "prompt starts as the tokenizer's tokenizer(prompt) does", source)
+        return text_specials(self.tok, self.eot)[0]
 
     def encode(self, prompt: str) -> list[int]:
-        # with the special tokens, as transformers' tokenizer(prompt); an empty prompt starts a new document
-        return self.tok.encode(prompt).ids or [self.eot]
+        # as the data's documents start; an empty prompt with nothing to start with follows an end-of-text
+        return (self.start + self.tok.encode(prompt, add_special_tokens=False).ids) or [self.eot]
 
     def chat(self, run_dir, prompt: str, system: str | None) -> list[int]:
         from trainer.data.chat import TemplateFailed
@@ -219,17 +237,15 @@ class _Tokens:
         return (lambda t: (stream.step(self.tok, t) or "") if t < vocab else "\ufffd"), lambda: ""
 
 
-def _template(cfg, folder: Path, chat: bool):
-    """The run's chat template: the one its prepared conversations were rendered with (the sidecar names it),
-    else the tokenizer folder's; None without one. A template that does not parse is an error for --chat, and
-    for plain generation only a warning (it then gives no end-of-turn token)."""
-    from trainer.data.batches import read_sidecar
+def _template(meta: dict | None, source: str, folder: Path, chat: bool):
+    """The run's chat template: the one its prepared conversations were rendered with (the sidecar `meta` of the
+    `source` names it), else the tokenizer folder's; None without one. A template that does not parse is an error
+    for --chat, and for plain generation only a warning (it then gives no end-of-turn token)."""
     from trainer.data.chat import ChatTemplate, specials_of, template_text
-    meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
     kept = meta and meta.get("chat_template")
     found = None
     if kept:
-        f = Path(cfg.data.source).parent / kept["path"]
+        f = Path(source).parent / kept["path"]
         try:
             found = (str(f), f.read_text())
         except OSError as e:
