@@ -14,6 +14,8 @@ head weight's gradient; compute: one more head matmul than the whole-logits loss
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -61,10 +63,16 @@ def _target_logits(logits_nV, targets_n, stride, offset, shape=None):
     return jnp.sum(jnp.where(hit, logits_nV, 0.0), axis=-1)
 
 
+def divisors(n: int) -> list[int]:
+    """n's divisors, ascending, from the pairs (d, n/d) with d <= sqrt(n): sqrt(n) trials, whatever n's size."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({x for d in small for x in (d, n // d)})
+
+
 def vocab_blocks(vocab: int, at_most: int) -> int:
     """The most vocabulary blocks, at most `at_most`, that split V evenly (a V with no divisor
     near `at_most` gets fewer, larger blocks: vocabularies padded to a multiple of 64 avoid it)."""
-    return max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)
+    return max(b for b in divisors(vocab) if b <= max(1, at_most))
 
 
 def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain, cap: float | None = None):

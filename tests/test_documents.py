@@ -60,7 +60,7 @@ def _layout_losses(mesh, kernels: str, document_mask: bool = True):
     from trainer.step import jit_train_step
     d, st, m = mesh
     over = [f"mesh.data={d}", f"mesh.stage={st}", f"mesh.model={m}", f"model.kernels={kernels}",
-            f"data.document_mask={str(document_mask).lower()}", "train.batch_size=4", "train.lr=1e-30"]
+            f"data.document_mask={str(document_mask).lower()}", "train.batch_size=4", "train.lr=0"]
     if st > 1:
         over += ["train.pipeline_schedule=1f1b", "train.microbatches=4", "model.n_layers=4"]
     s = make_setup(load_config(TINY + SGD + over), jax.devices()[:d * st * m])

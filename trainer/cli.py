@@ -16,7 +16,7 @@ With no arguments: the `small` model on the built-in corpus on all local devices
 If run.dir holds checkpoints, training resumes from the newest complete one; SIGTERM or
 Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
 """
-KEYS = "\nkeys: key, type = default, allowed values; under it the meaning (docs/config.md: the same table)\n"
+KEYS_HEADER = "\nkeys: key, type = default, allowed values; under it the meaning (docs/config.md: the same table)\n"
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -30,7 +30,7 @@ class ArgParser(argparse.ArgumentParser):
 def _train(args: list[str]) -> int:
     from trainer.config import keys_help, load_config
     if args and args[0] in ("-h", "--help"):
-        print(USAGE + KEYS + keys_help())
+        print(USAGE + KEYS_HEADER + keys_help())
         return 0
     cfg = load_config(args)  # every key's range checked before anything is imported, read or created
     from trainer.run.distributed import initialize
@@ -47,7 +47,7 @@ def _simulate(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help"):
         print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
               "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot. It takes "
-              "every key of `meshtrain train --help`; its own:\n" + KEYS + keys_help("sim."))
+              "every key of `meshtrain train --help`; its own:\n" + KEYS_HEADER + keys_help("sim."))
         return 0
     cfg = resolve(load_config(args))
     rows = simulate(cfg)
@@ -103,8 +103,8 @@ def _generate(args: list[str]) -> int:
                                 "checkpoint (KV-cache decoding), streamed to stdout, up to the model's end-of-text "
                                 "or end-of-turn token (not printed).")
     p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face model folder")
-    p.add_argument("--prompt", default="", help="text to continue (default: a new line); with --chat the user's "
-                   "message")
+    p.add_argument("--prompt", default="", help="text to continue (default: none: a new document, or a new line "
+                   "for a byte-level run); with --chat the user's message")
     p.add_argument("--chat", action="store_true", help="render the prompt with the run's chat template as a user "
                    "message awaiting the assistant's reply, and print only the reply")
     p.add_argument("--system", help="with --chat: a system message before the user's")

@@ -1,26 +1,36 @@
 """Typed config: the schema's defaults (trainer/sections.py), YAML files and key=value overrides; later files and
 overrides win. Unknown keys, wrong types, values out of range and impossible layouts are UserErrors with one line
-naming the fix: per key in `load_config` (trainer/schema.py's `check`), across keys and devices in `validate`."""
+naming the fix: per key in `load_config` (trainer/schema.py's `check_ranges`), across keys and devices in
+`validate`."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import re
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from meshes import load_preset, resolve_shape, MeshError
 from models import FAMILIES, ModelConfig, from_preset
 from trainer.errors import UserError
-from trainer.schema import check, closest, help_text, markdown, specs, step_range
+from trainer.schema import check_ranges, closest, help_text, markdown, specs, step_range
 from trainer.sections import ALIASES, Config
 
 __all__ = ["Config", "all_keys", "compute_dtype", "keys_help", "keys_markdown", "load_config", "model_config",
            "replace", "step_range", "to_yaml", "validate"]
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+# A pipeline's schedule table (mesh.stage x train.microbatches x train.pipeline_repeats ops) is built in Python at
+# start, about 3 s for this many (trainer/parallel/schedules.py); Megatron-sized pipelines hold a few thousand.
+PIPELINE_OPS = 2 ** 18
+# What a pipeline stage body honours of model.remat: trainer/parallel/pipeline.py recomputes each stage body whole
+# for its backward, so that none, dots and full run the same program there (trainer/plan/types.py `executed`)
+PIPELINE_REMATS = ("none", "sublayer")
+log = logging.getLogger(__name__)
 
 
 def all_keys(prefix: str = "") -> list[str]:
@@ -38,9 +48,14 @@ def keys_markdown() -> str:
     return markdown(Config)
 
 
+def _closest(name: str) -> str:
+    """'did you mean ...?' for an unknown key; where several sections have its name, train's first."""
+    return closest(name, all_keys(), ALIASES, first="train")
+
+
 def _unknown(node, where: str) -> None:
     """A UserError naming every key of one layer that the schema lacks, each with the closest known key."""
-    keys, bad = all_keys(), []
+    bad = []
     for name, body in (OmegaConf.to_container(node, resolve=False) or {}).items():
         if name not in SECTIONS:  # the whole dotted keys: 'modle.preset' is nearest 'model.preset'
             bad += [f"{name}.{k}" for k in body] if isinstance(body, dict) and body else [str(name)]
@@ -50,7 +65,7 @@ def _unknown(node, where: str) -> None:
         elif body is not None:
             raise UserError(f"'{name}' is a section of keys, not a value ({where}); give its keys, e.g. "
                             f"{all_keys(name + '.')[0]}=...")
-    hints = [(k, closest(k, keys, ALIASES, first="train")) for k in bad]
+    hints = [(k, _closest(k)) for k in bad]
     if len(hints) == 1:
         raise UserError(f"unknown config key '{bad[0]}' ({where}); {hints[0][1]}")
     if hints:
@@ -92,7 +107,7 @@ def _merge(base, other, where: str, section: str | None):
         return OmegaConf.merge(base, other)
     except ConfigKeyError as e:  # _unknown has named every unknown key; a deeper one lands here
         name = f"{prefix}{e.full_key or e}"
-        raise UserError(f"unknown config key '{name}' ({where}); {closest(name, all_keys(), ALIASES)}") from None
+        raise UserError(f"unknown config key '{name}' ({where}); {_closest(name)}") from None
     except ValidationError as e:
         name = f"{prefix}{e.full_key}"
         kind = next((s.type_text for s in specs(Config) if s.key == re.sub(r"\[.*", "", name)), "its type")
@@ -102,21 +117,44 @@ def _merge(base, other, where: str, section: str | None):
         raise UserError(f"bad config ({where}): {str(e).splitlines()[0]}") from None
 
 
+@functools.lru_cache(maxsize=None)
+def _yaml_loader():
+    """OmegaConf's YAML loader (a SafeLoader refusing duplicate keys) that reads a base-60 number such as 5:8 as
+    the text it is (YAML 1.2's reading), not as YAML 1.1's integer 308: a step range in a file stays a range."""
+    try:
+        from omegaconf.omegaconf import get_yaml_loader  # omegaconf 2.4
+    except ImportError:
+        from omegaconf._utils import get_yaml_loader  # 2.3
+    base = get_yaml_loader()
+    no_colon = {ch: [(tag, re.compile(r"(?=[^:]*$)" + rx.pattern, rx.flags) if tag.endswith(("int", "float")) else rx)
+                     for tag, rx in rules] for ch, rules in base.yaml_implicit_resolvers.items()}
+    return type("Loader", (base,), {"yaml_implicit_resolvers": no_colon})
+
+
 def _load_yaml(path: str):
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file '{path}' does not exist; give the path of a YAML file")
     try:
-        node = OmegaConf.load(p)  # a yaml.SafeLoader: tags that would build Python objects are refused
-    except Exception as e:  # yaml.YAMLError and friends
-        first = str(e).splitlines()[0]
-        if "could not determine a constructor" in first:
-            raise UserError(f"config file '{path}': {first}; meshtrain reads plain YAML only (no Python tags), "
+        with open(p, encoding="utf-8") as f:
+            loader = _yaml_loader()(f)  # a SafeLoader: tags that would build Python objects are refused
+            try:
+                body = loader.get_single_data()
+            finally:
+                loader.dispose()
+    except yaml.MarkedYAMLError as e:  # the problem and its line, not only the context it was found in
+        mark = e.problem_mark or e.context_mark
+        what = (e.problem or str(e).splitlines()[0]) + (f" (line {mark.line + 1}, column {mark.column + 1})"
+                                                        if mark else "")
+        if "could not determine a constructor" in what:
+            raise UserError(f"config file '{path}': {what}; meshtrain reads plain YAML only (no Python tags), "
                             "remove the tag") from None
-        raise UserError(f"config file '{path}' is not valid YAML: {first}") from None
-    if not OmegaConf.is_dict(node):
+        raise UserError(f"config file '{path}' is not valid YAML: {what}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(body, dict) and body is not None:
         raise UserError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
-    return node
+    return OmegaConf.create(body or {})
 
 
 def load_config(args: list[str] = (), base: dict | None = None) -> Config:
@@ -138,8 +176,8 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     if base:
         layers.insert(0, (OmegaConf.create(base), "base"))
     try:
-        # YAML 1.1 reads 5:8 as the base-60 integer 308; keep A:B values (profile_steps) as text
-        dot = OmegaConf.from_dotlist([re.sub(r"=(\d+:\d+)$", r"='\1'", p) for p in pairs])
+        # YAML 1.1 reads 5:8 as the base-60 integer 308: keep such values (step ranges) as text, as files do
+        dot = OmegaConf.from_dotlist([re.sub(r"=([-+]?[\d_]+(?::[\d_.]+)+)$", r"='\1'", p) for p in pairs])
     except Exception as e:
         raise UserError(f"cannot parse overrides {pairs}: {str(e).splitlines()[0]}; write key=value") from None
     layers.append((dot, "command line"))
@@ -155,7 +193,7 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     for node, where in layers:
         _unknown(node, where)
     cfg = _built(layers)
-    check(cfg)  # every key against its allowed values, before anything is touched
+    check_ranges(cfg)  # every key against its allowed values, before anything is touched
     return cfg
 
 
@@ -194,7 +232,7 @@ def compute_dtype(cfg: Config, platform: str) -> str:
 def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
     """Check the config against the device count, key against key; return the resolved mesh shape. (Each key's
     own range is load_config's; checked again here for a config that replace() or an HF folder changed.)"""
-    check(cfg)
+    check_ranges(cfg)
     t, mc = cfg.train, model_config(cfg)
     try:
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model, n_devices)
@@ -206,6 +244,29 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
          f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
          f"{data} x {t.microbatches} (each microbatch of batch_size/microbatches rows is split over "
          f"mesh.data); use a multiple of {data * t.microbatches}"),
+        *_pipeline_checks(t, mc, stage),
+        (data % cfg.mesh.dcn_data == 0, f"mesh.dcn_data={cfg.mesh.dcn_data} does not divide mesh.data={data}; "
+                                         f"use a divisor of {data} (hosts per replica group)"),
+        (stage % cfg.mesh.dcn_stage == 0, f"mesh.dcn_stage={cfg.mesh.dcn_stage} does not divide mesh.stage={stage}; "
+                                          f"use a divisor of {stage}"),
+        (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
+         f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
+        (math.prod(shape) == n_devices, "mesh size mismatch"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    if stage > 1 and cfg.model.remat not in PIPELINE_REMATS:
+        _warn_once(f"model.remat={cfg.model.remat} does nothing under a pipeline (mesh.stage={stage}): each stage "
+                   f"recomputes its layers whole for its backward anyway; set model.remat to "
+                   f"{' or '.join(PIPELINE_REMATS)} (what a stage runs)")
+    return shape
+
+
+def _pipeline_checks(t, mc: ModelConfig, stage: int) -> list[tuple[bool, str]]:
+    """(ok, message) of the pipeline's keys against one another and against mesh.stage."""
+    ops = stage * t.microbatches * t.pipeline_repeats
+    return [
         (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
                                    f"use a mesh.stage that divides {mc.n_layers}"),
         (t.pipeline_schedule != "interleaved_1f1b" or t.pipeline_repeats > 1,
@@ -214,24 +275,26 @@ def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
          "train.pipeline_schedule=1f1b runs one repeat; use interleaved_1f1b with train.pipeline_repeats > 1"),
         (t.pipeline_schedule != "interleaved_1f1b" or t.microbatches % max(stage, 1) == 0,
          f"train.pipeline_schedule=interleaved_1f1b needs train.microbatches divisible by mesh.stage={stage}"),
-        (data % cfg.mesh.dcn_data == 0, f"mesh.dcn_data={cfg.mesh.dcn_data} does not divide mesh.data={data}; "
-                                         f"use a divisor of {data} (hosts per replica group)"),
-        (stage % cfg.mesh.dcn_stage == 0, f"mesh.dcn_stage={cfg.mesh.dcn_stage} does not divide mesh.stage={stage}; "
-                                          f"use a divisor of {stage}"),
         (mc.n_layers % (stage * t.pipeline_repeats) == 0,
          f"model.n_layers={mc.n_layers} is not divisible by mesh.stage x train.pipeline_repeats = "
          f"{stage} x {t.pipeline_repeats}; choose them so that their product divides n_layers"),
         (stage == 1 or t.microbatches >= stage,
          f"train.microbatches={t.microbatches} is less than mesh.stage={stage}: the pipeline needs at least "
          f"one microbatch per stage; set train.microbatches >= {stage}"),
-        (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
-         f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        (math.prod(shape) == n_devices, "mesh size mismatch"),
+        (stage > 1 or t.pipeline_repeats == 1,
+         f"train.pipeline_repeats={t.pipeline_repeats} repeats pipeline stages, but mesh.stage=1; set mesh.stage > 1 "
+         "or train.pipeline_repeats=1"),
+        (stage == 1 or ops <= PIPELINE_OPS,
+         f"mesh.stage x train.microbatches x train.pipeline_repeats = {stage} x {t.microbatches} x "
+         f"{t.pipeline_repeats} = {ops} pipeline ops, more than the {PIPELINE_OPS} a schedule table holds (built on "
+         "the host at start); use fewer microbatches or repeats"),
     ]
-    for ok, msg in checks:
-        if not ok:
-            raise UserError(msg)
-    return shape
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """A warning logged once per process (validate runs more than once per start: the setup, the memory check)."""
+    log.warning(message)
 
 
 def _model_checks(cfg: Config, mc: ModelConfig, model: int) -> list[tuple[bool, str]]:

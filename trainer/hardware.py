@@ -157,8 +157,6 @@ def get_device(name: str, hbm_gb: float | None = None, key: str = "plan.device")
         near = [n for n in names if n.startswith(name)] or difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise UserError(f"{key}='{name}' is unknown; {hint}choose one of {', '.join(names)}")
-    if hbm_gb is not None:
-        if hbm_gb <= 0:
-            raise UserError(f"plan.hbm_gb={hbm_gb} must be > 0; give the device memory in GB")
+    if hbm_gb is not None:  # a config's plan.hbm_gb, whose range the schema checked
         dev = dataclasses.replace(dev, hbm=hbm_gb * GB, source={**dev.source, "hbm": "plan.hbm_gb"})
     return dev

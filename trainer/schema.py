@@ -1,6 +1,6 @@
-"""The config schema's machinery: each key is declared once (`key`: default, allowed values, one line of meaning),
-checked in one place (`check`), listed for `--help` and docs/config.md (`specs`, `help_text`, `markdown`), and
-an unknown key is answered with the closest known one (`closest`)."""
+"""The config schema's machinery: each key is declared once (`setting`: default, allowed values, one line of
+meaning), checked in one place (`check_ranges`), listed for `--help` and docs/config.md (`specs`, `help_text`,
+`markdown`), and an unknown key is answered with the closest known one (`closest`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +16,10 @@ from trainer.errors import UserError
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "": operator.eq}
 _TYPES = {int: "int", float: "float", str: "str", bool: "bool"}
+# Ceilings of the range rules: sizes (array dimensions, token ids) are int32 in XLA; step counts int64 where they are
+# kept (checkpoints, metrics); every float a step computes with is a float32, finite below float32's largest.
+INT32, INT64, FLOAT32 = "2**31-1", "2**63-1", "3.4e38"
+POSITIVE = f"> 0 and <= {FLOAT32}"  # a float a step computes with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +30,10 @@ class Form:
     parse: Callable[[Any, str], Any]
 
 
-def key(default, allowed=None, doc: str = ""):
+def setting(default, allowed=None, doc: str = ""):
     """A config key's field: its default; its allowed values: a rule for a number ('> 0', '>= 0 and <= 1', '-1 (the
-    rest) or >= 1'), a collection of choices, a Form, or None (any value of its type); one line of meaning."""
+    rest) or >= 1 and <= 2**31-1'), a collection of choices, a Form, or None (any value of its type); one line of
+    meaning."""
     meta = {"allowed": allowed, "doc": doc}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
@@ -87,17 +92,24 @@ def specs(root) -> tuple[Spec, ...]:
     return tuple(out)
 
 
+def _number(text: str) -> int | float:
+    """'7' -> 7, '2**31-1' -> 2147483647 (ints exact: 2**63 is not <= float(2**63-1)), '3.4e38' -> 3.4e38."""
+    if m := re.fullmatch(r"2\*\*(\d+)(-1)?", text):
+        return 2 ** int(m.group(1)) - (1 if m.group(2) else 0)
+    return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+
+
 @functools.lru_cache(maxsize=None)
 def _rule(text: str) -> tuple:
-    """'0 (off) or > 1' -> ((('', 0.0),), (('>', 1.0),)): alternatives, each a conjunction of (operator, bound)."""
+    """'0 (off) or > 1' -> ((('', 0),), (('>', 1),)): alternatives, each a conjunction of (operator, bound)."""
     alternatives = []
     for alt in text.split(" or "):
         bounds = []
         for part in re.sub(r"\s*\([^)]*\)$", "", alt.strip()).split(" and "):
-            m = re.fullmatch(r"(>=|<=|>|<)?\s*(-?\d+(?:\.\d*)?(?:e-?\d+)?)", part.strip())
+            m = re.fullmatch(r"(>=|<=|>|<)?\s*(-?\d+(?:\.\d*)?(?:e-?\d+)?|2\*\*\d+(?:-1)?)", part.strip())
             if not m:
                 raise ValueError(f"cannot read the range rule '{text}' (at '{part}')")
-            bounds.append((m.group(1) or "", float(m.group(2))))
+            bounds.append((m.group(1) or "", _number(m.group(2))))
         alternatives.append(tuple(bounds))
     return tuple(alternatives)
 
@@ -120,10 +132,10 @@ def check_value(s: Spec, value) -> None:
         if not in_range(value, a):
             raise UserError(f"{s.key}={value} must be {a}{null}: {s.doc}")
     else:
-        choose(s.key, value, a)
+        check_choice(s.key, value, a)
 
 
-def choose(name: str, value, choices) -> None:
+def check_choice(name: str, value, choices) -> None:
     """A UserError naming the choices (and the nearest one) if `value` is not one of them."""
     if value not in choices:
         names = [str(c) for c in choices]
@@ -132,7 +144,7 @@ def choose(name: str, value, choices) -> None:
         raise UserError(f"{name}='{value}' is unknown; choose one of {', '.join(names)}{hint}")
 
 
-def check(cfg) -> None:
+def check_ranges(cfg) -> None:
     """Every key of a config (an instance of a schema) against its allowed values: the one range check."""
     for s in specs(type(cfg)):
         section, _, leaf = s.key.partition(".")
@@ -165,8 +177,9 @@ def markdown(root) -> str:
 
 
 def closest(name: str, keys: list[str], aliases: dict[str, str], first: str = "") -> str:
-    """'did you mean ...?' for an unknown dotted key: the key other trainers' name stands for, the same (or the
-    nearest) section's nearest key, the sections that have this name (`first` listed first), or the nearest key."""
+    """'did you mean ...?' for an unknown dotted key: the key other trainers' name stands for; the section meant by
+    a bare section name; a key of the given (or nearest) section one typo away; the keys of other sections with
+    this exact name (`first`'s listed first); the given section's nearest key; or the nearest key."""
     parts = name.split(".")
     leaf = parts[-1] if len(parts) < 3 else parts[1]
     sections = list(dict.fromkeys(k.split(".")[0] for k in keys))
@@ -175,18 +188,35 @@ def closest(name: str, keys: list[str], aliases: dict[str, str], first: str = ""
     if len(parts) == 1 and (sec := difflib.get_close_matches(name, sections, n=1, cutoff=0.6)) and name not in \
             [k.split(".")[1] for k in keys]:
         return f"did you mean the section '{sec[0]}'? (give its keys, e.g. {_keys_of(keys, sec[0])[0]}=...)"
-    if len(parts) > 1:
-        sec = [parts[0]] if parts[0] in sections else difflib.get_close_matches(parts[0], sections, n=1, cutoff=0.6)
-        if sec:
-            near = difflib.get_close_matches(leaf, [k.split(".")[1] for k in _keys_of(keys, sec[0])], n=1, cutoff=0.6)
-            if near:
-                return f"did you mean '{sec[0]}.{near[0]}'?"
-    same = sorted((k for k in keys if k.split(".")[1] == leaf), key=lambda k: k.split(".")[0] != first)
-    if same:
-        return f"did you mean '{same[0]}'?" + (f" (or {', '.join(repr(k) for k in same[1:])})" if same[1:] else "")
+    sec = [] if len(parts) == 1 else [parts[0]] if parts[0] in sections else \
+        difflib.get_close_matches(parts[0], sections, n=1, cutoff=0.6)
+    own = [k.split(".")[1] for k in _keys_of(keys, sec[0])] if sec else []
+    # an exact name in another section beats a same-section look-alike ('model.batch_size' is train's, not
+    # 'model.vocab_size'), unless the look-alike is one typo away ('plan.devices': 'plan.device', or 'sim.devices')
+    if leaf in own:  # the section given by a typo ('trian.steps'), or a key deeper than section.name
+        picks = [f"{sec[0]}.{leaf}"]
+    else:
+        picks = [f"{sec[0]}.{k}" for k in own if _one_typo(leaf, k)][:1] + sorted(
+            (k for k in keys if k.split(".")[1] == leaf), key=lambda k: k.split(".")[0] != first)
+    if not picks and own:
+        picks = [f"{sec[0]}.{k}" for k in difflib.get_close_matches(leaf, own, n=1, cutoff=0.6)]
+    if picks:
+        return f"did you mean '{picks[0]}'?" + (f" (or {', '.join(repr(k) for k in picks[1:])})" if picks[1:] else "")
     near = difflib.get_close_matches(name, keys, n=1, cutoff=0.6) or \
         [k for k in keys if k.split(".")[1] in difflib.get_close_matches(leaf, [k.split(".")[1] for k in keys], 1)]
     return f"did you mean '{near[0]}'?" if near else "see the keys in `meshtrain train --help`"
+
+
+def _one_typo(a: str, b: str) -> bool:
+    """a and b differ by one letter changed, added or dropped, or two neighbours swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) != len(b):
+        short, long = sorted((a, b), key=len)
+        return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                              and a[diff[1]] == b[diff[0]])
 
 
 def step_range(spec, key: str, single: bool = False) -> tuple[int, int] | None:
@@ -195,11 +225,11 @@ def step_range(spec, key: str, single: bool = False) -> tuple[int, int] | None:
     if spec in ("", None):
         return None
     m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(spec))
-    if not m or not (single or m.group(2)) or not 1 <= int(m.group(1)) <= int(m.group(2) or m.group(1)):
+    a, b = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if not m or not (single or m.group(2)) or not 1 <= a <= b <= _number(INT64):
         form, eg = ("STEP or A:B", "7") if single else ("A:B", "5:8")
-        raise UserError(f"{key}='{spec}' is not {form} with 1 <= A <= B; write e.g. {key}={eg} "
-                        f"(in YAML quote a range: '{'7:9' if single else '5:8'}')")
-    return int(m.group(1)), int(m.group(2) or m.group(1))
+        raise UserError(f"{key}='{spec}' is not {form} with 1 <= A <= B <= {INT64}; write e.g. {key}={eg}")
+    return a, b
 
 
 def _keys_of(keys: list[str], section: str) -> list[str]:

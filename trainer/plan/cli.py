@@ -43,13 +43,15 @@ def _local_device() -> str:
 
 
 def _n_devices(cfg, ns) -> int:
-    if ns.devices is not None:
-        if ns.devices < 1:
-            raise UserError(f"--devices {ns.devices} must be >= 1")
-        return ns.devices
+    from trainer.schema import in_range
+    from trainer.sections import SIZE
     sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    if min(sizes) > 0:
-        return math.prod(sizes)
+    if ns.devices is not None or min(sizes) > 0:
+        n, given = (ns.devices, f"--devices {ns.devices}") if ns.devices is not None else \
+            (math.prod(sizes), f"the mesh's {' x '.join(map(str, sizes))} = {math.prod(sizes)} devices")
+        if not in_range(n, SIZE):
+            raise UserError(f"{given} must be {SIZE}; plan for fewer devices")
+        return n
     import jax
     return jax.device_count()
 
@@ -80,7 +82,8 @@ def main(args: list[str]) -> int:
     device = get_device(_local_device() if cfg.plan.device == "auto" else cfg.plan.device, cfg.plan.hbm_gb)
     hosts = ns.hosts or -(-n // device.node)
     if hosts < 1 or n % hosts:
-        raise UserError(f"--hosts {hosts} must divide --devices {n}; give a number of nodes that splits them evenly")
+        given = f"--hosts {hosts}" if ns.hosts else f"{hosts} nodes of {device.node} {device.name} devices"
+        raise UserError(f"{given} must divide --devices {n}; give --hosts, a number of nodes that splits them evenly")
     mc = dataclasses.replace(model_config(cfg), platform=device.platform)  # that device's kernels
     dtype = cfg.train.dtype or ("float32" if device.name == "cpu" else "bfloat16")
     if ns.search:

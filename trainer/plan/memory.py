@@ -12,7 +12,6 @@ import functools
 import math
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
@@ -26,9 +25,15 @@ from trainer.plan.types import Strategy, executed
 @functools.lru_cache(maxsize=64)
 def _abstract(mc: ModelConfig, train):
     """Parameter shapes, logical axes and optimizer-state shapes (cached per model and optimizer)."""
-    params, logical, decay = abstract_model(mc)
+    params, logical, decay = _model_shapes(mc)
     tx, _ = make_optimizer(train, decay)
     return params, logical, tx, jax.eval_shape(tx.init, params)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_shapes(mc: ModelConfig):
+    """abstract_model's shapes, axes and decay flags, once per model whatever the optimizer."""
+    return abstract_model(mc)
 
 
 def _local(shape, spec, sizes) -> int:
@@ -166,26 +171,27 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
     out = []
+    # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
+    # any seq_len or head_dim allocates nothing (as constants they count the same bytes)
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, T, D), dt)
         if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
             cfg = dataclasses.replace(c, tie_embeddings=False)
             weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
-            targets = np.zeros((rows, T), np.int32)
-            out.append(_residuals(lambda x, weights: cross_entropy(head(cfg, weights, x), targets), x, weights))
+            out.append(_residuals(lambda x, weights, r=rows: cross_entropy(
+                head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights))
             continue
         weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
-        rope, kn = rope_for(c, T), _device_kernels(c, dt)
-        spec = family(c.family)
+        kn, spec = _device_kernels(c, dt), family(c.family)
         data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
-        layer, call = spec.layer, layer_call(c, rope, kernels=kn, data=data)
-        fn = lambda x, weights: layer(c, weights, x, call)[0]  # noqa: E731
-        if what in ("attention", "mlp", "sublayer"):
-            fn = {"attention": lambda x, weights: layer(c, weights, x, call._replace(half=_only_half(0)))[0],
-                  "mlp": lambda x, weights: layer(c, weights, x, call._replace(half=_only_half(1)))[0],
-                  "sublayer": lambda x, weights: layer(c, weights, x, call._replace(half=sublayer_remat))[0]}[what]
-        elif what != "none":
-            fn = jax.checkpoint(fn, policy=REMAT[what], prevent_cse=False)
+        half = {"attention": _only_half(0), "mlp": _only_half(1), "sublayer": sublayer_remat}.get(what)
+
+        def fn(x, weights, half=half):
+            call = layer_call(c, rope_for(c, T), kernels=kn, data=data)
+            run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
+            if what not in ("none", "attention", "mlp", "sublayer"):
+                run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
+            return run(x, weights)
         out.append(_residuals(fn, x, weights))
     return 2 * out[0] - out[1], out[1] - out[0]
 

@@ -4,15 +4,12 @@ from __future__ import annotations
 import dataclasses
 
 from models import ModelConfig
+from models.loss import divisors
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
@@ -23,11 +20,11 @@ def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, gr
 def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str):
     """Every (data, stage, model) x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
-    for model in _divisors(n_devices):
+    for model in divisors(n_devices):
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
-        for stage in _divisors(n_devices // model):
+        for stage in divisors(n_devices // model):
             data = n_devices // (model * stage)
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):

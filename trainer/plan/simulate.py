@@ -42,6 +42,8 @@ from trainer.hardware import GB, Device, get_device
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Transfer
 
+DRAWS = 2 ** 25  # straggler factors drawn per cluster size, at most (float64: 256 MB)
+
 
 def ring_allreduce(size: float, k: int, bw: float, lat: float) -> Transfer:
     """Reduce-scatter (K-1 steps) then all-gather (K-1 steps) of `size` bytes around K devices."""
@@ -160,10 +162,15 @@ def straggler_factors(cfg: Config, steps: int, k: int, rng) -> np.ndarray:
     return f
 
 
+def drawn_steps(cfg: Config, h: int) -> int:
+    """Steps simulated per cluster size: sim.steps, whole blocks of local SGD's h."""
+    return max(1, cfg.sim.steps // h) * h
+
+
 def step_times(cfg: Config, p: Point, h: int, rng) -> dict:
     """Mean seconds per step for sync, local-SGD(h) and async, from simulated straggler draws."""
     s_m = p.devices // p.data
-    n = max(1, cfg.sim.steps // h) * h
+    n = drawn_steps(cfg, h)
     f = straggler_factors(cfg, n, p.devices, rng).reshape(n, p.data, s_m)
     work = p.compute + p.bubble  # the pipeline stretches with its slowest stage
     fixed = p.tensor + p.pipeline
@@ -185,20 +192,32 @@ def cluster_sizes(shape: tuple[int, int, int], max_devices: int) -> list[int]:
 
 
 def check(cfg: Config) -> tuple[int, int, int]:
+    """The config's mesh shape on its cluster, once the cluster sizes' straggler draws are known to fit."""
     sim = cfg.sim
     mesh = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
     if min(mesh) < 1 and not sim.devices:
         raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
     k = sim.devices or math.prod(mesh)
     shape = validate(cfg, k)  # sim.* keys' ranges and choices too (trainer/sections.py)
+    largest = max(cluster_sizes(shape, sim.max_devices)) * shape[1] * shape[2]
+    n = drawn_steps(cfg, local_h(cfg))
+    if n * largest > DRAWS:
+        raise UserError(f"simulate would draw {n} steps x {largest} devices = {n * largest} straggler factors, more "
+                        f"than {DRAWS} (256 MB of float64); lower sim.steps, sim.max_devices, the mesh or "
+                        "train.sync_every (local SGD's H)")
     return shape
+
+
+def local_h(cfg: Config) -> int:
+    """Local SGD's H: train.sync_every, at least 2 (1 would be synchronous)."""
+    return max(getattr(cfg.train, "sync_every", 8), 2)
 
 
 def simulate(cfg: Config, out=print) -> list[dict]:
     """Rows of (K, MFU and goodput per mode, loss breakdown) as `data` grows; prints a table."""
     shape = check(cfg)
     mc, hw = model_config(cfg), hardware(cfg)
-    h = max(getattr(cfg.train, "sync_every", 8), 2)  # local SGD's H; 1 would be synchronous
+    h = local_h(cfg)
     rng = np.random.default_rng(cfg.sim.seed)
     out(f"model {param_count(mc) / 1e9:.3g}B params | mesh (data, stage, model)={shape} | {cfg.sim.hardware}: "
         f"{hw.peak_bf16 / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.fast_bw / GB:.0f} | {hw.net_bw / GB:.3g} GB/s "

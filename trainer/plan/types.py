@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainer.config import PIPELINE_REMATS
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
@@ -31,7 +33,7 @@ class Strategy:
 
 def executed(st: Strategy) -> Strategy:
     """The layout as the trainer runs it: a key its executor ignores set to the value it runs with."""
-    if st.stage > 1 and st.remat != "sublayer":
+    if st.stage > 1 and st.remat not in PIPELINE_REMATS:
         # trainer/parallel/pipeline.py recomputes each stage body whole for its backward and runs its layers
         # without per-layer remat: none, dots and full trace the same program (tests/test_plan.py)
         return dataclasses.replace(st, remat="none")

@@ -2,7 +2,7 @@
 
 `Run(cfg)` sets the run up (config resolved, memory checked, mesh, data, the state restored or initialised,
 the step compiled) and writes nothing: `begin()` makes the first writes once the plug-ins are made too, so that
-a start that fails, or finds run.dir at train.steps already (`complete`), leaves run.dir as it was. The loop then
+a start that fails, or finds run.dir at train.steps already (`nothing_left`), leaves run.dir as it was. The loop then
 moves `state`, `metrics` and `done` on, and applies a plug-in's Rollback through `rewind`, the one place that
 moves a run back.
 """
@@ -116,8 +116,8 @@ class Run:
             restored = self.ckpt.restore()
             self.state, self.start = restored or (self.initial(), 0)
             # run.dir holds train.steps already (restore said so): nothing to compile, nothing to write
-            self.complete = restored is not None and self.start >= t.steps
-            if not self.complete:
+            self.nothing_left = restored is not None and self.start >= t.steps
+            if not self.nothing_left:
                 self._announce()
                 warn_if_no_decay(t)
                 self.step_fn = self._compile()
@@ -127,7 +127,7 @@ class Run:
                 raise out_of_memory(e, "compiling the train step") from None
             raise
         self.done, self.metrics, self.host, self.record = self.start, None, None, {}
-        if self.complete:
+        if self.nothing_left:
             self.ckpt.close()
             return
         self.compile_s = time.perf_counter() - self.t0

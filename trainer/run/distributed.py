@@ -17,7 +17,10 @@ import numpy as np
 
 from trainer.errors import UserError
 from trainer.logs import last_words
+from trainer.sections import CLUSTERS
 
+# dist.cluster's choices, as the schema lists them: the names detect() returns are these
+AUTO, NONE, SLURM, OMPI, GCETPU, GKETPU, MPI4PY = CLUSTERS
 log = logging.getLogger(__name__)
 
 
@@ -42,14 +45,14 @@ def detect(env=None) -> str | None:
     env = os.environ if env is None else env
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     if all(k in env for k in slurm) and _tasks(env, "SLURM_NTASKS") > 1:
-        return "slurm"
+        return SLURM
     if "OMPI_MCA_orte_hnp_uri" in env and _tasks(env, "OMPI_COMM_WORLD_SIZE") > 1:
-        return "ompi"
+        return OMPI
     hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES") or ""
     if len([h for h in hosts.split(",") if h]) > 1:
-        return "gketpu"
+        return GKETPU
     if env is os.environ and _tpu_vm():
-        return "gcetpu"  # a single-host VM joins as one process, which costs nothing
+        return GCETPU  # a single-host VM joins as one process, which costs nothing
     return None
 
 
@@ -76,10 +79,10 @@ def initialize(d) -> bool:
     """Join the cluster that `d` (the config's dist section) names or that is detected; True if joined."""
     kw = _explicit(d)
     if kw is None:
-        method = None if d.cluster == "none" else detect() if d.cluster == "auto" else d.cluster
+        method = None if d.cluster == NONE else detect() if d.cluster == AUTO else d.cluster
         if method is None:
             return False
-        kw = {} if d.cluster == "auto" else {"cluster_detection_method": method}
+        kw = {} if d.cluster == AUTO else {"cluster_detection_method": method}
     else:
         method = None
     if kw.get("num_processes") == 1:

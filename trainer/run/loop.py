@@ -46,7 +46,7 @@ def _timed(run: Run, p):
 def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     """Train according to cfg; returns the final state and the logged metrics."""
     run, ps, error = Run(cfg, devices, console), [], None
-    if run.complete:  # nothing to train: nothing compiled, nothing written (CLI exit 0, as a finished run's rerun)
+    if run.nothing_left:  # nothing to train: nothing compiled, nothing written (CLI exit 0, as a finished run's rerun)
         return run.result()
     try:
         ps = plugins(run)
