@@ -1,6 +1,9 @@
-"""The device mesh (data, stage, model), the logical->mesh rules table and ZeRO shardings."""
-from meshes.mesh import AXES, MeshError, build_mesh, resolve_shape, load_preset, preset_names
-from meshes.rules import RULES, Layout, logical_to_spec
+"""The device mesh: its axes and shape (meshes/axes.py), the one factory (meshes/mesh.py), the logical->mesh rules
+and ZeRO shardings (meshes/rules.py)."""
+from meshes.axes import (AXES, Axis, MeshError, MeshShape, devices_named, mesh_shape, recorded, resolve, shape_of,
+                         shapes)
+from meshes.mesh import build, build_mesh, load_preset, preset_names
+from meshes.rules import RULES, Layout, Rules
 
-__all__ = ["AXES", "MeshError", "build_mesh", "resolve_shape", "load_preset", "preset_names",
-           "RULES", "Layout", "logical_to_spec"]
+__all__ = ["AXES", "Axis", "MeshError", "MeshShape", "devices_named", "mesh_shape", "recorded", "resolve", "shape_of",
+           "shapes", "build", "build_mesh", "load_preset", "preset_names", "RULES", "Layout", "Rules"]

@@ -1,4 +1,5 @@
-"""The one mesh factory: (data, stage, model) -> jax.sharding.Mesh with explicit axis types."""
+"""The one mesh factory: a mesh shape (meshes/axes.py) on devices -> jax.sharding.Mesh with explicit axis types;
+the shipped presets (meshes/presets/)."""
 from __future__ import annotations
 
 import math
@@ -6,68 +7,52 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
-AXES = ("data", "stage", "model")
+from meshes.axes import AXES, MeshError, MeshShape, resolve
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
-class MeshError(ValueError):
-    """A mesh shape that cannot be built on the devices at hand."""
-
-
-def resolve_shape(data: int, stage: int, model: int, n_devices: int) -> tuple[int, int, int]:
-    """Fill in the one -1 axis with the remaining devices and check the product."""
-    shape = [data, stage, model]
-    free = [i for i, s in enumerate(shape) if s == -1]
-    if len(free) > 1:
-        raise MeshError(f"mesh has {len(free)} axes set to -1 ({', '.join(AXES[i] for i in free)}); "
-                        "set at most one axis to -1")
-    for i, s in enumerate(shape):
-        if s == 0 or s < -1:
-            raise MeshError(f"mesh.{AXES[i]}={s} is not a positive size; use a positive int or -1")
-    if free:
-        rest = math.prod(s for s in shape if s != -1)
-        if n_devices % rest:
-            raise MeshError(f"mesh {tuple(shape)} cannot fill {n_devices} devices: {n_devices} is not "
-                            f"divisible by {rest}; choose axis sizes whose product divides {n_devices}")
-        shape[free[0]] = n_devices // rest
-    if math.prod(shape) != n_devices:
-        raise MeshError(f"mesh (data, stage, model)={tuple(shape)} has {math.prod(shape)} devices but "
-                        f"{n_devices} are available; make the product {n_devices} or set one axis to -1")
-    return tuple(shape)
-
-
-def build_mesh(data: int = -1, stage: int = 1, model: int = 1, devices=None,
-               dcn: tuple[int, int, int] | None = None) -> Mesh:
-    """Build the (data, stage, model) mesh; `dcn` splits axes across hosts/slices (hybrid mesh)."""
-    devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_shape(data, stage, model, len(devices))
-    axis_types = (AxisType.Auto,) * 3
-    if dcn is not None and math.prod(dcn) > 1:
+def build(shape: MeshShape, devices) -> Mesh:
+    """The one mesh factory: `shape` (meshes/axes.py) on `devices`, its axis types explicit; an axis split over
+    several hosts or slices (shape.dcn) makes a hybrid mesh."""
+    devices = list(devices)
+    names, sizes, dcn, axis_types = shape.names, shape.sizes, shape.dcn, shape.axis_types
+    if math.prod(sizes) != len(devices):
+        raise MeshError(f"mesh {shape.describe()} needs {math.prod(sizes)} devices, not {len(devices)}")
+    if math.prod(dcn) > 1:
         from jax.experimental import mesh_utils
-        if any(s % d for s, d in zip(shape, dcn)):
-            raise MeshError(f"dcn {tuple(dcn)} does not divide the mesh {shape}; give each axis a dcn size dividing it")
-        ici = tuple(s // d for s, d in zip(shape, dcn))
+        ici = tuple(s // d for s, d in zip(sizes, dcn))
         # TPU slices carry slice_index; hosts of GPUs and CPUs do not: then each process is a granule
         slices = {getattr(d, "slice_index", None) for d in devices}
         by_process = None in slices or len(slices) != math.prod(dcn)
         granules = len({d.process_index for d in devices}) if by_process else len(slices)
         if granules != math.prod(dcn):
             kind = "processes" if by_process else "slices"
+            split = " x ".join(f"mesh.dcn_{n}" for n, d in zip(names, dcn) if d > 1)
             raise MeshError(f"dcn {tuple(dcn)} spans {math.prod(dcn)} hosts but the devices come from {granules} "
-                            f"{kind}; make mesh.dcn_data x mesh.dcn_stage equal {granules}")
+                            f"{kind}; make {split} equal {granules}")
         dev = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
-        return Mesh(dev, AXES, axis_types=axis_types)
+        return Mesh(dev, names, axis_types=axis_types)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=axis_types)
+        return jax.make_mesh(sizes, names, axis_types=axis_types)
     if devices[0].platform == "tpu":  # a TPU topology compiled for ahead of time: laid out on its torus
         from jax.experimental import mesh_utils
         try:
-            return Mesh(mesh_utils.create_device_mesh(shape, devices=devices), AXES, axis_types=axis_types)
+            return Mesh(mesh_utils.create_device_mesh(sizes, devices=devices), names, axis_types=axis_types)
         except (ValueError, NotImplementedError, AssertionError):  # no torus-aligned layout of this shape
             pass
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
+    return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=axis_types)
+
+
+def build_mesh(*sizes: int, devices=None) -> Mesh:
+    """`build` of the shape that `sizes` (in mesh order; an axis left out: its default) asks for on `devices`
+    (default: all), on one host."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(sizes) > len(AXES):
+        raise MeshError(f"{len(sizes)} sizes for the {len(AXES)} mesh axes ({', '.join(a.name for a in AXES)})")
+    return build(resolve({a.name: s for a, s in zip(AXES, sizes)}, len(devices)), devices)
 
 
 def preset_names() -> list[str]:

@@ -1,7 +1,8 @@
-"""The single logical->mesh rules table, and the ZeRO stage -> sharding mapping.
+"""The logical->mesh rules (a run's own, read-only: `Rules`; the base table RULES), and the ZeRO stage ->
+sharding mapping (`Layout`, which carries its run's rules: every spec and activation constraint comes from them).
 
 Model code names logical axes only; this file is the one place that maps them to the
-mesh axes (data, stage, model). Megatron's split: attention heads and MLP hidden units
+mesh axes (meshes/axes.py). Megatron's split: attention heads and MLP hidden units
 are column-split over `model` on the way in and row-split on the way out; the vocabulary
 is split over `model` too.
 
@@ -15,13 +16,66 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# logical axis -> mesh axis (None = replicated). Activations and parameters share it;
+
+class Rules(Mapping):
+    """A run's logical -> mesh table, read-only: each logical axis to a mesh axis, a tuple of them, or None
+    (replicated). A run's differs from RULES by entries its config adds (`replace`)."""
+
+    def __init__(self, table: Mapping[str, str | tuple | None]):
+        self._table = dict(table)
+
+    def __getitem__(self, name: str):
+        return self._table[name]
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._table.items()))
+
+    def __repr__(self) -> str:
+        return f"Rules({self._table})"
+
+    def replace(self, **entries) -> "Rules":
+        """These rules with some logical axes mapped anew (e.g. experts="data")."""
+        return Rules({**self._table, **entries})
+
+    def without(self, axes) -> "Rules":
+        """These rules with some mesh axes dropped (for code running manual over them)."""
+        return Rules({k: _drop(v, set(axes)) for k, v in self._table.items()})
+
+    def spec(self, logical: tuple[str | None, ...], shape=None, mesh=None) -> P:
+        """PartitionSpec for logical axis names (with `shape` and `mesh`: SHARED_WHEN_SMALLER applied)."""
+        out = []
+        for i, name in enumerate(logical):
+            if name is not None and name not in self._table:
+                raise KeyError(f"logical axis '{name}' has no rule in this run's rules (meshes/rules.py)")
+            entry = None if name is None else self._table[name]
+            if entry is not None and shape is not None and name in SHARED_WHEN_SMALLER \
+                    and shape[i] < _axis_size(mesh, entry):
+                entry = None
+            out.append(entry)
+        return P(*out)
+
+
+def _drop(entry, axes: set[str]):
+    if isinstance(entry, tuple):
+        kept = tuple(a for a in entry if a not in axes)
+        return kept[0] if len(kept) == 1 else (kept or None)
+    return None if entry in axes else entry
+
+
+# The base table: logical axis -> mesh axis (None = replicated). Activations and parameters share it;
 # parameters add the ZeRO/FSDP rule (`data` on one more dimension) on top.
-RULES: dict[str, str | None] = {
+RULES = Rules({
     "batch": "data",
     "seq": None,
     "embed": None,
@@ -31,7 +85,7 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "vocab": "model",
     "layers": "stage",
-}
+})
 # Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the
 # dimension is replicated over it (fewer kv heads than `model`: every model rank keeps the kv heads and
 # uses the one its query heads share, as Megatron-LM and MaxText do).
@@ -41,39 +95,11 @@ SHARED_WHEN_SMALLER = ("kv_heads",)
 ZERO_PREFERENCE = ("embed", "mlp", "vocab", "head_dim", "heads", "kv_heads")
 
 
-def logical_to_spec(logical: tuple[str | None, ...], rules: dict = RULES, shape=None, mesh=None) -> P:
-    """PartitionSpec for logical axis names (with `shape` and `mesh`: SHARED_WHEN_SMALLER applied)."""
-    out = []
-    for i, name in enumerate(logical):
-        if name is not None and name not in rules:
-            raise KeyError(f"logical axis '{name}' has no rule in meshes.rules.RULES")
-        entry = None if name is None else rules[name]
-        if entry is not None and shape is not None and name in SHARED_WHEN_SMALLER \
-                and shape[i] < _axis_size(mesh, entry):
-            entry = None
-        out.append(entry)
-    return P(*out)
-
-
 def _axis_size(mesh: Mesh, entry) -> int:
     if entry is None:
         return 1
     names = entry if isinstance(entry, tuple) else (entry,)
     return math.prod(mesh.shape[n] for n in names)
-
-
-def zero_dim(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> int | None:
-    """Which dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small)."""
-    k = mesh.shape["data"]
-    if k == 1:
-        return None
-    base = logical_to_spec(logical, RULES, shape, mesh)
-    order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
-                   key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
-    for i in order:
-        if shape[i] % (k * _axis_size(mesh, base[i])) == 0:
-            return i
-    return None
 
 
 def _add_data(spec: P, dim: int | None, ndim: int) -> P:
@@ -86,9 +112,10 @@ def _add_data(spec: P, dim: int | None, ndim: int) -> P:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Shardings of every piece of training state for one mesh and ZeRO stage."""
+    """Shardings of every piece of training state for one mesh, ZeRO stage and set of rules (a run's own)."""
     mesh: Mesh
     zero_stage: int = 0
+    rules: Rules = RULES
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -99,12 +126,11 @@ class Layout:
 
     def compute_spec(self, shape, logical) -> P:
         """Spec a weight has when it is used (no ZeRO split)."""
-        return _add_data(logical_to_spec(logical, RULES, shape, self.mesh), None, len(shape))
+        return _add_data(self.rules.spec(logical, shape, self.mesh), None, len(shape))
 
     def sharded_spec(self, shape, logical) -> P:
         """Spec with the ZeRO `data` split added."""
-        return _add_data(logical_to_spec(logical, RULES, shape, self.mesh), zero_dim(shape, logical, self.mesh),
-                         len(shape))
+        return _add_data(self.rules.spec(logical, shape, self.mesh), self.data_dim(shape, logical), len(shape))
 
     def param_spec(self, shape, logical) -> P:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 3 else self.compute_spec(shape, logical)
@@ -116,32 +142,39 @@ class Layout:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 1 else self.compute_spec(shape, logical)
 
     def data_dim(self, shape, logical) -> int | None:
-        """Dimension split over `data` by ZeRO (for manual collectives in shard_map)."""
-        return zero_dim(shape, logical, self.mesh)
+        """The dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small); for manual
+        collectives in shard_map too."""
+        k = self.mesh.shape["data"]
+        if k == 1:
+            return None
+        base = self.rules.spec(logical, shape, self.mesh)
+        order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
+                       key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
+        for i in order:
+            if shape[i] % (k * _axis_size(self.mesh, base[i])) == 0:
+                return i
+        return None
+
+    def split(self, logical: str) -> int:
+        """Devices a logical axis is split over by the rules (1: replicated)."""
+        return _axis_size(self.mesh, self.rules[logical])
 
     def batch_spec(self) -> P:
-        return P("data")
+        return self.rules.spec(("batch",))
 
     def tree(self, kind: str, shapes, logical):
         """NamedShardings for a pytree of ShapeDtypeStructs and the matching logical-axes tree."""
         fn = getattr(self, f"{kind}_spec")
         return jax.tree.map(lambda s, lg: self.sharding(fn(s.shape, lg)), shapes, logical)
 
+    def constrainer(self, manual: frozenset[str] = frozenset()):
+        """constrain(x, logical_axes): a sharding constraint on an activation through the rules, traced under
+        `jax.set_mesh(mesh)`; inside a shard_map manual over some mesh axes, name them (`manual`): the rules
+        drop them there."""
+        if self.mesh.size == 1:
+            return lambda x, logical: x
+        rules, mesh = self.rules.without(manual), self.mesh
 
-def constrainer(mesh: Mesh | None, rules: dict = RULES):
-    """Return constrain(x, logical_axes): a sharding constraint on an activation through RULES.
-
-    Traced under `jax.set_mesh(mesh)`. Inside a shard_map that is manual over some axes,
-    pass rules with those axes removed (`without_axes`).
-    """
-    if mesh is None or mesh.size == 1:
-        return lambda x, logical: x
-
-    def constrain(x, logical):
-        return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, rules, x.shape, mesh))
-    return constrain
-
-
-def without_axes(rules: dict, axes: set[str]) -> dict:
-    """The rules with some mesh axes dropped (for code running manual over them)."""
-    return {k: (None if v in axes else v) for k, v in rules.items()}
+        def constrain(x, logical):
+            return jax.lax.with_sharding_constraint(x, rules.spec(logical, x.shape, mesh))
+        return constrain

@@ -3,6 +3,7 @@ counting."""
 from models.config import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.counts import flops_per_token, hardware_flops_per_token, matmul_param_count, param_count
 from models.loss import loss_fn, loss_sum
+from models.layers import Placement
 from models.precision import compute_dtypes
 from models.spec import FAMILIES, ModelSpec, Param, family, register
 from models.gemma import GEMMA2, GEMMA3  # registers the gemma2 and gemma3 families
@@ -11,7 +12,7 @@ from models.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
 from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
                                 weight_decay_of)
 
-__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "MISTRAL", "QWEN2", "QWEN3", "ModelSpec", "family", "register", "PRESETS", "REMAT_POLICIES", "ModelConfig", "Transformer", "abstract_model",
-           "compute_dtypes", "flops_per_token",
-           "forward", "from_preset", "inventory", "Param", "hardware_flops_per_token", "logical_axes_of", "loss_fn", "loss_sum", "matmul_param_count",
-           "param_count", "params_of", "weight_decay_of"]
+__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "MISTRAL", "PRESETS", "QWEN2", "QWEN3", "REMAT_POLICIES", "ModelConfig",
+           "ModelSpec", "Param", "Placement", "Transformer", "abstract_model", "compute_dtypes", "family",
+           "flops_per_token", "forward", "from_preset", "hardware_flops_per_token", "inventory", "logical_axes_of",
+           "loss_fn", "loss_sum", "matmul_param_count", "param_count", "params_of", "register", "weight_decay_of"]

@@ -1,104 +1,114 @@
-"""Model config and presets (parameter and FLOP counting: models/counts.py)."""
+"""The model's config and presets (parameter and FLOP counting: models/counts.py).
+
+Each `model.*` key is declared once, as a field here (the keys every family shares) or of a family's own config (a
+subclass of ModelConfig in the family's module, `ModelSpec.config`: Gemma's soft-caps and layer kinds): its default,
+its allowed values and one line of meaning are the field's metadata (`key`), which the config schema reads
+(trainer/model_section.py writes the `model:` section from them). What the trainer knows of its mesh (the platform,
+the kv heads' replication) is not part of the config: the model takes it as an argument (models/layers.py
+`Placement`).
+"""
 from __future__ import annotations
 
 import dataclasses
 
+from models.spec import FAMILIES
+
 REMAT_POLICIES = ("none", "full", "dots", "sublayer")
 ATTENTION_IMPLS = ("auto", "manual", "xla", "cudnn")
 KERNELS = ("auto", "reference", "fast")
+# Ceilings of the range rules: sizes (array dimensions, token ids) are int32 in XLA; every float a step computes with
+# is a float32, finite below float32's largest
+INT32, FLOAT32 = "2**31-1", "3.4e38"
+DIM = f"> 0 and <= {INT32}"  # a dimension, a count of tokens
+POSITIVE = f"> 0 and <= {FLOAT32}"  # a float a step computes with
 
 
-@dataclasses.dataclass(frozen=True)
+def key(default=dataclasses.MISSING, allowed=None, doc: str = "", null: bool = True):
+    """A model.* key's field: its default; its allowed values (a rule for a number such as '> 0 and <= 2**31-1', a
+    collection of choices, or None: any value of its type); one line of meaning; `null`: a config may leave it null
+    (the preset's, the family's or an HF folder's value), else the config's default is this one."""
+    return dataclasses.field(default=default, metadata={"allowed": allowed, "doc": doc, "null": null})
+
+
+def is_key(f: dataclasses.Field) -> bool:
+    """Whether a field of a model config is a model.* key (declared by `key`)."""
+    return "null" in f.metadata
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    vocab_size: int
-    seq_len: int
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    # Llama 3.x RoPE frequency scaling, as transformers' `llama3` rope type:
-    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None = plain RoPE
-    rope_scaling: tuple[float, float, float, int] | None = None
-    remat: str = "none"
+    family: str = key("llama", None, "the model family; null: an HF init_from's, else llama")
+    d_model: int = key(allowed=DIM, doc="the residual stream's width")
+    n_layers: int = key(allowed="> 0 and <= 65536", doc="transformer layers (per-layer tables, such as Gemma's "
+                        "layer kinds, are built on the host)")
+    n_heads: int = key(allowed=DIM, doc="attention (query) heads")
+    n_kv_heads: int = key(allowed=DIM, doc="key/value heads; fewer than n_heads: grouped-query attention")
+    # Families such as Qwen3 and Gemma set their own (n_heads x head_dim need not equal d_model: the output
+    # projection maps it back)
+    head_dim: int | None = key(None, DIM, "one attention head's width (even); null: d_model / n_heads")
+    d_ff: int = key(allowed=DIM, doc="the MLP's hidden units")
+    vocab_size: int = key(allowed=DIM, doc="tokens of the vocabulary (embedding and output rows)")
+    seq_len: int = key(allowed=DIM, doc="tokens per training sequence")
+    tie_embeddings: bool = key(True, None, "the output head shares the embedding's weights")
+    rope_theta: float = key(10000.0, POSITIVE, "RoPE base")
+    norm_eps: float = key(1e-5, POSITIVE, "RMSNorm epsilon")
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), as transformers' `llama3` rope
+    # type; its allowed values are a parser's (trainer/model_section.py)
+    rope_scaling: tuple[float, float, float, int] | None = key(None, None, "Llama 3.x `llama3` RoPE scaling; null: "
+                                                                "none")
+    # a query sees only the keys fewer than this many positions before it, itself included, in every attention path
+    # (a family whose layers differ in window says which layers have it: ModelSpec.windows)
+    window: int | None = key(None, DIM, "sliding-window attention (Mistral): keys fewer than this many positions "
+                             "back; null: no window")
+    remat: str = key("none", REMAT_POLICIES, "what the backward recomputes (docs/performance.md)", null=False)
+    # one lax.scan is one compiled layer (compile time independent of depth); unrolled, no loop: faster steps
+    # (docs/performance.md)
+    scan_layers: bool | None = key(None, None, "layers as one lax.scan; null: unroll up to 8 layers without remat, "
+                                   "else scan")
+    # auto = cuDNN's (bf16) or XLA's on GPU, manual on CPU, XLA's on TPU
+    attention: str = key("auto", ATTENTION_IMPLS, "the attention implementation (models/attention.py)", null=False)
+    # each query block attends to the keys up to its last position (skips most of the masked half)
+    attention_block: int = key(128, f">= 0 and <= {INT32}", "manual attention's causal query block; 0: no blocking",
+                               null=False)
+    # the plain math of models/transformer.py or models/fast_cpu.py's XLA:CPU fast paths; auto = fast on CPU
+    kernels: str = key("auto", KERNELS, "plain math or XLA:CPU fast paths (models/fast_cpu.py); equal results",
+                       null=False)
+    # the float32 logits are never whole; null: tile only when they would exceed 256 MB
+    loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk (models/loss.py); 0: "
+                                 "whole logits; null: auto")
     init_std: float = 0.02
-    # Run the layers as one lax.scan (one compiled layer: compile time independent of depth) or
-    # unrolled (no loop: faster steps, see docs/performance.md). None: unroll up to 8 layers
-    # when there is no remat, else scan.
-    scan_layers: bool | None = None
-    # auto | manual | xla | cudnn (models/attention.py); auto = cuDNN's (bf16) or XLA's on GPU,
-    # manual on CPU, XLA's on TPU
-    attention: str = "auto"
-    # manual attention: queries in blocks of this many positions, each against the keys up to
-    # its last position (skips most of the masked half); 0 = one block
-    attention_block: int = 128
-    # auto | reference | fast: the plain math of models/transformer.py or models/fast_cpu.py's
-    # XLA:CPU fast paths (equal results); auto = fast on CPU, reference elsewhere
-    kernels: str = "auto"
-    # Set by the trainer when there are fewer kv heads than tensor-parallel ranks (their weights are
-    # replicated): k and v are repeated this many times before attention, so that each rank holds
-    # the kv head of its query heads, split like them (cuDNN's kernel takes q, k, v split alike only).
-    kv_repeat: int = 1
-    # The platform the program is built for ("cpu", "gpu", "tpu"): the kernels and the attention are that
-    # platform's. Set by the trainer from its mesh's devices (a TPU topology compiled ahead of time on a CPU
-    # host is "tpu"); None: the runtime's default device.
-    platform: str | None = None
-    # Documents (data.document_mask): attention stays inside each token's document (the batch's segment_ids)
-    # and RoPE takes each token's position in it (positions); False: one document per row, positions 0..T-1
+    # data.document_mask: attention stays inside each token's document (the batch's segment_ids) and RoPE takes each
+    # token's position in it (positions); False: one document per row, positions 0..T-1
     documents: bool = False
-    # Cross-entropy tiled over chunks of this many tokens (models/loss.py): the float32 logits
-    # are never whole. 0 = whole logits; None = tile only when they would exceed 256 MB.
-    loss_chunk: int | None = None
-    # Width of one attention head; None: d_model // n_heads. Families such as Qwen3 and Gemma set their own
-    # (n_heads x head_dim need not equal d_model: the output projection maps it back).
-    head_dim: int | None = None
-    # The family (models/spec.py) whose inventory and layer function the model runs
-    family: str = "llama"
-    # Sliding-window attention (Mistral): a query sees only the keys fewer than this many positions before it,
-    # itself included, in every attention path; None: the whole causal context
-    window: int | None = None
-    # Gemma's options (models/gemma.py), read by the pieces every family shares: embeddings x sqrt(d_model) in the
-    # compute dtype; every RMSNorm gain stored as w and applied as (1 + w); the logits soft-capped as
-    # cap * tanh(logits / cap) (in the tiled loss's forward and backward too)
-    embed_scale: bool = False
-    norm_plus_one: bool = False
-    final_softcap: float | None = None
-    # ... and the Gemma layer's own: attention scores soft-capped the same way; scores scaled by
-    # query_scale ** -0.5 (query_pre_attn_scalar) instead of head_dim ** -0.5
-    attn_softcap: float | None = None
-    query_scale: float | None = None
-    # Layers of two kinds (Gemma): True where a layer is local (attends through `window`), False where global;
-    # None: every layer alike (`window`, if set, for all of them)
-    local_layers: tuple[bool, ...] | None = None
-    # Gemma 3: the local layers' RoPE base, and the global layers' linear RoPE factor (positions / factor)
-    rope_local_theta: float | None = None
-    rope_linear: float | None = None
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        if self.local_layers is not None:
-            object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
 
     @property
     def uniform_window(self) -> int | None:
         """The window when every layer has the same one (a window-length KV ring, block skipping); None for no
-        window or a stack of local and global layers (masked layer by layer, a full-length cache)."""
-        return self.window if self.local_layers is None else None
-
-    @property
-    def target_platform(self) -> str:
-        """The platform the program is built for: `platform`, else the runtime's default device's."""
-        import jax
-        return self.platform or jax.devices()[0].platform
+        window or a stack whose layers differ in window (its family's `windows`: masked layer by layer, a
+        full-length cache)."""
+        spec = FAMILIES.get(self.family)
+        return self.window if spec is None or spec.windows(self) is None else None
 
     @property
     def fused_qkv(self) -> bool:
         """q, k and v projected in one call: their weights have the same shape (the fast path shares a backward)."""
         return self.n_heads == self.n_kv_heads
+
+
+def config_class(family: str) -> type:
+    """The config class of a family: its own (ModelSpec.config), else ModelConfig."""
+    spec = FAMILIES.get(family)
+    return ModelConfig if spec is None or spec.config is None else spec.config
+
+
+def own_keys(family: str) -> tuple[str, ...]:
+    """The model.* keys a family declares beyond the shared ones (its config's own fields)."""
+    shared = {f.name for f in dataclasses.fields(ModelConfig)}
+    return tuple(f.name for f in dataclasses.fields(config_class(family)) if is_key(f) and f.name not in shared)
 
 
 PRESETS: dict[str, dict] = {
@@ -117,8 +127,10 @@ PRESETS: dict[str, dict] = {
 
 
 def from_preset(preset: str, **overrides) -> ModelConfig:
+    """The preset's shapes with the overrides that are not None, in the config of the family they name (a family's
+    own keys are fields of its config only)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset '{preset}'; choose one of {', '.join(PRESETS)}")
     kw = dict(PRESETS[preset])
     kw.update({k: v for k, v in overrides.items() if v is not None})
-    return ModelConfig(**kw)
+    return config_class(kw.get("family", "llama"))(**kw)

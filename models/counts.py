@@ -12,13 +12,15 @@ Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
 The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
 weights and biases are elementwise). With a sliding window (model.window = w < T) the attention term counts the
 keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of 12 * L * H * Dh * T / 2 (`attended`); a
-stack of local and global layers (Gemma, model.local_layers) counts each layer by its own kind.
+stack whose layers differ in window (its family's `windows`: Gemma's local and global layers) counts each layer by
+its own.
 """
 from __future__ import annotations
 
 import math
 
 from models.config import ModelConfig
+from models.spec import family
 from models.transformer import inventory
 
 
@@ -44,12 +46,13 @@ def matmul_param_count(c: ModelConfig) -> int:
 def attended(c: ModelConfig, t: int) -> float:
     """Keys a query attends to on average over the stack's layers, by the convention: t / 2 (causal); with a
     sliding window w < t, w - w^2 / (2t) (each query sees min(position + 1, w) keys, in the same continuous form;
-    equal at w = t); a mixed stack averages its local layers' and its global layers' counts."""
+    equal at w = t); a stack whose layers differ in window averages its layers' counts."""
     def one(w):
         return t / 2 if not w or w >= t else w - w * w / (2 * t)
-    if c.local_layers is None:
+    windows = family(c.family).windows(c)
+    if windows is None:
         return one(c.window)
-    return sum(one(c.window if local else None) for local in c.local_layers) / len(c.local_layers)
+    return sum(one(w) for w in windows) / len(windows)
 
 
 def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:

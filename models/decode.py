@@ -30,8 +30,8 @@ def _own_layer(c: ModelConfig) -> bool:
 
 
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
-    # a family's own layer repeats the kv heads (kv_repeat) before its attention, and the cache holds them so
-    shape = (c.n_layers, batch, length, c.n_kv_heads * (c.kv_repeat if _own_layer(c) else 1), c.head_dim)
+    # decoding runs on one device: the kv heads are never repeated (Placement.kv_repeat 1)
+    shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 

@@ -1,7 +1,9 @@
-"""The Gemma 2 and Gemma 3 families (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`): Llama's projections with
+"""The Gemma 2 and Gemma 3 families (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`) and their own config keys
+(Gemma2Config, Gemma3Config): Llama's projections with
 
-  - embeddings x sqrt(d_model) and every RMSNorm gain applied as (1 + w) (ModelConfig.embed_scale,
-    norm_plus_one: kept in the computation, the weights stored as transformers stores them);
+  - embeddings x sqrt(d_model) and every RMSNorm gain applied as (1 + w) (embed_scale, norm_plus_one: kept in the
+    computation, the weights stored as transformers stores them; the shared embedding and head read them as the
+    family's Ends);
   - a norm after attention and after the MLP too (post_attn_norm, post_mlp_norm), before each residual add;
   - GeGLU with the tanh GELU;
   - attention scores scaled by query_pre_attn_scalar ** -0.5 (query_scale) and, in Gemma 2, soft-capped
@@ -9,10 +11,11 @@
   - local (sliding-window) and global layers in one stack (local_layers: per-layer data of the spec, so the
     stack stays one scanned (L, ...) stack in every pipeline schedule); each layer runs its own kind's attention;
   - Gemma 3: per-head q/k RMSNorm ((1 + w) too), the local layers' own RoPE base and linear RoPE scaling on the
-    global ones (rope_local_theta, rope_linear).
+    global ones (rope_local_theta, rope_linear: the family's RoPE tables, ModelSpec.rope).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,11 +23,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.attention import GLOBAL
-from models.config import ModelConfig
+from models.config import POSITIVE, ModelConfig, key
 from models.gemma_hf import GEMMA2_HF, GEMMA3_HF
-from models.layers import rms_norm
-from models.spec import LayerCall, ModelSpec, Param, register
-from models.transformer import llama_inventory, qkv
+from models.layers import rms_norm, rope_tables
+from models.spec import Ends, LayerCall, ModelSpec, Param, register
+from models.transformer import llama_inventory, qkv, repeat_kv
+
+
+# A Gemma trained from scratch computes as Gemma does (sqrt(d) embeddings, (1 + w) norms); the keys an HF folder may
+# leave null (the soft-caps, the window) stay the config's (null: none), as they cannot mean both "unset" and "off"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemma2Config(ModelConfig):
+    """Gemma 2's model (and Gemma 3's): the shared keys and these."""
+    # True where a layer is local (attends through `window`), False where global; None: every layer alike (`window`,
+    # if set, for all of them)
+    local_layers: tuple[bool, ...] | None = key(None, None, "Gemma: per layer, true local (model.window) or false "
+                                                "global; null: every layer alike")
+    attn_softcap: float | None = key(None, POSITIVE, "Gemma: attention scores soft-capped at this; null: none")
+    final_softcap: float | None = key(None, POSITIVE, "Gemma: output logits soft-capped at this; null: none")
+    # query_pre_attn_scalar: scores scaled by query_scale ** -0.5 instead of head_dim ** -0.5
+    query_scale: float | None = key(None, POSITIVE, "Gemma: scores scaled by query_scale ** -0.5; null: head_dim")
+    embed_scale: bool = key(True, None, "Gemma: embeddings x sqrt(d_model); null: the family's")
+    norm_plus_one: bool = key(True, None, "Gemma: RMSNorm gains applied as 1 + w; null: the family's")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.local_layers is not None:
+            object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemma3Config(Gemma2Config):
+    """Gemma 3's model: Gemma 2's keys and its RoPE per layer kind."""
+    rope_local_theta: float | None = key(10000.0, POSITIVE, "Gemma 3: the local layers' RoPE base; null: rope_theta")
+    # positions / factor on the global layers
+    rope_linear: float | None = key(None, POSITIVE, "Gemma 3: the global layers' linear RoPE factor; null: none")
 
 
 def gemma_inventory(c: ModelConfig, qk_norm: bool = False) -> dict:
@@ -40,18 +73,18 @@ def gemma_inventory(c: ModelConfig, qk_norm: bool = False) -> dict:
     return {**inv, "layers": layers, "final_norm": zeros(inv["final_norm"])}
 
 
-def layer_data(c: ModelConfig) -> dict:
+def layer_data(c: Gemma2Config) -> dict:
     local = c.local_layers if c.local_layers is not None else (c.window is not None,) * c.n_layers
     # float32 (1.0: local): the remat'd halves close over it, and a sub-layer remat's closure must be differentiable
     return {"local": np.asarray(local, np.float32)}
 
 
-def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+def layer(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     x_BTD = call.half(functools.partial(attention_half, c, call=call))(p, x_BTD)
     return call.half(functools.partial(mlp_half, c, call=call))(p, x_BTD), {}
 
 
-def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+def attention_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
                                                 "post_attn_norm") if k in p}
@@ -59,10 +92,8 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     rope = call.rope
     if len(rope) == 4:  # Gemma 3: (global cos, sin, local cos, sin)
         rope = tuple(jnp.where(local, lo, gl) for gl, lo in zip(rope[:2], rope[2:]))
-    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, constrain, kernels=kn)
-    if c.kv_repeat > 1:
-        k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
-                          for a in (k_BTKE, v_BTKE))
+    q_BTHE, k_BTKE, v_BTKE = repeat_kv(call, *qkv(c, p, x_BTD, rope, constrain, kernels=kn,
+                                                  plus_one=c.norm_plus_one))
     # the layer's window, traced (GLOBAL: every causal key); the kernels run each kind's own (models/attention.py)
     window = jnp.where(local, c.window or GLOBAL, GLOBAL)
     o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments, window=window,
@@ -82,7 +113,7 @@ def geglu(gate, up):
     return jax.nn.gelu(gate, approximate=True) * up
 
 
-def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+def mlp_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("mlp_norm", "w_gate", "w_up", "w_down", "post_mlp_norm") if k in p}
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps, c.norm_plus_one)
@@ -94,11 +125,31 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
 
 
-# a Gemma trained from scratch (no HF folder) computes as Gemma does; the keys an HF folder may leave null (the
-# soft-caps, the window) stay the config's (null: none), as they cannot mean both "unset" and "off"
-GEMMA = {"embed_scale": True, "norm_plus_one": True}
-KEYS = ("local_layers", "attn_softcap", "final_softcap", "query_scale", "embed_scale", "norm_plus_one")
-GEMMA2 = register(ModelSpec("gemma2", gemma_inventory, layer, GEMMA2_HF, layer_data, keys=KEYS, defaults=GEMMA))
+def windows(c: Gemma2Config):
+    """Each layer's window (None: global) for a stack of both kinds; None where every layer is alike."""
+    return None if c.local_layers is None else tuple(c.window if local else None for local in c.local_layers)
+
+
+def rope(c: Gemma3Config, T: int, positions_BT=None) -> tuple:
+    """Gemma 3's RoPE tables: (cos, sin) of the global layers (their positions divided by rope_linear), then, where
+    the local layers have their own base, (cos, sin) of theirs."""
+    glob = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, positions_BT, c.rope_linear)
+    if c.rope_local_theta is None:
+        return glob
+    return glob + rope_tables(T, c.head_dim, c.rope_local_theta, None, positions_BT)
+
+
+def ends(c: Gemma2Config) -> Ends:
+    return Ends(c.embed_scale, c.norm_plus_one, c.final_softcap)
+
+
+def checks(c: Gemma2Config) -> list:
+    n = len(c.local_layers or ())
+    return [(c.local_layers is None or n == c.n_layers, f"model.local_layers has {n} entries but "
+             f"model.n_layers={c.n_layers}; give one true (local) or false (global) per layer")]
+
+
+SPEC = dict(layer_data=layer_data, windows=windows, ends=ends, checks=checks)
+GEMMA2 = register(ModelSpec("gemma2", gemma_inventory, layer, GEMMA2_HF, config=Gemma2Config, **SPEC))
 GEMMA3 = register(ModelSpec("gemma3", functools.partial(gemma_inventory, qk_norm=True), layer, GEMMA3_HF,
-                            layer_data, keys=KEYS + ("rope_local_theta", "rope_linear"),
-                            defaults={**GEMMA, "rope_local_theta": 10000.0}))
+                            config=Gemma3Config, rope=rope, **SPEC))

@@ -94,7 +94,8 @@ def hf_config(mc, dtype: str, gemma3: bool = False) -> dict:
     base = {k: v for k, v in llama_hf.hf_config(mc, dtype).items()
             if k not in llama_hf.LLAMA_ONLY + ("hidden_act", "rope_scaling", "rope_theta", "rope_parameters")}
     types = [("sliding_attention" if x else "full_attention") for x in (mc.local_layers or (False,) * mc.n_layers)]
-    glob = {"rope_type": "linear", "factor": mc.rope_linear} if mc.rope_linear else {"rope_type": "default"}
+    linear = mc.rope_linear if gemma3 else None  # Gemma 2's config has no RoPE keys of its own
+    glob = {"rope_type": "linear", "factor": linear} if linear else {"rope_type": "default"}
     rope = ({"full_attention": {**glob, "rope_theta": mc.rope_theta},
              "sliding_attention": {"rope_type": "default", "rope_theta": mc.rope_local_theta}} if gemma3
             else {**glob, "rope_theta": mc.rope_theta})

@@ -1,5 +1,6 @@
 """Reusable layer pieces, as pure functions: RMSNorm, RoPE (per-token positions too), projections, the swappable
-kernels (the plain reference or models/fast_cpu.py's XLA:CPU fast paths, and the attention) and the remat policies.
+kernels (the plain reference or models/fast_cpu.py's XLA:CPU fast paths, and the attention), the remat policies and
+the mesh facts a program is built for (`Placement`).
 
 Dimension letters as in models/transformer.py. Families (models/spec.py) build their layers from these.
 """
@@ -15,6 +16,18 @@ from jax.ad_checkpoint import checkpoint_name
 from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
+from models.spec import family
+
+
+class Placement(NamedTuple):
+    """What a model's program needs of the mesh it runs on, given by its caller (the trainer, from its mesh): the
+    platform it is built for ("cpu", "gpu", "tpu"; None: the runtime's default device's), whose kernels and attention
+    it runs (a TPU topology compiled ahead of time on a CPU host is "tpu"); and how many times each kv head is
+    repeated before attention: with fewer kv heads than tensor-parallel ranks (their weights replicated), ranks / kv
+    heads, so that each rank holds the kv head of its query heads, split like them (cuDNN's kernel takes q, k and v
+    split alike only)."""
+    platform: str | None = None
+    kv_repeat: int = 1
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):
@@ -52,13 +65,12 @@ def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None, l
 
 
 def rope_for(c: ModelConfig, T: int, positions_BT=None) -> tuple:
-    """The RoPE tables a layer of c gets (LayerCall.rope): (cos, sin), or for a stack whose local layers have
-    their own base (Gemma 3, c.rope_local_theta) (cos, sin) of the global layers (their positions divided by
-    c.rope_linear) then (cos, sin) of the local ones."""
-    glob = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, positions_BT, c.rope_linear)
-    if c.rope_local_theta is None:
-        return glob
-    return glob + rope_tables(T, c.head_dim, c.rope_local_theta, None, positions_BT)
+    """The RoPE tables a layer of c gets (LayerCall.rope): its family's (ModelSpec.rope: Gemma 3's per layer kind),
+    else (cos, sin) of c.rope_theta and c.rope_scaling."""
+    own = family(c.family).rope
+    if own is not None:
+        return own(c, T, positions_BT)
+    return rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, positions_BT)
 
 
 def rope_at(cos, sin, T: int, offset=0):
@@ -92,9 +104,9 @@ class Kernels(NamedTuple):
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
-    """The kernels for c.kernels on a jax platform (default: c.target_platform):
+    """The kernels for c.kernels on a jax platform (default: the runtime's default device's):
     `auto` = the fast paths on CPU, the plain ones elsewhere."""
-    platform = platform or c.target_platform
+    platform = platform or jax.devices()[0].platform
     fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
     # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
+from models.layers import Placement
 from models.spec import family
 from models.transformer import (Constrain, _identity, _no_constrain, embed, final_norm, head, head_weight, layer_stack,
                                 softcap)
@@ -88,7 +89,7 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
     weight gradient is written once into its place. By token chunk, every chunk's (V, D)
     weight gradient would be a second head-sized buffer next to the accumulated one (XLA:CPU
     does not add a matmul's output in place).
-    cap: the logits soft-capped first (Gemma's final_logit_softcapping), in both passes.
+    cap: the logits soft-capped first (the family's Ends.cap: Gemma's final_logit_softcapping), in both passes.
     """
     N, D = x_ND.shape
     C = -(-N // n)
@@ -167,15 +168,17 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constr
     x = final_norm(c, params, x_BTD)
     w, w_axes = head_weight(c, params)
     return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T),
-                               weight_BT.reshape(B * T), n, constrain, c.final_softcap)
+                               weight_BT.reshape(B * T), n, constrain, family(c.family).ends(c).cap)
 
 
 def stack_sums(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
-               constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None):
-    """(sum of loss_weight x next-token loss, the layers' aux outputs {name: (sum, count)}) over a batch."""
+               constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None,
+               placement: Placement = Placement()):
+    """(sum of loss_weight x next-token loss, the layers' aux outputs {name: (sum, count)}) over a batch, on the
+    platform and with the kv heads' repeat of `placement` (models/layers.py)."""
     x = embed(c, params, batch["tokens"], dtype, constrain)
     x, aux = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
-                         documents=documents_of(c, batch))
+                         documents=documents_of(c, batch), placement=placement)
     return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain), aux
 
 

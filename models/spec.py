@@ -36,6 +36,18 @@ class LayerCall(NamedTuple):
     # context-parallel implementation plugs in here
     index: Any  # the layer's index in the whole stack (int32 scalar; traced inside a scan or a pipeline stage)
     data: dict  # this layer's entries of the family's layer_data tables ({} for a stack of equal layers)
+    # each kv head repeated this many times before attention (the caller's Placement: kv heads replicated over
+    # tensor-parallel ranks, each rank then holds the kv head of its query heads, split like them)
+    kv_repeat: int = 1
+
+
+class Ends(NamedTuple):
+    """What the pieces every family shares do at the model's two ends for a family: the embeddings x sqrt(d_model)
+    (rounded to the compute dtype), the final norm's gain applied as (1 + w), the logits soft-capped as
+    cap * tanh(logits / cap) (in the tiled loss's forward and backward too; None: as they are)."""
+    scaled: bool = False
+    plus_one: bool = False
+    cap: float | None = None
 
 
 def no_aux(c, batch) -> dict:
@@ -44,6 +56,18 @@ def no_aux(c, batch) -> dict:
 
 def no_layer_data(c) -> dict:
     return {}
+
+
+def no_checks(c) -> list:
+    return []
+
+
+def plain_ends(c) -> Ends:
+    return Ends()
+
+
+def no_windows(c) -> None:
+    return None
 
 
 class Leaf(NamedTuple):
@@ -105,11 +129,20 @@ class ModelSpec:
     # backward: the step scales each aux sum by 1/its count over the whole step batch where its backward starts,
     # as it does the token loss)
     aux_counts: Callable = no_aux
-    # the family's own feature keys (model.* keys no other family reads unless it names them too): a config that
-    # sets one for a family without it is an error naming the family
-    keys: tuple = ()
-    # model keys a config leaves null take these for this family (Gemma: sqrt(d) embeddings, (1 + w) norms)
-    defaults: dict = dataclasses.field(default_factory=dict)
+    # the family's config: None, models/config.py's ModelConfig; else a frozen kw_only subclass of it whose own fields
+    # (each declared with models/config.py's `key`, its default the family's) are the family's model.* keys: a config
+    # that sets one for a family without it is an error naming the family
+    config: type | None = None
+    # (c) -> each layer's window (None: every causal key), for a stack whose layers differ in window; None: every
+    # layer c.window (the FLOP count, the KV cache and the kernels read it)
+    windows: Callable = no_windows
+    # (c, T, positions_BT or None) -> the RoPE tables a layer gets (LayerCall.rope); None: plain RoPE of c.rope_theta
+    # and c.rope_scaling (models/layers.py rope_for)
+    rope: Callable | None = None
+    # (c) -> Ends: what the shared embedding, final norm and head do for the family
+    ends: Callable = plain_ends
+    # (c) -> [(ok, message)]: the family's own keys against the shapes, checked with the config's (trainer/config.py)
+    checks: Callable = no_checks
 
 
 FAMILIES: dict[str, ModelSpec] = {}

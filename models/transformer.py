@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import REMAT, Kernels, kernels_for, rms_norm, rope_for, sublayer_remat
+from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
 from models.llama_hf import LLAMA_HF
 from models.spec import LayerCall, ModelSpec, Param, family, register
 
@@ -144,10 +144,10 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
 
 
 def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
-               half: Callable = _identity, segments=None, index=0, data=None) -> LayerCall:
+               half: Callable = _identity, segments=None, index=0, data=None, kv_repeat: int = 1) -> LayerCall:
     """A LayerCall (models/spec.py) with the kernels' attention as its strategy."""
     kn = kernels or kernels_for(c)
-    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {})
+    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {}, kv_repeat)
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -161,21 +161,27 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     """x + attention(norm(x)): norm, q/k/v, RoPE, attention (call.attention), output projection, residual add."""
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo") + ATTENTION_OPTIONS if k in p}
-    q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, call.rope, constrain, kernels=kn)
-    if c.kv_repeat > 1:  # kv head i becomes heads i*r .. i*r+r-1: one per rank, next to its query heads
-        k_BTKE, v_BTKE = (constrain(jnp.repeat(a, c.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
-                          for a in (k_BTKE, v_BTKE))
+    q_BTHE, k_BTKE, v_BTKE = repeat_kv(call, *qkv(c, p, x_BTD, call.rope, constrain, kernels=kn))
     o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments)
     return attn_out(c, p, x_BTD, o_BTHE, constrain, kn)
 
 
+def repeat_kv(call: LayerCall, q_BTHE, k_BTKE, v_BTKE):
+    """q, k, v with each kv head repeated call.kv_repeat times: kv head i becomes heads i*r .. i*r+r-1, one per
+    rank, next to its query heads."""
+    if call.kv_repeat > 1:
+        k_BTKE, v_BTKE = (call.constrain(jnp.repeat(a, call.kv_repeat, axis=2), ("batch", "seq", "heads", "head_dim"))
+                          for a in (k_BTKE, v_BTKE))
+    return q_BTHE, k_BTKE, v_BTKE
+
+
 def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0,
-        kernels: Kernels | None = None):
+        kernels: Kernels | None = None, plus_one: bool = False):
     """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ...; with the
     options its weights hold (ATTENTION_OPTIONS): q/k/v biases (Qwen2), RMSNorm of each q and k head over head_dim
-    before RoPE, one weight shared by the heads (Qwen3)."""
+    before RoPE, one weight shared by the heads (Qwen3). `plus_one`: every norm's gain applied as (1 + w) (Gemma)."""
     kn = kernels or kernels_for(c)
-    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps, c.norm_plus_one)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps, plus_one)
     # same-shaped weights in one call: the fast path shares their backward
     if c.fused_qkv:
         q_BTHE, k_BTKE, v_BTKE = kn.project(h_BTD, (p["wq"], p["wk"], p["wv"]))
@@ -186,8 +192,8 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
         q_BTHE, k_BTKE, v_BTKE = (a + p[b].astype(a.dtype) for a, b in ((q_BTHE, "bq"), (k_BTKE, "bk"),
                                                                          (v_BTKE, "bv")))
     if "q_norm" in p:
-        q_BTHE, k_BTKE = (rms_norm(a, p[n], c.norm_eps, c.norm_plus_one) for a, n in ((q_BTHE, "q_norm"),
-                                                                                         (k_BTKE, "k_norm")))
+        q_BTHE, k_BTKE = (rms_norm(a, p[n], c.norm_eps, plus_one) for a, n in ((q_BTHE, "q_norm"),
+                                                                               (k_BTKE, "k_norm")))
     q_BTHE = constrain(kn.rope(q_BTHE, *rope, offset), ("batch", "seq", "heads", "head_dim"))
     k_BTKE = constrain(kn.rope(k_BTKE, *rope, offset), ("batch", "seq", "kv_heads", "head_dim"))
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
@@ -224,7 +230,8 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, constrain: Constrain = _no_constrai
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
-                gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None, index=None):
+                gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None, index=None,
+                placement: Placement = Placement()):
     """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled (c.scan_layers):
     (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: (sum, count)}).
 
@@ -232,7 +239,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
-    slice of it); None: 0, 1, ...
+    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs and the kv heads' repeat.
     """
     remat = c.remat if remat is None else remat
     segments, positions = (None, None) if documents is None else documents
@@ -240,7 +247,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # differentiable, as jax.closure_convert and the sub-layer remat's branches need
     segments = None if segments is None else segments.astype(jnp.float32)
     rope = rope_for(c, x_BTD.shape[1], positions)
-    kernels = kernels_for(c)
+    kernels = kernels_for(c, placement.platform)
 
     L = jax.tree.leaves(layers)[0].shape[0]
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
@@ -253,7 +260,8 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
 
     def body(x, pi):
         p, i = pi
-        call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()})
+        call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
+                          placement.kv_repeat)
         return spec.layer(c, gather(p), x, call)
 
     if remat in REMAT:
@@ -288,8 +296,9 @@ def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain =
 
 
 def scale_embedding(c: ModelConfig, x_BTD):
-    """Gemma's embeddings x sqrt(d_model), the factor rounded to the compute dtype as transformers rounds it."""
-    return x_BTD * jnp.asarray(c.d_model ** 0.5, x_BTD.dtype) if c.embed_scale else x_BTD
+    """The embeddings x sqrt(d_model) where the family scales them (Ends.scaled: Gemma), the factor rounded to the
+    compute dtype as transformers rounds it."""
+    return x_BTD * jnp.asarray(c.d_model ** 0.5, x_BTD.dtype) if family(c.family).ends(c).scaled else x_BTD
 
 
 def softcap(logits, cap: float | None):
@@ -299,7 +308,7 @@ def softcap(logits, cap: float | None):
 
 def final_norm(c: ModelConfig, params: dict, x_BTD):
     """The hidden state the output projection reads."""
-    return rms_norm(x_BTD, params["final_norm"], c.norm_eps, c.norm_plus_one)
+    return rms_norm(x_BTD, params["final_norm"], c.norm_eps, family(c.family).ends(c).plus_one)
 
 
 def head_weight(c: ModelConfig, params: dict):
@@ -313,15 +322,15 @@ def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constra
     w, layout = head_weight(c, params)
     w_DV = w.T if layout == "vd" else w
     logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(x.dtype), preferred_element_type=jnp.float32)
-    return constrain(softcap(logits, c.final_softcap), ("batch", "seq", "vocab"))
+    return constrain(softcap(logits, family(c.family).ends(c).cap), ("batch", "seq", "vocab"))
 
 
 def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
             constrain: Constrain = _no_constrain, gather: Callable[[dict], dict] = _identity,
-            remat: str | None = None):
+            remat: str | None = None, placement: Placement = Placement()):
     """Logits (B, T, V) in float32 for integer tokens (B, T)."""
     x = embed(c, params, tokens_BT, dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat)[0]
+    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat, placement=placement)[0]
     return head(c, params, x, constrain)
 
 

@@ -3,12 +3,12 @@
   python scripts/hlo_same.py REV [REV_B]      # REV against the working tree, or REV against REV_B
 
 Each revision runs in its own process (a revision's tree from `git archive`; the working tree as it is),
-on 8 simulated CPU devices, and compiles two steps ahead of time from abstract inputs: the default
-`meshtrain train` step (the default config on one device) and a (2,2,2) ZeRO-3 step (data x stage x
-model, two pipeline microbatches). The optimized HLO text of each is compared after dropping what
-says where the code came from, not what it computes: `metadata={...}` (source file, line, op name),
-the module's tables of source files and stack frames, and the module's name. Prints one line per case and exits 1
-if any differs; a differing case also says whether it differs in value names only, and shows XLA's FLOPs, bytes
+on 8 simulated CPU devices, and compiles four steps ahead of time from abstract inputs: the default
+`meshtrain train` step (the default config on one device), a (2,1,4) ZeRO-3 step (data x stage x model) and
+(2,2,2) ZeRO-3 steps (two pipeline microbatches, gpipe and 1f1b). The optimized HLO text of each is compared
+after dropping what says where the code came from, not what it computes: `metadata={...}` (source file, line, op
+name), the module's tables of source files and stack frames, and the module's name. Prints one line per case and
+exits 1 if any differs; a differing case also says whether it differs in value names only, and shows XLA's FLOPs, bytes
 accessed, temp and output bytes on both sides and the first differing lines.
 """
 from __future__ import annotations
@@ -28,8 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {
     "default (1 device)": (1, []),
+    "(2,1,4) ZeRO-3": (8, ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"]),
     "(2,2,2) ZeRO-3": (8, ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
                            "train.microbatches=2"]),
+    "(2,2,2) ZeRO-3 1F1B": (8, ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
+                                "train.microbatches=2", "train.pipeline_schedule=1f1b"]),
 }
 
 STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")  # where each op came from

@@ -54,15 +54,20 @@ def run_steps(overrides, n_devices=None, steps=3, source="builtin"):
 
     n_devices defaults to the mesh's product when every axis is given, else 8.
     """
+    from meshes import devices_named
     from trainer.config import load_config
-    from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
-    from trainer.step import jit_train_step
+    from trainer.state import make_setup
     cfg = load_config(TINY + list(overrides))
-    if n_devices is None:
-        shape = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-        n_devices = int(np.prod(shape)) if min(shape) > 0 else 8
-    s = make_setup(cfg, jax.devices()[:n_devices])
+    return train_setup(make_setup(cfg, jax.devices()[:n_devices or devices_named(cfg.mesh) or 8]), steps, source)
+
+
+def train_setup(s, steps=3, source="builtin"):
+    """Train `steps` steps of a setup from its initial state; return Run(losses, params as numpy, setup, state,
+    grad norms)."""
+    from trainer.data.batches import Batches
+    from trainer.state import init_state
+    from trainer.step import jit_train_step
+    cfg = s.cfg
     state = init_state(s)
     step = jit_train_step(s)
     b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,

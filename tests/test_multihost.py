@@ -283,7 +283,7 @@ def test_detect():
     (["dist.coordinator=nohost", "dist.num_processes=2", "dist.process_id=0"], "is not HOST:PORT"),
     (["dist.coordinator=h:1", "dist.num_processes=2", "dist.process_id=2"], "dist.process_id=2 is not in"),
     (["dist.cluster=yarn"], "dist.cluster='yarn' is unknown"),
-    (["dist.timeout_s=0"], "dist.timeout_s=0 must be > 0 and <= 2\*\*30: seconds"),
+    (["dist.timeout_s=0"], r"dist.timeout_s=0 must be > 0 and <= 2\*\*30: seconds"),
     # this test process has used its devices already
     (["dist.coordinator=127.0.0.1:1", "dist.num_processes=2", "dist.process_id=0"], "already using devices"),
 ])

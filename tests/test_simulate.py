@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from meshes import mesh_shape
 from models import param_count
 from trainer.cli import main
 from trainer.config import load_config, model_config
@@ -49,14 +50,15 @@ def test_data_axis_traffic_of_a_step_inside_and_across_nodes():
     cfg = load_config(BASE + ["mesh.data=4", "mesh.model=2", "sim.hardware=a100"])
     mc, hw = model_config(cfg), get_device("a100")
     grad = param_count(mc) / 2 * 4  # float32 gradient of one model-parallel slice
-    inside = point(cfg, mc, hw, (4, 1, 2), 4)  # 4 replicas x 2 fill one node of 8: one NVLink ring
+    shape = mesh_shape({"data": 4, "model": 2})
+    inside = point(cfg, mc, hw, shape, 4)  # 4 replicas x 2 fill one node of 8: one NVLink ring
     assert inside.data_comm.bytes == pytest.approx(2 * 3 / 4 * grad, rel=1e-12)
-    across = point(cfg, mc, hw, (4, 1, 2), 16)  # 4 nodes x 4 members: ring of 4 inside, of 4 shards between
+    across = point(cfg, mc, hw, shape, 16)  # 4 nodes x 4 members: ring of 4 inside, of 4 shards between
     assert across.data_comm.bytes == pytest.approx(2 * 3 / 4 * grad + 2 * 3 / 4 * grad / 4, rel=1e-12)
     assert across.data_comm.seconds == pytest.approx(
         ring_allreduce(grad, 4, hw.fast_bw, hw.fast_lat).seconds
         + ring_allreduce(grad / 4, 4, hw.net_bw, hw.net_lat).seconds, rel=1e-12)
-    z3 = point(load_config(BASE + ["train.zero_stage=3"]), mc, hw, (8, 1, 1), 8)
+    z3 = point(load_config(BASE + ["train.zero_stage=3"]), mc, hw, mesh_shape({"data": 8}), 8)
     assert z3.data_comm.bytes == pytest.approx(1.5 * 2 * 7 / 8 * param_count(mc) * 4, rel=1e-12)
 
 
@@ -103,7 +105,7 @@ def test_table_executor_step_follows_its_table(sched, v):
     cfg = load_config(BASE + ["mesh.data=2", "mesh.stage=4", "train.microbatches=8", f"train.pipeline_schedule={sched}",
                               f"train.pipeline_repeats={v}", "train.zero_stage=3", "sim.overlap=0.5"])
     mc, hw = model_config(cfg), get_device("h100")
-    p = point(cfg, mc, hw, (K, S, 1), K)
+    p = point(cfg, mc, hw, mesh_shape({"data": K, "stage": S}), K)
     table = schedules.build(sched, S, M, v)
     idle = sum(op is None for row in table for op in row) / (len(table) * S)
     assert p.bubble == pytest.approx(p.compute * idle / (1 - idle), rel=1e-12)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import re
 from pathlib import Path
 
@@ -15,8 +14,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshes import load_preset, resolve_shape, MeshError
-from models import FAMILIES, ModelConfig, from_preset
+from meshes import MeshError, MeshShape, load_preset, shape_of
+from models import FAMILIES, ModelConfig, family, from_preset
+from models.config import own_keys
 from trainer.errors import UserError
 from trainer.schema import check_ranges, closest, help_text, markdown, specs, step_range
 from trainer.sections import ALIASES, Config
@@ -207,21 +207,22 @@ def replace(cfg: Config, **sections) -> Config:
 
 
 def model_config(cfg: Config) -> ModelConfig:
-    """The model's config: the preset, the family's defaults, and the explicit model.* keys over them."""
+    """The model's config (its family's class): the preset, the family's defaults, and the explicit model.* keys
+    over them. Another family's own key is an error naming the families it belongs to, unless it asks for nothing
+    (null, or a switch set false: a checkpoint's config written before the families had configs of their own holds
+    every family's keys so)."""
     m = cfg.model
     over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
     if m.rope_scaling is not None:  # hashable, the original context length an int
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
-    spec = FAMILIES[m.family or "llama"]
-    neutral = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # a saved config holds every key
-    for k in sorted({k for f in FAMILIES.values() for k in f.keys} - set(spec.keys)):
-        if over.get(k) not in (None, neutral[k]):
-            owners = ", ".join(sorted(f.name for f in FAMILIES.values() if k in f.keys))
-            raise UserError(f"model.{k} is a key of {owners}, not of model.family='{spec.name}'; drop it or set "
-                            "model.family")
-    for k, v in spec.defaults.items():
-        over[k] = v if over.get(k) is None else over[k]
+    name = m.family or "llama"
+    theirs = {k: sorted(f for f in FAMILIES if k in own_keys(f)) for f in FAMILIES for k in own_keys(f)}
+    for k in sorted(set(theirs) - set(own_keys(name))):
+        if over.get(k) is not None and over[k] is not False:
+            raise UserError(f"model.{k} is a key of {', '.join(theirs[k])}, not of model.family='{name}'; drop it "
+                            "or set model.family")
+        over.pop(k, None)
     return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask))
 
 
@@ -229,29 +230,25 @@ def compute_dtype(cfg: Config, platform: str) -> str:
     return cfg.train.dtype or ("float32" if platform == "cpu" else "bfloat16")
 
 
-def validate(cfg: Config, n_devices: int) -> tuple[int, int, int]:
-    """Check the config against the device count, key against key; return the resolved mesh shape. (Each key's
-    own range is load_config's; checked again here for a config that replace() or an HF folder changed.)"""
+def validate(cfg: Config, n_devices: int) -> MeshShape:
+    """Check the config against the device count, key against key; return the resolved mesh shape (meshes/axes.py).
+    (Each key's own range is load_config's; checked again here for a config that replace() or an HF folder
+    changed.)"""
     check_ranges(cfg)
     t, mc = cfg.train, model_config(cfg)
     try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model, n_devices)
+        shape = shape_of(cfg.mesh, n_devices)  # the DCN split of each axis checked too
     except MeshError as e:
         raise UserError(str(e)) from None
-    data, stage, model = shape
+    data, stage, model = shape["data"], shape["stage"], shape["model"]
     checks = _model_checks(cfg, mc, model) + [
         (t.batch_size % (data * t.microbatches) == 0,
          f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
          f"{data} x {t.microbatches} (each microbatch of batch_size/microbatches rows is split over "
          f"mesh.data); use a multiple of {data * t.microbatches}"),
         *_pipeline_checks(t, mc, stage),
-        (data % cfg.mesh.dcn_data == 0, f"mesh.dcn_data={cfg.mesh.dcn_data} does not divide mesh.data={data}; "
-                                         f"use a divisor of {data} (hosts per replica group)"),
-        (stage % cfg.mesh.dcn_stage == 0, f"mesh.dcn_stage={cfg.mesh.dcn_stage} does not divide mesh.stage={stage}; "
-                                          f"use a divisor of {stage}"),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        (math.prod(shape) == n_devices, "mesh size mismatch"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -300,7 +297,6 @@ def _warn_once(message: str) -> None:
 def _model_checks(cfg: Config, mc: ModelConfig, model: int) -> list[tuple[bool, str]]:
     """(ok, message) of the model's shapes against one another and against mesh.model."""
     kv = mc.n_kv_heads
-    layers = cfg.model.local_layers
     return [
         (cfg.model.head_dim is not None or mc.d_model % mc.n_heads == 0, f"model.d_model={mc.d_model} is not a "
          f"multiple of model.n_heads={mc.n_heads}; change one or set model.head_dim"),
@@ -308,8 +304,7 @@ def _model_checks(cfg: Config, mc: ModelConfig, model: int) -> list[tuple[bool, 
          "pairs); change it (or d_model, n_heads)"),
         (mc.n_heads % kv == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={kv}; pick n_kv_heads dividing n_heads"),
-        (layers is None or len(layers) == mc.n_layers, f"model.local_layers has {len(layers or ())} entries but "
-         f"model.n_layers={mc.n_layers}; give one true (local) or false (global) per layer"),
+        *family(mc.family).checks(mc),
         *[(v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; pick a mesh.model that "
            f"divides {v} or change model.{name}") for name, v in (("n_heads", mc.n_heads), ("d_ff", mc.d_ff),
                                                                 ("vocab_size", mc.vocab_size))],

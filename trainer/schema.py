@@ -12,14 +12,15 @@ import re
 import typing
 from typing import Any, Callable
 
+from models.config import FLOAT32, INT32, POSITIVE  # noqa: F401  (the ceilings every section's ranges use)
 from trainer.errors import UserError
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "": operator.eq}
 _TYPES = {int: "int", float: "float", str: "str", bool: "bool"}
-# Ceilings of the range rules: sizes (array dimensions, token ids) are int32 in XLA; step counts int64 where they are
-# kept (checkpoints, metrics); every float a step computes with is a float32, finite below float32's largest.
-INT32, INT64, FLOAT32 = "2**31-1", "2**63-1", "3.4e38"
-POSITIVE = f"> 0 and <= {FLOAT32}"  # a float a step computes with
+# Ceilings of the range rules: sizes (array dimensions, token ids) are int32 in XLA and every float a step computes
+# with is a float32 (models/config.py, whose keys they bound first); step counts int64 where they are kept
+# (checkpoints, metrics).
+INT64 = "2**63-1"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from meshes import AXES, Axis
 from trainer.hardware import ALIASES as DEVICE_ALIASES, DEVICES
 from trainer.model_section import ModelSection
 from trainer.schema import FLOAT32, INT32, INT64, POSITIVE, Form, setting, step_range
@@ -32,14 +33,18 @@ STEPS = Form("A:B (1 <= A <= B), or '' (none)", step_range)
 STEP_OR_STEPS = Form("STEP or A:B, or '' (none)", lambda v, k: step_range(v, k, single=True))
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshSection:
-    preset: Optional[str] = setting(None, None, "a file of meshes/presets/, applied before every other file and key")
-    data: int = setting(-1, AXIS, "devices the batch (and ZeRO's state) is split over; -1: the devices left")
-    stage: int = setting(1, AXIS, "pipeline stages, each holding n_layers / stage layers")
-    model: int = setting(1, AXIS, "tensor-parallel ranks splitting heads, MLP units and vocabulary")
-    dcn_data: int = setting(1, SIZE, "hosts/slices `data` is split over (hybrid mesh: `model` stays inside a host)")
-    dcn_stage: int = setting(1, SIZE, "hosts/slices `stage` is split over")
+def mesh_section(axes: tuple[Axis, ...] = AXES) -> type:
+    """The mesh section of a list of mesh axes (meshes/axes.py), in mesh order: `mesh.NAME` per axis, then
+    `mesh.dcn_NAME` per axis that may span hosts; the class keeps `axes` for meshes.shape_of."""
+    keys = [("preset", Optional[str], setting(None, None, "a file of meshes/presets/, applied before every other "
+                                                        "file and key"))]
+    keys += [(a.name, int, setting(a.default, AXIS, a.doc)) for a in axes]
+    keys += [(a.dcn_key, int, setting(1, SIZE, a.dcn)) for a in axes if a.dcn]
+    return dataclasses.make_dataclass("MeshSection", keys, frozen=True,
+                                      namespace={"axes": axes, "__module__": __name__})
+
+
+MeshSection = mesh_section()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshes import Layout, MeshError, build_mesh
-from models import ModelConfig, Transformer, abstract_model, params_of
+from meshes import RULES, Layout, MeshError, Rules, build
+from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
 from trainer import guard
 from trainer.parallel import localsgd
@@ -33,6 +33,7 @@ class Setup:
     logical: dict  # logical axes of every parameter
     shapes: dict  # abstract train state
     shardings: dict  # NamedSharding of every leaf of the train state
+    placement: Placement  # what the model's program needs of the mesh: its platform, the kv heads' repeat
 
     @property
     def param_shapes(self):
@@ -48,26 +49,33 @@ class Setup:
                                      self.batch_sharding())
 
 
-def make_setup(cfg: Config, devices=None) -> Setup:
+def rules_for(cfg: Config) -> Rules:
+    """The run's logical->mesh rules: the base table (meshes/rules.py) and the entries its config adds (none yet;
+    later: experts over `data`, sequences over `context`)."""
+    return RULES
+
+
+def make_setup(cfg: Config, devices=None, rules: Rules | None = None) -> Setup:
+    """The run's setup on `devices` (default: all); `rules` other than the config's (`rules_for`) for a test."""
     devices = list(jax.devices() if devices is None else devices)
-    data, stage, model = validate(cfg, len(devices))
+    shape = validate(cfg, len(devices))
     try:
-        mesh = build_mesh(data, stage, model, devices=devices, dcn=(cfg.mesh.dcn_data, cfg.mesh.dcn_stage, 1))
+        mesh = build(shape, devices)
     except MeshError as e:
         raise UserError(str(e)) from None
-    return setup_on(cfg, mesh, devices[0].platform)
+    return setup_on(cfg, mesh, devices[0].platform, rules)
 
 
-def setup_on(cfg: Config, mesh, platform: str) -> Setup:
+def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Setup:
     """The setup on a mesh (a Mesh, or an AbstractMesh to lower for devices this host lacks) whose
     devices are of `platform` ("cpu", "gpu", "tpu"): the model's kernels and compute dtype are that
     platform's."""
     model = mesh.shape["model"]
     mc = model_config(cfg)
-    if mc.n_kv_heads < model:  # kv heads replicated over `model`: each rank takes the one it needs
-        mc = dataclasses.replace(mc, kv_repeat=model // mc.n_kv_heads)
-    mc = dataclasses.replace(mc, platform=platform)  # the kernels of the devices the step runs on
-    layout = Layout(mesh, cfg.train.zero_stage)
+    # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
+    # rank repeats the one its query heads need
+    placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1)
+    layout = Layout(mesh, cfg.train.zero_stage, rules_for(cfg) if rules is None else rules)
     pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
     tx, schedule = make_optimizer(cfg.train, decay)
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
@@ -83,7 +91,7 @@ def setup_on(cfg: Config, mesh, platform: str) -> Setup:
     if localsgd.enabled(cfg):  # one copy of params and optimizer state per data-parallel replica
         shapes, shardings = localsgd.stack(cfg, shapes, shardings, mesh.shape["data"])
     dtype = jnp.dtype(compute_dtype(cfg, platform))
-    return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings)
+    return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings, placement)
 
 
 def init_state(s: Setup) -> dict:

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from meshes.rules import RULES, constrainer, without_axes
 from models.batch import counted
 from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
@@ -60,9 +59,9 @@ def uses_manual_sync(s: Setup) -> bool:
 # ----------------------------------------------------------------------------- compiler path
 
 def _auto_grads(s: Setup, params, batch, scale):
-    constrain = constrainer(s.mesh)
-    vg = jax.value_and_grad(lambda p, b: objective(s.model, p, b, scale, dtype=s.dtype, constrain=constrain),
-                            has_aux=True)
+    constrain = s.layout.constrainer()
+    vg = jax.value_and_grad(lambda p, b: objective(s.model, p, b, scale, dtype=s.dtype, constrain=constrain,
+                                                   placement=s.placement), has_aux=True)
     m = s.cfg.train.microbatches
     if m == 1:
         (_, parts), g = vg(params, batch)
@@ -104,7 +103,7 @@ def _manual_grads(s: Setup, params, batch, scale):
     in_p = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if sharded_params else None), shapes, dims)
     out_g = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if zero >= 2 else None), shapes, dims)
     specs = jax.tree.map(lambda sh, lg: lay.compute_spec(sh.shape, lg), shapes, s.logical)
-    constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
+    constrain = s.layout.constrainer(manual={"data"})
     reducer = sync.make(t.grad_sync, "data", k)
 
     def full_params(p):
@@ -123,7 +122,8 @@ def _manual_grads(s: Setup, params, batch, scale):
 
     def local_loss(p, mb, scale):
         full, gather = full_params(p)
-        return objective(s.model, full, mb, scale, dtype=s.dtype, constrain=constrain, gather=gather)
+        return objective(s.model, full, mb, scale, dtype=s.dtype, constrain=constrain, gather=gather,
+                         placement=s.placement)
 
     vg = jax.value_and_grad(local_loss, has_aux=True)
 
@@ -190,7 +190,8 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
 
 def eval_step(s: Setup, params, batch):
     """(loss sum, counted tokens) of a batch: the evaluation sums both over its batches, then divides."""
-    return loss_sum(s.model, params, batch, dtype=s.dtype, constrain=constrainer(s.mesh)), counted(batch)
+    return (loss_sum(s.model, params, batch, dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement),
+            counted(batch))
 
 
 def jit_train_step(s: Setup):

@@ -64,7 +64,7 @@ def reference_step(s):
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state, batch):
         params, opt = state
-        loss, g = jax.value_and_grad(lambda p: loss_fn(s.model, p, batch, dtype=s.dtype))(params)
+        loss, g = jax.value_and_grad(lambda p: loss_fn(s.model, p, batch, dtype=s.dtype, placement=s.placement))(params)
         upd, opt = tx.update(g, opt, params)
         return (optax.apply_updates(params, upd), opt), loss
 

@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import orbax.checkpoint as ocp
 
+from meshes import recorded
 from trainer.ckpt.store import (FORMAT, SUBDIR, abstract, check_shapes, choose, config_dict, describe_leaves,
                                 manager, meta_of, restore, verify)
 from trainer.config import Config
@@ -86,8 +87,9 @@ class Checkpointer:
             if step >= s.cfg.train.steps:  # the caller compiles and writes nothing (trainer/run/context.py)
                 self.log(f"run.dir {self.dir.parent} holds step {step} >= train.steps={s.cfg.train.steps}: nothing "
                          f"to train, nothing written; raise train.steps above {step} to continue")
-            else:
-                self.log(f"resumed from {self.dir / str(step)} (saved on mesh {_mesh_str(meta['mesh'])} "
+            else:  # an axis the metadata lacks (saved before the axis existed) reads as 1
+                saved = recorded(meta["mesh"], s.mesh.axis_names)
+                self.log(f"resumed from {self.dir / str(step)} (saved on mesh {saved} "
                          f"ZeRO-{meta['zero_stage']}){_changes(meta['config'], s.cfg)}")
             return state, step
         if damaged:
@@ -135,15 +137,11 @@ def _same_replicas(meta: dict, s, where: Path):
     if saved != now:
         raise UserError(f"checkpoint {where} was saved with train.sync={saved} and this run has train.sync={now}, "
                         f"whose train state is laid out otherwise (replicas); resume with train.sync={saved}, {start}")
-    if now != "every_step" and meta["mesh"]["data"] != s.mesh.shape["data"]:
-        n = meta["mesh"]["data"]
+    n = recorded(meta["mesh"], s.mesh.axis_names)["data"]
+    if now != "every_step" and n != s.mesh.shape["data"]:
         raise UserError(f"checkpoint {where} holds {n} {now} replicas and this run has {s.mesh.shape['data']} "
                         f"(mesh.data); resume with mesh.data={n}, {start} (one set: "
                         + ("the replicas' average)" if now == "local_sgd" else "the synced outer parameters)"))
-
-
-def _mesh_str(mesh: dict) -> str:
-    return "x".join(str(mesh[a]) for a in ("data", "stage", "model"))
 
 
 def _changes(saved: dict, cfg: Config) -> str:

@@ -33,7 +33,8 @@ def param_shardings(cfg: Config, shardings=None, devices=None):
     if shardings is not None:
         return shardings
     from meshes import Layout, build_mesh
-    return Layout(build_mesh(-1, 1, 1, devices=devices), 3).tree("param", shapes, logical)
+    from trainer.state import rules_for
+    return Layout(build_mesh(devices=devices), 3, rules_for(cfg)).tree("param", shapes, logical)
 
 
 def one_set(meta: dict) -> tuple[str, dict]:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from meshes import AXES, recorded
 from trainer.ckpt.params import load_params_at
 from trainer.ckpt.store import (EXPORT_META, FORMAT, SUBDIR, CorruptCheckpoint, config_dict, describe_leaves, is_export,
                                 list_steps, read_meta)
@@ -49,7 +50,8 @@ def inspect_run(run_dir) -> str:
         raise UserError(f"'{run_dir}' has no complete checkpoints in {path / SUBDIR}; give the run.dir of a "
                         "run that saved checkpoints")
     lines = [f"run {path}: {len(steps)} checkpoint(s)",
-             f"  {'step':>8}  {'size':>9}  {'saved':19}  {'mesh d x s x m':14}  ZeRO  devices"]
+             f"  {'step':>8}  {'size':>9}  {'saved':19}  {'mesh ' + ' x '.join(a.name[0] for a in AXES):14}  ZeRO  "
+             "devices"]
     newest = None
     for step in steps:
         try:
@@ -58,7 +60,7 @@ def inspect_run(run_dir) -> str:
             lines.append(f"  {step:>8}  unreadable: {e}")
             continue
         newest = meta
-        mesh = "x".join(str(meta["mesh"][a]) for a in ("data", "stage", "model"))
+        mesh = str(recorded(meta["mesh"]))
         when = datetime.datetime.fromtimestamp(meta["saved_at"]).strftime("%Y-%m-%d %H:%M:%S")
         lines.append(f"  {step:>8}  {_human(_size(path / SUBDIR / str(step))):>9}  {when}  {mesh:14}  "
                      f"{meta['zero_stage']:>4}  {meta['devices']:>7}")
@@ -66,7 +68,8 @@ def inspect_run(run_dir) -> str:
     if aside:
         lines.append("not loadable (partial saves or checkpoints moved aside as corrupt): " + ", ".join(aside))
     if newest is not None:
-        lines += [f"parameters at step {newest['step']} (shape, dtype, sharding over (data, stage, model)):"]
+        lines += [f"parameters at step {newest['step']} (shape, dtype, sharding over "
+                  f"({', '.join(a.name for a in AXES)})):"]
         lines += _leaf_table(newest["leaves"], "params.")
     return "\n".join(lines)
 

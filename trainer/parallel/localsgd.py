@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from meshes.rules import RULES, constrainer, without_axes
 from models.batch import counted, mean_of
 from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
 from trainer.parallel.collective_costs import bus_factor
@@ -108,9 +107,9 @@ def _warm_sync(t, carry):
 def train_step(s, state: dict, batch):
     """H-local step: (state, batch) -> (state, metrics); see the module docstring."""
     t = s.cfg.train
-    constrain = constrainer(s.mesh, without_axes(RULES, {"data"}))
-    vg = jax.value_and_grad(lambda p, b, sc: objective(s.model, p, b, sc, dtype=s.dtype, constrain=constrain),
-                            has_aux=True)
+    constrain = s.layout.constrainer(manual={"data"})
+    vg = jax.value_and_grad(lambda p, b, sc: objective(s.model, p, b, sc, dtype=s.dtype, constrain=constrain,
+                                                       placement=s.placement), has_aux=True)
 
     def local(st, rows):
         p, o = (jax.tree.map(lambda x: x[0], st[k]) for k in ("params", "opt_state"))
@@ -153,7 +152,8 @@ def train_step(s, state: dict, batch):
 
 def eval_step(s, params, batch):
     mean = jax.tree.map(lambda x: x.mean(axis=0), params)
-    return loss_sum(s.model, mean, batch, dtype=s.dtype, constrain=constrainer(s.mesh)), counted(batch)
+    return (loss_sum(s.model, mean, batch, dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement),
+            counted(batch))
 
 
 def jit_train_step(s):

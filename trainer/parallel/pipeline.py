@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshes.rules import RULES, constrainer, without_axes
 from models.loss import chunk_tokens, head_loss, scales, token_losses, zero_parts
 from models.transformer import embed, head, layer_stack, scale_embedding
 from trainer.parallel import schedules, sync
@@ -82,7 +81,8 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     c, t, mesh = s.model, s.cfg.train, s.mesh
     S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
     _, pl = table_plan(t.pipeline_schedule, S, M, V)
-    constrain = constrainer(mesh, without_axes(RULES, {"stage", "data"}))
+    constrain = s.layout.constrainer(manual={"stage", "data"})
+    split_vocab = s.layout.split("vocab") > 1
     mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, M), P(None, "data"))  # each field (M, B/M, T)
     top = {k: v for k, v in params.items() if k != "layers"}
     xs = {k: jnp.asarray(getattr(pl, k)) for k in
@@ -97,7 +97,8 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     def body(blocks, v, h, docs):
         """(h, aux) of the stage's block v of layers (blocks: (weights, global layer indices))."""
         p, idx = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
-        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs, index=idx)
+        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs, index=idx,
+                           placement=s.placement)
 
     def local(layers, top, mbs, scale):
         if V == 1:
@@ -113,7 +114,7 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
         aux0 = zero_parts(c)["aux"]
         # each aux sum's cotangent is its scale (known before the backward, as the token loss's); counts get none
         aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
-        emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, mesh.shape["model"] > 1)  # noqa: E731
+        emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, split_vocab)  # noqa: E731
         h0 = jax.eval_shape(emb, top, 0)
         # microbatch m's (segment_ids, positions) where the model keeps to documents, else None
         docs = lambda m: (mbs["segment_ids"][m], mbs["positions"][m]) if c.documents else None  # noqa: E731

@@ -96,8 +96,7 @@ def compile_for(cfg, name: str) -> Compiled:
         row = get_device(row.name, cfg.plan.hbm_gb)
     n = len(devices)
     st = strategy_of(cfg, n)
-    mc = dataclasses.replace(model_config(cfg), platform="tpu")
-    plan = estimate(mc, cfg.train, st, row, -(-n // row.node), cfg.train.dtype or "bfloat16")
+    plan = estimate(model_config(cfg), cfg.train, st, row, -(-n // row.node), cfg.train.dtype or "bfloat16", "tpu")
     t0 = time.perf_counter()
     try:
         m = measure(cfg, devices, grads=False)
@@ -139,15 +138,12 @@ class Lowered:
 def lower_cuda(cfg, n: int) -> Lowered:
     """Lower cfg's train step for CUDA on an abstract mesh of n devices (none needs to exist)."""
     import jax
-    from jax.sharding import AbstractMesh, AxisType
 
-    from meshes import AXES, resolve_shape
     from trainer.config import validate
     from trainer.plan.verify import abstract_inputs
     from trainer.state import setup_on
     from trainer.step import jit_train_step
-    shape = resolve_shape(*validate(cfg, n), n)
-    mesh = AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 3)
+    mesh = validate(cfg, n).abstract()
     s = setup_on(cfg, mesh, "gpu")
     state, batch = abstract_inputs(s)
     t0 = time.perf_counter()

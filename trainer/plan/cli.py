@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import math
 import os
 
 from trainer.errors import UserError
@@ -43,12 +41,14 @@ def _local_device() -> str:
 
 
 def _n_devices(cfg, ns) -> int:
+    from meshes import AXES, devices_named
     from trainer.schema import in_range
     from trainer.sections import SIZE
-    sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    if ns.devices is not None or min(sizes) > 0:
+    named = devices_named(cfg.mesh)
+    if ns.devices is not None or named is not None:
+        sizes = " x ".join(str(getattr(cfg.mesh, a.name)) for a in AXES)
         n, given = (ns.devices, f"--devices {ns.devices}") if ns.devices is not None else \
-            (math.prod(sizes), f"the mesh's {' x '.join(map(str, sizes))} = {math.prod(sizes)} devices")
+            (named, f"the mesh's {sizes} = {named} devices")
         if not in_range(n, SIZE):
             raise UserError(f"{given} must be {SIZE}; plan for fewer devices")
         return n
@@ -84,11 +84,11 @@ def main(args: list[str]) -> int:
     if hosts < 1 or n % hosts:
         given = f"--hosts {hosts}" if ns.hosts else f"{hosts} nodes of {device.node} {device.name} devices"
         raise UserError(f"{given} must divide --devices {n}; give --hosts, a number of nodes that splits them evenly")
-    mc = dataclasses.replace(model_config(cfg), platform=device.platform)  # that device's kernels
+    mc = model_config(cfg)
     dtype = cfg.train.dtype or ("float32" if device.name == "cpu" else "bfloat16")
     if ns.search:
         return _search(mc, cfg, n, device, hosts, dtype, ns)
-    plan = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype)
+    plan = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype, device.platform)  # its kernels
     out = {"plan": plan}
     if ns.verify:
         out["verify"] = _verify(cfg, n, device, hosts, mc, compute_dtype(cfg, "cpu"))
@@ -130,7 +130,7 @@ def _verify(cfg, n, device, hosts, mc, dtype):
     if jax.devices()[0].platform != "cpu" or jax.device_count() < n:
         raise UserError(f"--verify needs {n} simulated CPU devices but this process has {jax.device_count()} "
                         f"{jax.devices()[0].platform} device(s); run it in a fresh process with JAX_PLATFORMS=cpu")
-    pred = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype)
+    pred = estimate(mc, cfg.train, strategy_of(cfg, n), device, hosts, dtype, device.platform)
     return pred, measure(cfg, jax.devices()[:n])
 
 
@@ -157,7 +157,8 @@ def _print(out: dict, as_json: bool):
 def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
     from trainer.plan import report
     from trainer.plan.search import search, why
-    ranked = search(mc, cfg.train, n, device, hosts, dtype)
+    from trainer.state import rules_for
+    ranked = search(mc, cfg.train, n, device, hosts, dtype, device.platform, rules_for(cfg))
     if ns.json:
         doc = {"tried": ranked.tried, "fit": len(ranked.plans),
                "plans": [dict(report.as_json(p), why=why(p, ranked.plans[0], i))

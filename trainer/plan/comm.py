@@ -20,14 +20,14 @@ from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
 
-def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int) -> list[Transfer]:
-    """Every collective of one step, per mesh axis, in bus bytes per device."""
+def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform: str) -> list[Transfer]:
+    """Every collective of one step on devices of `platform`, per mesh axis, in bus bytes per device."""
     ls = leaves(mc, train, st)
     n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
     if st.stage > 1:
         out = _table_transfers(mc, st, ls, n, a)
     else:
-        out = ((_data_transfers(mc, st, ls, n, a) if st.data > 1 else [])
+        out = ((_data_transfers(mc, st, ls, n, a, platform) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
     return [t for t in out if t.bytes > 0]
 
@@ -37,7 +37,7 @@ def manual_sync(st: Strategy) -> bool:
     return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2 or st.microbatches > 1)
 
 
-def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> list[Transfer]:
+def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str) -> list[Transfer]:
     k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
     grads = sum(x.bytes for x in ls)
@@ -70,7 +70,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int = 4) -> lis
             # the backward pass gathers again under full/dots remat (sublayer's halves get gathered weights)
             again = 1 if st.remat in ("none", "sublayer") else 2
             top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
-            c_top, c_lay = gather_casts(mc, a)
+            c_top, c_lay = gather_casts(platform, a)
             out += [Transfer("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
                              + (", again in backward)" if again > 1 else ")"),
                              ag * (whole(top) * c_top + m * again * whole(lay) * c_lay), 1 + m * again),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
 from trainer.plan.comm import transfers
 from trainer.hardware import Device
@@ -80,24 +82,27 @@ class Plan:
 
 
 def links(st: Strategy, device: Device, hosts: int) -> dict:
-    """Which link each mesh axis's collectives cross: mesh order puts `model` innermost."""
+    """Which link each mesh axis's collectives cross: mesh order puts the last axis (`model`) innermost."""
     per_node = max(1, st.devices // hosts)
     out, inner = {}, 1
-    for axis, size in (("model", st.model), ("stage", st.stage), ("data", st.data)):
+    for axis, size in reversed(st.mesh.items()):
         inner *= size
         out[axis] = "fast" if inner <= min(per_node, device.node) else "net"
     return out
 
 
-def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, dtype: str) -> Plan:
-    """The plan of one layout: memory per device, bytes per axis, roofline time."""
+def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, dtype: str,
+             platform: str | None = None) -> Plan:
+    """The plan of one layout: memory per device, bytes per axis, roofline time; the step's kernels those of
+    `platform` (None: this host's devices')."""
+    platform = platform or jax.devices()[0].platform
     a = 2 if dtype == "bfloat16" else 4
     batch = train.batch_size
     mc = dataclasses.replace(mc, remat=st.remat)
     p, g, o = state_bytes(mc, train, st)
-    acts = activation_bytes(mc, st, batch, dtype)
-    bufs = buffer_bytes(mc, train, st, a)
-    moves = tuple(transfers(mc, train, st, batch, a))
+    acts = activation_bytes(mc, st, batch, dtype, platform)
+    bufs = buffer_bytes(mc, train, st, a, platform)
+    moves = tuple(transfers(mc, train, st, batch, a, platform))
     bubble = cost(st.schedule, st.stage, st.microbatches, st.repeats).bubble if st.stage > 1 else 0.0
     tokens = batch * mc.seq_len
     flop_mc = mc if st.stage == 1 else dataclasses.replace(mc, remat="full")  # pipeline stages recompute
@@ -112,13 +117,13 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
         slow = min(bw[lk[a]] for a in t.axis.split(","))
         comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
     return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk,
-                layer_residuals(mc, st, dtype))
+                layer_residuals(mc, st, dtype, platform))
 
 
 def strategy_of(cfg, n_devices: int) -> Strategy:
     """The layout a config describes, on n_devices."""
     from trainer.config import validate
-    data, stage, model = validate(cfg, n_devices)
+    from trainer.state import rules_for
     t = cfg.train
-    return Strategy(data, stage, model, t.zero_stage, t.microbatches, cfg.model.remat,
-                    t.pipeline_repeats, t.grad_sync, t.pipeline_schedule)
+    return Strategy(validate(cfg, n_devices), t.zero_stage, t.microbatches, cfg.model.remat,
+                    t.pipeline_repeats, t.grad_sync, t.pipeline_schedule, rules_for(cfg))

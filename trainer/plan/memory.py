@@ -13,9 +13,7 @@ import math
 
 import jax
 import optax
-from jax.sharding import AbstractMesh, AxisType
-
-from meshes import AXES, Layout
+from meshes import Layout
 from models import ModelConfig, abstract_model
 from trainer.optim import make_optimizer
 from trainer.plan.schedule_cost import cost
@@ -47,14 +45,13 @@ def _local(shape, spec, sizes) -> int:
 
 
 def _layout(st: Strategy) -> Layout:
-    mesh = AbstractMesh((st.data, st.stage, st.model), AXES, axis_types=(AxisType.Auto,) * 3)
-    return Layout(mesh, st.zero)
+    return Layout(st.mesh.abstract(), st.zero, st.rules)
 
 
 def leaf_bytes(mc: ModelConfig, train, st: Strategy, kind: str) -> dict:
     """Bytes per device of every parameter leaf under the `kind` spec (param | grad | opt | compute)."""
     params, logical, _, _ = _abstract(_no_remat(mc), train)
-    lay, sizes = _layout(st), dict(zip(AXES, (st.data, st.stage, st.model)))
+    lay, sizes = _layout(st), st.mesh.as_dict()
     fn = getattr(lay, f"{kind}_spec")
     return jax.tree.map(lambda s, lg: _local(s.shape, fn(s.shape, lg), sizes) * s.dtype.itemsize, params, logical)
 
@@ -100,40 +97,35 @@ def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shard(ModelConfig):
-    """One device's widths under tensor parallelism: heads, kv heads, d_ff, vocab / model; head_dim kept.
-    With fewer kv heads than ranks (kv_repeat > 1) every device projects all of them (their weights
-    are replicated), repeats them and attends with its own slice of the repeated heads: one."""
-    shard_fused_qkv: bool = False  # the whole model's choice: the program is written at its shapes
-
-    @property
-    def fused_qkv(self) -> bool:
-        return self.shard_fused_qkv
-
-
-def _shard(mc: ModelConfig, tp: int) -> _Shard:
-    fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(ModelConfig)}
+def _shard(mc: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
+    """One device's widths under tensor parallelism (heads, kv heads, d_ff, vocab / model; head_dim kept) as a model
+    of those widths, and the kv heads' repeat there. With fewer kv heads than ranks (repeat > 1) every device
+    projects all of them (their weights are replicated), repeats them and attends with its own slice of the
+    repeated heads: one."""
     replicated = mc.n_kv_heads < tp
-    fields.update(n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else mc.n_kv_heads // tp,
-                  kv_repeat=tp // mc.n_kv_heads if replicated else 1, d_ff=mc.d_ff // tp,
-                  vocab_size=mc.vocab_size // tp, remat="none")
-    return _Shard(**fields, shard_fused_qkv=mc.fused_qkv)
+    view = dataclasses.replace(mc, n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else
+                               mc.n_kv_heads // tp, d_ff=mc.d_ff // tp, vocab_size=mc.vocab_size // tp, remat="none")
+    return view, tp // mc.n_kv_heads if replicated else 1
 
 
-def _device_kernels(c: _Shard, dtype=None):
-    """The layer's kernels as one device runs them: with repeated kv heads, the attention sees only this
-    device's slice of them (what the sharding constraint after the repeat leaves it). cuDNN's fused
-    attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as the blockwise
-    attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
+def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_qkv: bool):
+    """The layer's kernels as one device of the model runs them, c its widths there: q, k and v projected as the
+    whole model's program does (fused_qkv: written at its shapes, while one device's q and k may be alike); with
+    repeated kv heads, the attention sees only this device's slice of them (what the sharding constraint after the
+    repeat leaves it). cuDNN's fused attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as
+    the blockwise attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
     from models.attention import select
     from models.fast_cpu import causal_attention
     from models.layers import kernels_for
-    kn = kernels_for(c)
-    if dtype is not None and select(c.attention, dtype, c.target_platform, kn.name == "fast") == "cudnn":
+    kn = kernels_for(c, platform)
+    if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
         kn = kn._replace(attention=lambda q, k, v, segments=None, **kw: causal_attention(q, k, v,
                                                                                         c.attention_block))
-    if c.kv_repeat == 1:
+    if c.fused_qkv and not fused_qkv:  # a call of three weights is the fused q, k, v: made as the model makes it
+        project = kn.project
+        kn = kn._replace(project=lambda x, ws: project(x, ws[:1]) + project(x, ws[1:]) if len(ws) == 3 else
+                         project(x, ws))
+    if kv_repeat == 1:
         return kn
     # the repeat makes n_kv_heads x kv_repeat = mesh.model heads, one per rank
     return kn._replace(attention=lambda q, k, v, segments=None, **kw: kn.attention(q, k[:, :, :1], v[:, :, :1],
@@ -160,14 +152,14 @@ def _only_half(n: int):
 
 
 @functools.lru_cache(maxsize=512)
-def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, float]:
+def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
-    without remat ("attention", "mlp"), or of the head and loss."""
+    without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
     from models.loss import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import head, inventory, layer_call
-    c, T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
+    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
     out = []
@@ -182,12 +174,12 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
                 head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights))
             continue
         weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
-        kn, spec = _device_kernels(c, dt), family(c.family)
+        kn, spec = _device_kernels(c, dt, platform, repeat, mc.fused_qkv), family(c.family)
         data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
         half = {"attention": _only_half(0), "mlp": _only_half(1), "sublayer": sublayer_remat}.get(what)
 
         def fn(x, weights, half=half):
-            call = layer_call(c, rope_for(c, T), kernels=kn, data=data)
+            call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
             run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
             if what not in ("none", "attention", "mlp", "sublayer"):
                 run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
@@ -196,18 +188,19 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, what: str) -> tuple[float, fl
     return 2 * out[0] - out[1], out[1] - out[0]
 
 
-def _saved(mc: ModelConfig, tp: int, dtype: str, what: str, rows: int) -> float:
-    fixed, per = _per_row(_no_remat(mc), tp, dtype, what)
+def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int) -> float:
+    fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what)
     return fixed + per * rows
 
 
-def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str) -> tuple[float, float]:
-    """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device, as it runs."""
-    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, executed(st).remat)
+def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
+    """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device of `platform`, as
+    it runs."""
+    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat)
     return fixed, per_row / mc.seq_len
 
 
-def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool = False) -> float:
+def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: int, local: bool = False) -> float:
     """The head and loss at `rows` sequences per device: JAX's residuals and the backward's working set.
     The tiling rule sees the step's tokens, or with `local` (the pipeline's loss, inside a shard_map
     manual over `data`) this device's.
@@ -221,7 +214,7 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool
     N, D = rows * mc.seq_len, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
-    res = _saved(mc, st.model, dtype, "head", rows)
+    res = _saved(mc, st.model, dtype, platform, "head", rows)
     seen = N if local else N * st.data
     n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
@@ -230,60 +223,60 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, rows: int, local: bool
     return res - logits + 4.0 * N + 3 * logits / blocks + 4.0 * N * D + 4.0 * V * D
 
 
-def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str) -> float:
+def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, platform: str) -> float:
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
-        saved = mc.n_layers * _saved(mc, st.model, dtype, st.remat, b)
-        recompute = _recompute(mc, st, dtype, b) if st.remat != "none" else 0.0
-        return saved + recompute + head_bytes(mc, st, dtype, b)
-    return pipeline_activation_bytes(mc, st, b, dtype)
+        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b)
+        recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
+        return saved + recompute + head_bytes(mc, st, dtype, platform, b)
+    return pipeline_activation_bytes(mc, st, b, dtype, platform)
 
 
-def _recompute(mc: ModelConfig, st: Strategy, dtype: str, b: int) -> float:
+def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
     """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's."""
     if st.remat == "sublayer":
-        return max(_saved(mc, st.model, dtype, half, b) for half in ("attention", "mlp"))
-    return _saved(mc, st.model, dtype, "none", b)
+        return max(_saved(mc, st.model, dtype, platform, half, b) for half in ("attention", "mlp"))
+    return _saved(mc, st.model, dtype, platform, "none", b)
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
     """One layer's float32 weights on one device (what its vjp returns as gradient)."""
     from models.transformer import inventory
-    return 4.0 * sum(math.prod(p.shape) for p in inventory(_shard(mc, tp))["layers"].values())
+    return 4.0 * sum(math.prod(p.shape) for p in inventory(_shard(mc, tp)[0])["layers"].values())
 
 
-def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str) -> float:
+def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, platform: str) -> float:
     """A pipeline stage's activations for b sequences per microbatch: the stage inputs and cotangents
     its schedule keeps live (trainer/plan/schedule_cost.py) plus one tick's working set."""
     n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's
-    recompute = body * _saved(mc, st.model, dtype, "none", b)
+    recompute = body * _saved(mc, st.model, dtype, platform, "none", b)
     if st.remat == "sublayer":
-        recompute = body * _saved(mc, st.model, dtype, "sublayer", b) + _recompute(mc, st, dtype, b)
+        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b) + _recompute(mc, st, dtype, platform,
+                                                                                                 b)
     # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
     # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
     return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model),
-                                                    head_bytes(mc, st, dtype, b, local=True)))
+                                                    head_bytes(mc, st, dtype, platform, b, local=True)))
 
 
-def gather_casts(mc: ModelConfig, a: int) -> tuple[float, float]:
+def gather_casts(platform: str, a: int) -> tuple[float, float]:
     """The share of their float32 bytes ZeRO-3's gathers move, for the top weights and the layers'.
     trainer/step.py casts each layer weight to the compute dtype (a bytes) before its gather; XLA:TPU
     also moves the embedding's casts ahead of its gather (seen in its HLO); XLA:CPU gathers bfloat16
     as float32 (it widens the gather's operand), so on CPU both stay whole."""
-    platform = mc.target_platform
     if platform == "cpu":
         return 1.0, 1.0
     return (a / 4 if platform == "tpu" else 1.0), a / 4
 
 
-def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int = 4) -> float:
+def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) -> float:
     """Transient gradient and weight buffers that are not persistent state (a: bytes of the compute dtype,
-    which ZeRO-3's data-parallel step gathers its layer weights in)."""
+    which ZeRO-3's data-parallel step gathers its layer weights in, on `platform`)."""
     ls = leaves(mc, train, st)
     top = sum(x.bytes for x in ls if x.zero and not x.layers)
     lay = sum(x.bytes for x in ls if x.zero and x.layers)
@@ -303,7 +296,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int = 4) -> float:
         # each layer's inside the scan, so its whole gradient never exists)
         out += sum(x.bytes for x in ls)
     if zero3:  # gathered layer weights: kept for the backward without remat (or sublayer's), else one layer's
-        c_top, c_lay = gather_casts(mc, a)
+        c_top, c_lay = gather_casts(platform, a)
         top, lay = top * c_top, lay * c_lay
         out += top + (lay if st.remat in ("none", "sublayer") else lay / mc.n_layers)
     return out

@@ -50,7 +50,7 @@ def headline(p: Plan, n_params: int) -> str:
 def as_json(p: Plan) -> dict:
     st = p.strategy
     return {
-        "layout": {"data": st.data, "stage": st.stage, "model": st.model, "zero_stage": st.zero,
+        "layout": {**st.mesh.as_dict(), "zero_stage": st.zero,
                    "microbatches": st.microbatches, "remat": st.remat, "pipeline_repeats": st.repeats,
                    "grad_sync": st.grad_sync, "pipeline_schedule": st.schedule},
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
@@ -140,12 +140,13 @@ def search_text(ranked, best_n: int, why) -> str:
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
             f"the fastest {min(best_n, len(fit))} by roofline step time:",
-            "   #  data stage model ZeRO    M remat schedule          step s   MFU  mem GB  comm GB"]
+            "   #" + "".join(f" {a:>5}" for a in p0.strategy.mesh.names)
+            + " ZeRO    M remat schedule          step s   MFU  mem GB  comm GB"]
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
-        rows.append(f"  {i + 1:>2} {st.data:>5} {st.stage:>5} {st.model:>5} {st.zero:>4} {st.microbatches:>4} "
-                    f"{st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} {100 * p.mfu:>4.0f}% "
-                    f"{p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
+        rows.append(f"  {i + 1:>2}" + "".join(f" {n:>5}" for n in st.mesh.sizes)
+                    + f" {st.zero:>4} {st.microbatches:>4} {st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} "
+                    f"{100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}")
         rows.append(f"       {why(p, p0, i)}")
     if any(p.strategy.stage > 1 for p in fit[:best_n]):
         rows.append("a pipeline recomputes each stage body whole for its backward: remat none, dots and full run "

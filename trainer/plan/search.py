@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshes import AXES, RULES, Rules, shapes
 from models import ModelConfig
-from models.loss import divisors
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
@@ -12,31 +12,31 @@ MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")
 
 
-def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto"):
+def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto",
+               rules: Rules = RULES):
     """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`)."""
-    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync))))
+    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules))))
 
 
-def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str):
-    """Every (data, stage, model) x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
+def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules: Rules):
+    """Every mesh shape x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
-    for model in divisors(n_devices):
+    for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
+        data, stage, model = shape["data"], shape["stage"], shape["model"]
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
-        for stage in divisors(n_devices // model):
-            data = n_devices // (model * stage)
-            for schedule, v in _schedules(stage, repeats):
-                if mc.n_layers % (stage * v):
+        for schedule, v in _schedules(stage, repeats):
+            if mc.n_layers % (stage * v):
+                continue
+            for m in MICROBATCHES:
+                if batch % (data * m) or (stage > 1 and m < stage):
                     continue
-                for m in MICROBATCHES:
-                    if batch % (data * m) or (stage > 1 and m < stage):
-                        continue
-                    if schedule == "interleaved_1f1b" and m % stage:
-                        continue
-                    for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
-                        for remat in REMATS:
-                            yield Strategy(data, stage, model, zero, m, remat, v, grad_sync, schedule)
+                if schedule == "interleaved_1f1b" and m % stage:
+                    continue
+                for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
+                    for remat in REMATS:
+                        yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:
@@ -55,9 +55,12 @@ class Ranked:
     smallest: Plan | None  # the least memory of all, for when nothing fits
 
 
-def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: str) -> Ranked:
-    plans = [estimate(mc, train, st, device, hosts, dtype)
-             for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync)]
+def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: str,
+           platform: str | None = None, rules: Rules = RULES) -> Ranked:
+    """Every layout of n_devices planned (on `platform`'s kernels, None: this host's), the fitting ones fastest
+    first."""
+    plans = [estimate(mc, train, st, device, hosts, dtype, platform)
+             for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync, rules)]
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.total_bytes))
     smallest = min(plans, key=lambda p: p.total_bytes) if plans else None
     return Ranked(fit, len(plans) - len(fit), len(plans), smallest)

@@ -28,11 +28,11 @@ Weak scaling: `data` grows with K; rows per replica, microbatches, stage and mod
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
 
+from meshes import MeshShape, devices_named
 from models import ModelConfig, flops_per_token, hardware_flops_per_token, param_count
 from trainer.config import Config, model_config, validate
 from trainer.parallel.collective_costs import bus_factor, ring_seconds
@@ -97,12 +97,12 @@ def hardware(cfg: Config) -> Device:
     return dataclasses.replace(hw, **{k: v for k, v in over.items() if v})
 
 
-def point(cfg: Config, mc: ModelConfig, hw: Device, shape: tuple[int, int, int], data: int) -> Point:
-    """Nominal costs of one training step with `data` replicas of the config's (stage, model) block."""
+def point(cfg: Config, mc: ModelConfig, hw: Device, shape: MeshShape, data: int) -> Point:
+    """Nominal costs of one training step with `data` replicas of the config's block (its mesh less `data`)."""
     t, sim = cfg.train, cfg.sim
-    d0, s, m = shape
-    rows = t.batch_size // d0  # per replica, kept as the cluster grows
-    k, mb = data * s * m, t.microbatches
+    s, m = shape["stage"], shape["model"]
+    rows = t.batch_size // shape["data"]  # per replica, kept as the cluster grows
+    k, mb = data * (shape.devices // shape["data"]), t.microbatches
     tokens = rows * data * mc.seq_len
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
     compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
@@ -184,22 +184,21 @@ def step_times(cfg: Config, p: Point, h: int, rng) -> dict:
             "straggle": float(work * (f.max(axis=(1, 2)).mean() - 1.0))}
 
 
-def cluster_sizes(shape: tuple[int, int, int], max_devices: int) -> list[int]:
+def cluster_sizes(shape: MeshShape, max_devices: int) -> list[int]:
     """Replica counts: powers of two up to max_devices, plus the config's own."""
-    d0, s, m = shape
-    ds = {d0} | {2 ** i for i in range(0, 40) if 2 ** i * s * m <= max_devices}
+    block = shape.devices // shape["data"]
+    ds = {shape["data"]} | {2 ** i for i in range(0, 40) if 2 ** i * block <= max_devices}
     return sorted(ds)
 
 
-def check(cfg: Config) -> tuple[int, int, int]:
+def check(cfg: Config) -> MeshShape:
     """The config's mesh shape on its cluster, once the cluster sizes' straggler draws are known to fit."""
     sim = cfg.sim
-    mesh = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    if min(mesh) < 1 and not sim.devices:
+    named = devices_named(cfg.mesh)
+    if named is None and not sim.devices:
         raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
-    k = sim.devices or math.prod(mesh)
-    shape = validate(cfg, k)  # sim.* keys' ranges and choices too (trainer/sections.py)
-    largest = max(cluster_sizes(shape, sim.max_devices)) * shape[1] * shape[2]
+    shape = validate(cfg, sim.devices or named)  # sim.* keys' ranges and choices too (trainer/sections.py)
+    largest = max(cluster_sizes(shape, sim.max_devices)) * (shape.devices // shape["data"])
     n = drawn_steps(cfg, local_h(cfg))
     if n * largest > DRAWS:
         raise UserError(f"simulate would draw {n} steps x {largest} devices = {n * largest} straggler factors, more "
@@ -219,7 +218,8 @@ def simulate(cfg: Config, out=print) -> list[dict]:
     mc, hw = model_config(cfg), hardware(cfg)
     h = local_h(cfg)
     rng = np.random.default_rng(cfg.sim.seed)
-    out(f"model {param_count(mc) / 1e9:.3g}B params | mesh (data, stage, model)={shape} | {cfg.sim.hardware}: "
+    out(f"model {param_count(mc) / 1e9:.3g}B params | mesh ({', '.join(shape.names)})={shape.sizes} | "
+        f"{cfg.sim.hardware}: "
         f"{hw.peak_bf16 / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.fast_bw / GB:.0f} | {hw.net_bw / GB:.3g} GB/s "
         f"in | between nodes | efficiency {cfg.sim.efficiency:.2f}, overlap {cfg.sim.overlap:.2f}, "
         f"stragglers {cfg.sim.straggler}")
@@ -237,7 +237,7 @@ def simulate(cfg: Config, out=print) -> list[dict]:
                "hfu": p.hw_flops / (t["sync"] * p.devices * hw.peak_bf16), "goodput": p.compute / t["sync"],
                "lost": lost, "dp_bytes": p.data_comm.bytes,
                "local_bytes": p.param_sync.bytes / h, "step_s": t, "H": h,
-               "own": data == shape[0]}
+               "own": data == shape["data"]}
         rows.append(row)
         gb, gb_local = p.data_comm.bytes / GB, p.param_sync.bytes / GB
         out(f"{p.devices:>6} {data:>5} {p.batch:>6} | {mfu['sync']:>5.1%} {row['hfu']:>5.1%} {row['goodput']:>7.1%} "

@@ -4,31 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshes import RULES, MeshShape, Rules
 from trainer.config import PIPELINE_REMATS
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """One layout: mesh shape, ZeRO stage, microbatches, remat, pipeline repeats, gradient sync, schedule."""
-    data: int
-    stage: int
-    model: int
+    """One layout: mesh shape (meshes/axes.py), ZeRO stage, microbatches, remat, pipeline repeats, gradient sync,
+    schedule, and the logical->mesh rules it lays weights out by."""
+    mesh: MeshShape
     zero: int
     microbatches: int
     remat: str
     repeats: int = 1
     grad_sync: str = "auto"
     schedule: str = "gpipe"  # train.pipeline_schedule (meaningful where stage > 1)
+    rules: Rules = RULES
+
+    # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py)
+    data = property(lambda self: self.mesh["data"])
+    stage = property(lambda self: self.mesh["stage"])
+    model = property(lambda self: self.mesh["model"])
 
     @property
     def devices(self) -> int:
-        return self.data * self.stage * self.model
+        return self.mesh.devices
 
     def describe(self) -> str:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
         pp += f" {self.schedule}" if self.stage > 1 else ""
-        return (f"data={self.data} stage={self.stage} model={self.model} ZeRO-{self.zero} "
-                f"M={self.microbatches}{pp} remat={self.remat}")
+        return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}"
 
 
 def executed(st: Strategy) -> Strategy:

@@ -75,8 +75,8 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     from models.loss import zero_parts
     from trainer.step import jit_train_step, loss_and_grads
     if devices is None:  # a fully given mesh uses the first devices it needs
-        sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-        devices = jax.devices()[:np.prod(sizes)] if min(sizes) > 0 else jax.devices()
+        from meshes import devices_named
+        devices = jax.devices()[:devices_named(cfg.mesh) or jax.device_count()]
     s = make_setup(cfg, devices)
     platform = s.mesh.devices.flat[0].platform
     if options is None:

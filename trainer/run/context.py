@@ -84,7 +84,7 @@ def describe(s: Setup) -> str:
         sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
     return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "
             f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
-            f"mesh data={s.mesh.shape['data']} stage={s.mesh.shape['stage']} model={s.mesh.shape['model']} | "
+            f"mesh {' '.join(f'{a}={n}' for a, n in s.mesh.shape.items())} | "
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
             f"{t.microbatches} microbatch(es)"
             + (f" | {describe_pipeline(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"

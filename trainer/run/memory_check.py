@@ -65,7 +65,8 @@ def check_fits(s) -> None:
     from trainer.plan.core import estimate, strategy_of
     from trainer.plan.report import TERMS
     hosts = max(jax.process_count(), 1)
-    plan = estimate(s.model, cfg.train, strategy_of(cfg, s.mesh.size), device, hosts, s.dtype.name)
+    plan = estimate(s.model, cfg.train, strategy_of(cfg, s.mesh.size), device, hosts, s.dtype.name,
+                    s.placement.platform)
     if plan.fits:
         return
     key, big = max(((k, getattr(plan, k)) for k in TERMS), key=lambda kv: kv[1])
