@@ -3,7 +3,7 @@
 Every other module asks here: a run's sizes by name (`MeshShape`, from the mesh.* keys: `shape_of`), its abstract
 mesh and axis types, the hosts each axis is split over (DCN), the shape a checkpoint recorded (`recorded`: an axis
 it lacks reads as 1) and the shapes n devices can take (`shapes`, the layout search). Adding an axis is an entry in
-AXES (the config section makes its `mesh.NAME` key from it, trainer/sections.py) and, for what it splits, a rule
+AXES (the config section makes its `mesh.NAME` key from it, trainer/config/sections.py) and, for what it splits, a rule
 in meshes/rules.py.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each `model.*` key is declared once, as a field here (the keys every family shares) or of a family's own config (a
 subclass of ModelConfig in the family's module, `ModelSpec.config`: Gemma's soft-caps and layer kinds): its default,
 its allowed values and one line of meaning are the field's metadata (`key`), which the config schema reads
-(trainer/model_section.py writes the `model:` section from them). What the trainer knows of its mesh (the platform,
+(trainer/config/model_section.py writes the `model:` section from them). What the trainer knows of its mesh (the platform,
 the kv heads' replication) is not part of the config: the model takes it as an argument (models/layers.py
 `Placement`).
 """
@@ -53,7 +53,7 @@ class ModelConfig:
     rope_theta: float = key(10000.0, POSITIVE, "RoPE base")
     norm_eps: float = key(1e-5, POSITIVE, "RMSNorm epsilon")
     # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), as transformers' `llama3` rope
-    # type; its allowed values are a parser's (trainer/model_section.py)
+    # type; its allowed values are a parser's (trainer/config/model_section.py)
     rope_scaling: tuple[float, float, float, int] | None = key(None, None, "Llama 3.x `llama3` RoPE scaling; null: "
                                                                 "none")
     # a query sees only the keys fewer than this many positions before it, itself included, in every attention path

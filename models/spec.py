@@ -141,7 +141,7 @@ class ModelSpec:
     rope: Callable | None = None
     # (c) -> Ends: what the shared embedding, final norm and head do for the family
     ends: Callable = plain_ends
-    # (c) -> [(ok, message)]: the family's own keys against the shapes, checked with the config's (trainer/config.py)
+    # (c) -> [(ok, message)]: the family's own keys against the shapes, checked with the config's (trainer/config/__init__.py)
     checks: Callable = no_checks
 
 

@@ -1,4 +1,4 @@
-"""Write docs/config.md's table of every config key from the schema (trainer/sections.py); --check: exit 1 if it
+"""Write docs/config.md's table of every config key from the schema (trainer/config/sections.py); --check: exit 1 if it
 differs. The prose around the table is kept; tests/test_config_schema.py fails when the table drifts.
 
     python scripts/config_docs.py [--check]
@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DOC = ROOT / "docs" / "config.md"
-BEGIN, END = "<!-- keys: written by scripts/config_docs.py from the schema; edit trainer/sections.py -->", \
+BEGIN, END = "<!-- keys: written by scripts/config_docs.py from the schema; edit trainer/config/sections.py -->", \
     "<!-- end of keys -->"
 
 

@@ -19,10 +19,10 @@ LAYERS = [
     ("errors, logs, hardware", ["trainer.errors", "trainer.logs", "trainer.hardware", "trainer.platforms"]),
     ("meshes", ["meshes"]),
     ("models", ["models"]),
-    ("config (pure)", ["trainer.config", "trainer.model_section", "trainer.schema", "trainer.sections"]),
+    ("config (pure)", ["trainer.config"]),
     ("training core", ["trainer.state", "trainer.step", "trainer.optim", "trainer.guard", "trainer.parallel",
                        "trainer.data"]),
-    ("ckpt, observe, plan", ["trainer.ckpt", "trainer.observe", "trainer.plan", "trainer.sources"]),
+    ("ckpt, observe, plan", ["trainer.ckpt", "trainer.observe", "trainer.plan"]),
     ("running a job", ["trainer.run"]),
     ("cli and the Python API", ["trainer.cli", "trainer"]),
 ]
@@ -124,9 +124,15 @@ def test_layers_import_only_downward_and_without_cycles():
     assert cycles(graph) == []
 
 
+def test_the_trainer_package_keeps_its_jobs_in_subpackages():
+    """At most 12 .py files directly in trainer/ (__init__.py included): a new job gets a subpackage."""
+    top = sorted(f.name for f in (ROOT / "trainer").glob("*.py"))
+    assert len(top) <= 12, top
+
+
 @pytest.mark.parametrize("target,added,found", [
     # the config reading an HF folder through the checkpoint code: upward, and a circle back to the config
-    ("trainer/config.py", "from trainer.ckpt.hf import with_hf_shapes", "both"),
+    ("trainer/config/__init__.py", "from trainer.ckpt.hf import with_hf_shapes", "both"),
     # two modules of one layer importing each other: no upward import, but a circle
     ("trainer/data/batches.py", "from trainer.data.prepare import load_tokenizer", "cycle"),
 ])
@@ -148,7 +154,7 @@ def test_importing_a_layer_loads_no_higher_one():
     cases = {"models": ("trainer",),
              "trainer.config": ("trainer.ckpt", "trainer.data", "trainer.parallel", "trainer.plan", "trainer.run",
                                 "trainer.observe"),
-             "trainer.step": ("trainer.ckpt", "trainer.plan", "trainer.run", "trainer.observe", "trainer.sources")}
+             "trainer.step": ("trainer.ckpt", "trainer.plan", "trainer.run", "trainer.observe")}
     procs = {m: subprocess.Popen([sys.executable, "-c", f"import sys, {m}; print(sorted(x for x in sys.modules "
                                   f"if x.startswith({bad!r})))"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
              for m, bad in cases.items()}
@@ -203,7 +209,7 @@ def test_the_pipeline_schedules_are_listed_once():
     pattern = r"\(\s*[\"']gpipe[\"'],\s*[\"']1f1b[\"'],\s*[\"']interleaved_1f1b[\"']\s*\)"
     files = [f for pkg in PACKAGES + ("scripts",) for f in _files(pkg)]
     assert sorted({str(f.relative_to(ROOT)) for f in files if re.search(pattern, f.read_text())}) == \
-        ["trainer/sections.py"]
+        ["trainer/config/sections.py"]
 
 
 def _string_literals(path: Path) -> set[str]:

@@ -28,8 +28,8 @@ OLD = ["model.preset=tiny", "model.d_model=16", "model.n_heads=2", "model.n_kv_h
 
 def four_axes():
     """A test-only configuration: the mesh axes with a fourth one, `extra`, before `model` (where an axis such as
-    `context` would go), and the config whose mesh section is made from them (trainer/sections.py)."""
-    from trainer.sections import Config, mesh_section
+    `context` would go), and the config whose mesh section is made from them (trainer/config/sections.py)."""
+    from trainer.config.sections import Config, mesh_section
     axes = AXES[:2] + (Axis("extra", "a test-only axis that splits nothing"),) + AXES[2:]
     section = mesh_section(axes)
 

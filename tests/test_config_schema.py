@@ -133,7 +133,7 @@ def test_fuzz_every_key_is_accepted_or_refused_in_one_line(deep):
 def test_every_number_has_a_ceiling_within_its_type():
     """Sizes and counts fit the integers XLA and the checkpoints keep them in, and every float stays a finite float32
     (a step computes with them in float32): 2**63 and twice float32's largest are refused by every key."""
-    from trainer.schema import in_range
+    from trainer.config.schema import in_range
     too_big = {int: 2 ** 63, float: 2.0 * float(np.finfo(np.float32).max)}
     unbounded = [k for k, kind, f in SCHEMA_KEYS if kind in too_big and in_range(too_big[kind], f.metadata["allowed"])]
     assert unbounded == []
@@ -472,7 +472,7 @@ def test_docs_config_md_lists_every_key_as_the_schema_says():
 
 def test_every_key_declares_its_meaning_and_every_number_its_range():
     """So that a new key arrives with its range and its line of docs: a number without a rule fails here."""
-    from trainer.schema import in_range
+    from trainer.config.schema import in_range
     for key, kind, f in SCHEMA_KEYS:
         assert f.metadata.get("doc"), f"{key} has no meaning"
         if kind in (int, float):
@@ -483,7 +483,7 @@ def test_every_key_declares_its_meaning_and_every_number_its_range():
 
 
 def test_range_rules_read_as_written():
-    from trainer.schema import in_range
+    from trainer.config.schema import in_range
     assert [in_range(v, "0 (off) or > 1") for v in (0, 0.5, 1, 1.5)] == [True, False, False, True]
     assert [in_range(v, "-1 (the rest) or >= 1") for v in (-2, -1, 0, 1, 7)] == [False, True, False, True, True]
     assert [in_range(v, ">= 0 and < 1") for v in (-0.1, 0, 0.99, 1)] == [False, True, True, False]
@@ -491,6 +491,6 @@ def test_range_rules_read_as_written():
 
 def test_aliases_name_real_keys():
     """The other trainers' names point at keys that exist, and none is one of our own leaf names."""
-    from trainer.sections import ALIASES
+    from trainer.config.sections import ALIASES
     keys = {k for k, _, _ in SCHEMA_KEYS}
     assert {a: k for a, k in ALIASES.items() if k not in keys or a in {k.split(".")[1] for k in keys}} == {}

@@ -1,6 +1,6 @@
 """Each `model.*` key is declared once: a field of models/config.py's ModelConfig (the keys every family shares), of a
 family's own config (models/gemma.py's Gemma2Config and Gemma3Config), or one of the two keys the trainer alone reads
-(trainer/model_section.py, which writes the config section from the others' declarations). A family's own field is
+(trainer/config/model_section.py, which writes the config section from the others' declarations). A family's own field is
 read only in its family's modules: the shared layers take its value as an argument or through the family's hooks. The
 mesh facts (platform, kv heads' repeat) reach the model as arguments, and nothing but a family subclasses its config.
 A checkpoint's config written before all this (every family's key in it) still makes the same model."""
@@ -16,12 +16,12 @@ from models import FAMILIES, ModelConfig, from_preset
 from models.config import is_key, own_keys
 from trainer.config import all_keys, load_config, model_config
 from trainer.errors import UserError
-from trainer.schema import specs
-from trainer.sections import Config
+from trainer.config.schema import specs
+from trainer.config.sections import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("models", "trainer")
-DECLARE = ("key", "setting")  # models/config.py's and trainer/schema.py's field makers
+DECLARE = ("key", "setting")  # models/config.py's and trainer/config/schema.py's field makers
 
 
 def _trees(root: Path):
@@ -112,8 +112,8 @@ def test_each_model_key_is_declared_once_and_the_section_is_written_from_it():
 
 
 @pytest.mark.parametrize("target,added", [
-    ("trainer/model_section.py", "\n\nclass Again:\n    d_model: int = setting(1, None, 'again')\n"),
-    ("trainer/sections.py", "\n\nEXTRA = [('d_model', int, setting(1, None, 'again'))]\n"),
+    ("trainer/config/model_section.py", "\n\nclass Again:\n    d_model: int = setting(1, None, 'again')\n"),
+    ("trainer/config/sections.py", "\n\nEXTRA = [('d_model', int, setting(1, None, 'again'))]\n"),
 ], ids=["a-field", "a-generated-section-entry"])
 def test_the_check_sees_a_key_declared_twice(tmp_path, target, added):
     for pkg in PACKAGES:

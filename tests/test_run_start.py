@@ -81,7 +81,7 @@ def test_seq_len_past_an_hf_context_is_refused_before_anything_is_read(tmp_path)
     assert "model.seq_len<=512" in msg and "model.rope_scaling=[2,1,4,512]" in msg, msg
     assert not run.exists() and "meshtrain model" not in said, said
 
-    from trainer.sources import resolve
+    from trainer.ckpt.sources import resolve
     ok = resolve(load_config(["model.preset=tiny", f"model.init_from={folder}", "model.seq_len=1024",
                               "model.rope_scaling=[2,1,4,512]"]))
     assert list(ok.model.rope_scaling) == [2, 1, 4, 512] and ok.model.d_model == 64  # the folder's shapes kept
@@ -155,7 +155,7 @@ def test_a_context_extended_with_rope_scaling_is_exported_with_it(tmp_path):
     to HF, has the run's context and scaling in config.json (not the folder's), and imports again at 1024."""
     from trainer.ckpt.checkpoint import Checkpointer
     from trainer.ckpt.initial import initial_state
-    from trainer.sources import resolve
+    from trainer.ckpt.sources import resolve
     from trainer.state import make_setup
     run, out = tmp_path / "run", tmp_path / "hf"
     cfg = resolve(load_config(RUN + [f"model.init_from={FIX / 'head_dim_long_f32'}", "model.seq_len=1024",

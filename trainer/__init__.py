@@ -10,7 +10,7 @@ from trainer.platforms import avoid_absent_tpu
 avoid_absent_tpu()  # libtpu installed, no TPU chip: jax starts without a TPU runtime (trainer/platforms.py)
 
 _API = {"Config": "trainer.config", "load_config": "trainer.config", "replace": "trainer.config",
-        "UserError": "trainer.errors", "resolve": "trainer.sources", "train": "trainer.run.loop"}
+        "UserError": "trainer.errors", "resolve": "trainer.ckpt.sources", "train": "trainer.run.loop"}
 __all__ = sorted(_API)
 
 

@@ -43,7 +43,7 @@ def _train(args: list[str]) -> int:
 def _simulate(args: list[str]) -> int:
     from trainer.config import keys_help, load_config
     from trainer.plan.simulate import plot, simulate
-    from trainer.sources import resolve
+    from trainer.ckpt.sources import resolve
     if args and args[0] in ("-h", "--help"):
         print("meshtrain simulate [CONFIG.yaml ...] [key=value ...]\n\nModel the config's training on K "
               "accelerators (sim.* keys: the machine) as K grows; print MFU per mode and write a plot. It takes "

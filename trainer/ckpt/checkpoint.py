@@ -29,7 +29,7 @@ class Checkpointer:
     """Saves one run's train state asynchronously and restores the newest valid checkpoint."""
 
     def __init__(self, s, run_dir, log: Callable[[str], None] | None = None):
-        # checkpoint.* keys were range-checked by the config loader (trainer/sections.py)
+        # checkpoint.* keys were range-checked by the config loader (trainer/config/sections.py)
         self.s, self.log = s, log or logging.getLogger(__name__).info
         self.dir = Path(run_dir) / SUBDIR
         self._mngr = None

@@ -153,7 +153,7 @@ def _load_hf(path: Path, shardings):
     data.tokenizer (so that `meshtrain generate` encodes and decodes with it)."""
     from trainer.ckpt import hf
     from trainer.config import load_config, replace
-    from trainer.sources import resolve
+    from trainer.ckpt.sources import resolve
     cfg = load_config([f"model.init_from={path}"])
     context = hf.context_of(path)  # a folder of fewer positions than the preset's seq_len is read at its own
     if context and context < model_config(cfg).seq_len:

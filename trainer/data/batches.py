@@ -36,7 +36,7 @@ import numpy as np
 
 from models.batch import from_windows
 from trainer.errors import UserError
-from trainer.sections import BIN_DTYPES
+from trainer.config.sections import BIN_DTYPES
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
 log = logging.getLogger(__name__)

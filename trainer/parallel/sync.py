@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from trainer.errors import UserError
-from trainer.sections import GRAD_SYNC
+from trainer.config.sections import GRAD_SYNC
 
 
 class Psum:

@@ -42,8 +42,8 @@ def _local_device() -> str:
 
 def _n_devices(cfg, ns) -> int:
     from meshes import AXES, devices_named
-    from trainer.schema import in_range
-    from trainer.sections import SIZE
+    from trainer.config.schema import in_range
+    from trainer.config.sections import SIZE
     named = devices_named(cfg.mesh)
     if ns.devices is not None or named is not None:
         sizes = " x ".join(str(getattr(cfg.mesh, a.name)) for a in AXES)
@@ -62,7 +62,7 @@ def main(args: list[str]) -> int:
     if bad:
         raise UserError(f"unknown option '{bad[0]}' for meshtrain plan; see `meshtrain plan --help`")
     from trainer.config import compute_dtype, load_config, model_config
-    from trainer.sources import resolve
+    from trainer.ckpt.sources import resolve
     cfg = resolve(load_config(rest))
     modes = [f for f, on in (("--verify", ns.verify), ("--search", ns.search), ("--compile-for", ns.compile_for),
                              ("--lower", ns.lower)) if on]

@@ -197,7 +197,7 @@ def check(cfg: Config) -> MeshShape:
     named = devices_named(cfg.mesh)
     if named is None and not sim.devices:
         raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
-    shape = validate(cfg, sim.devices or named)  # sim.* keys' ranges and choices too (trainer/sections.py)
+    shape = validate(cfg, sim.devices or named)  # sim.* keys' ranges and choices too (trainer/config/sections.py)
     largest = max(cluster_sizes(shape, sim.max_devices)) * (shape.devices // shape["data"])
     n = drawn_steps(cfg, local_h(cfg))
     if n * largest > DRAWS:

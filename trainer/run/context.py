@@ -33,7 +33,7 @@ from trainer.optim import warn_if_no_decay
 from trainer.parallel.schedules import describe as describe_pipeline
 from trainer.run import distributed
 from trainer.run.memory_check import check_fits, is_out_of_memory, out_of_memory
-from trainer.sources import resolve
+from trainer.ckpt.sources import resolve
 from trainer.state import Setup, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from trainer.errors import UserError
 from trainer.logs import last_words
-from trainer.sections import CLUSTERS
+from trainer.config.sections import CLUSTERS
 
 # dist.cluster's choices, as the schema lists them: the names detect() returns are these
 AUTO, NONE, SLURM, OMPI, GCETPU, GKETPU, MPI4PY = CLUSTERS

@@ -1,4 +1,4 @@
-"""The `model:` section of the config schema (trainer/sections.py), written from the model's own declarations: each
+"""The `model:` section of the config schema (trainer/config/sections.py), written from the model's own declarations: each
 key of models/config.py's ModelConfig and of each registered family's config (ModelSpec.config: Gemma's), with the
 default, allowed values and meaning of its field; every key may be null (the preset's, the family's or an HF folder's
 value) but those the model declares with a default of their own. The trainer adds the keys it alone reads."""
@@ -12,7 +12,7 @@ from typing import List, Optional
 from models import FAMILIES, PRESETS
 from models.config import DIM, FLOAT32, ModelConfig, config_class, is_key
 from trainer.errors import UserError
-from trainer.schema import Form, check_choice, in_range, setting
+from trainer.config.schema import Form, check_choice, in_range, setting
 
 
 def _rope_scaling(v, name: str):

@@ -1,4 +1,4 @@
-"""The config schema: every key once, with its default, allowed values and meaning (`setting`, trainer/schema.py).
+"""The config schema: every key once, with its default, allowed values and meaning (`setting`, trainer/config/schema.py).
 A new key is one line here; `load_config` checks it, `meshtrain train --help` and docs/config.md list it."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import List, Optional
 
 from meshes import AXES, Axis
 from trainer.hardware import ALIASES as DEVICE_ALIASES, DEVICES
-from trainer.model_section import ModelSection
-from trainer.schema import FLOAT32, INT32, INT64, POSITIVE, Form, setting, step_range
+from trainer.config.model_section import ModelSection
+from trainer.config.schema import FLOAT32, INT32, INT64, POSITIVE, Form, setting, step_range
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")

@@ -1,6 +1,6 @@
-"""Typed config: the schema's defaults (trainer/sections.py), YAML files and key=value overrides; later files and
+"""Typed config: the schema's defaults (trainer/config/sections.py), YAML files and key=value overrides; later files and
 overrides win. Unknown keys, wrong types, values out of range and impossible layouts are UserErrors with one line
-naming the fix: per key in `load_config` (trainer/schema.py's `check_ranges`), across keys and devices in
+naming the fix: per key in `load_config` (trainer/config/schema.py's `check_ranges`), across keys and devices in
 `validate`."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from meshes import MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
 from trainer.errors import UserError
-from trainer.schema import check_ranges, closest, help_text, markdown, specs, step_range
-from trainer.sections import ALIASES, Config
+from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range
+from trainer.config.sections import ALIASES, Config
 
 __all__ = ["Config", "all_keys", "compute_dtype", "keys_help", "keys_markdown", "load_config", "model_config",
            "replace", "step_range", "to_yaml", "validate"]
@@ -159,7 +159,7 @@ def _load_yaml(path: str):
 
 def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     """Config from the schema defaults, YAML files and key=value overrides, in order. Pure: what the
-    config points at (a data sidecar, a Hugging Face folder) is read by trainer/sources.py."""
+    config points at (a data sidecar, a Hugging Face folder) is read by trainer/ckpt/sources.py."""
     files, pairs = [], []
     for a in args:
         if a.startswith("-"):
