@@ -23,10 +23,17 @@ an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for
 weights arrive sharded and the stage's whole slice of layers (and the embedding and head) is
 all-gathered once per step before the scan, not per layer: a stage holds its L/S layers unsharded
 for the step, the price of a tick loop that runs any layer block at any tick.
+
+The pieces, outermost first: `loss_and_grads` (the shard_map over `manual_specs`) -> `synced` (the data-parallel
+side, `DataSync`) -> `stage_grads` (one stage's blocks, `Stage`) -> `scan_ticks` -> `tick`: the forward branches
+(`idle`, `fwd`, `fwd_embed`), then `loss_step`, `bwd_step` and `bwd_embed_step`, each under `run_if`; all of them
+read the step's static facts from `Pipe` and run `stage_body`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,167 +79,264 @@ def _put(buf, i, x):
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i < buf.shape[0], x, buf[j]), j, 0)
 
 
+# the forward conditional's branch for each table branch: 0 idle, 1 fwd, 2 fwd_embed
+FORWARD_BRANCH = np.array([{schedules.FWD: 1, schedules.FWD_LOSS: 1, schedules.FWD_EMBED: 2}.get(b, 0)
+                           for b in range(6)], np.int32)
+PLAN_ROWS = ("branch", "m", "v", "slot", "cot_slot", "loss_slot", "recv_act", "recv_cot")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipe:
+    """What every piece of a pipelined step reads and the trace fixes: the model, the schedule's plan, the layout."""
+    model: Any  # the model config
+    stages: int  # S
+    microbatches: int  # M
+    repeats: int  # V
+    plan: schedules.Plan
+    rows: dict  # the plan's per-(tick, stage) arrays (PLAN_ROWS), scanned over tick by tick
+    constrain: Callable  # activation constraints, manual over `stage` and `data`
+    split_vocab: bool  # the vocabulary split over `model` (see _embed)
+    dtype: Any  # the compute dtype
+    placement: Any
+    remat: str
+    fwd_pairs: list  # the activations' hop, stage to stage (the last to the first where V > 1)
+    bwd_pairs: list  # the cotangents' hop back
+    keep_logits: bool
+
+    @classmethod
+    def of(cls, s, keep_logits: bool) -> Pipe:
+        c, t = s.model, s.cfg.train
+        S, M, V = s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats
+        _, pl = table_plan(t.pipeline_schedule, S, M, V)
+        rows = {k: jnp.asarray(getattr(pl, k)) for k in PLAN_ROWS}
+        fwd_pairs = [(j, j + 1) for j in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
+        # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
+        # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
+        remat = "sublayer" if c.remat == "sublayer" else "none"
+        return cls(c, S, M, V, pl, rows, s.layout.constrainer(manual={"stage", "data"}), s.layout.split("vocab") > 1,
+                   s.dtype, s.placement, remat, fwd_pairs, [(b, a) for a, b in fwd_pairs], keep_logits)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage:
+    """What one stage's tick loop reads, inside the shard_map (one stage of one data shard)."""
+    pipe: Pipe
+    blocks: dict  # the stage's layers as its V blocks, each leaf (V, L/(S*V), ...)
+    index: Any  # (V, L/(S*V)): each of those layers' index in the whole stack
+    top: dict  # the parameters other than the layers (embedding, final norm, head)
+    mbs: dict  # this data shard's microbatches, each field (M, B/M, T)
+    scale: dict  # the objective's scales (models/loss.py)
+    aux0: dict  # the aux sums, zero
+    # each aux sum's cotangent: its scale (known before the backward, as the token loss's); counts get none
+    aux_cot: dict
+    me: Any  # this stage's index on `stage`
+
+
+def _add(acc, d):
+    return jax.tree.map(jnp.add, acc, d)
+
+
+def stage_body(st: Stage, blocks, v, h, docs):
+    """(h, aux) of the stage's block v of layers (blocks: (weights, global layer indices))."""
+    p, idx = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
+    return layer_stack(st.pipe.model, p, h, constrain=st.pipe.constrain, remat=st.pipe.remat, documents=docs,
+                       index=idx, placement=st.pipe.placement)
+
+
+def embed_microbatch(st: Stage, top, m):
+    """Microbatch m's tokens embedded by `top`'s embedding."""
+    pipe = st.pipe
+    return _embed(pipe.model, top, st.mbs["tokens"][m], pipe.dtype, pipe.constrain, pipe.split_vocab)
+
+
+def documents(st: Stage, m):
+    """Microbatch m's (segment_ids, positions) where the model keeps to documents, else None."""
+    return (st.mbs["segment_ids"][m], st.mbs["positions"][m]) if st.pipe.model.documents else None
+
+
+def microbatch_loss(st: Stage, y, top, m):
+    """scale["loss"] x the loss sum of microbatch m from the last stage's output y."""
+    c, constrain = st.pipe.model, st.pipe.constrain
+    targets, weight = st.mbs["targets"][m], st.mbs["loss_weight"][m]
+    if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
+        return head_loss(c, top, y, targets, weight, constrain) * st.scale["loss"]
+    return _cross_entropy(head(c, top, y, constrain), targets, weight) * st.scale["loss"]
+
+
+# The forward runs in a conditional (output only), one of these three branches. The steps that add to
+# the gradient sums run as while loops of 0 or 1 trips (run_if): XLA updates a while's carry in place,
+# where a conditional copies every sum it passes through (twice per tick: into the branch's output and
+# back into the scan's carry), and adding a branch's zeros costs as much.
+def idle(st: Stage, h, m, v):
+    return h, st.aux0
+
+
+def fwd(st: Stage, h, m, v):
+    return stage_body(st, (st.blocks, st.index), v, h, documents(st, m))
+
+
+def fwd_embed(st: Stage, h, m, v):
+    return stage_body(st, (st.blocks, st.index), v, embed_microbatch(st, st.top, m), documents(st, m))
+
+
+# the steps that add to the sums read their inputs as `ins`: see run_if
+def loss_step(st: Stage, ins, gbuf, dtop, loss, *out):
+    """The last stage's loss of microbatch m: its cotangent filed in gbuf's slot, the head's gradient added."""
+    top, y, m, slot = ins
+    ls, (dy, dt) = jax.value_and_grad(functools.partial(microbatch_loss, st), argnums=(0, 1))(y, top, m)
+    gbuf = _put(gbuf, slot, dy.astype(y.dtype))
+    if out:  # keep_logits: microbatch m's logits, filed in its row
+        out = (_put(out[0], m, head(st.pipe.model, top, y, st.pipe.constrain).astype(jnp.float32)),)
+    return gbuf, _add(dtop, dt), loss + ls, *out
+
+
+def bwd_step(st: Stage, ins, dblk, dh):
+    """The backward of block v from its stored input h and cotangent g: its gradient added, dh the input's."""
+    blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
+    _, vjp = jax.vjp(lambda w, x: stage_body(st, (w, st.index), v, x, documents(st, *m) if m else None), blk, h)
+    db, dh = vjp((g, st.aux_cot))
+    return _add(dblk, db), dh
+
+
+def bwd_embed_step(st: Stage, ins, dblk, dtop):
+    """The first stage's backward of block v of microbatch m, through the embedding."""
+    blk, top, g, m, v = ins
+    _, vjp = jax.vjp(lambda w, e: stage_body(st, (w, st.index), v, embed_microbatch(st, {**top, "embed": e}, m),
+                                             documents(st, m)), blk, top["embed"])
+    db, de = vjp((g, st.aux_cot))
+    return _add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
+
+
+def run_if(st: Stage, pred, f, ins, *state):
+    """f(st, ins, *state) if pred else state, as a while loop of 0 or 1 trips. The inputs pass a
+    barrier with the trip counter: otherwise XLA hoists what depends only on them (the
+    recomputed forward of a backward) out of the loop, to run every tick."""
+    def step(carry):
+        i, x = jax.lax.optimization_barrier((carry[0], ins))
+        return (i + 1, *f(st, x, *carry[1:]))
+    # the loop's ops are scoped by f's name: the HLO reader (trainer/plan/hlo.py) counts each
+    # step's trips from that, whatever XLA shares between the loops' bodies
+    with jax.named_scope(f.__name__):
+        return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
+
+
+def tick(st: Stage, carry, row):
+    """One tick of the table on this stage: its forward branch, loss step and backward steps, and the two hops."""
+    xbuf, gbuf, dblk, dtop, loss, aux, *out = carry
+    r = {k: a[st.me] for k, a in row.items()}
+    br, m, v = r["branch"], r["m"], r["v"]
+    h = xbuf[r["slot"]]
+    branches = [functools.partial(f, st) for f in (idle, fwd, fwd_embed)]
+    y, aux_y = jax.lax.switch(jnp.asarray(FORWARD_BRANCH)[br], branches, h, m, v)
+    aux = _add(aux, aux_y)
+    gbuf, dtop, loss, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
+                                    gbuf, dtop, loss, *out)
+    # read after the loss step's write (never on a backward's tick), which then needs no copy
+    g = gbuf[r["cot_slot"]]
+    # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
+    # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
+    # where a spare row to take them would cost a stage input (cotangent) of memory. The output
+    # is sent before the backward, whose input cotangent then takes its buffer.
+    xbuf = _put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", st.pipe.fwd_pairs))
+    ins = (st.blocks, h, g, v) + ((m,) if st.pipe.model.documents else ())
+    dblk, dh = run_if(st, br == schedules.BWD, bwd_step, ins, dblk, y)
+    dblk, dtop = run_if(st, br == schedules.BWD_EMBED, bwd_embed_step, (st.blocks, st.top, g, m, v), dblk, dtop)
+    gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", st.pipe.bwd_pairs))
+    return (xbuf, gbuf, dblk, dtop, loss, aux, *out), None
+
+
+def scan_ticks(st: Stage):
+    """(loss, aux, d blocks, d top, logits): every tick of the table on this stage, from empty buffers and sums
+    (logits: [(M, B/M, T, V)] with keep_logits, else [])."""
+    pipe = st.pipe
+    h0 = jax.eval_shape(functools.partial(embed_microbatch, st), st.top, 0)
+    rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
+    out = [jnp.zeros((pipe.microbatches,) + h0.shape[:-1] + (pipe.model.vocab_size,), jnp.float32)
+           ] if pipe.keep_logits else []
+    carry = (rows(pipe.plan.n_act), rows(pipe.plan.n_cot), jax.tree.map(jnp.zeros_like, st.blocks),
+             jax.tree.map(jnp.zeros_like, st.top), jnp.zeros((), jnp.float32), st.aux0, *out)
+    (_, _, dblk, dtop, loss, aux, *out), _ = jax.lax.scan(functools.partial(tick, st), carry, pipe.rows)
+    return loss, aux, dblk, dtop, out
+
+
+def stage_blocks(layers, stages: int, repeats: int):
+    """(blocks, back): the stage's stored layers (L/S, ...) as its V blocks (V, L/(S*V), ...), and the map of
+    the blocks' gradient back to the stored layout (through the vjp of `circular_blocks` where V > 1)."""
+    if repeats == 1:
+        return jax.tree.map(lambda w: w[None], layers), lambda d: jax.tree.map(lambda w: w[0], d)
+    blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, stages, repeats), ws), layers)
+    return blocks, lambda d: vjp_blocks(d)[0]
+
+
+def stage_grads(pipe: Pipe, layers, top, mbs, scale):
+    """(parts, d top, d layers, *logits) of this data shard's rows: the schedule run on this stage, the parts,
+    the top gradient and the logits summed over `stage`."""
+    c, S, V = pipe.model, pipe.stages, pipe.repeats
+    blocks, back = stage_blocks(layers, S, V)
+    # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
+    # circular.py; V = 1: the stage's L/S consecutive layers)
+    n = c.n_layers // (S * V)
+    index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
+    aux0 = zero_parts(c)["aux"]
+    aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
+    st = Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index("stage"))
+    loss, aux, dblk, dtop, out = scan_ticks(st)
+    parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
+    return parts, jax.lax.psum(dtop, "stage"), back(dblk), *(jax.lax.psum(o, "stage") for o in out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataSync:
+    """The data-parallel side of a pipelined step: train.grad_sync's reducer (trainer/parallel/sync.py) and
+    what it reads of each parameter."""
+    zero: int  # train.zero_stage
+    ranks: int  # mesh.data
+    reducer: Any
+    dims: dict  # each parameter's dimension split over `data` by ZeRO (None: none)
+    specs: dict  # each parameter's compute spec
+
+    @classmethod
+    def of(cls, s) -> DataSync:
+        t, k = s.cfg.train, s.mesh.shape["data"]
+        dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
+        specs = jax.tree.map(lambda sh, lg: s.layout.compute_spec(sh.shape, lg), s.param_shapes, s.logical)
+        return cls(t.zero_stage, k, sync.make(t.grad_sync, "data", k), dims, specs)
+
+
+def synced(pipe: Pipe, ds: DataSync, layers, top, mbs, scale):
+    """`stage_grads` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
+    if ds.zero >= 3:
+        layers = ds.reducer.all_gather_tree(layers, ds.dims["layers"], ds.specs["layers"])
+        top = ds.reducer.all_gather_tree(top, *({n: tree[n] for n in top} for tree in (ds.dims, ds.specs)))
+    parts, dtop, dlayers, *out = stage_grads(pipe, layers, top, mbs, scale)
+    g = {**dtop, "layers": dlayers}
+    if ds.ranks > 1:
+        g = (ds.reducer.reduce_scatter_tree if ds.zero >= 2 else ds.reducer.all_reduce_tree)(g, ds.dims, ds.specs)
+    # sums over this shard's rows: the step's are their sum over `data`
+    return jax.lax.psum(parts, "data"), g, *out
+
+
+def manual_specs(params, dims, sharded: bool) -> dict:
+    """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
+    def spec(sh, d, stage):
+        e = ["stage"] if stage else []
+        return P(*(e + [None] * (d - len(e)) + ["data"])) if sharded and d is not None else P(*e)
+    return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
+
+
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     """(parts, gradient) of the objective (models/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
     x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
     over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
     aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
     (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
-    c, t, mesh = s.model, s.cfg.train, s.mesh
-    S, M, V = mesh.shape["stage"], t.microbatches, t.pipeline_repeats
-    _, pl = table_plan(t.pipeline_schedule, S, M, V)
-    constrain = s.layout.constrainer(manual={"stage", "data"})
-    split_vocab = s.layout.split("vocab") > 1
-    mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, M), P(None, "data"))  # each field (M, B/M, T)
+    mbs = split_microbatches(batch, s.cfg.train.microbatches)  # each field (M, B/M, T)
+    mbs = jax.lax.with_sharding_constraint(mbs, P(None, "data"))
     top = {k: v for k, v in params.items() if k != "layers"}
-    xs = {k: jnp.asarray(getattr(pl, k)) for k in
-          ("branch", "m", "v", "slot", "cot_slot", "loss_slot", "recv_act", "recv_cot")}
-    fwd_pairs = [(j, j + 1) for j in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
-    bwd_pairs = [(b, a) for a, b in fwd_pairs]
-
-    # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
-    # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
-    remat = "sublayer" if c.remat == "sublayer" else "none"
-
-    def body(blocks, v, h, docs):
-        """(h, aux) of the stage's block v of layers (blocks: (weights, global layer indices))."""
-        p, idx = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, v, 0, keepdims=False), blocks)
-        return layer_stack(c, p, h, constrain=constrain, remat=remat, documents=docs, index=idx,
-                           placement=s.placement)
-
-    def local(layers, top, mbs, scale):
-        if V == 1:
-            blocks = jax.tree.map(lambda w: w[None], layers)
-            back = lambda d: jax.tree.map(lambda w: w[0], d)  # noqa: E731
-        else:
-            blocks, vjp_blocks = jax.vjp(lambda ws: jax.tree.map(lambda w: circular_blocks(w, S, V), ws), layers)
-            back = lambda d: vjp_blocks(d)[0]  # noqa: E731
-        # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
-        # circular.py; V = 1: the stage's L/S consecutive layers)
-        n = c.n_layers // (S * V)
-        index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
-        aux0 = zero_parts(c)["aux"]
-        # each aux sum's cotangent is its scale (known before the backward, as the token loss's); counts get none
-        aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
-        emb = lambda tp, m: _embed(c, tp, mbs["tokens"][m], s.dtype, constrain, split_vocab)  # noqa: E731
-        h0 = jax.eval_shape(emb, top, 0)
-        # microbatch m's (segment_ids, positions) where the model keeps to documents, else None
-        docs = lambda m: (mbs["segment_ids"][m], mbs["positions"][m]) if c.documents else None  # noqa: E731
-        add = lambda acc, d: jax.tree.map(jnp.add, acc, d)  # noqa: E731
-
-        def mb_loss(y, tp, m):
-            targets, weight = mbs["targets"][m], mbs["loss_weight"][m]
-            if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-                return head_loss(c, tp, y, targets, weight, constrain) * scale["loss"]
-            return _cross_entropy(head(c, tp, y, constrain), targets, weight) * scale["loss"]
-
-        # The forward runs in a conditional (output only). The steps that add to the gradient sums
-        # run as while loops of 0 or 1 trips: XLA updates a while's carry in place, where a
-        # conditional copies every sum it passes through (twice per tick: into the branch's output
-        # and back into the scan's carry), and adding a branch's zeros costs as much.
-        def fwd(h, m, v):
-            return body((blocks, index), v, h, docs(m))
-
-        def fwd_embed(h, m, v):
-            return body((blocks, index), v, emb(top, m), docs(m))
-
-        def idle(h, m, v):
-            return h, aux0
-
-        # the steps that add to the sums read their inputs as `ins`: see run_if
-        def loss_step(ins, gbuf, dtop, loss, *out):
-            tp, y, m, slot = ins
-            ls, (dy, dt) = jax.value_and_grad(mb_loss, argnums=(0, 1))(y, tp, m)
-            gbuf = _put(gbuf, slot, dy.astype(y.dtype))
-            if out:  # keep_logits: microbatch m's logits, filed in its row
-                out = (_put(out[0], m, head(c, tp, y, constrain).astype(jnp.float32)),)
-            return gbuf, add(dtop, dt), loss + ls, *out
-
-        def bwd_step(ins, dblk, dh):
-            blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
-            _, vjp = jax.vjp(lambda w, x: body((w, index), v, x, docs(*m) if m else None), blk, h)
-            db, dh = vjp((g, aux_cot))
-            return add(dblk, db), dh
-
-        def bwd_embed_step(ins, dblk, dtop):
-            blk, tp, g, m, v = ins
-            _, vjp = jax.vjp(lambda w, e: body((w, index), v, emb({**tp, "embed": e}, m), docs(m)), blk, tp["embed"])
-            db, de = vjp((g, aux_cot))
-            return add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
-
-        def run_if(pred, f, ins, *state):
-            """f(ins, *state) if pred else state, as a while loop of 0 or 1 trips. The inputs pass a
-            barrier with the trip counter: otherwise XLA hoists what depends only on them (the
-            recomputed forward of a backward) out of the loop, to run every tick."""
-            def step(carry):
-                i, x = jax.lax.optimization_barrier((carry[0], ins))
-                return (i + 1, *f(x, *carry[1:]))
-            # the loop's ops are scoped by f's name: the HLO reader (trainer/plan/hlo.py) counts each
-            # step's trips from that, whatever XLA shares between the loops' bodies
-            with jax.named_scope(f.__name__):
-                return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step,
-                                          (jnp.int32(0), *state))[1:]
-
-        fwd_branch = np.zeros(6, np.int32)  # forward conditional: 0 none, 1 fwd, 2 fwd_embed
-        fwd_branch[[schedules.FWD, schedules.FWD_LOSS]], fwd_branch[schedules.FWD_EMBED] = 1, 2
-        me = jax.lax.axis_index("stage")
-
-        def tick(carry, row):
-            xbuf, gbuf, dblk, dtop, loss, aux, *out = carry
-            r = {k: a[me] for k, a in row.items()}
-            br, m, v = r["branch"], r["m"], r["v"]
-            h = xbuf[r["slot"]]
-            y, aux_y = jax.lax.switch(jnp.asarray(fwd_branch)[br], [idle, fwd, fwd_embed], h, m, v)
-            aux = add(aux, aux_y)
-            gbuf, dtop, loss, *out = run_if(br == schedules.FWD_LOSS, loss_step, (top, y, m, r["loss_slot"]),
-                                            gbuf, dtop, loss, *out)
-            # read after the loss step's write (never on a backward's tick), which then needs no copy
-            g = gbuf[r["cot_slot"]]
-            # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
-            # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
-            # where a spare row to take them would cost a stage input (cotangent) of memory. The output
-            # is sent before the backward, whose input cotangent then takes its buffer.
-            xbuf = _put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", fwd_pairs))
-            dblk, dh = run_if(br == schedules.BWD, bwd_step, (blocks, h, g, v) + ((m,) if c.documents else ()), dblk, y)
-            dblk, dtop = run_if(br == schedules.BWD_EMBED, bwd_embed_step, (blocks, top, g, m, v), dblk, dtop)
-            gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", bwd_pairs))
-            return (xbuf, gbuf, dblk, dtop, loss, aux, *out), None
-
-        rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
-        out = [jnp.zeros((M,) + h0.shape[:-1] + (c.vocab_size,), jnp.float32)] if keep_logits else []
-        carry = (rows(pl.n_act), rows(pl.n_cot), jax.tree.map(jnp.zeros_like, blocks),
-                 jax.tree.map(jnp.zeros_like, top), jnp.zeros((), jnp.float32), aux0, *out)
-        (_, _, dblk, dtop, loss, aux, *out), _ = jax.lax.scan(tick, carry, xs)
-        parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
-        return parts, jax.lax.psum(dtop, "stage"), back(dblk), *(jax.lax.psum(o, "stage") for o in out)
-
-    k, zero = mesh.shape["data"], t.zero_stage
-    dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
-    specs = jax.tree.map(lambda sh, lg: s.layout.compute_spec(sh.shape, lg), s.param_shapes, s.logical)
-    top_dims, top_specs = ({n: tree[n] for n in top} for tree in (dims, specs))
-    reducer = sync.make(t.grad_sync, "data", k)
-
-    def synced(layers, top, mbs, scale):
-        """`local` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
-        if zero >= 3:
-            layers = reducer.all_gather_tree(layers, dims["layers"], specs["layers"])
-            top = reducer.all_gather_tree(top, top_dims, top_specs)
-        parts, dtop, dlayers, *out = local(layers, top, mbs, scale)
-        g = {**dtop, "layers": dlayers}
-        if k > 1:
-            g = (reducer.reduce_scatter_tree if zero >= 2 else reducer.all_reduce_tree)(g, dims, specs)
-        # sums over this shard's rows: the step's are their sum over `data`
-        return jax.lax.psum(parts, "data"), g, *out
-
-    def manual_specs(sharded: bool):
-        """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
-        def spec(sh, d, stage):
-            e = ["stage"] if stage else []
-            return P(*(e + [None] * (d - len(e)) + ["data"])) if sharded and d is not None else P(*e)
-        return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
-
-    p_in, g_out = manual_specs(zero >= 3), manual_specs(zero >= 2)
-    fn = jax.shard_map(synced, mesh=mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"), P()),
+    pipe, ds = Pipe.of(s, keep_logits), DataSync.of(s)
+    p_in, g_out = manual_specs(params, ds.dims, ds.zero >= 3), manual_specs(params, ds.dims, ds.zero >= 2)
+    fn = jax.shard_map(functools.partial(synced, pipe, ds), mesh=s.mesh,
+                       in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"), P()),
                        out_specs=(P(), g_out) + ((P(None, "data"),) if keep_logits else ()),
                        axis_names={"stage", "data"}, check_vma=False)
     parts, g, *out = fn(params["layers"], top, mbs, scale)
