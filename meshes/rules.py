@@ -11,6 +11,8 @@ ZeRO (DESIGN.md):
   stage 1: optimizer state sharded over `data`
   stage 2: + gradients reduce-scattered and kept sharded over `data`
   stage 3: + parameters sharded over `data`, all-gathered per layer
+A leaf whose logical axes the rules already map to `data` (e.g. experts="data": each data rank holds its own
+experts) is split by its rule: ZeRO adds nothing to it, and every stage keeps it split.
 """
 from __future__ import annotations
 
@@ -66,6 +68,19 @@ class Rules(Mapping):
         return P(*out)
 
 
+def keep(spec: P, axes) -> P:
+    """The spec with mesh axes outside `axes` dropped (the spec over the axes a shard_map makes manual)."""
+    def entry(e):
+        names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in axes)
+        return names[0] if len(names) == 1 else (names or None)
+    return P(*(entry(e) for e in spec))
+
+
+def mesh_axes(spec: P) -> set[str]:
+    """Every mesh axis a spec splits some dimension over."""
+    return {n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
+
+
 def _drop(entry, axes: set[str]):
     if isinstance(entry, tuple):
         kept = tuple(a for a in entry if a not in axes)
@@ -73,10 +88,12 @@ def _drop(entry, axes: set[str]):
     return None if entry in axes else entry
 
 
+# The mesh axis ZeRO shards training state over: the batch's (gradients are summed over it).
+DATA = "data"
 # The base table: logical axis -> mesh axis (None = replicated). Activations and parameters share it;
 # parameters add the ZeRO/FSDP rule (`data` on one more dimension) on top.
 RULES = Rules({
-    "batch": "data",
+    "batch": DATA,
     "seq": None,
     "embed": None,
     "heads": "model",
@@ -106,7 +123,7 @@ def _add_data(spec: P, dim: int | None, ndim: int) -> P:
     entries = list(spec) + [None] * (ndim - len(spec))
     if dim is not None:
         e = entries[dim]
-        entries[dim] = "data" if e is None else (("data",) + (e if isinstance(e, tuple) else (e,)))
+        entries[dim] = DATA if e is None else ((DATA,) + (e if isinstance(e, tuple) else (e,)))
     return P(*entries)
 
 
@@ -142,12 +159,12 @@ class Layout:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 1 else self.compute_spec(shape, logical)
 
     def data_dim(self, shape, logical) -> int | None:
-        """The dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small); for manual
-        collectives in shard_map too."""
-        k = self.mesh.shape["data"]
-        if k == 1:
-            return None
+        """The dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small, or its rules
+        split it over `data` already); for manual collectives in shard_map too."""
+        k = self.mesh.shape[DATA]
         base = self.rules.spec(logical, shape, self.mesh)
+        if k == 1 or DATA in mesh_axes(base):
+            return None
         order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
                        key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
         for i in order:
@@ -158,6 +175,20 @@ class Layout:
     def split(self, logical: str) -> int:
         """Devices a logical axis is split over by the rules (1: replicated)."""
         return _axis_size(self.mesh, self.rules[logical])
+
+    def rule_axes(self, shape, logical) -> set[str]:
+        """The mesh axes the rules themselves split a leaf over (ZeRO aside)."""
+        return mesh_axes(self.rules.spec(logical, shape, self.mesh))
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: each holds other rows, so gradients are summed over them."""
+        return tuple(sorted(mesh_axes(self.batch_spec()), key=self.mesh.axis_names.index))
+
+    def manual_spec(self, kind: str, shape, logical, manual) -> P:
+        """A leaf's `kind` spec (param | grad | opt | compute) over the mesh axes a shard_map makes manual: what
+        each rank's block of it is there (a leaf the rules split over `data` stays split at every ZeRO stage)."""
+        return keep(getattr(self, f"{kind}_spec")(shape, logical), set(manual))
 
     def batch_spec(self) -> P:
         return self.rules.spec(("batch",))

@@ -18,7 +18,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.attention import masked_attention
 from models.layers import kernels_for, rope_for, rope_tables
-from models.spec import LayerCall, family
+from models.spec import LOCAL, LayerCall, family
 from models.transformer import _identity, _no_constrain, attn_out_mlp, embed, head, inventory, layer, qkv
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,9 @@ def _extend_layer(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dty
             keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
             return masked_attention(q_BTHE, new["k"].astype(dtype), new["v"].astype(dtype), keep, softcap, scale)
 
+        # one device: the collectives' local form (every logical axis one rank)
         call = LayerCall(rope, _no_constrain, kernels, _identity, None, attend, i,
-                         {k: v[i] for k, v in tables.items()})
+                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL)
         x_BTD, _ = spec.layer(c, p, x_BTD, call)
         return x_BTD, (new["k"], new["v"])
 

@@ -7,7 +7,7 @@ Dimension letters as in models/transformer.py. Families (models/spec.py) build t
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models import fast_cpu
 from models.attention import attention
 from models.config import ModelConfig
-from models.spec import family
+from models.spec import LOCAL, family
 
 
 class Placement(NamedTuple):
@@ -25,9 +25,11 @@ class Placement(NamedTuple):
     it runs (a TPU topology compiled ahead of time on a CPU host is "tpu"); and how many times each kv head is
     repeated before attention: with fewer kv heads than tensor-parallel ranks (their weights replicated), ranks / kv
     heads, so that each rank holds the kv head of its query heads, split like them (cuDNN's kernel takes q, k and v
-    split alike only)."""
+    split alike only); and the collectives over logical axes its layers get (LayerCall.collectives; the local form
+    by default: one rank)."""
     platform: str | None = None
     kv_repeat: int = 1
+    collectives: Any = LOCAL
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):

@@ -24,6 +24,42 @@ class Param(NamedTuple):
     as_stored: bool = False  # read as stored (float32): a ZeRO-3 gather must not cast it first (models/precision.py)
 
 
+class LocalCollectives:
+    """The collectives a layer gets (LayerCall.collectives), in their local form: one rank on every logical axis
+    (size 1, index 0, each collective the identity), for decoding, the planner and one device. The trainer passes
+    its own, of the same methods, over the mesh axes the rules map each logical axis to (meshes/collectives.py);
+    each method acts on one rank's blocks, as inside a shard_map:
+      axis_size(lg), axis_index(lg); psum(x, lg); all_gather(x, lg, axis) (blocks concatenated along axis);
+      reduce_scatter(x, lg, axis) (summed, each rank keeps its block of axis); all_to_all(x, lg, split_axis,
+      concat_axis) (block j of split_axis to rank j, rank i's arriving as block i of concat_axis);
+      region(fn, in_axes, out_axes, over=None): fn on each rank's blocks, manual over the logical axes `over`
+      (None: every axis), the arguments' and the result's layouts given by their logical axes."""
+
+    def axis_size(self, logical: str) -> int:
+        return 1
+
+    def axis_index(self, logical: str):
+        return 0
+
+    def psum(self, x, logical: str):
+        return x
+
+    def all_gather(self, x, logical: str, axis: int = 0):
+        return x
+
+    def reduce_scatter(self, x, logical: str, axis: int = 0):
+        return x
+
+    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
+        return x
+
+    def region(self, fn, in_axes, out_axes, over=None):
+        return fn
+
+
+LOCAL = LocalCollectives()
+
+
 class LayerCall(NamedTuple):
     """What a layer function gets besides its weights and input. `index` and `data` change from layer to layer;
     the rest is the stack's."""
@@ -39,6 +75,9 @@ class LayerCall(NamedTuple):
     # each kv head repeated this many times before attention (the caller's Placement: kv heads replicated over
     # tensor-parallel ranks, each rank then holds the kv head of its query heads, split like them)
     kv_repeat: int = 1
+    # collectives over logical axes (LocalCollectives' methods; the caller's Placement): e.g. tokens sent to the
+    # data rank that holds their expert by all_to_all over `experts`
+    collectives: Any = LOCAL
 
 
 class Ends(NamedTuple):

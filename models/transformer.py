@@ -27,7 +27,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
 from models.llama_hf import LLAMA_HF
-from models.spec import LayerCall, ModelSpec, Param, family, register
+from models.spec import LOCAL, LayerCall, ModelSpec, Param, family, register
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -144,10 +144,12 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
 
 
 def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
-               half: Callable = _identity, segments=None, index=0, data=None, kv_repeat: int = 1) -> LayerCall:
-    """A LayerCall (models/spec.py) with the kernels' attention as its strategy."""
+               half: Callable = _identity, segments=None, index=0, data=None, kv_repeat: int = 1,
+               collectives=LOCAL) -> LayerCall:
+    """A LayerCall (models/spec.py) with the kernels' attention as its strategy (the collectives' local form unless
+    given)."""
     kn = kernels or kernels_for(c)
-    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {}, kv_repeat)
+    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {}, kv_repeat, collectives)
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -239,7 +241,8 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
-    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs and the kv heads' repeat.
+    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs, the kv heads' repeat and the
+    collectives its layers get.
     """
     remat = c.remat if remat is None else remat
     segments, positions = (None, None) if documents is None else documents
@@ -261,7 +264,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     def body(x, pi):
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
-                          placement.kv_repeat)
+                          placement.kv_repeat, placement.collectives)
         return spec.layer(c, gather(p), x, call)
 
     if remat in REMAT:

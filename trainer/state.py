@@ -10,11 +10,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshes import RULES, Layout, MeshError, Rules, build
+from meshes import RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
 from trainer import guard
 from trainer.parallel import localsgd
+from trainer.parallel.reduction import Decision, decide
 from trainer.config import Config, compute_dtype, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
@@ -33,7 +34,8 @@ class Setup:
     logical: dict  # logical axes of every parameter
     shapes: dict  # abstract train state
     shardings: dict  # NamedSharding of every leaf of the train state
-    placement: Placement  # what the model's program needs of the mesh: its platform, the kv heads' repeat
+    placement: Placement  # what the model's program needs of the mesh: its platform, the kv heads' repeat, collectives
+    reduction: Decision  # how each gradient is reduced, and where (trainer/parallel/reduction.py)
 
     @property
     def param_shapes(self):
@@ -72,11 +74,13 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     platform's."""
     model = mesh.shape["model"]
     mc = model_config(cfg)
-    # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
-    # rank repeats the one its query heads need
-    placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1)
     layout = Layout(mesh, cfg.train.zero_stage, rules_for(cfg) if rules is None else rules)
+    # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
+    # rank repeats the one its query heads need; the collectives over the layout's logical axes
+    placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,
+                          Collectives(layout.rules, mesh))
     pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
+    reduction = decide(layout, pshapes, logical, cfg.train.grad_sync, cfg.train.microbatches)
     tx, schedule = make_optimizer(cfg.train, decay)
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
               "opt_state": jax.eval_shape(tx.init, pshapes), "guard": guard.shapes(cfg.train)}
@@ -89,9 +93,9 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
         "guard": jax.tree.map(lambda _: layout.replicated, shapes["guard"]),
     }
     if localsgd.enabled(cfg):  # one copy of params and optimizer state per data-parallel replica
-        shapes, shardings = localsgd.stack(cfg, shapes, shardings, mesh.shape["data"])
+        shapes, shardings = localsgd.stack(cfg, tx, shapes, shardings, reduction)
     dtype = jnp.dtype(compute_dtype(cfg, platform))
-    return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings, placement)
+    return Setup(cfg, mc, mesh, layout, tx, schedule, dtype, logical, shapes, shardings, placement, reduction)
 
 
 def init_state(s: Setup) -> dict:
@@ -102,7 +106,10 @@ def init_state(s: Setup) -> dict:
         params = params_of(Transformer(mc, rngs=nnx.Rngs(seed)))
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
                  "guard": guard.init(s.cfg.train)}
-        return localsgd.replicate(s.cfg, s.mesh.shape["data"], state) if localsgd.enabled(s.cfg) else state
+        if not localsgd.enabled(s.cfg):
+            return state
+        own = localsgd.owned(tx, s.reduction, s.shapes["opt_state"])
+        return localsgd.replicate(s.cfg, s.reduction.size, state, own)
 
     with jax.set_mesh(s.mesh):
         return jax.jit(init, out_shardings=s.shardings)()

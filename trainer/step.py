@@ -8,10 +8,11 @@ its gradient, over its microbatches, data ranks and pipeline microbatches: the l
 counted tokens whatever the layout, and a step with none has loss 0 and zero gradients. (1/N scales the
 loss where its backward starts, so the gradients need no pass of their own to be divided.)
 
-Gradients come from one of two paths:
+Gradients come from the path the gradient decision names (s.reduction.where, trainer/parallel/reduction.py,
+which also says how each leaf is reduced: a leaf the rules split over `data` never is):
   compiler  (grad_sync=auto, ZeRO 0/1, one microbatch): plain jit; XLA inserts the gradient all-reduce.
   manual    (grad_sync=psum|ring|ring_bf16, ZeRO 2/3, or microbatches > 1): the loss and gradients run in a
-            shard_map that is manual over `data` (tensor parallelism over `model` stays
+            shard_map that is manual over the batch's mesh axes, `data` (tensor parallelism over `model` stays
             with the compiler). Each device differentiates its own rows; the reduction is
             explicit: reduce-scatter for ZeRO 2/3 (once per microbatch, so the accumulated
             gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
@@ -38,7 +39,7 @@ from models.batch import counted
 from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
-from trainer.parallel import localsgd, pipeline as pipeline_1f1b, sync
+from trainer.parallel import localsgd, pipeline, reduction
 from trainer.optim import schedule_count
 from trainer.parallel.microbatch import split_microbatches
 from trainer.state import Setup
@@ -50,10 +51,7 @@ def _constrain_tree(tree, shardings):
 
 def uses_manual_sync(s: Setup) -> bool:
     """Whether the step reduces gradients over `data` itself (else the compiler inserts the all-reduce)."""
-    t = s.cfg.train
-    # a pipeline (trainer/parallel/pipeline.py) always does, once per step after its tick loop
-    return s.mesh.shape["stage"] > 1 or t.grad_sync != "auto" or (
-        s.mesh.shape["data"] > 1 and (t.zero_stage >= 2 or t.microbatches > 1))
+    return s.reduction.where != reduction.COMPILER
 
 
 # ----------------------------------------------------------------------------- compiler path
@@ -67,7 +65,7 @@ def _auto_grads(s: Setup, params, batch, scale):
         (_, parts), g = vg(params, batch)
         return parts, g
     gsh = s.layout.tree("grad", s.param_shapes, s.logical)
-    mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, m), P(None, "data"))
+    mbs = jax.lax.with_sharding_constraint(split_microbatches(batch, m), P(None, *s.layout.batch_spec()))
 
     def body(carry, mb):
         (_, parts), g = vg(params, mb)
@@ -84,33 +82,20 @@ def _add(a, b):
 
 # ----------------------------------------------------------------------------- manual path
 
-def _spec_with_data(ndim: int, dim: int | None) -> P:
-    if dim is None:
-        return P()
-    return P(*([None] * dim + ["data"]))
-
-
 def _scattered_shape(shape, dim, k):
     return shape if dim is None else shape[:dim] + (shape[dim] // k,) + shape[dim + 1:]
 
 
-def _manual_grads(s: Setup, params, batch, scale):
-    t, lay = s.cfg.train, s.layout
-    k, m, zero = s.mesh.shape["data"], t.microbatches, t.zero_stage
-    dims = jax.tree.map(lambda sh, lg: lay.data_dim(sh.shape, lg), s.param_shapes, s.logical)
-    shapes = s.param_shapes
-    sharded_params = zero >= 3
-    in_p = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if sharded_params else None), shapes, dims)
-    out_g = jax.tree.map(lambda sh, d: _spec_with_data(sh.ndim, d if zero >= 2 else None), shapes, dims)
-    specs = jax.tree.map(lambda sh, lg: lay.compute_spec(sh.shape, lg), shapes, s.logical)
-    constrain = s.layout.constrainer(manual={"data"})
-    reducer = sync.make(t.grad_sync, "data", k)
+def _gathering(s: Setup, reducer):
+    """params -> (the weights outside the stack, whole; the per-layer gather the stack runs): ZeRO-3 gathers the
+    non-layer weights here and each layer's inside the scan (in the compute dtype: half the bytes in bfloat16,
+    the rest as stored); below ZeRO-3 both are as they arrive."""
+    red = s.reduction
+    dims, specs = red.dims, red.specs
 
     def full_params(p):
-        """ZeRO-3: gather the non-layer weights; layer weights are gathered inside the scan."""
-        if not sharded_params:
+        if s.cfg.train.zero_stage < 3:
             return p, lambda lp: lp
-        # layer weights gathered in the compute dtype (half the bytes in bfloat16), the rest as stored
         cast = compute_dtypes(s.model, p, s.dtype)
         top = {n: v for n, v in p.items() if n != "layers"}
         top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top},
@@ -119,6 +104,17 @@ def _manual_grads(s: Setup, params, batch, scale):
         layer_specs = {n: P(*sp[1:]) for n, sp in specs["layers"].items()}
         return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs,
                                                                                   cast["layers"])
+    return full_params
+
+
+def _manual_grads(s: Setup, params, batch, scale):
+    """The explicit path: a shard_map manual over the batch axes, each rank's rows differentiated, the gradients
+    reduced where and as s.reduction decides (trainer/parallel/reduction.py)."""
+    t, red = s.cfg.train, s.reduction
+    m, manual = t.microbatches, set(red.axes)
+    constrain = s.layout.constrainer(manual=manual)
+    reducer = red.reducer(t.grad_sync)
+    full_params = _gathering(s, reducer)
 
     def local_loss(p, mb, scale):
         full, gather = full_params(p)
@@ -127,33 +123,23 @@ def _manual_grads(s: Setup, params, batch, scale):
 
     vg = jax.value_and_grad(local_loss, has_aux=True)
 
-    def reduce_micro(g):
-        """Per microbatch: ZeRO-2 reduce-scatters; ZeRO-3 was reduce-scattered by the gather's
-        transpose; leaves ZeRO leaves replicated (no divisible dim) are all-reduced."""
-        if zero < 2:
-            return g
-        if zero == 2:
-            return reducer.reduce_scatter_tree(g, dims, specs)
-        return jax.tree.map(lambda x, d: reducer.all_reduce(x) if d is None else x, g, dims)
-
     def local(p, b, scale):
         mbs = split_microbatches(b, m)
+
         def body(carry, mb):
             (_, parts), g = vg(p, mb, scale)
-            g = reduce_micro(g)
-            return (_add(carry[0], parts), jax.tree.map(jnp.add, carry[1], g)), None
-        zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d if zero == 2 else None, k),
-                                                    x.dtype), p, dims)
+            return (_add(carry[0], parts), _add(carry[1], red.per_microbatch(reducer, g))), None
+        # ZeRO-2 accumulates each leaf's reduce-scattered block
+        scattered = jax.tree.map(lambda d: d if t.zero_stage == 2 else None, red.dims)
+        zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d, red.size), x.dtype), p, scattered)
         if m == 1:
             (parts, g), _ = body((zero_parts(s.model), zeros), jax.tree.map(lambda x: x[0], mbs))
         else:
             (parts, g), _ = jax.lax.scan(body, (zero_parts(s.model), zeros), mbs)
-        if zero < 2:  # one all-reduce per step, after accumulation
-            g = reducer.all_reduce_tree(g, dims, specs)
-        return jax.lax.psum(parts, "data"), g
+        return jax.lax.psum(parts, red.axes), red.per_step(reducer, g)
 
-    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(in_p, P("data"), P()), out_specs=(P(), out_g),
-                       axis_names={"data"}, check_vma=False)
+    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(red.manual_specs("param", manual), s.layout.batch_spec(), P()),
+                       out_specs=(P(), red.manual_specs("grad", manual)), axis_names=manual, check_vma=False)
     return fn(params, batch, scale)
 
 
@@ -165,11 +151,10 @@ def loss_and_grads(s: Setup, params, batch, scale=None):
     scale defaults to the batch's own (`scales`: the mean over its counted tokens, each aux over its count)."""
     if scale is None:
         scale = scales(s.model, batch)
-    if s.mesh.shape["stage"] > 1:  # every pipeline schedule runs from its table, synced over `data` once per step
-        return pipeline_1f1b.loss_and_grads(s, params, batch, scale)
-    if uses_manual_sync(s):
-        return _manual_grads(s, params, batch, scale)
-    return _auto_grads(s, params, batch, scale)
+    # every pipeline schedule runs from its table, synced over `data` once per step
+    paths = {reduction.PIPELINE: pipeline.loss_and_grads, reduction.EXPLICIT: _manual_grads,
+             reduction.COMPILER: _auto_grads}
+    return paths[s.reduction.where](s, params, batch, scale)
 
 
 

@@ -16,16 +16,17 @@ field is split into microbatches alike (trainer/parallel/microbatch.py).
 Layer gradients accumulate per stage, in the stored (L/S, ...) layout (circular blocks map back
 through the vjp of `circular_blocks`).
 
-The shard_map is manual over `stage` and `data` (tensor parallelism over `model` stays with the
-compiler): each data shard accumulates the gradients of its own rows over all ticks, and the
-data-parallel sync (train.grad_sync's reducer, trainer/parallel/sync.py) runs once per step after the scan:
-an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for ZeRO 2/3. ZeRO-3
+The shard_map is manual over `stage` and the batch axes (`data`; tensor parallelism over `model` stays with the
+compiler): each data shard accumulates the gradients of its own rows over all ticks, and the data-parallel sync
+(the run's gradient decision, trainer/parallel/reduction.py, with train.grad_sync's reducer) runs once per step
+after the scan: an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for ZeRO 2/3, nothing
+for a leaf the rules split over `data` (each rank holds and trains its own slice). ZeRO-3
 weights arrive sharded and the stage's whole slice of layers (and the embedding and head) is
 all-gathered once per step before the scan, not per layer: a stage holds its L/S layers unsharded
 for the step, the price of a tick loop that runs any layer block at any tick.
 
-The pieces, outermost first: `loss_and_grads` (the shard_map over `manual_specs`) -> `synced` (the data-parallel
-side, `DataSync`) -> `stage_grads` (one stage's blocks, `Stage`) -> `scan_ticks` -> `tick`: the forward branches
+The pieces, outermost first: `loss_and_grads` (the shard_map over the decision's manual specs) -> `synced` (the
+data-parallel side, `DataSync`) -> `stage_grads` (one stage's blocks, `Stage`) -> `scan_ticks` -> `tick`: the forward branches
 (`idle`, `fwd`, `fwd_embed`), then `loss_step`, `bwd_step` and `bwd_embed_step`, each under `run_if`; all of them
 read the step's static facts from `Pipe` and run `stage_body`.
 """
@@ -42,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.loss import chunk_tokens, head_loss, scales, token_losses, zero_parts
 from models.transformer import embed, head, layer_stack, scale_embedding
-from trainer.parallel import schedules, sync
+from trainer.parallel import schedules
 from trainer.parallel.circular import circular_blocks
 from trainer.parallel.microbatch import split_microbatches
 
@@ -113,8 +114,8 @@ class Pipe:
         # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
         # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
         remat = "sublayer" if c.remat == "sublayer" else "none"
-        return cls(c, S, M, V, pl, rows, s.layout.constrainer(manual={"stage", "data"}), s.layout.split("vocab") > 1,
-                   s.dtype, s.placement, remat, fwd_pairs, [(b, a) for a, b in fwd_pairs], keep_logits)
+        constrain = s.layout.constrainer(manual={"stage", *s.reduction.axes})
+        return cls(c, S, M, V, pl, rows, constrain, s.layout.split("vocab") > 1, s.dtype, s.placement, remat, fwd_pairs, [(b, a) for a, b in fwd_pairs], keep_logits)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,41 +288,29 @@ def stage_grads(pipe: Pipe, layers, top, mbs, scale):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DataSync:
-    """The data-parallel side of a pipelined step: train.grad_sync's reducer (trainer/parallel/sync.py) and
-    what it reads of each parameter."""
-    zero: int  # train.zero_stage
-    ranks: int  # mesh.data
+    """The data-parallel side of a pipelined step: the run's gradient decision (trainer/parallel/reduction.py:
+    each parameter's ZeRO dimension, compute spec and reduction) and train.grad_sync's reducer over its axis."""
+    decision: Any
     reducer: Any
-    dims: dict  # each parameter's dimension split over `data` by ZeRO (None: none)
-    specs: dict  # each parameter's compute spec
 
     @classmethod
     def of(cls, s) -> DataSync:
-        t, k = s.cfg.train, s.mesh.shape["data"]
-        dims = jax.tree.map(lambda sh, lg: s.layout.data_dim(sh.shape, lg), s.param_shapes, s.logical)
-        specs = jax.tree.map(lambda sh, lg: s.layout.compute_spec(sh.shape, lg), s.param_shapes, s.logical)
-        return cls(t.zero_stage, k, sync.make(t.grad_sync, "data", k), dims, specs)
+        return cls(s.reduction, s.reduction.reducer(s.cfg.train.grad_sync))
 
 
 def synced(pipe: Pipe, ds: DataSync, layers, top, mbs, scale):
-    """`stage_grads` on this data shard's rows; the data-parallel sync once, on the step's gradients."""
-    if ds.zero >= 3:
-        layers = ds.reducer.all_gather_tree(layers, ds.dims["layers"], ds.specs["layers"])
-        top = ds.reducer.all_gather_tree(top, *({n: tree[n] for n in top} for tree in (ds.dims, ds.specs)))
+    """`stage_grads` on this data shard's rows; the data-parallel sync once, on the step's gradients (ZeRO-3
+    gathers the stage's weights before; a leaf the rules split over `data` is neither gathered nor reduced)."""
+    d = ds.decision
+    if d.layout.zero_stage >= 3:
+        layers = ds.reducer.all_gather_tree(layers, d.dims["layers"], d.specs["layers"])
+        top = ds.reducer.all_gather_tree(top, *({n: tree[n] for n in top} for tree in (d.dims, d.specs)))
     parts, dtop, dlayers, *out = stage_grads(pipe, layers, top, mbs, scale)
     g = {**dtop, "layers": dlayers}
-    if ds.ranks > 1:
-        g = (ds.reducer.reduce_scatter_tree if ds.zero >= 2 else ds.reducer.all_reduce_tree)(g, ds.dims, ds.specs)
-    # sums over this shard's rows: the step's are their sum over `data`
-    return jax.lax.psum(parts, "data"), g, *out
-
-
-def manual_specs(params, dims, sharded: bool) -> dict:
-    """Specs over the manual axes: layers split over `stage`, ZeRO dims over `data` if `sharded`."""
-    def spec(sh, d, stage):
-        e = ["stage"] if stage else []
-        return P(*(e + [None] * (d - len(e)) + ["data"])) if sharded and d is not None else P(*e)
-    return {n: jax.tree.map(functools.partial(spec, stage=n == "layers"), params[n], dims[n]) for n in params}
+    if d.size > 1:
+        g = d.once(ds.reducer, g)
+    # sums over this shard's rows: the step's are their sum over the batch axes
+    return jax.lax.psum(parts, d.axes), g, *out
 
 
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
@@ -331,14 +320,16 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
     (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
     mbs = split_microbatches(batch, s.cfg.train.microbatches)  # each field (M, B/M, T)
-    mbs = jax.lax.with_sharding_constraint(mbs, P(None, "data"))
+    mbs = jax.lax.with_sharding_constraint(mbs, P(None, *s.layout.batch_spec()))
     top = {k: v for k, v in params.items() if k != "layers"}
     pipe, ds = Pipe.of(s, keep_logits), DataSync.of(s)
-    p_in, g_out = manual_specs(params, ds.dims, ds.zero >= 3), manual_specs(params, ds.dims, ds.zero >= 2)
+    manual = {"stage", *s.reduction.axes}  # layers over `stage`; each rank's rows and ZeRO blocks over the batch axes
+    p_in, g_out = (s.reduction.manual_specs(kind, manual) for kind in ("param", "grad"))
+    rows = P(None, *s.layout.batch_spec())  # (M, B/M, ...): each microbatch's rows split as the batch's
     fn = jax.shard_map(functools.partial(synced, pipe, ds), mesh=s.mesh,
-                       in_specs=(p_in["layers"], {n: p_in[n] for n in top}, P(None, "data"), P()),
-                       out_specs=(P(), g_out) + ((P(None, "data"),) if keep_logits else ()),
-                       axis_names={"stage", "data"}, check_vma=False)
+                       in_specs=(p_in["layers"], {n: p_in[n] for n in top}, rows, P()),
+                       out_specs=(P(), g_out) + ((rows,) if keep_logits else ()),
+                       axis_names=manual, check_vma=False)
     parts, g, *out = fn(params["layers"], top, mbs, scale)
     if not keep_logits:
         return parts, g

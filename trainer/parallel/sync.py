@@ -14,6 +14,8 @@ ring_bf16  the ring with bfloat16 on the wire and float32 sums: half the bytes. 
 In the reduce-scatter and all-gather, leaves without a ZeRO dimension, or whose ZeRO dimension is
 also split over another mesh axis, go through psum. The ring runs in a nested shard_map manual
 over the remaining mesh axes, so with tensor parallelism each device rings only its own slice.
+A reducer reduces every leaf it is given; which leaves need which reduction (none for a leaf the rules split
+over the axis) is trainer/parallel/reduction.py's decision.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+
+from meshes.rules import keep
 
 from trainer.errors import UserError
 from trainer.config.sections import GRAD_SYNC
@@ -91,14 +95,6 @@ def _inner_axes():
     """Mesh axes of size > 1 that the enclosing shard_map leaves to the compiler."""
     m = jax.sharding.get_abstract_mesh()
     return m, {a for a, t in zip(m.axis_names, m.axis_types) if t != AxisType.Manual and m.shape[a] > 1}
-
-
-def _keep(spec: P, axes: set) -> P:
-    """The spec with mesh axes outside `axes` dropped."""
-    def entry(e):
-        names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n in axes)
-        return names[0] if len(names) == 1 else (names or None)
-    return P(*(entry(e) for e in spec))
 
 
 def _to_blocks(x, d: int, k: int):
@@ -169,7 +165,7 @@ class Ring(Psum):
         mesh, axes = _inner_axes()
         xs, treedef = jax.tree.flatten(tree)
         ds = treedef.flatten_up_to(dims)
-        ss = [_keep(sp, axes) for sp in treedef.flatten_up_to(specs)]
+        ss = [keep(sp, axes) for sp in treedef.flatten_up_to(specs)]
         ring = [j for j, (d, sp) in enumerate(zip(ds, ss))
                 if mode == "reduce" or (d is not None and (d >= len(sp) or sp[d] is None))]
         out = [x if j in ring else self._psum_leaf(x, ds[j], mode) for j, x in enumerate(xs)]

@@ -15,36 +15,37 @@ from __future__ import annotations
 from models import ModelConfig
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
-from trainer.plan.memory import Leaf, gather_casts, leaves
+from trainer.parallel.reduction import EXPLICIT, PIPELINE
+from trainer.plan.memory import Leaf, decision, gather_casts, leaves
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, Transfer
 
 
 def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform: str) -> list[Transfer]:
-    """Every collective of one step on devices of `platform`, per mesh axis, in bus bytes per device."""
+    """Every collective of one step on devices of `platform`, per mesh axis, in bus bytes per device. Which
+    gradients are reduced, how and where is the trainer's decision (trainer/parallel/reduction.py): a leaf its rules
+    split over `data` (experts) moves nothing over `data`."""
     ls = leaves(mc, train, st)
     n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
-    if st.stage > 1:
+    where = decision(mc, train, st).where
+    if where == PIPELINE:
         out = _table_transfers(mc, st, ls, n, a)
     else:
-        out = ((_data_transfers(mc, st, ls, n, a, platform) if st.data > 1 else [])
+        out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
     return [t for t in out if t.bytes > 0]
 
 
-def manual_sync(st: Strategy) -> bool:
-    """Whether step.py reduces gradients explicitly in a shard_map (else the compiler inserts it)."""
-    return st.stage == 1 and st.data > 1 and (st.grad_sync != "auto" or st.zero >= 2 or st.microbatches > 1)
-
-
-def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str) -> list[Transfer]:
+def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
+                    explicit: bool) -> list[Transfer]:
     k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
+    ls = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data`
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
     out = []
-    if manual_sync(st):
+    if explicit:
         # psum_scatter / all_gather inside the data-manual shard_map see model-split leaves whole:
         # XLA gathers them over `model` first and moves the unsplit leaf over `data`. The ring runs
         # manual over `model` too, so there each device rings only its own slice.
@@ -153,6 +154,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
+    reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data`
     out = [Transfer("stage", "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
                     2 * ticks * act * senders / S, 2 * ticks),
            Transfer("stage", "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
@@ -166,13 +168,13 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     if k > 1:
         ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
         wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
-        share = sum(x.bytes for x in ls)  # the stage's layers and the top, at the compute spec
-        zeroed = sum(x.bytes for x in ls if x.zero)
+        share = sum(x.bytes for x in reduced)  # the stage's layers and the top, at the compute spec
+        zeroed = sum(x.bytes for x in reduced if x.zero)
         # as in _data_transfers: psum_scatter and all_gather see model-split leaves whole (gathered
         # over `model` first); the ring and every all-reduce move the device's own slice
         psum, agm = st.grad_sync in ("auto", "psum"), bus_factor("all-gather", tp)
-        whole = sum(x.bytes * (x.model_split if psum else 1) for x in ls if x.zero)
-        over_model = sum(x.bytes * x.model_split for x in ls if psum and x.zero and x.model_split > 1)
+        whole = sum(x.bytes * (x.model_split if psum else 1) for x in reduced if x.zero)
+        over_model = sum(x.bytes * x.model_split for x in reduced if psum and x.zero and x.model_split > 1)
         if zero >= 2:
             out += [Transfer("data", "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
                              ag * whole * wire, 1),

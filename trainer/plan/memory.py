@@ -16,6 +16,7 @@ import optax
 from meshes import Layout
 from models import ModelConfig, abstract_model
 from trainer.optim import make_optimizer
+from trainer.parallel.reduction import NONE, Decision, decide
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, executed
 
@@ -76,24 +77,29 @@ class Leaf:
     """One parameter as the collectives see it."""
     name: str
     layers: bool  # part of the layer stack (gathered one layer at a time under ZeRO-3)
-    bytes: float  # per device at the compute spec (split over model and stage, not data)
+    bytes: float  # per device at the compute spec (split over model and stage; over data where its rules split it)
     model_split: int  # ways it is split over `model`
     zero: bool  # has a dimension ZeRO shards over `data`
+    split: bool = False  # its rules split it over `data` (experts): its gradient is never reduced over `data`
+
+
+@functools.lru_cache(maxsize=64)
+def decision(mc: ModelConfig, train, st: Strategy) -> Decision:
+    """How the trainer reduces each gradient of this layout, and where (trainer/parallel/reduction.py)."""
+    params, logical, _, _ = _abstract(_no_remat(mc), train)
+    return decide(_layout(st), params, logical, st.grad_sync, st.microbatches)
 
 
 def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
-    """Every parameter with its compute-spec bytes, model split and whether ZeRO shards it."""
-    params, logical, _, _ = _abstract(_no_remat(mc), train)
-    lay, full = _layout(st), leaf_bytes(mc, train, st, "compute")
+    """Every parameter with its compute-spec bytes, model split and its gradient's reduction (the trainer's)."""
+    params, _, _, _ = _abstract(_no_remat(mc), train)
+    full = leaf_bytes(mc, train, st, "compute")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    lgs = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
     out = []
-    for (path, s), lg, b in zip(flat, lgs, jax.tree.leaves(full)):
-        spec = lay.compute_spec(s.shape, lg)
-        split = math.prod(st.model for e in spec if e == "model" or (isinstance(e, tuple) and "model" in e))
+    for (path, _), r, b in zip(flat, jax.tree.leaves(decision(mc, train, st).leaves), jax.tree.leaves(full)):
+        ways = math.prod(st.model for e in r.spec if e == "model" or (isinstance(e, tuple) and "model" in e))
         name = jax.tree_util.keystr(path)
-        out.append(Leaf(name, name.startswith("['layers']"), float(b), split,
-                        st.data > 1 and lay.data_dim(s.shape, lg) is not None))
+        out.append(Leaf(name, name.startswith("['layers']"), float(b), ways, r.dim is not None, r.kind == NONE))
     return out
 
 

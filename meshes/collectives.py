@@ -1,0 +1,103 @@
+"""Collectives over logical axes, for model code (models/spec.py `LayerCall.collectives`; the trainer builds one
+from its layout and passes it in through `Placement`).
+
+Each collective names a logical axis (`experts`, `mlp`, ...) and runs over the ranks of the mesh axes the rules map
+it to that are manual where it is traced: inside the explicit step's shard_map (manual over `data`), a pipeline's
+(`stage`, `data`) or a `region`. A mesh axis the compiler partitions (automatic) or of size 1 counts as one rank:
+arrays are whole along it and the compiler does its sums, so there the axis's size is 1, its index 0 and every
+collective the identity (the local form models/spec.py gives decoding and the planner). Model code thus writes each
+rank's part once, and it is right on every layout.
+
+`region(fn, in_axes, out_axes, over)` runs fn on each rank's blocks in a shard_map manual over the mesh axes of the
+logical axes `over`, nested in whatever is manual already (the compiler path: a nested shard_map; the explicit
+step: none needed for `data`). over=None is fully manual: every mesh axis, for a kernel the compiler cannot
+partition (a Pallas/Mosaic grouped matmul); the tensor-parallel sums over `model` are then fn's own
+(`psum(x, "mlp")`), which elsewhere are the identity.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType
+
+from meshes.rules import keep
+
+
+def _is_axes(x) -> bool:
+    """A logical-axes tuple (one name or None per dimension), a leaf of in_axes / out_axes."""
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+class Collectives:
+    """A run's collectives over logical axes: its rules and mesh, and which mesh axes are manual where traced."""
+
+    def __init__(self, rules, mesh):
+        self.rules, self.mesh = rules, mesh
+
+    # ---- where it runs
+
+    def _context(self):
+        """(the mesh in context, or the run's where none is set; the mesh axes manual there)."""
+        m = jax.sharding.get_abstract_mesh()
+        if m is None or not m.axis_names:
+            return self.mesh, set()
+        return m, {a for a, t in zip(m.axis_names, m.axis_types) if t == AxisType.Manual}
+
+    def _mesh_axes(self, logical: str) -> tuple[str, ...]:
+        entry = self.rules[logical]
+        return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+    def _over(self, logical: str):
+        """The mesh axes of `logical` that are manual here and larger than 1: the ranks a collective spans; None
+        where there are none (one rank)."""
+        mesh, manual = self._context()
+        axes = tuple(a for a in self._mesh_axes(logical) if a in manual and mesh.shape[a] > 1)
+        return (axes[0] if len(axes) == 1 else axes) if axes else None
+
+    # ---- the collectives (each rank's view)
+
+    def axis_size(self, logical: str) -> int:
+        mesh, _ = self._context()
+        axes = self._over(logical)
+        return 1 if axes is None else math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+    def axis_index(self, logical: str):
+        axes = self._over(logical)
+        return 0 if axes is None else jax.lax.axis_index(axes)
+
+    def psum(self, x, logical: str):
+        axes = self._over(logical)
+        return x if axes is None else jax.lax.psum(x, axes)
+
+    def all_gather(self, x, logical: str, axis: int = 0):
+        """The ranks' blocks concatenated along `axis`."""
+        axes = self._over(logical)
+        return x if axes is None else jax.lax.all_gather(x, axes, axis=axis, tiled=True)
+
+    def reduce_scatter(self, x, logical: str, axis: int = 0):
+        """Summed over the ranks; each keeps its block of `axis`."""
+        axes = self._over(logical)
+        return x if axes is None else jax.lax.psum_scatter(x, axes, scatter_dimension=axis, tiled=True)
+
+    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
+        """Block j of `split_axis` goes to rank j; what rank i sent arrives as block i of `concat_axis`."""
+        axes = self._over(logical)
+        return x if axes is None else jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
+
+    # ---- regions
+
+    def region(self, fn, in_axes, out_axes, over: tuple[str, ...] | None = None):
+        """fn(*args) on each rank's blocks, manual over the mesh axes of the logical axes `over` (None: every
+        mesh axis). in_axes: each argument's logical axes; out_axes: the result's (a tuple of them for several)."""
+        def run(*args):
+            mesh, manual = self._context()
+            want = mesh.axis_names if over is None else [a for lg in over for a in self._mesh_axes(lg)]
+            new = {a for a in want if a not in manual and mesh.shape[a] > 1}
+            if not new:  # manual already, or one rank: fn runs on what it has
+                return fn(*args)
+            spec = lambda lg, x=None: keep(self.rules.spec(lg, None if x is None else x.shape, mesh), new)  # noqa
+            ins = tuple(jax.tree.map(spec, a, x, is_leaf=_is_axes) for a, x in zip(in_axes, args))
+            outs = jax.tree.map(spec, out_axes, is_leaf=_is_axes)
+            return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=new, check_vma=False)(*args)
+        return run
