@@ -94,7 +94,7 @@ def check_parity(name, layout):
 
 
 def check_pipeline(name, long=False):
-    """Through the 1F1B pipeline executor (the pipeline layout's train step, forward and backward ticks): the
+    """Through the pipeline executor's 1F1B schedule (the pipeline layout's train step, forward and backward ticks): the
     logits its last stage computes (`step_logits`) for the reference tokens (1e-4) and the step's loss (1e-5),
     and greedy tokens read from those logits one position at a time (the sequence zero-padded to the step's
     length: attention is causal, so the padding changes nothing before it). long: the reference's long prompt
@@ -132,7 +132,7 @@ def check_pipeline(name, long=False):
 
 def check_both_prompts(name, layout):
     """Parity on the reference tokens and on the long prompt: on 1 device and (2,1,4) the forward on the params as
-    imported into the layout and KV-cache decoding; on the pipeline the 1F1B executor's own logits. The setup."""
+    imported into the layout and KV-cache decoding; on the pipeline the pipeline executor's own logits. The setup."""
     if layout == "pipe_2x2x2":
         s = check_pipeline(name)
         check_pipeline(name, long=True)

@@ -21,7 +21,7 @@ DEFAULT = {("qwen2_tied_bias_f32", "zero3_2x1x4"), ("qwen3_head_dim_bf16", "pipe
 @pytest.mark.parametrize("name,layout", layout_cases(FAMILIES, DEFAULT))
 def test_logits_and_greedy_tokens_match_transformers_on_both_prompts(name, layout):
     """1 device and (2,1,4): the forward on the params as imported into the layout, greedy tokens by KV-cache
-    decoding (Mistral's a ring of 16 positions). The pipeline: the 1F1B executor's own logits and the greedy
+    decoding (Mistral's a ring of 16 positions). The pipeline: the pipeline executor's own logits and the greedy
     tokens read from them (hf_check.check_pipeline)."""
     s = check_both_prompts(name, layout)
     assert s.model.family == name.split("_")[0] and s.model.window == (16 if "mistral" in name else None)

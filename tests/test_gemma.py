@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 against transformers (tests/fixtures/hf: scripts/make_hf_fixture.py): logits (1e-4) and
 greedy tokens (equal) on the 24 reference tokens and on the 420-token prompt (past the window of 16), on 1
-device, ZeRO-3 (2,1,4) and through the 1F1B pipeline executor on (2,2,2), each stage holding a local and a global
+device, ZeRO-3 (2,1,4) and through the pipeline executor's 1F1B schedule on (2,2,2), each stage holding a local and a global
 layer; Gemma 3's multimodal folder (Gemma3ForConditionalGeneration, its config.json in the older Hub form) read as
 its text model; import -> export bitwise; a 3-step run's export against transformers' logits of the committed one
 (tests/fixtures/hf_trained); Gemma 2 training on (2,1,4) ZeRO-3 and 1F1B as on one device; unsupported features
@@ -26,7 +26,7 @@ DEFAULT = {(G2, "1dev"), (VLM, "zero3_2x1x4")}
 @pytest.mark.parametrize("name,layout", layout_cases((G2, G3, VLM), DEFAULT))
 def test_logits_and_greedy_tokens_match_transformers_on_both_prompts(name, layout):
     """1 device and (2,1,4): the forward on the params as imported, greedy tokens by KV-cache decoding (a
-    full-length cache, each local layer masked to its window). The pipeline: the 1F1B executor's own logits."""
+    full-length cache, each local layer masked to its window). The pipeline: the pipeline executor's own logits."""
     c = check_both_prompts(name, layout).model
     assert c.family == name.split("_")[0] and c.window == 16 and len(set(c.local_layers)) == 2, c
     assert c.embed_scale and c.norm_plus_one and c.query_scale != c.head_dim

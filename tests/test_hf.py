@@ -24,7 +24,7 @@ SLOW_PARITY = {("gqa_untied_f32", "pipe_2x2x2"), ("tied_llama3_bf16", "pipe_2x2x
     for n in NAMES for lay in LAYOUTS])
 def test_logits_and_greedy_tokens_match_transformers(name, layout):
     """1 device and ZeRO-3 (2,1,4): the forward on the params as loaded into that layout's shardings, greedy
-    tokens by KV-cache decoding from them. The pipeline: the 1F1B executor's own logits, loss and greedy tokens
+    tokens by KV-cache decoding from them. The pipeline: the pipeline executor's own logits, loss and greedy tokens
     (`check_pipeline`; the 3-layer fixture on 3 stages)."""
     if layout == "pipe_2x2x2":
         check_pipeline(name)

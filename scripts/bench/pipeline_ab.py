@@ -58,7 +58,7 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from trainer.parallel import pipeline as pipeline_1f1b
+    from trainer.parallel import pipeline
     from trainer import step as step_mod
     from trainer.config import load_config
     from trainer.data.batches import Batches, load_corpus
@@ -66,7 +66,7 @@ def main():
 
     old_pipe = _module_at(a.rev, ["trainer/pipeline.py"], "rev_pipeline")
     old_exec = _module_at(a.rev, ["trainer/parallel/pipeline.py", "trainer/pipeline_1f1b.py"], "rev_pipeline_1f1b")
-    ours = pipeline_1f1b.loss_and_grads
+    ours = pipeline.loss_and_grads
 
     def parts(loss_grads):
         """An older executor's (loss, grads) as today's (parts, grads)."""
@@ -88,13 +88,13 @@ def main():
             s = make_setup(cfg, jax.devices()[:4])
             batch = jax.device_put(Batches(load_corpus("synthetic"), 0, cfg.train.batch_size, s.model.seq_len,
                                            s.model.vocab_size).global_train(0), s.batch_sharding())
-            pipeline_1f1b.loss_and_grads = impl  # step.loss_and_grads looks it up when the step is traced
+            pipeline.loss_and_grads = impl  # step.loss_and_grads looks it up when the step is traced
             with jax.set_mesh(s.mesh):
                 step, state = step_mod.jit_train_step(s), init_state(s)
                 temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
                 state, m = step(state, batch)
                 jax.block_until_ready(m)
-            pipeline_1f1b.loss_and_grads = ours
+            pipeline.loss_and_grads = ours
             runs.append(dict(name=f"{schedule} {label}", mesh=s.mesh, step=step, state=state, batch=batch,
                              temp=temp, loss=float(m["loss"]), norm=float(m["grad_norm"]), times=[]))
     for _ in range(a.rounds):

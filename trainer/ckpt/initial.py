@@ -22,7 +22,11 @@ def state_from_params(s: Setup, params) -> dict:
     def make(p):
         state = {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": s.tx.init(p),
                  "guard": guard.init(s.cfg.train)}
-        return localsgd.replicate(s.cfg, s.mesh.shape["data"], state) if localsgd.enabled(s.cfg) else state
+        if not localsgd.enabled(s.cfg):
+            return state
+        # a leaf the rules split over the data axis stays one array (each rank its slice), as in a fresh state
+        own = localsgd.owned(s.tx, s.reduction, s.shapes["opt_state"])
+        return localsgd.replicate(s.cfg, s.reduction.size, state, own)
     with jax.set_mesh(s.mesh):
         return jax.jit(make, out_shardings=s.shardings)(params)
 
