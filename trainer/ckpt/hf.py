@@ -106,9 +106,10 @@ def _same(a, b) -> bool:
     return [float(x) for x in a] == [float(x) for x in b] if isinstance(a, (list, tuple)) else a == b
 
 
-def with_hf_shapes(cfg):
+def with_hf_shapes(cfg, tensors: bool = True):
     """cfg with the model shape keys of its `model.init_from` when that is an HF folder, whose tensors
-    are checked now, before anything is written; an explicit key that contradicts config.json is an error."""
+    are checked now (`tensors`; else when they are read), before anything is written; an explicit key that
+    contradicts config.json is an error."""
     p = Path(cfg.model.init_from)
     kind = kind_of(p)
     if not p.is_dir() or kind in ("export", "run"):
@@ -132,7 +133,8 @@ def with_hf_shapes(cfg):
     extended = extendable and cfg.model.rope_scaling is not None
     cfg = replace(cfg, model={k: v for k, (v, _) in keys.items() if not (k == "rope_scaling" and extended)})
     _check_context(model_config(cfg), hc.get("max_position_embeddings"), where, extendable)
-    check_tensors(p, model_config(cfg))
+    if tensors:
+        check_tensors(p, model_config(cfg))
     return cfg
 
 

@@ -9,11 +9,12 @@ from trainer.config import Config, replace
 from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
 
 
-def resolve(cfg: Config) -> Config:
+def resolve(cfg: Config, tensors: bool = True) -> Config:
     """cfg with what its model.init_from and data.source supply; an explicit key that contradicts them
-    is a one-line error."""
+    is a one-line error. Without `tensors` an HF folder's weight files are left unopened (a run checks
+    them when it reads them, after its step compiled and fit)."""
     if cfg.model.init_from:
-        cfg = with_hf_shapes(cfg)
+        cfg = with_hf_shapes(cfg, tensors)
     return _with_sidecar(cfg)
 
 

@@ -89,7 +89,8 @@ class TrainSection:
     inject_nan_at: str = setting("", STEP_OR_STEPS, "NaN loss at those data positions (drills and tests)")
     step_timeout_s: float = setting(300.0, ">= 0 and <= 1e9", "a step running past max(this, 20 x the median) exits "
                                     "4 (trainer/run/watchdog.py); 0: off; at most 1e9 (time.sleep's range)")
-    memory_check: bool = setting(True, None, "stop before compiling when the plan does not fit the device's memory")
+    memory_check: bool = setting(True, None, "stop, before any token, weight or checkpoint is read, when the plan or "
+                                 "the compiled step does not fit the device's memory")
 
 
 @dataclasses.dataclass(frozen=True)

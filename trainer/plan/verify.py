@@ -2,9 +2,10 @@
 
 Nothing runs: the train step is lowered with abstract inputs and compiled for the simulated
 CPU devices; `memory_analysis()` gives the bytes of its arguments (parameters, optimizer state,
-step and batch) and a second compile of the gradient function gives the gradients' bytes as the
-implementation holds them. The HLO gives every collective's bytes (trainer/plan/hlo.py); in the
-table executor's tick each branch and 0-or-1-trip step counts as often as the schedule table runs it.
+step and batch), scratch and outputs (`Footprint`, which the run's memory check reads too) and a
+second compile of the gradient function gives the gradients' bytes as the implementation holds them.
+The HLO gives every collective's bytes (trainer/plan/hlo.py); in the table executor's tick each
+branch and 0-or-1-trip step counts as often as the schedule table runs it.
 """
 from __future__ import annotations
 
@@ -37,14 +38,29 @@ def fast_compile() -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Measured:
+class Footprint:
+    """XLA's memory analysis of one compiled program, bytes per device."""
+    argument_bytes: int  # the state and the batch
+    temp_bytes: int  # the step's scratch: activations, gradients, buffers
+    output_bytes: int
+    alias_bytes: int  # outputs written into donated arguments
+
+    @classmethod
+    def of(cls, compiled) -> Footprint:
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """The program's peak: arguments + temp + the outputs not written into an argument."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured(Footprint):
     """XLA's numbers for one compiled step, per device."""
     params_opt_bytes: int  # arguments less the step counter and the batch
     grads_bytes: int | None  # outputs of the gradient function less the loss (None: not compiled)
-    temp_bytes: int  # the step's scratch: activations, gradients, buffers
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
     collectives: dict  # (kind, axes) -> bytes one device sends per step
     mesh_shape: dict
     text: str = dataclasses.field(repr=False, default="")
@@ -90,14 +106,11 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
                               in_shardings=(s.shardings["params"], s.batch_sharding()))
             g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
             g_bytes = g_mem.output_size_in_bytes - 4 * len(jax.tree.leaves(zero_parts(s.model)))
-    mem = step.memory_analysis()
+    fp = Footprint.of(step)
     n_batch = sum(f.size * f.dtype.itemsize for f in jax.tree.leaves(batch)) // s.mesh.shape["data"]
     text = step.as_text()
     return Measured(
-        params_opt_bytes=mem.argument_size_in_bytes - n_batch - 4,
-        grads_bytes=g_bytes,
-        temp_bytes=mem.temp_size_in_bytes, argument_bytes=mem.argument_size_in_bytes,
-        output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+        **dataclasses.asdict(fp), params_opt_bytes=fp.argument_bytes - n_batch - 4, grads_bytes=g_bytes,
         collectives=collective_bytes(text, dict(s.mesh.shape), *table_weights(s)), mesh_shape=dict(s.mesh.shape),
         text=text, flops=_flops(step), platform=platform)
 

@@ -1,10 +1,10 @@
 """A training run's context: what the loop and its plug-ins share between steps.
 
-`Run(cfg)` sets the run up (config resolved, memory checked, mesh, data, the state restored or initialised,
-the step compiled) and writes nothing: `begin()` makes the first writes once the plug-ins are made too, so that
-a start that fails, or finds run.dir at train.steps already (`nothing_left`), leaves run.dir as it was. The loop then
-moves `state`, `metrics` and `done` on, and applies a plug-in's Rollback through `rewind`, the one place that
-moves a run back.
+`Run(cfg)` sets the run up (config resolved from shapes alone, mesh, the step compiled from abstract inputs and
+its memory checked, then the data and the state restored or initialised) and writes nothing: `begin()` makes the
+first writes once the plug-ins are made too, so that a start that fails, or finds run.dir at train.steps already
+(`nothing_left`), leaves run.dir as it was. The loop then moves `state`, `metrics` and `done` on, and applies a
+plug-in's Rollback through `rewind`, the one place that moves a run back.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ from trainer.observe.goodput import Goodput
 from trainer.observe.metrics import MetricsWriter
 from trainer.optim import warn_if_no_decay
 from trainer.parallel.schedules import describe as describe_pipeline
+from trainer.plan.verify import Footprint, abstract_inputs
 from trainer.run import distributed
-from trainer.run.memory_check import check_fits, is_out_of_memory, out_of_memory
+from trainer.run.memory_check import check_compiled, check_fits, device_limit, is_out_of_memory, out_of_memory
 from trainer.ckpt.sources import resolve
 from trainer.state import Setup, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
@@ -63,6 +64,12 @@ def check_run_dir(path: str) -> Path:
     if not os.access(near, os.W_OK | os.X_OK):
         raise _not_writable(path, f"{near}: permission denied")
     return d
+
+
+def _newest_step(ckpt_dir: Path) -> int:
+    """The newest step among the checkpoint folders' names (-1: none), listed without opening any of them."""
+    names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
+    return max((int(n) for n in names if n.isdigit()), default=-1)
 
 
 def to_global(s: Setup, rows: dict) -> dict:
@@ -99,28 +106,33 @@ class Run:
         self.console = console or Console(stderr=True, soft_wrap=True)
         distributed.initialize(cfg.dist)  # a no-op once joined (the CLI joins first)
         self.main = jax.process_index() == 0
-        cfg = self.cfg = resolve(cfg)  # an HF init_from folder's shapes; a .bin's sidecar: tokenizer, dtype, vocab
+        # shapes only: an HF init_from folder's config.json, a .bin's sidecar (tokenizer, dtype, vocab); its weights,
+        # the tokens and the checkpoints are read once the step has compiled and fits (train.memory_check)
+        cfg = self.cfg = resolve(cfg, tensors=False)
         self.dir = check_run_dir(cfg.run.dir)  # nothing is written before begin()
         s = self.s = make_setup(cfg, devices)
-        check_fits(s)  # the plan against the device's memory, before anything compiles (train.memory_check)
         t = cfg.train
-        self.batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
-                               t.batch_size, s.model.seq_len, s.model.vocab_size,
-                               *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
-                               document_mask=cfg.data.document_mask)
         self.t0 = time.perf_counter()
         self.ckpt = Checkpointer(s, self.dir, log=self.console.print)
         self.history, self.eval_loss, self.preempted, self.goodput_record = [], None, False, None
         self.writer = None  # begin() opens it
         try:
-            restored = self.ckpt.restore()
-            self.state, self.start = restored or (self.initial(), 0)
-            # run.dir holds train.steps already (restore said so): nothing to compile, nothing to write
-            self.nothing_left = restored is not None and self.start >= t.steps
+            # a finished run's rerun reads its data and checkpoint first: nothing compiles when that holds train.steps
+            early, restored, self.nothing_left = _newest_step(self.ckpt.dir) >= t.steps, None, False
+            if early:
+                self.batches, restored = self._batches(), self.ckpt.restore()
+                self.nothing_left = restored is not None and restored[1] >= t.steps
             if not self.nothing_left:
-                self._announce()
+                self.limit = device_limit(cfg)  # train.memory_check: what the plan and the compiled step must fit
+                check_fits(s, self.limit)  # the plan, before anything compiles
                 warn_if_no_decay(t)
                 self.step_fn = self._compile()
+                if not early:
+                    self.batches, restored = self._batches(), self.ckpt.restore()
+                self.state, self.start = restored or (self.initial(), 0)
+                self._announce()
+            else:
+                self.state, self.start = restored
         except BaseException as e:  # e.g. a model.init_from that is none of its kinds: one line, and Orbax's
             self.ckpt.close()  # background clean-up joined first (left running, it raised at interpreter exit)
             if is_out_of_memory(e):
@@ -147,11 +159,27 @@ class Run:
         if jax.process_count() > 1:
             self.console.print(distributed.describe(self.s.mesh, self.batches.rows, self.cfg.train.batch_size))
 
+    def _batches(self) -> Batches:
+        """The run's data: the corpus read (its time left out of init+compile) and the batch function made."""
+        cfg, s, t, t_data = self.cfg, self.s, self.cfg.train, time.perf_counter()
+        batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
+                          t.batch_size, s.model.seq_len, s.model.vocab_size,
+                          *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
+                          document_mask=cfg.data.document_mask)
+        self.t0 += time.perf_counter() - t_data
+        return batches
+
     def _compile(self):
+        """The train step compiled from the state's and the batch's shapes, before any token, weight or
+        checkpoint is read, and its own figures held against the device's memory (train.memory_check). The run
+        steps with this executable."""
         s = self.s
-        self.eval_fn = jit_eval_step(s)
+        state, batch = abstract_inputs(s)
         with jax.set_mesh(s.mesh):
-            return jit_train_step(s).lower(self.state, to_global(s, self.batches.train(self.start))).compile()
+            step = jit_train_step(s).lower(state, batch).compile()
+        check_compiled(Footprint.of(step), self.limit)
+        self.eval_fn = jit_eval_step(s)
+        return step
 
     def begin(self):
         """The run's first writes, once nothing can refuse the start (the plug-ins made too): run.dir created,
