@@ -127,11 +127,11 @@ def table_weights(s) -> tuple[list[float] | None, dict[str, float] | None]:
     share of the schedule's (tick, stage) cells that take each branch of the forward switch (none,
     forward, forward with embedding), and the mean trips of the 0-or-1-trip loops of the steps that
     add to the gradients, named by the function of trainer/parallel/pipeline.py they run."""
-    from trainer.parallel import pipeline as pipeline_1f1b, schedules as sc
+    from trainer.parallel import pipeline, schedules as sc
     if s.mesh.shape["stage"] == 1:
         return None, None
     t = s.cfg.train
-    _, pl = pipeline_1f1b.table_plan(t.pipeline_schedule, s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats)
+    _, pl = pipeline.table_plan(t.pipeline_schedule, s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats)
     share = np.bincount(np.asarray(pl.branch).ravel(), minlength=1 + max(sc.IDLE, sc.FWD, sc.FWD_EMBED,
                                                                        sc.FWD_LOSS, sc.BWD, sc.BWD_EMBED))
     share = share / share.sum()
