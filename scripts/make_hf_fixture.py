@@ -1,10 +1,14 @@
-"""Build the tiny Hugging Face fixtures (Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3) under tests/fixtures/hf/ (needs torch + transformers).
+"""Build the tiny Hugging Face fixtures under tests/fixtures/hf/ (needs torch + transformers).
+
+Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, and the Mixtures of Experts Mixtral, Qwen3-MoE and Qwen2-MoE.
 
 Neither is a meshtrain dependency: install them once in a separate venv and run
     python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
 Each fixture folder holds what `save_pretrained` wrote, plus `reference.npz`: fixed token ids,
 transformers' float32 logits for them, and its greedy continuation of a prompt. The tests read
-only these files (safetensors + numpy), never transformers.
+only these files (safetensors + numpy), never transformers. The Mixture-of-Experts fixtures add a loss batch
+with transformers' cross-entropy and load-balancing loss, and are drawn again (seed + 1000, + 2000, ...) until every
+top-k choice on their reference sequences has a margin above MIN_MARGIN; reference.npz records the seed.
     python scripts/make_hf_fixture.py --reference FOLDER
 writes only the reference.npz of a folder meshtrain exported (scripts/make_localsgd_fixture.py,
 scripts/make_trained_hf_fixture.py).
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +26,30 @@ import torch
 import transformers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
          "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-         "gemma3_vlm": (Gemma3Config, Gemma3ForConditionalGeneration)}
+         "gemma3_vlm": (Gemma3Config, Gemma3ForConditionalGeneration), "mixtral": (MixtralConfig, MixtralForCausalLM),
+         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, attention_bias=False, mlp_bias=False, hidden_act="silu",
             bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+# what the Mixture-of-Experts fixtures share: 4 experts, 2 per token, expert width 72 (not d = 64, so that a
+# transposed expert matrix cannot pass), every layer sparse, 512 positions, vocabulary 256 (each folder < 0.8 MB)
+MOE = dict(num_experts_per_tok=2, rope_theta=1e6, vocab_size=256, max_position_embeddings=512,
+           initializer_range=0.25, output_router_logits=False)
+QWEN_MOE = dict(num_experts=4, moe_intermediate_size=72, intermediate_size=128, decoder_sparse_step=1,
+                mlp_only_layers=[], rms_norm_eps=1e-6)
+MOE_SPEC = dict(dtype=torch.float32, shard=None, long_tokens=420, moe=True)
+# the least gap between the k-th and (k+1)-th router logit on the reference sequences: softmax is monotone, so
+# the logits' order is the choice, and float32 error in a logit (about 1e-6 here) cannot flip a gap of 1e-3
+MIN_MARGIN = 1e-3
 
 FIXTURES = {
     # grouped-query attention (4 query heads, 2 kv heads), untied head, float32, one file
@@ -111,6 +129,29 @@ FIXTURES = {
         hub_text=dict(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
                       sliding_window_pattern=2),
         dtype=torch.float32, shard=None, long_tokens=420),
+    # Mixtral: 4 experts, 2 per token (softmax, top 2, renormalised), untied, 2 KV heads, the Hub's aux-loss
+    # weight 0.02
+    "mixtral_e4k2_f32": dict(arch="mixtral", cfg=dict(**MOE, num_key_value_heads=2, intermediate_size=72,
+                                                      num_local_experts=4, router_aux_loss_coef=0.02,
+                                                      tie_word_embeddings=False, rms_norm_eps=1e-5),
+                             **MOE_SPEC),
+    # Qwen3-MoE, norm_topk_prob true: per-head q/k norms, head_dim 24 (not hidden/heads = 16), a dense
+    # intermediate_size (128) that no layer uses (decoder_sparse_step 1, no mlp_only_layers), tied
+    "qwen3_moe_norm_f32": dict(arch="qwen3_moe", cfg=dict(**MOE, **QWEN_MOE, num_key_value_heads=2, head_dim=24,
+                                                          norm_topk_prob=True, tie_word_embeddings=True),
+                               **MOE_SPEC),
+    # Qwen3-MoE, norm_topk_prob false (the chosen probabilities as they are), head_dim = hidden/heads, untied;
+    # config.json names the expert count num_experts, as the Hub's Qwen3-MoE configs do (transformers 5 writes
+    # num_local_experts, as the other Qwen3-MoE fixture keeps it)
+    "qwen3_moe_nonorm_f32": dict(arch="qwen3_moe", cfg=dict(**MOE, **QWEN_MOE, num_key_value_heads=2,
+                                                            norm_topk_prob=False, tie_word_embeddings=False),
+                                 hub_keys={"num_local_experts": "num_experts"}, **MOE_SPEC),
+    # Qwen2-MoE: a shared expert of width 48 (neither d nor the routed width) behind a sigmoid gate, random q/k/v
+    # biases, norm_topk_prob false (as Qwen1.5-MoE), tied
+    "qwen2_moe_shared_f32": dict(arch="qwen2_moe", cfg=dict(**MOE, **QWEN_MOE, num_key_value_heads=2, qkv_bias=True,
+                                                            shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                            tie_word_embeddings=True, use_sliding_window=False),
+                                 **MOE_SPEC),
 }
 LLAMA_ONLY = ("attention_bias", "mlp_bias")
 NOT_GEMMA = ("hidden_act",)
@@ -141,9 +182,13 @@ def build(name: str, spec: dict, out: Path, seed: int):
     model.save_pretrained(d, safe_serialization=True, **kw)
     if spec.get("hub_text"):
         hub_form(d, spec["hub_text"])
+    if spec.get("hub_keys"):
+        hub_keys(d, spec["hub_keys"])
     cfg = cfg.get_text_config()
     # the reference: float32 logits of the saved weights (bf16 values upcast exactly)
-    ref = model_cls.from_pretrained(d, torch_dtype=torch.float32).eval()
+    # (an MoE's experts as transformers' per-expert loop: each expert's MLP on its tokens, weighted and summed)
+    moe = {"experts_implementation": "eager"} if spec.get("moe") else {}
+    ref = model_cls.from_pretrained(d, torch_dtype=torch.float32, **moe).eval()
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     prompt = tokens[:1, :6]
@@ -172,10 +217,59 @@ def build(name: str, spec: dict, out: Path, seed: int):
                                eos_token_id=None, pad_token_id=0)
         extra = dict(long_prompt=long.numpy().astype(np.int32), long_logits=long_logits,
                      long_greedy=out[:, long.shape[1]:].numpy().astype(np.int32))
+    if spec.get("moe"):  # every sequence the reference routes: the tokens, the prompt and its greedy tokens, the long
+        seqs = [tokens, torch.cat([prompt, torch.from_numpy(greedy)], 1),
+                torch.cat([long, torch.from_numpy(extra["long_greedy"]).long()], 1)]
+        extra.update(moe_reference(ref, seqs, g, seed))
     np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits,
                         prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32), **extra)
     files = sorted(p.name for p in d.iterdir())
     print(f"{name}: {files}, {sum(p.stat().st_size for p in d.iterdir()) / 1e3:.0f} kB")
+
+
+class SmallMargin(Exception):
+    """A top-k choice of an MoE fixture's reference within MIN_MARGIN (router logit) of a flip."""
+
+
+def moe_reference(ref, seqs: list, g: torch.Generator, seed: int) -> dict:
+    """An MoE fixture's additions to reference.npz: a (4, 24) loss batch (`loss_tokens`) with transformers'
+    next-token cross-entropy (`loss`), its load-balancing loss (`aux_loss`, load_balancing_loss_func over the whole
+    batch and every layer, as the model returns it with output_router_logits), the same function on each layer's
+    rows one at a time (`aux_loss_rows`, (layers, rows)), the router logits ((layers, rows x positions, experts)), the
+    least top-k margins over `seqs` and the loss batch (`margin_prob`, `margin_logit`) and the `seed`. Raises
+    SmallMargin when a choice is within MIN_MARGIN (in router logit) of a flip."""
+    E, k, coef = ref.num_experts, ref.num_experts_per_tok, ref.router_aux_loss_coef
+    balance = sys.modules[type(ref).__module__].load_balancing_loss_func
+    batch = torch.randint(0, ref.config.vocab_size, (4, 24), generator=g)
+    with torch.no_grad():
+        ce = ref(batch, labels=batch, output_router_logits=False).loss
+        out = ref(batch, labels=batch, output_router_logits=True)
+        routed = [ref(s, output_router_logits=True).router_logits for s in seqs] + [out.router_logits]
+    router = torch.stack(out.router_logits)  # (layers, rows x positions, experts)
+    assert abs(float(out.loss - ce - coef * out.aux_loss)) < 1e-6  # transformers' objective: ce + coef x aux
+    rows = router.view(len(router), *batch.shape, E)
+    aux_rows = [[float(balance((r,), E, k)) for r in layer] for layer in rows]
+    logits = torch.cat([torch.cat(r) for r in routed]).float()
+    top_p = torch.softmax(logits, -1).topk(k + 1, -1).values
+    top_l = logits.topk(k + 1, -1).values
+    margin_p, margin_l = float((top_p[:, k - 1] - top_p[:, k]).min()), float((top_l[:, k - 1] - top_l[:, k]).min())
+    if margin_l <= MIN_MARGIN:
+        raise SmallMargin(f"seed {seed}: a top-{k} logit margin of {margin_l:.2e} over {len(logits)} routings")
+    print(f"seed {seed}: least top-{k} margin {margin_l:.2e} (logit), {margin_p:.2e} (probability) over "
+          f"{len(logits)} routings; loss {float(ce):.6f}, aux {float(out.aux_loss):.6f}")
+    return dict(loss_tokens=batch.numpy().astype(np.int32), loss=np.float64(ce), aux_loss=np.float64(out.aux_loss),
+                aux_loss_rows=np.array(aux_rows), router_logits=router.numpy().astype(np.float32),
+                margin_prob=np.float64(margin_p), margin_logit=np.float64(margin_l), seed=np.int64(seed))
+
+
+def draw(name: str, spec: dict, out: Path, seed: int, tries: int = 50):
+    """build; an MoE fixture again with seed + 1000, + 2000, ... until its top-k margins pass."""
+    for i in range(tries):
+        try:
+            return build(name, spec, out, seed + 1000 * i)
+        except SmallMargin as e:
+            print(f"{name}: {e}; drawn again")
+    raise SystemExit(f"{name}: no seed of {tries} gives top-k margins above {MIN_MARGIN}")
 
 
 def hub_form(d: Path, hub_text: dict):
@@ -191,6 +285,16 @@ def hub_form(d: Path, hub_text: dict):
     back = transformers.AutoConfig.from_pretrained(d).get_text_config()
     assert back.layer_types == new["text_config"]["layer_types"], back.layer_types
     assert back.rope_parameters == new["text_config"]["rope_parameters"], back.rope_parameters
+
+
+def hub_keys(d: Path, renames: dict):
+    """config.json's keys renamed to the Hub's names (transformers reads the same config back)."""
+    new = json.loads((d / "config.json").read_text())
+    old = {renames.get(k, k): v for k, v in new.items()}
+    (d / "config.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
+    back = transformers.AutoConfig.from_pretrained(d).to_dict()
+    want = transformers.AutoConfig.for_model(**new).to_dict()
+    assert {**back, "_name_or_path": ""} == want, (back, want)
 
 
 def tokenizer(d: Path, cfg):
@@ -237,7 +341,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     for i, (name, spec) in enumerate(FIXTURES.items()):
         if args.only in (None, name):
-            build(name, spec, out, seed=1234 + i)
+            draw(name, spec, out, seed=1234 + i)
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     (out / "versions.json").write_text(json.dumps(versions, indent=1) + "\n")
     print(versions)
