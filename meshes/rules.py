@@ -102,6 +102,7 @@ RULES = Rules({
     "mlp": "model",
     "vocab": "model",
     "layers": "stage",
+    "experts": None,  # an MoE layer's experts: whole on every device (split over `data` by a run's rules)
 })
 # Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the
 # dimension is replicated over it (fewer kv heads than `model`: every model rank keeps the kv heads and

@@ -8,11 +8,13 @@ from models.precision import compute_dtypes
 from models.spec import FAMILIES, ModelSpec, Param, family, register
 from models.gemma import GEMMA2, GEMMA3  # registers the gemma2 and gemma3 families
 from models.mistral import MISTRAL  # registers the mistral family
+from models.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE  # registers the mixtral, qwen3_moe and qwen2_moe families
 from models.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
 from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
                                 weight_decay_of)
 
-__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "MISTRAL", "PRESETS", "QWEN2", "QWEN3", "REMAT_POLICIES", "ModelConfig",
-           "ModelSpec", "Param", "Placement", "Transformer", "abstract_model", "compute_dtypes", "family",
-           "flops_per_token", "forward", "from_preset", "hardware_flops_per_token", "inventory", "logical_axes_of",
-           "loss_fn", "loss_sum", "matmul_param_count", "param_count", "params_of", "register", "weight_decay_of"]
+__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "MISTRAL", "MIXTRAL", "PRESETS", "QWEN2", "QWEN2_MOE", "QWEN3", "QWEN3_MOE",
+           "REMAT_POLICIES", "ModelConfig", "ModelSpec", "Param", "Placement", "Transformer", "abstract_model",
+           "compute_dtypes", "family", "flops_per_token", "forward", "from_preset", "hardware_flops_per_token",
+           "inventory", "logical_axes_of", "loss_fn", "loss_sum", "matmul_param_count", "param_count", "params_of",
+           "register", "weight_decay_of"]

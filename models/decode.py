@@ -17,16 +17,11 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.attention import masked_attention
-from models.layers import kernels_for, rope_for, rope_tables
+from models.layers import kernels_for, rope_for
 from models.spec import LOCAL, LayerCall, family
-from models.transformer import _identity, _no_constrain, attn_out_mlp, embed, head, inventory, layer, qkv
+from models.transformer import _identity, _no_constrain, embed, head, inventory
 
 log = logging.getLogger(__name__)
-
-
-def _own_layer(c: ModelConfig) -> bool:
-    """The family runs a layer of its own (Gemma), decoded through its layer function (`_extend_layer`)."""
-    return family(c.family).layer is not layer
 
 
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
@@ -44,50 +39,27 @@ def _stacked(c: ModelConfig, layers: dict) -> dict:
 
 
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
-    """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache)."""
-    if _own_layer(c):
-        return _extend_layer(c, params, tokens_BT, pos, cache, dtype)
-    kernels = kernels_for(c)
-    rope, offset, attend = (_ring if c.uniform_window else _linear)(c, tokens_BT.shape, pos, cache["k"].shape[2], dtype)
-
-    def body(x_BTD, xs):
-        p, k_cache, v_cache = xs
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
-        q_BTHE, k_BTKE, v_BTKE = qkv(c, p, x_BTD, rope, offset=offset, kernels=kernels)
-        o_BTHE, k_cache, v_cache = attend(q_BTHE, k_BTKE, v_BTKE, k_cache, v_cache)
-        return attn_out_mlp(c, p, x_BTD, o_BTHE, kernels=kernels), (k_cache, v_cache)
-
-    x_BTD = embed(c, params, tokens_BT, dtype)
-    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (_stacked(c, params["layers"]), cache["k"], cache["v"]))
-    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
-
-
-def _extend_layer(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype):
-    """`extend` through the family's layer function: its attention strategy writes the new keys and values into
-    a cache in position order and attends to it, with the mask (window by layer), soft-cap and scale the layer
-    asks for."""
+    """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache). Each layer
+    is the family's layer function (models/transformer.py `layer`, or the family's own), its attention strategy
+    the cache's: it writes the new keys and values and attends to the cache with the mask (window by layer),
+    soft-cap and scale the layer asks for."""
     spec, kernels = family(c.family), kernels_for(c)
     B, T = tokens_BT.shape
-    S = cache["k"].shape[2]
-    q_pos = pos + jnp.arange(T)
-    rope = rope_for(c, T, jnp.broadcast_to(q_pos, (B, T)))
+    rope, attend = (_ring if c.uniform_window else _linear)(c, (B, T), pos, cache["k"].shape[2], dtype)
     tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
-    ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
 
     def body(x_BTD, xs):
         p, i, k_cache, v_cache = xs
         p = jax.tree.map(lambda w: w.astype(dtype), p)
         new = {}
 
-        def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
-            new["k"] = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BTKE.astype(k_cache.dtype), pos, axis=1)
-            new["v"] = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BTKE.astype(v_cache.dtype), pos, axis=1)
-            keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
-            return masked_attention(q_BTHE, new["k"].astype(dtype), new["v"].astype(dtype), keep, softcap, scale)
+        def attention(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
+            o_BTHE, new["k"], new["v"] = attend(q_BTHE, k_BTKE, v_BTKE, k_cache, v_cache, window, softcap, scale)
+            return o_BTHE
 
-        # one device: the collectives' local form (every logical axis one rank)
-        call = LayerCall(rope, _no_constrain, kernels, _identity, None, attend, i,
-                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL)
+        # one device: the collectives' local form (every logical axis one rank); decoding drops no token
+        call = LayerCall(rope, _no_constrain, kernels, _identity, None, attention, i,
+                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL, decoding=True)
         x_BTD, _ = spec.layer(c, p, x_BTD, call)
         return x_BTD, (new["k"], new["v"])
 
@@ -98,18 +70,25 @@ def _extend_layer(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dty
 
 
 def _linear(c: ModelConfig, shape, pos, S: int, dtype):
-    """(RoPE tables, their offset, attend) for a cache of S slots in position order: the new keys are written at
-    pos.., and a query at pos + t sees slots 0..pos + t (its own key is written first)."""
-    T = shape[1]
-    mask_11TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+    """(RoPE tables, attend) for a cache of S slots in position order: the new keys are written at pos.., and a
+    query at pos + t sees slots 0..pos + t (its own key is written first), within its layer's window if it has one
+    (a mixed stack's local layers)."""
+    B, T = shape
+    q_pos = pos + jnp.arange(T)
+    ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE):
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE, window=None, softcap=None, scale=None):
         k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
-        o = jax.nn.dot_product_attention(q_BTHE, k_BSKE.astype(dtype), v_BSKE.astype(dtype), mask=mask_11TS)
+        keys, values = k_BSKE.astype(dtype), v_BSKE.astype(dtype)
+        if window is None and softcap is None and scale is None:
+            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None])
+        else:
+            keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
+            o = masked_attention(q_BTHE, keys, values, keep, softcap, scale)
         return o, k_BSKE, v_BSKE
 
-    return rope_tables(S, c.head_dim, c.rope_theta, c.rope_scaling), pos, attend
+    return rope_for(c, T, jnp.broadcast_to(q_pos, (B, T))), attend
 
 
 def _ring(c: ModelConfig, shape, pos, R: int, dtype):
@@ -126,16 +105,19 @@ def _ring(c: ModelConfig, shape, pos, R: int, dtype):
     m = min(T, R)
     slots = jnp.mod(q_pos[T - m:], R)
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, k_BRKE, v_BRKE):
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BRKE, v_BRKE, window=None, softcap=None, scale=None):
+        # every layer has the window W (a uniform window): the ring holds it
         keys = jnp.concatenate([k_BRKE.astype(dtype), k_BTKE], axis=1)
         values = jnp.concatenate([v_BRKE.astype(dtype), v_BTKE], axis=1)
-        o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
+        if softcap is None and scale is None:
+            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
+        else:
+            o = masked_attention(q_BTHE, keys, values, mask_11TK[0, 0], softcap, scale)
         k_BRKE = k_BRKE.at[:, slots].set(k_BTKE[:, T - m:].astype(k_BRKE.dtype))
         v_BRKE = v_BRKE.at[:, slots].set(v_BTKE[:, T - m:].astype(v_BRKE.dtype))
         return o, k_BRKE, v_BRKE
 
-    rope = rope_tables(T, c.head_dim, c.rope_theta, c.rope_scaling, jnp.broadcast_to(q_pos, (B, T)))
-    return rope, 0, attend
+    return rope_for(c, T, jnp.broadcast_to(q_pos, (B, T))), attend
 
 
 def sample(logits_BV, key, temperature, top_k):

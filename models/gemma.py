@@ -27,7 +27,7 @@ from models.config import POSITIVE, ModelConfig, key
 from models.gemma_hf import GEMMA2_HF, GEMMA3_HF
 from models.layers import rms_norm, rope_tables
 from models.spec import Ends, LayerCall, ModelSpec, Param, register
-from models.transformer import llama_inventory, qkv, repeat_kv
+from models.transformer import layer, llama_inventory, qkv, repeat_kv
 
 
 # A Gemma trained from scratch computes as Gemma does (sqrt(d) embeddings, (1 + w) norms); the keys an HF folder may
@@ -79,11 +79,6 @@ def layer_data(c: Gemma2Config) -> dict:
     return {"local": np.asarray(local, np.float32)}
 
 
-def layer(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
-    x_BTD = call.half(functools.partial(attention_half, c, call=call))(p, x_BTD)
-    return call.half(functools.partial(mlp_half, c, call=call))(p, x_BTD), {}
-
-
 def attention_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm",
@@ -122,7 +117,7 @@ def mlp_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
     if "post_mlp_norm" in p:
         down_BTD = rms_norm(down_BTD, p["post_mlp_norm"], c.norm_eps, c.norm_plus_one)
-    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
+    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed")), {}
 
 
 def windows(c: Gemma2Config):
@@ -149,7 +144,8 @@ def checks(c: Gemma2Config) -> list:
              f"model.n_layers={c.n_layers}; give one true (local) or false (global) per layer")]
 
 
-SPEC = dict(layer_data=layer_data, windows=windows, ends=ends, checks=checks)
+# models/transformer.py's layer runs Gemma's two halves
+SPEC = dict(layer_data=layer_data, windows=windows, ends=ends, checks=checks, attention=attention_half, mlp=mlp_half)
 GEMMA2 = register(ModelSpec("gemma2", gemma_inventory, layer, GEMMA2_HF, config=Gemma2Config, **SPEC))
 GEMMA3 = register(ModelSpec("gemma3", functools.partial(gemma_inventory, qk_norm=True), layer, GEMMA3_HF,
                             config=Gemma3Config, rope=rope, **SPEC))

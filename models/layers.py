@@ -103,6 +103,7 @@ class Kernels(NamedTuple):
     silu: Callable
     rope: Callable  # apply_rope's signature
     attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E), segments (B, T) or None) -> causal attention
+    platform: str = "cpu"  # the platform they are for (an MoE layer picks its grouped matmul by it, models/moe.py)
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
@@ -118,7 +119,7 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
     fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
     # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled
     # program runs can be read from its HLO (tests/test_tpu_compile.py)
-    return Kernels(name, *(_scoped(f"kernels_{name}", f) for f in fns), attn)
+    return Kernels(name, *(_scoped(f"kernels_{name}", f) for f in fns), attn, platform)
 
 
 def _scoped(scope: str, f: Callable) -> Callable:
@@ -141,7 +142,8 @@ REMAT = {
 
 
 def sublayer_remat(f: Callable) -> Callable:
-    """model.remat=sublayer on a layer half f(p, x): its backward recomputes it from its saved input."""
+    """model.remat=sublayer on a layer half f(p, x) (-> x, or (x, aux) for an MLP half): its backward recomputes it
+    from its saved input."""
     # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
     # with the forward pass (both halves' internals live at once again; measured: no memory saved).
     def half(p, x):
@@ -158,7 +160,9 @@ def sublayer_remat(f: Callable) -> Callable:
 
             def never(dy):
                 p, _, *consts = res
-                return dy, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
+                # an MLP half returns (x, aux): its x's cotangent has x's shape
+                dx = dy[0] if isinstance(dy, tuple) else dy
+                return dx, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
 
             # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
             # which would then merge a recomputation with the forward pass (remat undone), but it

@@ -189,9 +189,12 @@ def loss_sum(c: ModelConfig, params: dict, batch: dict, **kw):
 
 def scales(c: ModelConfig, batch: dict) -> dict:
     """The step's divisions, each taken once over the whole step batch: 1 / its counted tokens for the token loss,
-    1 / each aux output's count (the family's aux_counts) for that output (1 where a count is 0)."""
-    counts = family(c.family).aux_counts(c, batch)
-    return {"loss": inverse_count(batch), "aux": {k: mean_of(1.0, n) for k, n in counts.items()}}
+    its weight (the family's aux_weights; 1 unless given, 0 for a statistic) / each aux output's count (the family's
+    aux_counts) for that output (1 where a count is 0)."""
+    spec = family(c.family)
+    counts, weights = spec.aux_counts(c, batch), spec.aux_weights(c)
+    return {"loss": inverse_count(batch),
+            "aux": {k: weights.get(k, 1.0) * mean_of(1.0, n) for k, n in counts.items()}}
 
 
 def zero_parts(c: ModelConfig) -> dict:
@@ -202,14 +205,15 @@ def zero_parts(c: ModelConfig) -> dict:
 
 def part_metrics(parts: dict) -> dict:
     """The step's metrics of its summed parts: the loss, and each aux output's mean (its sum / its count, divided
-    once, here)."""
-    return {"loss": parts["loss"], **{f"aux/{k}": mean_of(total, n) for k, (total, n) in parts["aux"].items()}}
+    once, here) as aux/<name>, or under its own name where that has a "/" (a statistic's, e.g. moe/dropped)."""
+    return {"loss": parts["loss"], **{k if "/" in k else f"aux/{k}": mean_of(total, n)
+                                      for k, (total, n) in parts["aux"].items()}}
 
 
 def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, **kw):
     """(what the step differentiates, its parts): the token loss sum x scale["loss"] plus each aux sum x its
-    scale; parts = {"loss": the scaled token loss sum, "aux": {name: (sum, count)}}, the sums every path adds up
-    over its microbatches, data ranks and stages."""
+    scale (its weight / its count: a statistic's is 0); parts = {"loss": the scaled token loss sum, "aux": {name:
+    (sum, count)}}, the sums every path adds up over its microbatches, data ranks and stages."""
     token, aux = stack_sums(c, params, batch, **kw)
     value = token * scale["loss"]
     for k, (total, _) in aux.items():

@@ -78,6 +78,8 @@ class LayerCall(NamedTuple):
     # collectives over logical axes (LocalCollectives' methods; the caller's Placement): e.g. tokens sent to the
     # data rank that holds their expert by all_to_all over `experts`
     collectives: Any = LOCAL
+    # KV-cache decoding (models/decode.py): an MoE layer then drops no token whatever its capacity
+    decoding: bool = False
 
 
 class Ends(NamedTuple):
@@ -90,6 +92,10 @@ class Ends(NamedTuple):
 
 
 def no_aux(c, batch) -> dict:
+    return {}
+
+
+def no_weights(c) -> dict:
     return {}
 
 
@@ -156,7 +162,8 @@ class ModelSpec:
     inventory: Callable
     # (c, p, x_BTD, call: LayerCall) -> (x_BTD, aux): one layer on its weights p (no layers axis), each residual
     # half through call.half, attention through call.attention. aux: {name: (sum, count)} float32 scalars, {} for
-    # a dense layer (later: a router's load-balancing loss); see "The layer contract" in docs/models.md
+    # a dense layer (an MoE's router losses and dropped fraction); see "The layer contract" in docs/models.md.
+    # models/transformer.py's `layer` is the attention half, then the MLP half, each the spec's own (below)
     layer: Callable
     hf: HFAdapter | None = None  # None: the family has no Hugging Face form
     # (c) -> {name: array (n_layers,)}: per-layer data for a stack whose layers differ (a kind, a window, a RoPE
@@ -182,6 +189,15 @@ class ModelSpec:
     ends: Callable = plain_ends
     # (c) -> [(ok, message)]: the family's own keys against the shapes, checked with the config's (trainer/config/__init__.py)
     checks: Callable = no_checks
+    # the two halves of models/transformer.py's `layer`, None: Llama's. attention: (c, p, x_BTD, call) -> x_BTD
+    # (x + attention(norm(x)), the norms the family's); mlp: (c, p, x_BTD, call) -> (x_BTD, aux) (x + MLP(norm(x)):
+    # dense SwiGLU, Gemma's GeGLU with its norms, models/moe.py's experts)
+    attention: Callable | None = None
+    mlp: Callable | None = None
+    # (c) -> {aux name: weight}: each aux output's weight in the objective (absent: 1). Weight 0: a statistic,
+    # logged, never differentiated (an MoE's dropped fraction); an aux name with a "/" is logged under that name,
+    # the others as aux/<name>
+    aux_weights: Callable = no_weights
 
 
 FAMILIES: dict[str, ModelSpec] = {}

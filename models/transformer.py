@@ -153,10 +153,13 @@ def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kerne
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
-    """One decoder layer on weights `p` (no leading layers axis): attention half, MLP half, each through
-    call.half; no auxiliary outputs."""
-    x_BTD = call.half(functools.partial(attention_half, c, call=call))(p, x_BTD)
-    return call.half(functools.partial(mlp_half, c, constrain=call.constrain, kernels=call.kernels))(p, x_BTD), {}
+    """One decoder layer on weights `p` (no leading layers axis): the family's attention half, then its MLP half
+    (ModelSpec.attention, .mlp; None: Llama's), each through call.half; the MLP's auxiliary outputs."""
+    spec = family(c.family)
+    x_BTD = call.half(functools.partial(spec.attention or attention_half, c, call=call))(p, x_BTD)
+    out = call.half(functools.partial(spec.mlp or mlp_half, c, call=call))(p, x_BTD)
+    # a half the planner measures without (its identity) returns x alone
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -201,13 +204,6 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
     return q_BTHE, k_BTKE, constrain(v_BTKE, ("batch", "seq", "kv_heads", "head_dim"))
 
 
-def attn_out_mlp(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain,
-                 kernels: Kernels | None = None):
-    """The layer after attention: output projection and SwiGLU MLP, each added to the residual."""
-    kn = kernels or kernels_for(c)
-    return mlp_half(c, p, attn_out(c, p, x_BTD, o_BTHE, constrain, kn), constrain, kn)
-
-
 def attn_out(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_constrain,
              kernels: Kernels | None = None):
     """x + the attention output projected back to d_model."""
@@ -219,16 +215,15 @@ def attn_out(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_
     return constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
 
 
-def mlp_half(c: ModelConfig, p: dict, x_BTD, constrain: Constrain = _no_constrain,
-             kernels: Kernels | None = None):
-    """x + SwiGLU(norm(x))."""
-    kn = kernels or kernels_for(c)
+def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
+    """x + SwiGLU(norm(x)); no auxiliary outputs."""
+    kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("mlp_norm", "w_gate", "w_up", "w_down")}
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
     gate_BTF, up_BTF = kn.project(h_BTD, (p["w_gate"], p["w_up"]))
     a_BTF = constrain(kn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
-    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed"))
+    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed")), {}
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,

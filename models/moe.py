@@ -1,0 +1,288 @@
+"""Mixture of Experts: the MoE MLP (a router, top-k experts per token, dropless or with a capacity per row of the
+batch, the load-balancing and z losses) and the families that use it, each Llama's attention with this MLP:
+
+  mixtral    Llama's attention (`MixtralForCausalLM`)
+  qwen3_moe  Qwen3's (q/k norms) (`Qwen3MoeForCausalLM`)
+  qwen2_moe  Qwen2's (q/k/v biases) (`Qwen2MoeForCausalLM`), usually with model.shared_expert_d_ff
+
+Letters as in models/transformer.py, plus N tokens (B*T), X experts (n_experts), k = n_experts_per_token,
+M = N*k choices, C slots per expert per row, F each expert's width (expert_d_ff).
+
+Routers (model.router): `topk_softmax`, the softmax over the k largest logits (Mixtral); `softmax_topk`, the softmax
+over all logits, then the k largest probabilities, divided by their sum where model.norm_topk_prob (Qwen3-MoE,
+Qwen2-MoE). Capacity (model.capacity_factor > 0): each row of the batch has C = ceil(T k / X x factor) slots per
+expert, filled in (choice rank, position) order; a padding token takes none, a dropped choice contributes nothing
+(its token keeps the residual), decoding drops nothing. The experts' matmuls: FORMULATIONS, one per platform
+(BY_PLATFORM, measured by scripts/bench/moe_formulations.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import DIM, FLOAT32, ModelConfig, key
+from models.layers import rms_norm
+from models.qwen import qwen2_inventory, qwen3_inventory
+from models.spec import LayerCall, ModelSpec, Param, register
+from models.transformer import layer, llama_inventory, mlp_half as dense_half
+
+ROUTERS = ("topk_softmax", "softmax_topk")
+AUX = ("load_balance", "z_loss", "moe/dropped")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(ModelConfig):
+    """An MoE family's model: the shared keys and these (n_experts <= 1: the dense SwiGLU MLP of d_ff)."""
+    n_experts: int = key(8, ">= 0 and <= 65536", "MoE: experts per layer; 0 or 1: the dense MLP")
+    n_experts_per_token: int = key(2, "> 0 and <= 65536", "MoE: experts each token is routed to (top-k)")
+    expert_d_ff: int | None = key(None, DIM, "MoE: each expert's hidden units; null: d_ff")
+    capacity_factor: float = key(0.0, f">= -{FLOAT32} and <= {FLOAT32}", "MoE: slots per expert per row = "
+                                 "ceil(T k / n_experts x this); <= 0: dropless")
+    router_aux_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the per-row load-balancing loss in "
+                                 "the objective (logged as aux/load_balance)")
+    router_z_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the router z-loss in the objective "
+                               "(logged as aux/z_loss)")
+    router: str = key("topk_softmax", ROUTERS, "MoE: topk_softmax (Mixtral) or softmax_topk (Qwen-MoE)")
+    norm_topk_prob: bool = key(True, None, "MoE softmax_topk: the k probabilities divided by their sum")
+    shared_expert_d_ff: int | None = key(None, DIM, "MoE: a shared expert of this width behind a sigmoid gate "
+                                         "(Qwen2-MoE); null: none")
+
+    @property
+    def sparse(self) -> bool:
+        return self.n_experts > 1
+
+
+def moe_inventory(base):
+    """The inventory of `base` (a dense family's) with the MLP's weights replaced by the router and the experts."""
+    def inventory(c: MoEConfig) -> dict:
+        inv = base(c)
+        if not c.sparse:
+            return inv
+        D, X, F = c.d_model, c.n_experts, c.expert_d_ff or c.d_ff
+        layers = {k: v for k, v in inv["layers"].items() if k not in ("w_gate", "w_up", "w_down")}
+        layers.update(router=Param((D, X), ("embed", None), "normal", False),
+                      expert_gate=Param((X, D, F), ("experts", "embed", "mlp"), "normal", True),
+                      expert_up=Param((X, D, F), ("experts", "embed", "mlp"), "normal", True),
+                      expert_down=Param((X, F, D), ("experts", "mlp", "embed"), "residual", True))
+        if c.shared_expert_d_ff:
+            S = c.shared_expert_d_ff
+            layers.update(shared_gate=Param((D, S), ("embed", "mlp"), "normal", True),
+                          shared_up=Param((D, S), ("embed", "mlp"), "normal", True),
+                          shared_down=Param((S, D), ("mlp", "embed"), "residual", True),
+                          shared_expert_gate=Param((D, 1), ("embed", None), "normal", False))
+        return {**inv, "layers": layers}
+    return inventory
+
+
+def route(c: MoEConfig, logits_NX):
+    """(probabilities (N, X) of the softmax over every logit, the chosen experts (N, k) int32, their weights
+    (N, k) float32) of the router (c.router)."""
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    if c.router == "topk_softmax":
+        top_NK, idx_NK = jax.lax.top_k(logits_NX, c.n_experts_per_token)
+        return probs_NX, idx_NK, jax.nn.softmax(top_NK, axis=-1)
+    w_NK, idx_NK = jax.lax.top_k(probs_NX, c.n_experts_per_token)
+    if c.norm_topk_prob:
+        w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
+    return probs_NX, idx_NK, w_NK
+
+
+def capacity(c: MoEConfig, T: int) -> int | None:
+    """Slots per expert per row of T tokens; None: dropless."""
+    if c.capacity_factor <= 0:
+        return None
+    return math.ceil(T * c.n_experts_per_token / c.n_experts * c.capacity_factor)
+
+
+def kept(idx_BTK, valid_BT, X: int, slots: int | None):
+    """Which choices take a slot (B, T, k) bool: every non-padding choice when dropless; with `slots` per expert
+    per row, the first ones in (choice rank, position) order (rank 0 of every token first, then rank 1, ...)."""
+    valid_BTK = jnp.broadcast_to(valid_BT[..., None], idx_BTK.shape)
+    if slots is None:
+        return valid_BTK
+    B, T, K = idx_BTK.shape
+    hot_BKTX = jax.nn.one_hot(jnp.swapaxes(idx_BTK, 1, 2), X, dtype=jnp.int32)
+    hot_BKTX = hot_BKTX * jnp.swapaxes(valid_BTK, 1, 2)[..., None].astype(jnp.int32)
+    order_BKTX = jnp.cumsum(hot_BKTX.reshape(B, K * T, X), axis=1).reshape(hot_BKTX.shape)  # 1-based slot
+    slot_BTK = jnp.swapaxes(jnp.sum(order_BKTX * hot_BKTX, axis=-1), 1, 2)
+    return (slot_BTK <= slots) & valid_BTK
+
+
+def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT):
+    """(the rows' load-balancing losses summed, the tokens' z-losses summed): per row, X x sum_e f_e P_e over its
+    non-padding tokens (f_e the stop-gradient count of their choices of e / their number, so the f_e sum to k;
+    P_e their mean probability of e); per token, logsumexp(logits)^2."""
+    X = c.n_experts
+    v_BT = valid_BT.astype(jnp.float32)
+    n_B = jnp.sum(v_BT, axis=1)
+    per_B = jnp.where(n_B > 0, n_B, 1.0)
+    chosen_BTX = jnp.sum(jax.nn.one_hot(idx_BTK, X, dtype=jnp.float32), axis=2)
+    f_BX = jax.lax.stop_gradient(jnp.einsum("btx,bt->bx", chosen_BTX, v_BT) / per_B[:, None])
+    p_BX = jnp.einsum("btx,bt->bx", probs_BTX, v_BT) / per_B[:, None]
+    balance = X * jnp.sum(f_BX * p_BX)
+    z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTX, axis=-1)) * v_BT)
+    return balance, z
+
+
+def all_experts(h_ND, idx_NK, w_NK, weights, silu):
+    """Every expert on every token, each output weighted by the token's weight for it (0 unless chosen)."""
+    gate, up, down = weights
+    comb_NX = jnp.einsum("nk,nkx->nx", w_NK, jax.nn.one_hot(idx_NK, gate.shape[0], dtype=w_NK.dtype))
+    a_XNF = silu(jnp.einsum("nd,xdf->xnf", h_ND, gate)) * jnp.einsum("nd,xdf->xnf", h_ND, up)
+    return jnp.einsum("xnf,xfd->nd", a_XNF * comb_NX.T[:, :, None], down)
+
+
+def _by_expert(idx_NK, keep_NK, X: int):
+    """The choices sorted by expert, a dropped one after the last: (order (M,) of the choices, each sorted
+    choice's expert (M,), X for a dropped one, the kept choices of each expert (X,) int32)."""
+    e_M = jnp.where(keep_NK, idx_NK, X).reshape(-1)
+    order_M = jnp.argsort(e_M, stable=True)
+    return order_M, e_M[order_M], jnp.sum(jax.nn.one_hot(e_M, X, dtype=jnp.int32), axis=0)
+
+
+def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+    """The choices sorted by expert, each expert's rows through its weights by jax.lax.ragged_dot."""
+    gate, up, down = weights
+    K = idx_NK.shape[1]
+    order_M, _, sizes_X = _by_expert(idx_NK, keep_NK, gate.shape[0])
+    token_M = order_M // K
+    x_MD = h_ND[token_M]
+    a_MF = silu(jax.lax.ragged_dot(x_MD, gate, sizes_X)) * jax.lax.ragged_dot(x_MD, up, sizes_X)
+    y_MD = jax.lax.ragged_dot(a_MF, down, sizes_X) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[token_M].add(y_MD)
+
+
+def _tiles(idx_NK, keep_NK, X: int, t: int):
+    """The choices sorted by expert and each expert's rows padded to whole tiles of t rows: (order (M,), each
+    sorted choice's row in the tiles ((M,), past the end for a dropped one), the tiles' experts (nT,))."""
+    M = idx_NK.size
+    nT = -(-M // t) + X  # sum over experts of ceil(rows / t) is at most this
+    order_M, e_M, sizes_X = _by_expert(idx_NK, keep_NK, X)
+    padded_X = -(-sizes_X // t) * t
+    start_X, pstart_X = jnp.cumsum(sizes_X) - sizes_X, jnp.cumsum(padded_X) - padded_X
+    e = jnp.minimum(e_M, X - 1)
+    row_M = jnp.where(e_M < X, pstart_X[e] + jnp.arange(M) - start_X[e], nT * t)
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_X), jnp.arange(nT) * t, side="right"), X - 1)
+    return order_M, row_M, tile_expert, nT
+
+
+def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
+    """Sorted and padded to tiles of t rows (_tiles); every tile through its expert's weights, gathered
+    per tile, in one batched matmul."""
+    gate, up, down = weights
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
+    x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
+    x_JtD = x_PD.reshape(nT, t, D)
+    a_JtF = silu(jnp.einsum("jtd,jdf->jtf", x_JtD, gate[tile_expert])) * jnp.einsum("jtd,jdf->jtf", x_JtD,
+                                                                                   up[tile_expert])
+    y_PD = jnp.einsum("jtf,jfd->jtd", a_JtF, down[tile_expert]).reshape(nT * t, D)
+    y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
+
+
+def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
+    """As `tiles`, the tiles run one at a time by lax.scan, each indexing its expert's weights (no per-tile copy of
+    the weights)."""
+    gate, up, down = weights
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
+    x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
+
+    def one(_, xe):
+        x_tD, e = xe
+        a_tF = silu(x_tD @ gate[e]) * (x_tD @ up[e])
+        return None, a_tF @ down[e]
+
+    y_PD = jax.lax.scan(one, None, (x_PD.reshape(nT, t, D), tile_expert))[1].reshape(nT * t, D)
+    y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
+
+
+FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
+                "tiles": tiles, "tile_scan": tile_scan}
+# the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md)
+BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "ragged_dot"}
+
+
+def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None):
+    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`."""
+    return FORMULATIONS[impl or BY_PLATFORM.get(platform, "ragged_dot")](h_ND, idx_NK, keep_NK, w_NK, weights, silu)
+
+
+def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
+    """x + the experts of norm(x) (and the shared expert, where there is one); aux: the router losses and the
+    dropped choices, each (sum, count) (the counts of the two losses given by layer 0 of the stack only, call.data
+    ["first"], so that the stack's are the rows and tokens: a mean over rows of the losses summed over layers)."""
+    if not c.sparse:
+        y, _ = dense_half(c, p, x_BTD, call)
+        z = jnp.zeros((), jnp.float32)
+        return y, {k: (z, z) for k in AUX}
+    kn, constrain = call.kernels, call.constrain
+    B, T, D = x_BTD.shape
+    K = c.n_experts_per_token
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"].astype(x_BTD.dtype), c.norm_eps)
+    logits_BTX = jnp.einsum("btd,dx->btx", h_BTD, p["router"].astype(h_BTD.dtype),
+                            preferred_element_type=jnp.float32)
+    probs_BTX, idx_BTK, w_BTK = route(c, logits_BTX)
+    valid_BT = jnp.ones((B, T), bool) if call.segments is None else call.segments != 0
+    keep_BTK = kept(idx_BTK, valid_BT, c.n_experts, None if call.decoding else capacity(c, T))
+    w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
+    weights = tuple(p[k].astype(x_BTD.dtype) for k in ("expert_gate", "expert_up", "expert_down"))
+    y_ND = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
+                       w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform)
+    y_BTD = y_ND.reshape(B, T, D)
+    if "shared_gate" in p:
+        s = {k: p[k].astype(x_BTD.dtype) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}
+        gate_BTS, up_BTS = kn.project(h_BTD, (s["shared_gate"], s["shared_up"]))
+        a_BTS = constrain(kn.silu(gate_BTS) * up_BTS, ("batch", "seq", "mlp"))
+        (shared_BTD,) = kn.project(a_BTS, (s["shared_down"],))
+        y_BTD = y_BTD + jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, s["shared_expert_gate"])) * shared_BTD
+    balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT)
+    v = valid_BT.astype(jnp.float32)
+    first = call.data["first"]
+    rows, tokens = jnp.sum(jnp.max(v, axis=1)), jnp.sum(v)
+    aux = {"load_balance": (balance, rows * first), "z_loss": (z, tokens * first),
+           "moe/dropped": (jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)), tokens * K)}
+    return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
+
+
+def layer_data(c: MoEConfig) -> dict:
+    """1.0 at the stack's first layer (which reports the losses' counts): float32, as a remat'd half may close
+    over floats only."""
+    return {"first": np.asarray([1.0] + [0.0] * (c.n_layers - 1), np.float32)}
+
+
+def aux_counts(c: MoEConfig, batch: dict) -> dict:
+    """Each aux output's count over a batch: its rows with a token that is not padding, those tokens, and their
+    choices over every layer (padding: segment id 0 where the model keeps to documents)."""
+    seg = batch["segment_ids"]
+    v = (seg != 0).astype(jnp.float32) if c.documents else jnp.ones(seg.shape, jnp.float32)
+    tokens = jnp.sum(v)
+    return {"load_balance": jnp.sum(jnp.max(v, axis=1)), "z_loss": tokens,
+            "moe/dropped": tokens * c.n_experts_per_token * c.n_layers}
+
+
+def aux_weights(c: MoEConfig) -> dict:
+    """The losses' weights in the objective; the dropped fraction is a statistic (weight 0: logged only)."""
+    return {"load_balance": c.router_aux_loss, "z_loss": c.router_z_loss, "moe/dropped": 0.0}
+
+
+def checks(c: MoEConfig) -> list:
+    k, X = c.n_experts_per_token, c.n_experts
+    return [(not c.sparse or k <= X, f"model.n_experts_per_token={k} exceeds model.n_experts={X}; route each "
+             "token to at most n_experts experts"),
+            (c.sparse or c.capacity_factor <= 0, f"model.capacity_factor={c.capacity_factor} needs model.n_experts "
+             f"> 1 (it is {X}: a dense MLP drops nothing); set n_experts or leave capacity_factor at 0"),
+            (c.sparse or not c.shared_expert_d_ff, f"model.shared_expert_d_ff={c.shared_expert_d_ff} needs "
+             f"model.n_experts > 1 (it is {X}); set n_experts or leave shared_expert_d_ff null")]
+
+
+SPEC = dict(config=MoEConfig, mlp=moe_half, layer_data=layer_data, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks)
+MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, **SPEC))
+QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, **SPEC))
+QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, **SPEC))

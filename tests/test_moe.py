@@ -1,0 +1,346 @@
+"""The MoE MLP (models/moe.py): the layer against a per-expert Python loop written here, forward and gradients, for
+each router, dropless and with capacity, on every formulation of the experts' matmuls; the load-balancing loss
+against a NumPy port of transformers' load_balancing_loss_func and a hand computation over rows and layers; the
+z-loss by hand; both losses move the router; the one-line errors; layouts against one device."""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SGD, TINY, corpus
+
+from models import from_preset
+from models import moe
+from models.layers import rms_norm
+from models.transformer import layer_call
+
+B, T, D, X, K, F = 2, 16, 16, 4, 2, 8
+ROUTERS = {"mixtral": dict(router="topk_softmax"),
+           "qwen3_norm": dict(router="softmax_topk", norm_topk_prob=True),
+           "qwen3_raw": dict(router="softmax_topk", norm_topk_prob=False),
+           "qwen2_shared": dict(router="softmax_topk", norm_topk_prob=False, shared_expert_d_ff=12)}
+
+
+def _config(**kw):
+    return from_preset("tiny", **{**dict(family="mixtral", d_model=D, n_heads=2, n_kv_heads=2, n_experts=X,
+                                         n_experts_per_token=K, expert_d_ff=F), **kw})
+
+
+def _weights(c, router_scale=1.0, seed=0):
+    inv = moe.moe_inventory(lambda c: {"layers": {"mlp_norm": None}})(c)["layers"]
+    keys = jax.random.split(jax.random.key(seed), len(inv))
+    p = {k: jax.random.normal(kk, v.shape) * (0.3 if k != "router" else router_scale)
+         for kk, (k, v) in zip(keys, inv.items()) if v is not None}
+    p["mlp_norm"] = 1.0 + 0.1 * jax.random.normal(keys[0], (D,))
+    return p
+
+
+def choices(c, p, x, segments, slots):
+    """Each token's k experts (the largest logits) and which of its choices take a slot, found by walking each row's
+    choices in (rank, position) order: numpy (B, T, K) int and bool."""
+    lg = np.asarray(jnp.einsum("btd,dx->btx", rms_norm(x, p["mlp_norm"], c.norm_eps), p["router"]))
+    idx = np.argsort(-lg, axis=-1, kind="stable")[..., :K]
+    valid = np.ones((B, T), bool) if segments is None else np.asarray(segments) != 0
+    keep = np.zeros((B, T, K), bool)
+    for b in range(B):
+        used = [0] * X
+        for r in range(K):
+            for t in range(T):
+                e = idx[b, t, r]
+                if valid[b, t] and (slots is None or used[e] < slots):
+                    keep[b, t, r] = True
+                    used[e] += 1
+    return idx, keep
+
+
+def reference(c, p, x, idx, keep):
+    """x + the experts, one expert at a time, each on the tokens whose choice of it took a slot, weighted and
+    summed; the shared expert added."""
+    h = rms_norm(x, p["mlp_norm"], c.norm_eps)
+    logits = jnp.einsum("btd,dx->btx", h, p["router"])
+    chosen = jnp.take_along_axis(logits, jnp.asarray(idx), axis=-1)
+    if c.router == "topk_softmax":
+        w = jax.nn.softmax(chosen, axis=-1)
+    else:
+        w = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), jnp.asarray(idx), axis=-1)
+        w = w / jnp.sum(w, axis=-1, keepdims=True) if c.norm_topk_prob else w
+    out = x
+    for e in range(X):
+        for r in range(K):
+            sel = np.nonzero((idx[..., r] == e) & keep[..., r])
+            if not sel[0].size:
+                continue
+            hs = h[sel]
+            y = (jax.nn.silu(hs @ p["expert_gate"][e]) * (hs @ p["expert_up"][e])) @ p["expert_down"][e]
+            out = out.at[sel].add(w[..., r][sel][:, None] * y)
+    if c.shared_expert_d_ff:
+        s = (jax.nn.silu(h @ p["shared_gate"]) * (h @ p["shared_up"])) @ p["shared_down"]
+        out = out + jax.nn.sigmoid(h @ p["shared_expert_gate"]) * s
+    return out
+
+
+def _inputs(padded):
+    x = jax.random.normal(jax.random.key(7), (B, T, D))
+    seg = None
+    if padded:  # row 1: two documents, then 4 padding tokens
+        seg = jnp.asarray(np.r_[[1] * T, [1] * 6 + [2] * 6 + [0] * 4].reshape(B, T).astype(np.float32))
+    return x, seg
+
+
+def _layer_half(c, impl, monkeypatch):
+    """The MoE half with the plain SiLU and the experts' matmuls of formulation `impl`."""
+    monkeypatch.setitem(moe.BY_PLATFORM, "cpu", impl)
+
+    def run(p, x, seg):
+        call = layer_call(c, None, segments=seg, data={"first": 1.0})
+        return moe.moe_half(c, p, x, call._replace(kernels=call.kernels._replace(silu=jax.nn.silu, platform="cpu")))
+    return run
+
+
+def _grads(f, p, x):
+    probe = jax.random.normal(jax.random.key(3), (B, T, D))
+    return jax.grad(lambda p, x: jnp.sum(f(p, x) * probe), argnums=(0, 1))(p, x)
+
+
+def _close(a, b, tol=1e-5):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        err = float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
+        assert err < tol, err
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+@pytest.mark.parametrize("capacity", [0.0, 0.75])
+def test_layer_equals_a_per_expert_loop(router, capacity, monkeypatch):
+    c = _config(capacity_factor=capacity, **ROUTERS[router])
+    # router scaled x10: every top-k margin far above float error (asserted), so both sides choose alike
+    p, (x, seg) = _weights(c, router_scale=10.0), _inputs(padded=capacity > 0)
+    logits = np.sort(np.asarray(jnp.einsum("btd,dx->btx", rms_norm(x, p["mlp_norm"], c.norm_eps), p["router"])))
+    assert (logits[..., X - K] - logits[..., X - K - 1]).min() > 1e-3
+    slots = moe.capacity(c, T)
+    idx, keep = choices(c, p, x, seg, slots)
+    want = reference(c, p, x, idx, keep)
+    valid = np.ones((B, T), bool) if seg is None else np.asarray(seg) != 0
+    dropped = int((~keep & valid[..., None]).sum())
+    assert (slots, dropped > 0) == ((6, True) if capacity else (None, False))
+    want_g = _grads(lambda p, x: reference(c, p, x, idx, keep), p, x)
+    # every formulation of the experts' matmuls with Mixtral's router and a capacity (drops, padding); the rest on
+    # the CPU's
+    for impl in moe.FORMULATIONS if router == "mixtral" and capacity else [moe.BY_PLATFORM["cpu"]]:
+        half = _layer_half(c, impl, monkeypatch)
+        got, aux = half(p, x, seg)
+        _close(got, want)
+        _close(_grads(lambda p, x: half(p, x, seg)[0], p, x), want_g)
+        assert tuple(map(float, aux["moe/dropped"])) == (dropped, valid.sum() * K)
+
+
+def test_decoding_drops_nothing():
+    c = _config(capacity_factor=0.5)
+    p, (x, _) = _weights(c, 10.0), _inputs(False)
+    call = layer_call(c, None, data={"first": 1.0})
+    y, aux = moe.moe_half(c, p, x, call._replace(decoding=True))
+    _close(y, reference(c, p, x, *choices(c, p, x, None, None)))
+    assert float(aux["moe/dropped"][0]) == 0 and float(moe.moe_half(c, p, x, call)[1]["moe/dropped"][0]) > 0
+
+
+def hf_load_balancing_loss(gate_logits, num_experts, top_k):
+    """transformers' load_balancing_loss_func (Mixtral, Qwen2-MoE, Qwen3-MoE) without an attention mask, in NumPy:
+    the layers' logits concatenated over tokens."""
+    logits = np.concatenate(gate_logits, axis=0)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    routing_weights = e / e.sum(-1, keepdims=True)
+    selected = np.argsort(-routing_weights, axis=-1, kind="stable")[:, :top_k]
+    expert_mask = np.eye(num_experts)[selected]  # (tokens, k, E)
+    tokens_per_expert = expert_mask.mean(axis=0)
+    router_prob_per_expert = routing_weights.mean(axis=0)
+    return (tokens_per_expert * router_prob_per_expert[None]).sum() * num_experts
+
+
+def test_load_balancing_loss_equals_transformers_at_one_layer_and_sequence():
+    c = _config()
+    logits = jax.random.normal(jax.random.key(1), (1, T, X)) * 2
+    probs, idx, _ = moe.route(c, logits)
+    balance, _ = moe.router_losses(c, logits, probs, idx.reshape(1, T, K), jnp.ones((1, T), bool))
+    want = hf_load_balancing_loss([np.asarray(logits[0], np.float64)], X, K)
+    assert abs(float(balance) - want) < 1e-6, (float(balance), want)
+
+
+def _stack_by_hand(c, params, x, seg, positions):
+    """The layers one at a time (the router's logits read at each MoE half's input): the rows' load-balancing
+    losses and the tokens' z-losses, in NumPy from those logits."""
+    from models.transformer import attention_half
+    from models.layers import rope_for
+    lb, z = 0.0, 0.0
+    valid = np.ones((B, T), bool) if seg is None else np.asarray(seg) != 0
+    for i in range(c.n_layers):
+        p = jax.tree.map(lambda w: w[i], params["layers"])
+        call = layer_call(c, rope_for(c, T, positions), segments=seg, index=i, data={"first": float(i == 0)})
+        x = attention_half(c, p, x, call)
+        h = rms_norm(x, p["mlp_norm"], c.norm_eps)
+        lg = np.asarray(jnp.einsum("btd,dx->btx", h, p["router"]), np.float64)
+        pr = np.exp(lg - lg.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        top = np.argsort(-lg, -1, kind="stable")[..., :K]
+        for b in range(B):
+            v = valid[b]
+            f = np.eye(X)[top[b][v]].sum(axis=(0, 1)) / v.sum()  # the row's choices of each expert / its tokens
+            lb += X * (f * pr[b][v].mean(0)).sum()
+        lse = np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
+        z += (lse[valid] ** 2).sum()
+        x, _ = moe.moe_half(c, p, x, call)
+    return lb / B, z / valid.sum()
+
+
+def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_adds_them_weighted():
+    from models.loss import objective, part_metrics, scales
+    from models.transformer import Transformer, params_of
+    import flax.nnx as nnx
+    c = dataclasses.replace(_config(router_aux_loss=0.5, router_z_loss=0.25), n_layers=3, documents=True)
+    params = params_of(Transformer(c, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(2), (B, T), 0, c.vocab_size)
+    seg = jnp.asarray(np.r_[[1] * T, [1] * 6 + [2] * 6 + [0] * 4].reshape(B, T))
+    batch = {"tokens": tokens, "targets": tokens, "loss_weight": (seg != 0).astype(jnp.float32),
+             "segment_ids": seg, "positions": jnp.asarray(np.r_[np.arange(T), np.arange(6), np.arange(6),
+                                                                np.zeros(4)].reshape(B, T).astype(np.int32))}
+    scale = scales(c, batch)
+    value, parts = objective(c, params, batch, scale)
+    m = part_metrics(parts)
+    from models.transformer import embed
+    lb, z = _stack_by_hand(c, params, embed(c, params, tokens, jnp.float32), seg.astype(jnp.float32),
+                           batch["positions"])
+    assert abs(float(m["aux/load_balance"]) - lb) < 1e-5 * lb and abs(float(m["aux/z_loss"]) - z) < 1e-5 * z
+    assert float(parts["aux"]["load_balance"][1]) == B and float(parts["aux"]["z_loss"][1]) == 28
+    assert float(m["moe/dropped"]) == 0 and float(scale["aux"]["moe/dropped"]) == 0
+    want = float(parts["loss"]) + 0.5 * lb + 0.25 * z
+    assert abs(float(value) - want) < 1e-5 * want
+
+
+def test_z_loss_by_hand():
+    c = _config(n_experts_per_token=1)
+    logits = jnp.asarray([[[0.0, math.log(3.0), -50.0, -50.0], [1.0, 1.0, 1.0, 1.0]]])  # lse: ln 4, 1 + ln 4
+    probs, idx, _ = moe.route(c, logits)
+    _, z = moe.router_losses(c, logits, probs, idx, jnp.asarray([[True, True]]))
+    assert abs(float(z) - (math.log(4) ** 2 + (1 + math.log(4)) ** 2)) < 1e-5
+    _, z = moe.router_losses(c, logits, probs, idx, jnp.asarray([[True, False]]))  # padding counts nothing
+    assert abs(float(z) - math.log(4) ** 2) < 1e-5
+
+
+def test_both_losses_move_the_router():
+    c = _config()
+    p, (x, _) = _weights(c), _inputs(False)
+
+    def router_grad(which):
+        def f(router):
+            h = rms_norm(x, p["mlp_norm"], c.norm_eps)
+            logits = jnp.einsum("btd,dx->btx", h, router)
+            probs, idx, _ = moe.route(c, logits)
+            return moe.router_losses(c, logits, probs, idx, jnp.ones((B, T), bool))[which]
+        return jax.grad(f)(p["router"])
+    for which in (0, 1):
+        assert float(jnp.linalg.norm(router_grad(which))) > 1e-3
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["model.n_experts=2", "model.n_experts_per_token=3"],
+     r"^model.n_experts_per_token=3 exceeds model.n_experts=2; route each token to at most n_experts experts$"),
+    (["model.n_experts=1", "model.capacity_factor=1.25"],
+     r"^model.capacity_factor=1.25 needs model.n_experts > 1 \(it is 1: a dense MLP drops nothing\); set "
+     r"n_experts or leave capacity_factor at 0$"),
+    (["model.family=llama", "model.n_experts=4"], r"^model.n_experts is a key of mixtral, qwen2_moe, qwen3_moe, "
+                                                   r"not of model.family='llama'"),
+])
+def test_bad_input_is_one_line(keys, message):
+    from trainer.config import load_config, validate
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match=message):
+        validate(load_config(TINY + ["model.family=mixtral"] + keys), 1)
+
+
+MOE = SGD + ["model.family=mixtral", "model.n_experts=4", "model.expert_d_ff=64", "model.router_aux_loss=0.1",
+             "model.router_z_loss=0.01"]
+ONE = ("mesh.data=1", "mesh.stage=1", "mesh.model=1")
+LAYOUTS = {
+    "(2,1,4) ZeRO-3 dropless": ((), ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3")),
+    "(1,4,2) 1F1B capacity": (("model.capacity_factor=1.0", "model.n_layers=4"),
+                              ("mesh.data=1", "mesh.stage=4", "mesh.model=2", "train.microbatches=4",
+                               "train.pipeline_schedule=1f1b")),
+}
+SLOW = {
+    "(2,1,4) ZeRO-3 capacity": (("model.capacity_factor=1.0",),
+                                ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3")),
+    "(1,4,2) 1F1B dropless": (("model.n_layers=4",), LAYOUTS["(1,4,2) 1F1B capacity"][1]),
+    "(1,2,1) interleaved V=2 capacity": (("model.capacity_factor=1.0", "model.n_layers=4"),
+                                         ("mesh.data=1", "mesh.stage=2", "mesh.model=1", "train.microbatches=2",
+                                          "train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2")),
+    "(8,1,1) ring dropless": ((), ("mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.grad_sync=ring")),
+    "M=4 capacity": (("model.capacity_factor=1.0",), ONE + ("train.microbatches=4",)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _train(overrides: tuple, steps=2):
+    """`steps` steps: (each step's metrics, the parameters)."""
+    from meshes import devices_named
+    from trainer.config import load_config
+    from trainer.data.batches import Batches
+    from trainer.plan.verify import abstract_inputs
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_train_step
+    cfg = load_config(TINY + MOE + list(overrides))
+    s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
+    state, metrics = init_state(s), []
+    b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
+    with jax.set_mesh(s.mesh):
+        step = jit_train_step(s).lower(*abstract_inputs(s)).compile()
+        for i in range(steps):
+            state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
+            metrics.append({k: float(v) for k, v in m.items() if k in ("loss", "grad_norm") or "/" in k})
+    return metrics, jax.tree.map(np.asarray, state["params"])
+
+
+def _same_as_one_device(model, layout):
+    want, want_p = _train(tuple(model) + ONE)
+    got, got_p = _train(tuple(model) + tuple(layout))
+    assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped"}
+    for g, w in zip(got, want):
+        assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w), (g, w)
+    if any("capacity" in m for m in model):
+        assert want[0]["moe/dropped"] > 0.01
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_one_device(name):
+    _same_as_one_device(*LAYOUTS[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_more_layouts_equal_one_device(name):
+    _same_as_one_device(*SLOW[name])
+
+
+@pytest.mark.parametrize("capacity", [0.0, 2.0])
+def test_generate_equals_the_training_forwards_greedy_tokens(capacity):
+    """KV-cache decoding of an MoE (never dropping) against the training forward's argmax, token by token; with a
+    capacity, on a prompt where the forward drops nothing (its moe/dropped 0)."""
+    import flax.nnx as nnx
+    from models.decode import generate
+    from models.transformer import Transformer, embed, forward, layer_stack, params_of
+    c = _config(capacity_factor=capacity, n_layers=2, seq_len=32)
+    params = params_of(Transformer(c, rngs=nnx.Rngs(1)))
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (2, 8), 0, c.vocab_size))
+    n, P = 6, tokens.shape[1]
+    fwd = jax.jit(lambda t: (layer_stack(c, params["layers"], embed(c, params, t, jnp.float32))[1]["moe/dropped"],
+                             forward(c, params, t)))
+    want = np.concatenate([tokens, np.zeros((2, n), np.int32)], axis=1)  # causal: what follows is not seen
+    for i in range(n):
+        dropped, logits = fwd(want)
+        want[:, P + i] = np.asarray(jnp.argmax(logits[:, P + i - 1], -1))
+    assert float(dropped[0]) == 0  # the whole sequence's forward drops nothing
+    got = np.stack(list(generate(c, params, tokens, n)), axis=1)
+    assert (got == want[:, P:]).all(), (got, want[:, P:])
+
