@@ -26,6 +26,7 @@ import numpy as np
 
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
+from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
 from models.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
@@ -283,6 +284,6 @@ def checks(c: MoEConfig) -> list:
 
 
 SPEC = dict(config=MoEConfig, mlp=moe_half, layer_data=layer_data, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks)
-MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, **SPEC))
-QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, **SPEC))
-QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, **SPEC))
+MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, MIXTRAL_HF, **SPEC))
+QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, QWEN3_MOE_HF, **SPEC))
+QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, QWEN2_MOE_HF, **SPEC))

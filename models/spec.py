@@ -123,12 +123,19 @@ class Leaf(NamedTuple):
     view: tuple  # the HF tensor reshaped so that a transpose gives meshtrain's per-layer layout
     perm: tuple
     stacked: bool
+    # a stacked leaf's leading axes, its tensors (names) in row-major order over them: () for the layers alone,
+    # (layers, experts) for one tensor per expert of each layer
+    lead: tuple = ()
+
+
+def leading(leaf: Leaf) -> tuple:
+    """The leading axes a leaf's tensors stack into: () unstacked, (layers,) or its own `lead`."""
+    return (leaf.lead or (len(leaf.names),)) if leaf.stacked else ()
 
 
 def leaf_shape(leaf: Leaf) -> tuple:
-    """The meshtrain parameter's shape (with the leading layers axis for a stacked leaf)."""
-    one = tuple(leaf.view[p] for p in leaf.perm)
-    return (len(leaf.names),) + one if leaf.stacked else one
+    """The meshtrain parameter's shape (with the leading stacked axes for a stacked leaf)."""
+    return leading(leaf) + tuple(leaf.view[p] for p in leaf.perm)
 
 
 class HFWrapper(NamedTuple):

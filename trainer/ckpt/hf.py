@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family, hf_wrapper
+from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family, hf_wrapper, leading
 from trainer.ckpt import safetensors as st
 from trainer.ckpt.store import kind_of
 from trainer.config import model_config, replace
@@ -245,12 +245,14 @@ def load(path, mc, shapes: dict, shardings: dict) -> dict:
         def piece(idx, leaf=leaf, dtype=target.dtype):
             if not leaf.stacked:
                 return _read(have[leaf.names[0]], leaf, idx).astype(dtype, copy=False)
-            rows = range(len(leaf.names))[idx[0]]
-            first = _read(have[leaf.names[rows[0]]], leaf, idx[1:])
-            a = np.empty((len(rows),) + first.shape, dtype)  # filled layer by layer: no list of pieces
-            a[0] = first
-            for j, i in enumerate(rows[1:], 1):
-                a[j] = _read(have[leaf.names[i]], leaf, idx[1:])
+            lead = leading(leaf)  # (layers,) or (layers, experts): the tensors in row-major order over them
+            rows = [range(n)[s] for n, s in zip(lead, idx)]
+            a = None
+            for at in np.ndindex(*(len(r) for r in rows)):  # filled tensor by tensor: no list of pieces
+                i = int(np.ravel_multi_index(tuple(r[j] for r, j in zip(rows, at)), lead))
+                x = _read(have[leaf.names[i]], leaf, idx[len(lead):])
+                a = np.empty(tuple(len(r) for r in rows) + x.shape, dtype) if a is None else a
+                a[at] = x
             return a
 
         _set(out, leaf.path, _from_pieces(target.shape, sh, piece))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from trainer.ckpt import safetensors as st
-from models.spec import leaf_shape
+from models.spec import leaf_shape, leading
 from trainer.ckpt.hf import (INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, model_keys, origin_of,
                              text_config)
 from trainer.errors import UserError
@@ -33,24 +33,26 @@ def check_expressible(mc, params: dict, where: str):
                             f"{leaf_shape(leaf)} of a {adapter(mc).architecture}; export it with --format orbax")
 
 
-def _host(x: jax.Array, i: int | None = None) -> np.ndarray:
-    """x (or its row i) as one numpy array on this host, from the shards (never whole on one device)."""
-    y_shape = x.shape[1:] if i is not None else x.shape
+def _host(x: jax.Array, i: tuple = ()) -> np.ndarray:
+    """x (or its entry at leading indices i: a layer's, or a layer's expert's) as one numpy array on this host,
+    from the shards (never whole on one device)."""
+    k = len(i)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x if i is None else x[i], tiled=True))
-    out, seen = np.empty(y_shape, x.dtype), set()
+        return np.asarray(multihost_utils.process_allgather(x[i] if k else x, tiled=True))
+    out, seen = np.empty(x.shape[k:], x.dtype), set()
     for sh in x.addressable_shards:
         idx = sh.index
-        if i is None:
+        if not k:
             key, data, where = idx, sh.data, idx
         else:
-            rows = range(x.shape[0])[idx[0]]
-            if i not in rows:
+            rows = [range(n)[s] for n, s in zip(x.shape, idx[:k])]
+            if any(j not in r for j, r in zip(i, rows)):
                 continue
-            # on CPU the shard is host memory already (no copy); elsewhere copy only the one layer
-            data = np.asarray(sh.data)[i - rows.start] if sh.device.platform == "cpu" else sh.data[i - rows.start]
-            key, where = idx[1:], idx[1:]
+            at = tuple(j - r.start for j, r in zip(i, rows))
+            # on CPU the shard is host memory already (no copy); elsewhere copy only the one entry
+            data = np.asarray(sh.data)[at] if sh.device.platform == "cpu" else sh.data[at]
+            key, where = idx[k:], idx[k:]
         key = tuple((s.start, s.stop) for s in key)
         if key not in seen:  # replicas hold the same values
             seen.add(key)
@@ -161,7 +163,8 @@ def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: i
         jax.tree.leaves(params)[0].dtype)
     if np_dtype not in st.CODES:
         raise UserError(f"{where} are {np_dtype}; export them with --dtype float32")
-    by_name = {n: (leaf, i if leaf.stacked else None) for leaf in leaves(mc) for i, n in enumerate(leaf.names)}
+    by_name = {n: (leaf, tuple(int(j) for j in np.unravel_index(i, leading(leaf))) if leaf.stacked else ())
+               for leaf in leaves(mc) for i, n in enumerate(leaf.names)}
 
     def fill(name):
         leaf, i = by_name[name]
