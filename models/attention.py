@@ -18,19 +18,30 @@ from models.fast_cpu import causal_attention
 log = logging.getLogger(__name__)
 
 
+# The manual kernel's causal query block where model.attention_block is unset: XLA:CPU's fastest (docs/performance.md);
+# on TPU fewer, larger blocks (the 7B v5p step: temp 5.14 GB at 512 against 5.71 at 128, and less to compile)
+BLOCK = {"tpu": 512}
+
+
+def block_for(block: int | None, platform: str) -> int:
+    """The manual kernel's query block: `block` (model.attention_block), else the platform's (BLOCK, else 128)."""
+    return BLOCK.get(platform, 128) if block is None else block
+
+
 def select(impl: str, dtype, platform: str, cpu_fast: bool = True) -> str:
     """The implementation `attention` runs for `impl` on a jax platform name ("cpu", "gpu", "tpu").
 
     cpu_fast=False (the reference path, model.kernels=reference) makes CPU's `auto` XLA's attention."""
-    # auto: cuDNN's fused kernel on GPU for bfloat16/float16; the manual kernel only on CPU, whose
-    # algebra and blocking are tuned for XLA:CPU; elsewhere (TPU) jax.nn's XLA attention, which XLA fuses
+    # auto: cuDNN's fused kernel on GPU for bfloat16/float16; the manual (blockwise) kernel on CPU and TPU: it
+    # saves one log-sum-exp per query, where jax.nn's XLA attention keeps float32 (T, T) scores and probabilities
+    # per head (XLA:TPU's temp of the 7B v5p step: 7.52 GB with XLA's, docs/plan.md); XLA's elsewhere
     if impl != "auto":
         return impl
     if platform == "cpu":
         return "manual" if cpu_fast else "xla"
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
-    return "xla"
+    return "manual" if platform == "tpu" else "xla"
 
 
 @functools.lru_cache(maxsize=None)

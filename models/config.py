@@ -65,11 +65,11 @@ class ModelConfig:
     # (docs/performance.md)
     scan_layers: bool | None = key(None, None, "layers as one lax.scan; null: unroll up to 8 layers without remat, "
                                    "else scan")
-    # auto = cuDNN's (bf16) or XLA's on GPU, manual on CPU, XLA's on TPU
+    # auto = cuDNN's (bf16) or XLA's on GPU, manual on CPU and TPU
     attention: str = key("auto", ATTENTION_IMPLS, "the attention implementation (models/attention.py)", null=False)
     # each query block attends to the keys up to its last position (skips most of the masked half)
-    attention_block: int = key(128, f">= 0 and <= {INT32}", "manual attention's causal query block; 0: no blocking",
-                               null=False)
+    attention_block: int | None = key(None, f">= 0 and <= {INT32}", "manual attention's causal query block; 0: no "
+                                      "blocking; null: the platform's (models/attention.py BLOCK)")
     # the plain math of models/transformer.py or models/fast_cpu.py's XLA:CPU fast paths; auto = fast on CPU
     kernels: str = key("auto", KERNELS, "plain math or XLA:CPU fast paths (models/fast_cpu.py); equal results",
                        null=False)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models import fast_cpu
-from models.attention import attention
+from models.attention import attention, block_for
 from models.config import ModelConfig
 from models.spec import LOCAL, family
 
@@ -112,9 +112,9 @@ def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:
     platform = platform or jax.devices()[0].platform
     fast = c.kernels == "fast" or (c.kernels == "auto" and platform == "cpu")
     # model.attention=auto follows attention.select: manual on CPU with the fast paths (XLA's with
-    # the reference ones), cuDNN's on GPU for bfloat16, XLA's otherwise
-    attn = functools.partial(attention, impl=c.attention, block=c.attention_block, platform=platform,
-                             cpu_fast=fast, **({"window": c.window} if c.uniform_window else {}))
+    # the reference ones) and on TPU, cuDNN's on GPU for bfloat16, XLA's otherwise
+    attn = functools.partial(attention, impl=c.attention, block=block_for(c.attention_block, platform),
+                             platform=platform, cpu_fast=fast, **({"window": c.window} if c.uniform_window else {}))
     name = "fast" if fast else "reference"
     fns = (fast_cpu.project, fast_cpu.silu, fast_cpu.apply_rope) if fast else (project, jax.nn.silu, apply_rope)
     # each kernel's ops are scoped `kernels_<name>` in the program's metadata: which ones a compiled

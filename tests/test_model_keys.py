@@ -163,7 +163,7 @@ OLD_LLAMA = {"preset": "tiny", "family": "llama", "d_model": 64, "n_layers": 2, 
              "rope_theta": 10000.0, "norm_eps": 1e-05, "rope_scaling": None, "window": None, "local_layers": None,
              "rope_local_theta": None, "rope_linear": None, "attn_softcap": None, "final_softcap": None,
              "query_scale": None, "embed_scale": False, "norm_plus_one": False, "remat": "none", "scan_layers": None,
-             "attention": "auto", "attention_block": 128, "kernels": "auto", "loss_chunk": None, "init_from": None}
+             "attention": "auto", "attention_block": None, "kernels": "auto", "loss_chunk": None, "init_from": None}
 OLD_GEMMA3 = {**OLD_LLAMA, "family": "gemma3", "window": 8, "local_layers": [True, False], "rope_local_theta": 10000.0,
               "rope_linear": 8.0, "embed_scale": True, "norm_plus_one": True}
 

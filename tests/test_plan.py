@@ -478,7 +478,7 @@ def test_a_7b_layer_saves_what_the_docs_count():
     remat) against a count by hand and the planner's; its table of the terms adds up to it."""
     text = DOCS.read_text(encoding="utf-8")
     quoted = float(re.search(r"7B layer at T = 4096[^.]*?\*{0,2}([\d.]+) MB per token", text).group(1))
-    mc = model_config(load_config(["model.preset=7b"]))
+    mc = model_config(load_config(["model.preset=7b", "model.attention=xla"]))
     D, F, H, T = mc.d_model, mc.d_ff, mc.n_heads, mc.seq_len
     # per head and key: mask, masked scores, exponentials, bf16 probabilities; the softmax's two per head; q, k, v and
     # the attention output; two norms' float32 input and output, bf16 output, two scalars; six (F) arrays of the MLP

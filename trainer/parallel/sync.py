@@ -82,7 +82,11 @@ def _gather_in(tree, dims, dtypes, gather, scatter):
         return gather([x.astype(dt) for x, dt in zip(leaves, cast)], sub(ds))
 
     def bwd(_, cts):
-        return (scatter([c.astype(dt) for c, dt in zip(cts, own)], sub(ds)),)
+        # each shard behind a barrier: XLA:TPU writes the reduce-scatter as an all-reduce and a slice, and would
+        # otherwise slice (and take the norm of) the whole all-reduced gradient where the step uses it, keeping a
+        # whole float32 head gradient live through the layers' backward (docs/plan.md)
+        return ([jax.lax.optimization_barrier(g) for g in scatter([c.astype(dt) for c, dt in zip(cts, own)],
+                                                                    sub(ds))],)
 
     run.defvjp(lambda leaves: (run(leaves), None), bwd)
     out = list(xs)

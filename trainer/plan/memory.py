@@ -120,13 +120,13 @@ def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_
     repeated kv heads, the attention sees only this device's slice of them (what the sharding constraint after the
     repeat leaves it). cuDNN's fused attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as
     the blockwise attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
-    from models.attention import select
+    from models.attention import block_for, select
     from models.fast_cpu import causal_attention
     from models.layers import kernels_for
     kn = kernels_for(c, platform)
     if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
-        kn = kn._replace(attention=lambda q, k, v, segments=None, **kw: causal_attention(q, k, v,
-                                                                                        c.attention_block))
+        kn = kn._replace(attention=lambda q, k, v, segments=None, **kw: causal_attention(
+            q, k, v, block_for(c.attention_block, platform)))
     if c.fused_qkv and not fused_qkv:  # a call of three weights is the fused q, k, v: made as the model makes it
         project = kn.project
         kn = kn._replace(project=lambda x, ws: project(x, ws[:1]) + project(x, ws[1:]) if len(ws) == 3 else
