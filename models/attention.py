@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 # The manual kernel's causal query block where model.attention_block is unset: XLA:CPU's fastest (docs/performance.md);
-# on TPU fewer, larger blocks (the 7B v5p step: temp 5.14 GB at 512 against 5.71 at 128, and less to compile)
-BLOCK = {"tpu": 512}
+# on TPU fewer, larger blocks (the 7B v5p step: XLA:TPU temp 5.12 GB at 1024 against 5.05 at 512, and a tenth less
+# to compile: docs/plan.md)
+BLOCK = {"tpu": 1024}
 
 
 def block_for(block: int | None, platform: str) -> int:

@@ -46,11 +46,24 @@ def topology_devices(name: str) -> list:
         if accelerator := _accelerator_type(name):
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, wrap=wraparound(name)).devices)
     except Exception as e:  # noqa: BLE001  (libtpu raises XlaRuntimeError/JaxRuntimeError/ValueError)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--compile-for {name}: libtpu knows no such topology ({first}); "
                         f"give one as jax names it, e.g. {EXAMPLES}") from None
+
+
+def wraparound(name: str) -> tuple[bool, bool, bool]:
+    """Which of a TPU slice's axes close into a ring, as the pod's links do: on the 3D tori (v4, v5p) every axis of
+    a slice made of whole 4x4x4 cubes (v5p:4x4x8; not v5p:2x2x4), on the 2D ones (v5e, v6e) an axis of 16 chips.
+    libtpu's default is none: compiled without them, XLA:TPU writes each all-gather over a 4x4x8 slice as an
+    all-reduce (twice the bytes) and the 7B step compiled a third slower (docs/plan.md)."""
+    gen, _, dims = name.partition(":")
+    sizes = [int(d) for d in dims.split("x")]
+    if gen in ("v4", "v5p"):
+        ring = len(sizes) == 3 and all(d % 4 == 0 for d in sizes)
+        return (ring, ring, ring)
+    return tuple(d == 16 for d in sizes) + (False,) * (3 - len(sizes))
 
 
 def _accelerator_type(name: str) -> str | None:
