@@ -18,6 +18,7 @@ expert, filled in (choice rank, position) order; a padding token takes none, a d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -188,20 +189,59 @@ def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
 
 def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
     """As `tiles`, the tiles run one at a time by lax.scan, each indexing its expert's weights (no per-tile copy of
-    the weights)."""
+    the weights, forward or backward: `_expert_tiles`)."""
     gate, up, down = weights
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
     x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
-
-    def one(_, xe):
-        x_tD, e = xe
-        a_tF = silu(x_tD @ gate[e]) * (x_tD @ up[e])
-        return None, a_tF @ down[e]
-
-    y_PD = jax.lax.scan(one, None, (x_PD.reshape(nT, t, D), tile_expert))[1].reshape(nT * t, D)
+    y_PD = _expert_tiles(silu, x_PD.reshape(nT, t, D), tile_expert, gate, up, down).reshape(nT * t, D)
     y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
     return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
+
+
+def _tile_mlp(silu, x_tD, g_DF, u_DF):
+    h_tF, u_tF = x_tD @ g_DF, x_tD @ u_DF
+    return silu(h_tF) * u_tF, (h_tF, u_tF)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _expert_tiles(silu, x_JtD, e_J, gate, up, down):
+    """Tile j of rows (J, t, D) through expert e_J[j]'s SwiGLU MLP, by lax.scan. Autodiff of the scan would save
+    each tile's slice of the weights and stack each tile's weight gradient (J copies of an expert's weights);
+    here the backward scan adds each tile's weight gradients into the experts' in place, and keeps only the
+    tiles' two (t, F) hidden projections."""
+    return _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down)[0]
+
+
+def _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down):
+    def one(_, xe):
+        x_tD, e = xe
+        a_tF, hu = _tile_mlp(silu, x_tD, gate[e], up[e])
+        return None, (a_tF @ down[e], hu)
+    y_JtD, hu_J = jax.lax.scan(one, None, (x_JtD, e_J))[1]
+    return y_JtD, (x_JtD, e_J, gate, up, down, hu_J)
+
+
+def _expert_tiles_bwd(silu, res, dy_JtD):
+    x_JtD, e_J, gate, up, down, hu_J = res
+
+    def one(grads, xs):
+        x_tD, e, (h_tF, u_tF), dy_tD = xs
+        (s_tF, silu_vjp) = jax.vjp(silu, h_tF)
+        da_tF = dy_tD @ down[e].T
+        dh_tF, du_tF = silu_vjp(da_tF * u_tF)[0], da_tF * s_tF
+        f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)  # summed over tiles in float32
+        dg, du, dd = grads
+        dg = dg.at[e].add(f32(x_tD.T, dh_tF))
+        du = du.at[e].add(f32(x_tD.T, du_tF))
+        dd = dd.at[e].add(f32((s_tF * u_tF).T, dy_tD))
+        return (dg, du, dd), dh_tF @ gate[e].T + du_tF @ up[e].T
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
+    grads, dx_JtD = jax.lax.scan(one, zeros, (x_JtD, e_J, hu_J, dy_JtD))
+    return (dx_JtD, None, *(g.astype(w.dtype) for g, w in zip(grads, (gate, up, down))))
+
+
+_expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 
 FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,

@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    import trainer.platforms  # noqa: F401  (before jax: with libtpu installed and no chip, no TPU runtime)
     import jax
     import jax.numpy as jnp
     from models.fast_cpu import silu
