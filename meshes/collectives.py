@@ -93,7 +93,8 @@ class Collectives:
         def run(*args):
             mesh, manual = self._context()
             want = mesh.axis_names if over is None else [a for lg in over for a in self._mesh_axes(lg)]
-            new = {a for a in want if a not in manual and mesh.shape[a] > 1}
+            # fully manual takes the axes of one rank too: XLA refuses a Mosaic kernel where any axis is automatic
+            new = {a for a in want if a not in manual and (over is None or mesh.shape[a] > 1)}
             if not new:  # manual already, or one rank: fn runs on what it has
                 return fn(*args)
             spec = lambda lg, x=None: keep(self.rules.spec(lg, None if x is None else x.shape, mesh), new)  # noqa

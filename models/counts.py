@@ -10,10 +10,13 @@ FLOP convention (used for MFU everywhere in meshtrain):
         training gives 12 * L * T * H * Dh; causal masking halves the useful work -> 6.
 Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
 The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
-weights and biases are elementwise). With a sliding window (model.window = w < T) the attention term counts the
-keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of 12 * L * H * Dh * T / 2 (`attended`); a
-stack whose layers differ in window (its family's `windows`: Gemma's local and global layers) counts each layer by
-its own.
+weights and biases are elementwise). A Mixture of Experts counts its active weights: an expert weight (axis
+`experts`, E experts) counts k/E of its size (k = model.n_experts_per_token: a token runs k of the E experts), its
+router and a shared expert whole; what a formulation of the experts' matmuls executes beyond that (every expert
+on every token, groups padded to whole tiles) is not model FLOPs. With a sliding window (model.window = w < T)
+the attention term counts the keys each query sees: 12 * L * H * Dh * (w - w^2 / 2T) in place of
+12 * L * H * Dh * T / 2 (`attended`); a stack whose layers differ in window (its family's `windows`: Gemma's local
+and global layers) counts each layer by its own.
 """
 from __future__ import annotations
 
@@ -24,22 +27,37 @@ from models.spec import family
 from models.transformer import inventory
 
 
+def active_size(c: ModelConfig, p) -> int:
+    """The part of parameter `p` a token uses: of an expert weight (axis `experts`) its k experts, else all of it."""
+    if "experts" not in p.axes or not hasattr(c, "n_experts_per_token"):  # a family without routing: every expert
+        return math.prod(p.shape)
+    return math.prod(p.shape) // p.shape[p.axes.index("experts")] * c.n_experts_per_token
+
+
 def layer_matmul_params(c: ModelConfig) -> int:
-    """Matmul weights of one layer: its parameters that map the embedding to something or back (two or more
-    dimensions, one of them `embed`); biases and norm weights are elementwise."""
-    return sum(math.prod(p.shape) for p in inventory(c)["layers"].values()
-               if len(p.shape) >= 2 and "embed" in p.axes)
+    """Active matmul weights of one layer: its parameters that map the embedding to something or back (two or more
+    dimensions, one of them `embed`), each by `active_size`; biases and norm weights are elementwise."""
+    return sum(active_size(c, p) for p in inventory(c)["layers"].values() if len(p.shape) >= 2 and "embed" in p.axes)
+
+
+def _all_params(c: ModelConfig, size) -> int:
+    inv = inventory(c)
+    outer = sum(math.prod(p.shape) for k, p in inv.items() if k != "layers")
+    return outer + c.n_layers * sum(size(p) for p in inv["layers"].values())
 
 
 def param_count(c: ModelConfig) -> int:
     """All parameters (embedding, norms and head included)."""
-    inv = inventory(c)
-    outer = sum(math.prod(p.shape) for k, p in inv.items() if k != "layers")
-    return outer + c.n_layers * sum(math.prod(p.shape) for p in inv["layers"].values())
+    return _all_params(c, lambda p: math.prod(p.shape))
+
+
+def active_param_count(c: ModelConfig) -> int:
+    """The parameters a token uses: param_count with each expert weight at k/E (`active_size`)."""
+    return _all_params(c, lambda p: active_size(c, p))
 
 
 def matmul_param_count(c: ModelConfig) -> int:
-    """N of the FLOP convention: layer matmul weights plus the output head (tied or not)."""
+    """N of the FLOP convention: active layer matmul weights plus the output head (tied or not)."""
     return c.n_layers * layer_matmul_params(c) + c.d_model * c.vocab_size
 
 
@@ -67,11 +85,13 @@ def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> floa
     full: the layer forward runs again, except its last projection (the MLP's output, d_ff x d_model), whose
     output the backward pass does not need; dots: projection outputs are saved, but the attention score/value
     products (batched dots) are recomputed; sublayer: as full, less the attention's output projection too (each
-    half's backward needs its input, not its output).
+    half's backward needs its input, not its output). An MoE's experts' down projection runs again too: the routing
+    weight multiplies its output, which the router's gradient needs (a shared expert's, for its sigmoid gate).
     """
     t = seq_len or c.seq_len
     attn_fwd = 4 * c.n_layers * attended(c, t) * c.n_heads * c.head_dim
-    full = 2 * c.n_layers * (layer_matmul_params(c) - c.d_model * c.d_ff) + attn_fwd
+    experts = any("experts" in p.axes for p in inventory(c)["layers"].values())
+    full = 2 * c.n_layers * (layer_matmul_params(c) - (0 if experts else c.d_model * c.d_ff)) + attn_fwd
     wo = 2 * c.n_layers * c.n_heads * c.head_dim * c.d_model
     extra = {"none": 0, "full": full, "dots": attn_fwd, "sublayer": full - wo}[c.remat]
     return flops_per_token(c, seq_len) + extra

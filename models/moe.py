@@ -28,8 +28,9 @@ import numpy as np
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
 from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
+from models.moe_tpu import megablox
 from models.qwen import qwen2_inventory, qwen3_inventory
-from models.spec import LayerCall, ModelSpec, Param, register
+from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
 
 ROUTERS = ("topk_softmax", "softmax_topk")
@@ -246,13 +247,19 @@ _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
                 "tiles": tiles, "tile_scan": tile_scan}
-# the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md)
-BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "ragged_dot"}
+# the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md);
+# `megablox`: the TPU's Pallas kernel, fully manual (models/moe_tpu.py)
+BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "megablox"}
 
 
-def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None):
-    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`."""
-    return FORMULATIONS[impl or BY_PLATFORM.get(platform, "ragged_dot")](h_ND, idx_NK, keep_NK, w_NK, weights, silu)
+def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
+                collectives=LOCAL):
+    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`
+    (`megablox`: in a region of `collectives` manual over every mesh axis, in Pallas's interpreter off TPU)."""
+    name = impl or BY_PLATFORM.get(platform, "ragged_dot")
+    if name == "megablox":
+        return megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret=platform != "tpu")
+    return FORMULATIONS[name](h_ND, idx_NK, keep_NK, w_NK, weights, silu)
 
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
@@ -275,7 +282,8 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
     w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
     weights = tuple(p[k].astype(x_BTD.dtype) for k in ("expert_gate", "expert_up", "expert_down"))
     y_ND = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
-                       w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform)
+                       w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
+                       collectives=call.collectives)
     y_BTD = y_ND.reshape(B, T, D)
     if "shared_gate" in p:
         s = {k: p[k].astype(x_BTD.dtype) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}

@@ -20,7 +20,9 @@ synchronous training: the replicas' mean update is the update of the mean gradie
 outer lr 1 and no momentum too). AdamW's update is not linear in the gradient, so there H=1 differs.
 Each replica's loss is the mean over its own batch's counted tokens (loss_weight, models/batch.py),
 so H=1 equals synchronous training when the replicas count equally many tokens; the logged loss
-is the mean over all replicas' counted tokens, the logged grad norm the replicas' mean.
+is the mean over all replicas' counted tokens, the logged grad norm the replicas' mean. An aux output's (sum, count)
+pair (an MoE's router losses, moe/dropped) likewise: each replica divides its sum by its own rows' count, the log
+divides the replicas' summed sums by their summed counts (tests/test_moe_everywhere.py).
 Evaluation uses the replicas' mean: at multiples of H, the synced model itself.
 train.sync_warmup=W averages after every step up to step W first (post-local SGD): local steps
 from a random start drift apart fastest, and DiLoCo itself was run from a trained start.

@@ -1,0 +1,67 @@
+"""The TPU's expert MLP: megablox's grouped matmul (jax.experimental.pallas.ops.tpu.megablox `gmm`, a Pallas/Mosaic
+kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/moe.py.
+
+XLA cannot partition a Mosaic kernel, so it runs in a region manual over every mesh axis (meshes/collectives.py,
+over=None), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
+over `stage` and `data`) alike: each rank holds its tokens (split over `data` with the batch) and its slice of every
+expert's hidden units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own
+psum over `mlp` (the identity where `model` is one rank), taken after the combine (N x D, not N x k x D).
+
+Each rank sorts its N x k choices by expert, a dropped one after the last expert, pads the rows to whole tiles and
+runs gate, up and down as grouped matmuls whose groups are the X experts plus one more, the dropped choices and the
+padding: gmm computes no row of that last group and writes zeros there, forward and backward (its `rhs` holds X
+groups of the X + 1), and tgmm sums the weights' gradients over the X experts' rows only. So a dropped choice
+contributes nothing and gets no gradient. Off TPU the same code runs the kernel in Pallas's interpreter
+(`interpret`: slow, for tests on CPU).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from models.spec import LOCAL
+
+# a tile's rows, contraction and output columns (fewer where the array is narrower): TPU's lane width; the rows are
+# padded to whole tiles (gmm needs m divisible by its row tile)
+TILE = 128
+TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
+IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
+           (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed")))
+
+
+def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
+    """Rows of group g of lhs (P, K) through rhs[g] (X, K, N) for the first X groups of `sizes` ((X + 1,) int32
+    summing to P); the last group's rows are zeros."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas's TPU module: loaded by the runs that use it
+    k, n = rhs_XKN.shape[1:]
+    tiling = (TILE, min(TILE, k), min(TILE, n))
+    # positional: gmm is a custom_vjp whose non-differentiable arguments are the dtype, tiling, transpose, interpret
+    return gmm(lhs_PK, rhs_XKN, sizes, lhs_PK.dtype, tiling, None, None, False, interpret)
+
+
+def _rank(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret):
+    """One rank's part: its tokens' choices through its slice of every expert, weighted, summed over `mlp`."""
+    gate, up, down = weights
+    if collectives.axis_size("experts") > 1:
+        raise ValueError("the megablox expert MLP holds every expert on each rank; the run's rules split `experts` "
+                         "over a mesh axis (no token exchange here): map experts to None")
+    (N, _), K, X = h_ND.shape, idx_NK.shape[1], gate.shape[0]
+    M = N * K
+    P = -(-M // TILE) * TILE
+    e_M = jnp.where(keep_NK, idx_NK, X).reshape(-1)  # X: dropped (or padding), after every expert
+    order_M = jnp.argsort(e_M, stable=True)
+    sizes = jnp.zeros(X + 1, jnp.int32).at[e_M].add(1).at[X].add(P - M)
+    token_M = order_M // K
+    x_PD = jnp.pad(h_ND[token_M], ((0, P - M), (0, 0)))
+    run = functools.partial(grouped, sizes=sizes, interpret=interpret)
+    a_PF = silu(run(x_PD, gate)) * run(x_PD, up)
+    y_MD = run(a_PF, down)[:M] * w_NK.reshape(-1)[order_M][:, None]
+    return collectives.psum(jnp.zeros_like(h_ND).at[token_M].add(y_MD), "mlp")
+
+
+def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives=LOCAL, interpret: bool = False):
+    """sum over each token's kept choices of weight x SwiGLU expert(h), by megablox's grouped matmul in a region
+    manual over every mesh axis (the local form: on what it is given)."""
+    fn = functools.partial(_rank, silu=silu, collectives=collectives, interpret=interpret)
+    return collectives.region(fn, IN_AXES, TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights))
