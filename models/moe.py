@@ -28,7 +28,7 @@ import numpy as np
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
 from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
-from models.moe_tpu import megablox
+from models.moe_tpu import IN_AXES, TOKENS, megablox
 from models.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
@@ -259,7 +259,14 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
     if name == "megablox":
         return megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret=platform != "tpu")
-    return FORMULATIONS[name](h_ND, idx_NK, keep_NK, w_NK, weights, silu)
+    fn = FORMULATIONS[name]
+
+    # manual over every axis, as megablox: each data rank sorts and runs its own tokens (a sort over the whole batch
+    # gathered it onto every rank: 4.9x the planner's bytes at (8,1,1), tests/test_moe_plan.py), through its slice
+    # of the experts' hidden units, the down projection's partial sums added over `mlp` once, after the combine
+    def rank(h, i, k, w, ws):
+        return collectives.psum(fn(h, i, k, w, ws, silu), "mlp")
+    return collectives.region(rank, IN_AXES, TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights))
 
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
