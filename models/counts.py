@@ -29,9 +29,10 @@ from models.transformer import inventory
 
 def active_size(c: ModelConfig, p) -> int:
     """The part of parameter `p` a token uses: of an expert weight (axis `experts`) its k experts, else all of it."""
-    if "experts" not in p.axes or not hasattr(c, "n_experts_per_token"):  # a family without routing: every expert
+    k = getattr(c, "experts_active", None)  # an MoE family's top-k (models/moe.py); without routing: every expert
+    if "experts" not in p.axes or k is None:
         return math.prod(p.shape)
-    return math.prod(p.shape) // p.shape[p.axes.index("experts")] * c.n_experts_per_token
+    return math.prod(p.shape) // p.shape[p.axes.index("experts")] * k
 
 
 def layer_matmul_params(c: ModelConfig) -> int:

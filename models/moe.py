@@ -58,6 +58,11 @@ class MoEConfig(ModelConfig):
     def sparse(self) -> bool:
         return self.n_experts > 1
 
+    @property
+    def experts_active(self) -> int:
+        """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts)."""
+        return self.n_experts_per_token
+
 
 def moe_inventory(base):
     """The inventory of `base` (a dense family's) with the MLP's weights replaced by the router and the experts."""
