@@ -164,11 +164,20 @@ def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, silu):
     return jnp.zeros_like(h_ND).at[token_M].add(y_MD)
 
 
+TILE = 128  # rows of a tile of `tiles` and `tile_scan`
+
+
+def padded_tiles(M: int, X: int, t: int = TILE) -> int:
+    """Tiles of t rows that hold M choices, each expert's padded to whole tiles: sum over experts of
+    ceil(rows / t) is at most this."""
+    return -(-M // t) + X
+
+
 def _tiles(idx_NK, keep_NK, X: int, t: int):
     """The choices sorted by expert and each expert's rows padded to whole tiles of t rows: (order (M,), each
     sorted choice's row in the tiles ((M,), past the end for a dropped one), the tiles' experts (nT,))."""
     M = idx_NK.size
-    nT = -(-M // t) + X  # sum over experts of ceil(rows / t) is at most this
+    nT = padded_tiles(M, X, t)
     order_M, e_M, sizes_X = _by_expert(idx_NK, keep_NK, X)
     padded_X = -(-sizes_X // t) * t
     start_X, pstart_X = jnp.cumsum(sizes_X) - sizes_X, jnp.cumsum(padded_X) - padded_X
@@ -178,7 +187,7 @@ def _tiles(idx_NK, keep_NK, X: int, t: int):
     return order_M, row_M, tile_expert, nT
 
 
-def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
+def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
     """Sorted and padded to tiles of t rows (_tiles); every tile through its expert's weights, gathered
     per tile, in one batched matmul."""
     gate, up, down = weights
@@ -193,7 +202,7 @@ def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
     return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
 
 
-def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = 128):
+def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
     """As `tiles`, the tiles run one at a time by lax.scan, each indexing its expert's weights (no per-tile copy of
     the weights, forward or backward: `_expert_tiles`)."""
     gate, up, down = weights

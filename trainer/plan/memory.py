@@ -111,7 +111,9 @@ def _shard(mc: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
     replicated = mc.n_kv_heads < tp
     view = dataclasses.replace(mc, n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else
                                mc.n_kv_heads // tp, d_ff=mc.d_ff // tp, vocab_size=mc.vocab_size // tp, remat="none")
-    return view, tp // mc.n_kv_heads if replicated else 1
+    # an MoE's experts and shared expert: each one's hidden units over `model`, as the dense MLP's
+    widths = {k: getattr(mc, k) // tp for k in ("expert_d_ff", "shared_expert_d_ff") if getattr(mc, k, None)}
+    return dataclasses.replace(view, **widths), tp // mc.n_kv_heads if replicated else 1
 
 
 def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_qkv: bool):
@@ -161,6 +163,13 @@ def _only_half(n: int):
 def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
+    one, two = (_traced(mc, tp, dtype, platform, what, rows) for rows in (1, 2))
+    return 2 * one - two, two - one
+
+
+@functools.lru_cache(maxsize=512)
+def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int) -> float:
+    """The residual bytes of _per_row's `what` at `rows` sequences, traced."""
     from models.loss import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
@@ -168,33 +177,33 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str) -> 
     (c, repeat), T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
-    out = []
     # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
     # any seq_len or head_dim allocates nothing (as constants they count the same bytes)
-    for rows in (1, 2):
-        x = jax.ShapeDtypeStruct((rows, T, D), dt)
-        if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
-            cfg = dataclasses.replace(c, tie_embeddings=False)
-            weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
-            out.append(_residuals(lambda x, weights, r=rows: cross_entropy(
-                head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights))
-            continue
-        weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
-        kn, spec = _device_kernels(c, dt, platform, repeat, mc.fused_qkv), family(c.family)
-        data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
-        half = {"attention": _only_half(0), "mlp": _only_half(1), "sublayer": sublayer_remat}.get(what)
+    x = jax.ShapeDtypeStruct((rows, T, D), dt)
+    if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
+        cfg = dataclasses.replace(c, tie_embeddings=False)
+        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
+        return _residuals(lambda x, weights, r=rows: cross_entropy(
+            head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights)
+    weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
+    kn, spec = _device_kernels(c, dt, platform, repeat, mc.fused_qkv), family(c.family)
+    data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
+    half = {"attention": _only_half(0), "mlp": _only_half(1), "sublayer": sublayer_remat}.get(what)
 
-        def fn(x, weights, half=half):
-            call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
-            run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
-            if what not in ("none", "attention", "mlp", "sublayer"):
-                run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
-            return run(x, weights)
-        out.append(_residuals(fn, x, weights))
-    return 2 * out[0] - out[1], out[1] - out[0]
+    def fn(x, weights, half=half):
+        call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
+        run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
+        if what not in ("none", "attention", "mlp", "sublayer"):
+            run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
+        return run(x, weights)
+    return _residuals(fn, x, weights)
 
 
 def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int) -> float:
+    """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
+    whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
+    if getattr(mc, "sparse", False) and what != "head":
+        return _traced(_no_remat(mc), tp, dtype, platform, what, rows)
     fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what)
     return fixed + per * rows
 
@@ -235,8 +244,31 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     if st.stage == 1:
         saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b)
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
-        return saved + recompute + head_bytes(mc, st, dtype, platform, b)
+        return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform)
     return pipeline_activation_bytes(mc, st, b, dtype, platform)
+
+
+def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, platform: str) -> float:
+    """What the backward through an MoE layer holds beyond its residuals, on one device at b sequences.
+    Three copies of its experts' float32 weights (XLA:CPU's buffer assignment of a (8,1,1) step): the layer's slice
+    of the stacked weights (under ZeRO-3, the gathered layer counted in buffer_bytes), the tile scan's gradient
+    accumulators and the layer's gradient before it is written into the stack's. A dense layer's weights are a few
+    percent of its activations; an MoE's experts are n_experts times a dense MLP's. And the dispatch's two
+    cotangents, one row per choice (on CPU padded to whole tiles per expert, models/moe.py): the experts' output's
+    and their input's."""
+    if not getattr(mc, "sparse", False):
+        return 0.0
+    from models.moe import BY_PLATFORM, padded_tiles, TILE
+    from models.transformer import inventory
+    c = _shard(mc, st.model)[0]
+    experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if k.startswith("expert_"))
+    M = b * mc.seq_len * mc.n_experts_per_token
+    rows = padded_tiles(M, mc.n_experts) * TILE if BY_PLATFORM.get(platform) == "tile_scan" else M
+    dispatch = 2.0 * rows * mc.d_model * jax.numpy.dtype(dtype).itemsize
+    # less the slice where ZeRO-3 gathered the layer (buffer_bytes), less the gradient where a pipeline's stage body
+    # counts it (pipeline_activation_bytes)
+    copies = 3 - (st.zero >= 3 and st.data > 1) - (st.stage > 1)
+    return copies * experts + dispatch
 
 
 def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
@@ -266,7 +298,8 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str,
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block
     # gradient) or, on the last stage, the head and loss of one microbatch: never both in one tick
     c = cost(st.schedule, st.stage, st.microbatches, st.repeats)
-    return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model),
+    return ((c.inputs + c.cotangents + 3) * n + max(recompute + body * _layer_weight_bytes(mc, st.model) +
+                                                    expert_working_bytes(mc, st, b, dtype, platform),
                                                     head_bytes(mc, st, dtype, platform, b, local=True)))
 
 
