@@ -99,3 +99,29 @@ def test_convention_against_xla_all_experts(family, monkeypatch):
     experts_share = 6 * L * K * 3 * D_X * F_X / convention
     assert abs(xla / (N_X * convention) - (1 + experts_share * (X / K - 1) + (masked_half + spread) / convention)) \
         < 0.01 * xla / (N_X * convention)
+
+
+def _rows(impl: str) -> int:
+    """Rows per layer through each expert matmul that XLA's cost analysis counts, per formulation: `tiles` pads each
+    expert's choices to whole tiles (a static ceil(M / 128) + X of them) and counts them all; `tile_scan` runs those
+    tiles in a lax.scan, whose body XLA counts once (one tile); `ragged_dot` on XLA:CPU is lowered to every group's
+    matmul over all M rows, masked (X M)."""
+    M = K * N_X
+    return {"tiles": moe.padded_tiles(M, X) * moe.TILE, "tile_scan": moe.TILE, "ragged_dot": X * M}[impl]
+
+
+@pytest.mark.parametrize("impl", [pytest.param("tiles", marks=pytest.mark.slow), "tile_scan",
+                                  pytest.param("ragged_dot", marks=pytest.mark.slow)])
+def test_what_xla_counts_of_each_formulation(impl, monkeypatch):
+    """XLA's count of an MoE step = the convention less its active experts' matmuls, plus the masked half of
+    attention, plus the experts' matmuls over the rows the formulation runs as XLA sees them (_rows, from the shapes),
+    forward and backward (6 x 3 D F per row and layer), plus elementwise work under 1%: docs/performance.md's
+    statement of where XLA counts padded or masked work."""
+    c = _wide()
+    Dh_X = D_X // H_X
+    convention = flops_per_token(c)
+    experts_active = 6 * L * K * 3 * D_X * F_X
+    masked_half = 6 * L * T * H_X * Dh_X
+    executed = N_X * (convention - experts_active + masked_half) + 6 * L * 3 * D_X * F_X * _rows(impl)
+    xla = _xla(c, impl, monkeypatch)
+    assert executed <= xla < 1.01 * executed, (xla / executed, xla, executed)
