@@ -28,7 +28,7 @@ import numpy as np
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
 from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
-from models.moe_tpu import IN_AXES, TOKENS, megablox
+from models.moe_tpu import megablox
 from models.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
@@ -260,25 +260,31 @@ _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 
 FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
-                "tiles": tiles, "tile_scan": tile_scan}
+                "tiles": tiles, "tile_scan": tile_scan, "megablox": megablox}
 # the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md);
-# `megablox`: the TPU's Pallas kernel, fully manual (models/moe_tpu.py)
+# `megablox`: the TPU's Pallas kernel (models/moe_tpu.py), in Pallas's interpreter off TPU
 BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "megablox"}
+TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
+IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
+           (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed")))
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
                 collectives=LOCAL):
-    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`
-    (`megablox`: in a region of `collectives` manual over every mesh axis, in Pallas's interpreter off TPU)."""
+    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
-    if name == "megablox":
-        return megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret=platform != "tpu")
     fn = FORMULATIONS[name]
+    if name == "megablox":
+        fn = functools.partial(fn, interpret=platform != "tpu")
 
-    # manual over every axis, as megablox: each data rank sorts and runs its own tokens (a sort over the whole batch
-    # gathered it onto every rank: 4.9x the planner's bytes at (8,1,1), tests/test_moe_plan.py), through its slice
-    # of the experts' hidden units, the down projection's partial sums added over `mlp` once, after the combine
+    # manual over every axis (XLA cannot partition megablox's Mosaic kernel; the others gain by it too): each data
+    # rank sorts and runs its own tokens (a sort over the whole batch gathered it onto every rank: 4.9x the planner's
+    # bytes at (8,1,1), tests/test_moe_plan.py), through its slice of the experts' hidden units, the down
+    # projection's partial sums added over `mlp` once, after the combine (N x D, not N x k x D)
     def rank(h, i, k, w, ws):
+        if collectives.axis_size("experts") > 1:
+            raise ValueError("the expert MLP holds every expert on each rank; the run's rules split `experts` over "
+                             "a mesh axis (no token exchange here): map experts to None")
         return collectives.psum(fn(h, i, k, w, ws, silu), "mlp")
     return collectives.region(rank, IN_AXES, TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights))
 

@@ -2,7 +2,7 @@
 kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/moe.py.
 
 XLA cannot partition a Mosaic kernel, so it runs in a region manual over every mesh axis (meshes/collectives.py,
-over=None), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
+over=None; models/moe.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
 over `stage` and `data`) alike: each rank holds its tokens (split over `data` with the batch) and its slice of every
 expert's hidden units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own
 psum over `mlp` (the identity where `model` is one rank), taken after the combine (N x D, not N x k x D).
@@ -20,14 +20,9 @@ import functools
 
 import jax.numpy as jnp
 
-from models.spec import LOCAL
-
 # a tile's rows, contraction and output columns (fewer where the array is narrower): TPU's lane width; the rows are
 # padded to whole tiles (gmm needs m divisible by its row tile)
 TILE = 128
-TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
-IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
-           (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed")))
 
 
 def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
@@ -40,12 +35,10 @@ def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
     return gmm(lhs_PK, rhs_XKN, sizes, lhs_PK.dtype, tiling, None, None, False, interpret)
 
 
-def _rank(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret):
-    """One rank's part: its tokens' choices through its slice of every expert, weighted, summed over `mlp`."""
+def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, interpret: bool = False):
+    """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/moe.py's
+    grouped_mlp runs it in its region and adds the partial sums over `mlp`)."""
     gate, up, down = weights
-    if collectives.axis_size("experts") > 1:
-        raise ValueError("the megablox expert MLP holds every expert on each rank; the run's rules split `experts` "
-                         "over a mesh axis (no token exchange here): map experts to None")
     (N, _), K, X = h_ND.shape, idx_NK.shape[1], gate.shape[0]
     M = N * K
     P = -(-M // TILE) * TILE
@@ -57,11 +50,4 @@ def _rank(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives, interpret):
     run = functools.partial(grouped, sizes=sizes, interpret=interpret)
     a_PF = silu(run(x_PD, gate)) * run(x_PD, up)
     y_MD = run(a_PF, down)[:M] * w_NK.reshape(-1)[order_M][:, None]
-    return collectives.psum(jnp.zeros_like(h_ND).at[token_M].add(y_MD), "mlp")
-
-
-def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, collectives=LOCAL, interpret: bool = False):
-    """sum over each token's kept choices of weight x SwiGLU expert(h), by megablox's grouped matmul in a region
-    manual over every mesh axis (the local form: on what it is given)."""
-    fn = functools.partial(_rank, silu=silu, collectives=collectives, interpret=interpret)
-    return collectives.region(fn, IN_AXES, TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights))
+    return jnp.zeros_like(h_ND).at[token_M].add(y_MD)
