@@ -282,7 +282,14 @@ SLOW = {
                                          ("mesh.data=1", "mesh.stage=2", "mesh.model=1", "train.microbatches=2",
                                           "train.pipeline_schedule=interleaved_1f1b", "train.pipeline_repeats=2")),
     "(8,1,1) ring dropless": ((), ("mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.grad_sync=ring")),
+    "(8,1,1) ring capacity": (("model.capacity_factor=1.0",), ("mesh.data=8", "mesh.stage=1", "mesh.model=1",
+                                                               "train.grad_sync=ring")),
     "M=4 capacity": (("model.capacity_factor=1.0",), ONE + ("train.microbatches=4",)),
+    "M=4 dropless": ((), ONE + ("train.microbatches=4",)),
+    "(1,2,1) interleaved V=2 dropless": (("model.n_layers=4",), ("mesh.data=1", "mesh.stage=2", "mesh.model=1",
+                                                                 "train.microbatches=2",
+                                                                 "train.pipeline_schedule=interleaved_1f1b",
+                                                                 "train.pipeline_repeats=2")),
 }
 
 
