@@ -63,6 +63,17 @@ class MoEConfig(ModelConfig):
         """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts)."""
         return self.n_experts_per_token
 
+    def widths_over_model(self, tp: int) -> dict:
+        """The fields of one `model` rank's widths (trainer/plan/memory.py): each expert's and the shared expert's
+        hidden units split over `model`, as the dense MLP's."""
+        return {k: getattr(self, k) // tp for k in ("expert_d_ff", "shared_expert_d_ff") if getattr(self, k)}
+
+    def dispatch_rows(self, tokens: int, platform: str) -> int:
+        """Rows the expert MLP's dispatch holds for `tokens` tokens on `platform` (trainer/plan/memory.py): one per
+        choice; on CPU (tile_scan) each expert's padded to whole tiles."""
+        M = tokens * self.n_experts_per_token
+        return padded_tiles(M, self.n_experts) * TILE if BY_PLATFORM.get(platform) == "tile_scan" else M
+
 
 def moe_inventory(base):
     """The inventory of `base` (a dense family's) with the MLP's weights replaced by the router and the experts."""

@@ -112,7 +112,7 @@ def _shard(mc: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
     view = dataclasses.replace(mc, n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else
                                mc.n_kv_heads // tp, d_ff=mc.d_ff // tp, vocab_size=mc.vocab_size // tp, remat="none")
     # an MoE's experts and shared expert: each one's hidden units over `model`, as the dense MLP's
-    widths = {k: getattr(mc, k) // tp for k in ("expert_d_ff", "shared_expert_d_ff") if getattr(mc, k, None)}
+    widths = getattr(mc, "widths_over_model", lambda tp: {})(tp)
     return dataclasses.replace(view, **widths), tp // mc.n_kv_heads if replicated else 1
 
 
@@ -258,13 +258,10 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     and their input's."""
     if not getattr(mc, "sparse", False):
         return 0.0
-    from models.moe import BY_PLATFORM, padded_tiles, TILE
     from models.transformer import inventory
     c = _shard(mc, st.model)[0]
     experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if k.startswith("expert_"))
-    M = b * mc.seq_len * mc.n_experts_per_token
-    rows = padded_tiles(M, mc.n_experts) * TILE if BY_PLATFORM.get(platform) == "tile_scan" else M
-    dispatch = 2.0 * rows * mc.d_model * jax.numpy.dtype(dtype).itemsize
+    dispatch = 2.0 * mc.dispatch_rows(b * mc.seq_len, platform) * mc.d_model * jax.numpy.dtype(dtype).itemsize
     # less the slice where ZeRO-3 gathered the layer (buffer_bytes), less the gradient where a pipeline's stage body
     # counts it (pipeline_activation_bytes)
     copies = 3 - (st.zero >= 3 and st.data > 1) - (st.stage > 1)
