@@ -147,7 +147,8 @@ LOCAL = {"local_sgd": (("train.sync=local_sgd",), lambda start: _average),
                     functools.partial(_nesterov, 0.7, 0.9))}
 
 
-@pytest.mark.parametrize("mode", [pytest.param("local_sgd"), pytest.param("diloco", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
 def test_local_sgd_equals_replicas_run_apart_and_synced_by_hand(mode):
     """(2,1,4): 2 replicas of 4-way tensor parallelism, H=3, 4 steps (step 1 has learning rate 0, steps 2-3 local,
     the sync, step 4 local). Each replica normalises its own loss and aux sums by its own rows' counts; the log

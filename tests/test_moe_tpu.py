@@ -80,6 +80,7 @@ def _sharded(idx, keep, coll, h, w, ws):
     return moe.grouped_mlp(h, idx, keep, w, ws, jax.nn.silu, impl="megablox", collectives=coll)
 
 
+@pytest.mark.slow
 def test_megablox_fully_manual_on_2x1x4_equals_the_loop():
     """(2,1,4), the tokens over `data`, every expert's hidden units over `model`: the region's psum over `model` sums
     the four slices' down projections; output and gradients (the weights' summed over `data` by the region's
