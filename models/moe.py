@@ -63,6 +63,16 @@ class MoEConfig(ModelConfig):
         """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts)."""
         return self.n_experts_per_token
 
+    def experts_over(self, ranks: int) -> str | None:
+        """Why this model's experts cannot be split over `ranks` data ranks (trainer/config: expert parallelism),
+        or None."""
+        if not self.sparse:
+            return f"model.n_experts={self.n_experts} is a dense MLP: nothing to split"
+        if self.n_experts % ranks:
+            return (f"model.n_experts={self.n_experts} is not divisible by mesh.data={ranks} (each data rank holds "
+                    f"n_experts / mesh.data experts)")
+        return None
+
     def widths_over_model(self, tp: int) -> dict:
         """The fields of one `model` rank's widths (trainer/plan/memory.py): each expert's and the shared expert's
         hidden units split over `model`, as the dense MLP's."""
@@ -117,18 +127,24 @@ def capacity(c: MoEConfig, T: int) -> int | None:
     return math.ceil(T * c.n_experts_per_token / c.n_experts * c.capacity_factor)
 
 
-def kept(idx_BTK, valid_BT, X: int, slots: int | None):
-    """Which choices take a slot (B, T, k) bool: every non-padding choice when dropless; with `slots` per expert
-    per row, the first ones in (choice rank, position) order (rank 0 of every token first, then rank 1, ...)."""
+def slot_of(idx_BTK, valid_BT, X: int):
+    """Each choice's slot (B, T, k) int32, 0-based: its place among its row's non-padding choices of its expert in
+    (choice rank, position) order (rank 0 of every token first, then rank 1, ...)."""
     valid_BTK = jnp.broadcast_to(valid_BT[..., None], idx_BTK.shape)
-    if slots is None:
-        return valid_BTK
     B, T, K = idx_BTK.shape
     hot_BKTX = jax.nn.one_hot(jnp.swapaxes(idx_BTK, 1, 2), X, dtype=jnp.int32)
     hot_BKTX = hot_BKTX * jnp.swapaxes(valid_BTK, 1, 2)[..., None].astype(jnp.int32)
     order_BKTX = jnp.cumsum(hot_BKTX.reshape(B, K * T, X), axis=1).reshape(hot_BKTX.shape)  # 1-based slot
-    slot_BTK = jnp.swapaxes(jnp.sum(order_BKTX * hot_BKTX, axis=-1), 1, 2)
-    return (slot_BTK <= slots) & valid_BTK
+    return jnp.swapaxes(jnp.sum(order_BKTX * hot_BKTX, axis=-1), 1, 2) - 1
+
+
+def kept(idx_BTK, valid_BT, X: int, slots: int | None):
+    """Which choices take a slot (B, T, k) bool: every non-padding choice when dropless; with `slots` per expert
+    per row, the first ones in (choice rank, position) order (slot_of)."""
+    valid_BTK = jnp.broadcast_to(valid_BT[..., None], idx_BTK.shape)
+    if slots is None:
+        return valid_BTK
+    return (slot_of(idx_BTK, valid_BT, X) < slots) & valid_BTK
 
 
 def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT):
@@ -281,8 +297,12 @@ IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
-                collectives=LOCAL):
-    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`."""
+                collectives=LOCAL, slots: tuple | None = None):
+    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
+    Where the run's rules split the experts over `data` (expert parallelism), each rank's tokens reach the ranks
+    holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
+    per row)) by all-to-all in fixed per-row slots; dropless, the ranks' tokens gathered and the results
+    reduce-scattered (_experts_gathered)."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
     fn = FORMULATIONS[name]
     if name == "megablox":
@@ -292,12 +312,57 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     # rank sorts and runs its own tokens (a sort over the whole batch gathered it onto every rank: 4.9x the planner's
     # bytes at (8,1,1), tests/test_moe_plan.py), through its slice of the experts' hidden units, the down
     # projection's partial sums added over `mlp` once, after the combine (N x D, not N x k x D)
-    def rank(h, i, k, w, ws):
-        if collectives.axis_size("experts") > 1:
-            raise ValueError("the expert MLP holds every expert on each rank; the run's rules split `experts` over "
-                             "a mesh axis (no token exchange here): map experts to None")
-        return collectives.psum(fn(h, i, k, w, ws, silu), "mlp")
-    return collectives.region(rank, IN_AXES, TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights))
+    def rank(h, i, k, w, ws, slot):
+        if collectives.axis_size("experts") == 1:
+            y = fn(h, i, k, w, ws, silu)
+        elif slots is None:
+            y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
+        else:
+            y = _experts_all_to_all(collectives, h, i, k, w, ws, silu, slot, *slots[1:])
+        return collectives.psum(y, "mlp")
+    slot_NK = jnp.zeros_like(idx_NK) if slots is None else slots[0]
+    return collectives.region(rank, IN_AXES + (CHOICES,), TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights),
+                                                                   slot_NK)
+
+
+def _local_choices(coll, idx_NK, keep_NK, El: int):
+    """(each choice's expert among this rank's El (clipped), whether it is kept and this rank's)."""
+    local_NK = idx_NK - coll.axis_index("experts") * El
+    return jnp.clip(local_NK, 0, El - 1), keep_NK & (local_NK >= 0) & (local_NK < El)
+
+
+def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+    """Dropless expert parallelism: every rank's tokens and choices gathered over `experts` (in rank order: the
+    batch's order, so each expert sees its tokens in the order one device does), this rank's experts run on the
+    choices of them, the results summed over the ranks and scattered back to the tokens' ranks (MaxText's ring of
+    experts: no buffer sized by the worst case)."""
+    gather = functools.partial(coll.all_gather, logical="experts", axis=0)
+    h, idx, keep, w = gather(h_ND), gather(idx_NK), gather(keep_NK), gather(w_NK)
+    local, mine = _local_choices(coll, idx, keep, weights[0].shape[0])
+    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
+    return coll.reduce_scatter(y, "experts", 0)
+
+
+def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_NK, C: int, T: int):
+    """Expert parallelism with a capacity (GShard's dispatch): each rank's kept choices written into a buffer of C
+    slots per expert per row, (X, rows, C, D), whose experts' blocks go to the ranks holding them by all-to-all over
+    `experts`; each rank runs its experts on every slot it received (an empty slot is zeros and gives zeros), and
+    the results come back by the reverse all-to-all and are combined with the routing weights. Bytes known before
+    the step: X x rows x C x D each way."""
+    gate, up, down = weights
+    (N, D), K, El, R = h_ND.shape, idx_NK.shape[1], gate.shape[0], coll.axis_size("experts")
+    X, B = El * R, N // T
+    row_NK = jnp.broadcast_to((jnp.arange(N) // T)[:, None], (N, K))
+    at_NK = jnp.where(keep_NK, (idx_NK * B + row_NK) * C + slot_NK, X * B * C)  # past the end: dropped
+    token_NK = jnp.broadcast_to(jnp.arange(N)[:, None], (N, K))
+    buf = jnp.zeros((X * B * C, D), h_ND.dtype).at[at_NK.reshape(-1)].set(h_ND[token_NK.reshape(-1)], mode="drop")
+    got = coll.all_to_all(buf.reshape(X, B, C, D), "experts", 0, 1)  # (El, R B, C, D): my experts' slots
+    x = got.reshape(El, R * B * C, D)
+    a = silu(jnp.einsum("end,edf->enf", x, gate)) * jnp.einsum("end,edf->enf", x, up)
+    y = jnp.einsum("enf,efd->end", a, down).reshape(El, R * B, C, D)
+    back = coll.all_to_all(y, "experts", 1, 0).reshape(X * B * C, D)  # (X, B, C, D): my tokens' outputs
+    y_NKD = back.at[at_NK].get(mode="fill", fill_value=0)
+    return jnp.einsum("nk,nkd->nd", w_NK, y_NKD)
 
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
@@ -316,12 +381,15 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
                             preferred_element_type=jnp.float32)
     probs_BTX, idx_BTK, w_BTK = route(c, logits_BTX)
     valid_BT = jnp.ones((B, T), bool) if call.segments is None else call.segments != 0
-    keep_BTK = kept(idx_BTK, valid_BT, c.n_experts, None if call.decoding else capacity(c, T))
+    slots = None if call.decoding else capacity(c, T)
+    keep_BTK = kept(idx_BTK, valid_BT, c.n_experts, slots)
     w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
     weights = tuple(p[k].astype(x_BTD.dtype) for k in ("expert_gate", "expert_up", "expert_down"))
+    if slots is not None:  # each kept choice's slot, for the dispatch of expert parallelism
+        slots = (slot_of(idx_BTK, valid_BT, c.n_experts).reshape(B * T, K), slots, T)
     y_ND = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
                        w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
-                       collectives=call.collectives)
+                       collectives=call.collectives, slots=slots)
     y_BTD = y_ND.reshape(B, T, D)
     if "shared_gate" in p:
         s = {k: p[k].astype(x_BTD.dtype) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}

@@ -269,8 +269,9 @@ def test_bad_input_is_one_line(keys, message):
         validate(load_config(TINY + ["model.family=mixtral"] + keys), 1)
 
 
+# the experts replicated on every device (expert parallelism: tests/test_expert_parallel.py)
 MOE = SGD + ["model.family=mixtral", "model.n_experts=4", "model.expert_d_ff=64", "model.router_aux_loss=0.1",
-             "model.router_z_loss=0.01"]
+             "model.router_z_loss=0.01", "train.expert_parallel=false"]
 ONE = ("mesh.data=1", "mesh.stage=1", "mesh.model=1")
 LAYOUTS = {
     "(2,1,4) ZeRO-3 dropless": ((), ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3")),

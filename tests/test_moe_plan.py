@@ -8,7 +8,9 @@ from test_plan import _plan
 from trainer.plan.report import by_axis
 from trainer.plan.verify import measure
 
-MOE = ["model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2", "model.expert_d_ff=128"]
+# the experts replicated on every device (expert parallelism: tests/test_expert_parallel.py)
+MOE = ["model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2", "model.expert_d_ff=128",
+       "train.expert_parallel=false"]
 LAYOUTS = {"d8-z1": ["mesh.data=8", "train.zero_stage=1"],
            "d2m4-z3": ["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "model.remat=full"]}
 SLOW = {"d8-none-b64": ["mesh.data=8", "train.batch_size=64"],

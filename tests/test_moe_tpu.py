@@ -127,29 +127,32 @@ TOPOLOGY = "v5p:2x4x1"
 MOE_TPU = ["model.preset=small", "model.family=mixtral", "model.d_model=256", "model.n_heads=4", "model.n_kv_heads=4",
            "model.d_ff=512", "model.n_experts=4", "model.n_experts_per_token=2", "model.vocab_size=2048",
            "model.seq_len=128", "model.n_layers=2", "train.batch_size=4", "train.dtype=bfloat16"]
-TPU_LAYOUTS = {
-    "d2m4-zero3": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3"], 4),
+TPU_LAYOUTS = {  # (overrides, mesh.model, experts per rank): expert parallelism on by default (4 experts, 2 data ranks)
+    "d2m4-zero3": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3"], 4, 2),
+    "d2m4-zero3-replicated": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "train.expert_parallel=false"],
+                              4, 4),
     "d2s2m2-1f1b": (["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.pipeline_schedule=1f1b",
-                     "train.microbatches=2"], 2),
+                     "train.microbatches=2"], 2, 2),
 }
 KERNEL = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*custom-call\([^\n]*custom_call_target=\"tpu_custom_call\"")
 
 
 @TPU
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if "1f1b" in n else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "d2m4-zero3" else [pytest.mark.slow])
                                   for n in TPU_LAYOUTS])
 def test_the_tpu_moe_step_runs_megablox(name):
     """XLA:TPU's program of the MoE step holds megablox's kernels: the grouped matmuls of gate/up ((rows, 512 /
-    model) bfloat16), down ((rows, 256)) and tgmm's weight gradients ((4, 256, 512 / model), (4, 512 / model,
-    256)): each rank's slice of the experts' hidden units, not the whole (the region is manual over `model`)."""
+    model) bfloat16), down ((rows, 256)) and tgmm's weight gradients ((El, 256, 512 / model), (El, 512 / model,
+    256)): each rank's experts (El of the 4: 2 where expert parallelism splits them over the 2 data ranks) and its
+    slice of their hidden units, never the whole (the region is manual over every axis)."""
     from trainer.config import load_config
     from trainer.plan.aot import compile_for
-    overrides, tp = TPU_LAYOUTS[name]
+    overrides, tp, El = TPU_LAYOUTS[name]
     c = compile_for(load_config(MOE_TPU + overrides), TOPOLOGY)
     assert c.measured.platform == "tpu" and c.device_kind == "TPU v5"
     kernels = {(dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in KERNEL.findall(c.measured.text)}
     Fl = 512 // tp
     shapes = {s for _, s in kernels}
-    assert {(4, 256, Fl), (4, Fl, 256)} <= shapes, kernels  # tgmm: the expert weights' gradients, this rank's slice
+    assert {(El, 256, Fl), (El, Fl, 256)} <= shapes, kernels  # tgmm: the weights' gradients, this rank's experts
     assert any(len(s) == 2 and s[1] == Fl for s in shapes) and any(len(s) == 2 and s[1] == 256 for s in shapes)
-    assert (4, 256, 512) not in shapes and (4, 512, 256) not in shapes, kernels  # never the whole width
+    assert not {s for s in shapes if len(s) == 3 and (s[0] != El or 512 in s)}, kernels  # never more

@@ -16,7 +16,7 @@ from models import batch as batch_fields
 from trainer import guard
 from trainer.parallel import localsgd
 from trainer.parallel.reduction import Decision, decide
-from trainer.config import Config, compute_dtype, model_config, validate
+from trainer.config import Config, compute_dtype, expert_parallel, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
 
@@ -51,10 +51,21 @@ class Setup:
                                      self.batch_sharding())
 
 
-def rules_for(cfg: Config) -> Rules:
-    """The run's logical->mesh rules: the base table (meshes/rules.py) and the entries its config adds (none yet;
-    later: experts over `data`, sequences over `context`)."""
-    return RULES
+def rules_for(cfg: Config, data: int, quiet: bool = False) -> Rules:
+    """The run's logical->mesh rules on `data` data ranks: the base table (meshes/rules.py) and the entries its
+    config adds (an MoE's experts over `data`: train.expert_parallel)."""
+    return RULES.replace(experts="data") if expert_parallel(cfg, data, quiet) else RULES
+
+
+def rules_by_data(cfg: Config):
+    """rules_for as a function of the data ranks, for the planner's search: None where the config's
+    train.expert_parallel=true cannot hold (that layout is not a candidate)."""
+    def rules(data: int) -> Rules | None:
+        try:
+            return rules_for(cfg, data, quiet=True)
+        except UserError:
+            return None
+    return rules
 
 
 def make_setup(cfg: Config, devices=None, rules: Rules | None = None) -> Setup:
@@ -74,7 +85,7 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     platform's."""
     model = mesh.shape["model"]
     mc = model_config(cfg)
-    layout = Layout(mesh, cfg.train.zero_stage, rules_for(cfg) if rules is None else rules)
+    layout = Layout(mesh, cfg.train.zero_stage, rules_for(cfg, mesh.shape["data"]) if rules is None else rules)
     # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
     # rank repeats the one its query heads need; the collectives over the layout's logical axes
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,

@@ -33,8 +33,10 @@ def param_shardings(cfg: Config, shardings=None, devices=None):
     if shardings is not None:
         return shardings
     from meshes import Layout, build_mesh
-    from trainer.state import rules_for
-    return Layout(build_mesh(devices=devices), 3, rules_for(cfg)).tree("param", shapes, logical)
+    from meshes import RULES
+    from trainer.state import rules_by_data
+    mesh = build_mesh(devices=devices)
+    return Layout(mesh, 3, rules_by_data(cfg)(mesh.shape["data"]) or RULES).tree("param", shapes, logical)
 
 
 def one_set(meta: dict) -> tuple[str, dict]:

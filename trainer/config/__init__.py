@@ -230,6 +230,24 @@ def compute_dtype(cfg: Config, platform: str) -> str:
     return cfg.train.dtype or ("float32" if platform == "cpu" else "bfloat16")
 
 
+def expert_parallel(cfg: Config, data: int, quiet: bool = False) -> bool:
+    """Whether the run splits its experts over `data` data ranks (train.expert_parallel; null: wherever it can, with a
+    log line where an MoE cannot, unless `quiet`). One line where it is asked for and cannot be."""
+    t, mc = cfg.train, model_config(cfg)
+    split = getattr(mc, "experts_over", None)
+    why = "the model has no experts" if split is None else split(data)
+    if why is None and t.sync != "every_step":
+        why = (f"train.sync={t.sync} keeps a whole replica on every data rank, and an expert-parallel rank holds only "
+               f"its experts")
+    if t.expert_parallel is None:
+        if why is not None and not quiet and split is not None and data > 1 and getattr(mc, "sparse", False):
+            _warn_once(f"expert parallelism off: {why}; the experts are replicated over mesh.data")
+        return why is None and data > 1
+    if t.expert_parallel and why is not None:
+        raise UserError(f"train.expert_parallel=true: {why}; set train.expert_parallel=false (experts replicated)")
+    return bool(t.expert_parallel) and data > 1
+
+
 def validate(cfg: Config, n_devices: int) -> MeshShape:
     """Check the config against the device count, key against key; return the resolved mesh shape (meshes/axes.py).
     (Each key's own range is load_config's; checked again here for a config that replace() or an HF folder
@@ -253,6 +271,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    expert_parallel(cfg, data)
     if stage > 1 and cfg.model.remat not in PIPELINE_REMATS:
         _warn_once(f"model.remat={cfg.model.remat} does nothing under a pipeline (mesh.stage={stage}): each stage "
                    f"recomputes its layers whole for its backward anyway; set model.remat to "

@@ -55,6 +55,9 @@ class TrainSection:
     zero_stage: int = setting(0, ">= 0 and <= 3", "ZeRO: 1 shards optimizer state, 2 also gradients, 3 also "
                               "parameters")
     grad_sync: str = setting("auto", GRAD_SYNC, "gradient reduction: compiler-inserted, psum, or a ring of ppermutes")
+    expert_parallel: Optional[bool] = setting(None, None, "an MoE's experts split over mesh.data, tokens sent to them "
+                                              "(docs/parallelism.md); null: on when n_experts > 1 is divisible by "
+                                              "mesh.data > 1 and train.sync=every_step")
     pipeline_repeats: int = setting(1, SIZE, "V: circular pipeline schedule when > 1 (needs mesh.stage > 1)")
     pipeline_schedule: str = setting("gpipe", SCHEDULES, "pipeline schedule (trainer/parallel/schedules.py)")
     seed: int = setting(0, SEED, "parameter initialisation and the data order")

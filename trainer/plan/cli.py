@@ -157,8 +157,8 @@ def _print(out: dict, as_json: bool):
 def _search(mc, cfg, n, device, hosts, dtype, ns) -> int:
     from trainer.plan import report
     from trainer.plan.search import search, why
-    from trainer.state import rules_for
-    ranked = search(mc, cfg.train, n, device, hosts, dtype, device.platform, rules_for(cfg))
+    from trainer.state import rules_by_data
+    ranked = search(mc, cfg.train, n, device, hosts, dtype, device.platform, rules_by_data(cfg))
     if ns.json:
         doc = {"tried": ranked.tried, "fit": len(ranked.plans),
                "plans": [dict(report.as_json(p), why=why(p, ranked.plans[0], i))

@@ -125,5 +125,6 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     from trainer.config import validate
     from trainer.state import rules_for
     t = cfg.train
-    return Strategy(validate(cfg, n_devices), t.zero_stage, t.microbatches, cfg.model.remat,
-                    t.pipeline_repeats, t.grad_sync, t.pipeline_schedule, rules_for(cfg))
+    shape = validate(cfg, n_devices)
+    return Strategy(shape, t.zero_stage, t.microbatches, cfg.model.remat,
+                    t.pipeline_repeats, t.grad_sync, t.pipeline_schedule, rules_for(cfg, shape["data"]))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes import AXES, RULES, Rules, shapes
+from meshes import AXES, RULES, shapes
 from models import ModelConfig
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
@@ -13,16 +13,21 @@ REMATS = ("none", "dots", "full")
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto",
-               rules: Rules = RULES):
-    """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`)."""
+               rules=RULES):
+    """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`). `rules`: the
+    run's rules, or a function of the data ranks giving them (None: the config cannot run on that many;
+    trainer/state.py rules_by_data: an MoE's experts split over `data` where they divide)."""
     return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules))))
 
 
-def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules: Rules):
+def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of):
     """Every mesh shape x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
         data, stage, model = shape["data"], shape["stage"], shape["model"]
+        rules = rules_of(data) if callable(rules_of) else rules_of
+        if rules is None:
+            continue
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
@@ -56,7 +61,7 @@ class Ranked:
 
 
 def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: str,
-           platform: str | None = None, rules: Rules = RULES) -> Ranked:
+           platform: str | None = None, rules=RULES) -> Ranked:
     """Every layout of n_devices planned (on `platform`'s kernels, None: this host's), the fitting ones fastest
     first."""
     plans = [estimate(mc, train, st, device, hosts, dtype, platform)
