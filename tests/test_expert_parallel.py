@@ -3,13 +3,9 @@ ranks holding their experts (dropless: gathered and the results reduce-scattered
 per-row slots). Every layout against one device (SGD, no clipping; loss, grad_norm, aux/... and moe/dropped,
 parameters); the compiled program (no expert weight gathered or reduced over `data`; each rank holds 1/data of
 them); the one-line errors."""
-import functools
-import re
-
-import jax
-import numpy as np
 import pytest
-from conftest import SGD, TINY, corpus
+from conftest import SGD, TINY
+from test_moe import same_as_one_device
 
 E = 8  # experts: divisible by every mesh.data below
 MOE = SGD + ["model.family=mixtral", f"model.n_experts={E}", "model.expert_d_ff=32", "model.router_aux_loss=0.1",
@@ -41,45 +37,8 @@ SLOW = {
 ROUTER_SCALE = 20.0  # the router's weights x20: top-k margins far above the layouts' float differences
 
 
-def _setup(overrides):
-    from meshes import devices_named
-    from trainer.config import load_config
-    from trainer.state import make_setup
-    cfg = load_config(TINY + MOE + list(overrides))
-    return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
-
-
-@functools.lru_cache(maxsize=None)
-def _train(overrides: tuple, steps=2):
-    """`steps` steps from the initial state with the router scaled: (each step's metrics, the parameters, whether
-    the run split its experts over `data`)."""
-    from trainer.data.batches import Batches
-    from trainer.plan.verify import abstract_inputs
-    from trainer.state import init_state
-    from trainer.step import jit_train_step
-    s = _setup(overrides)
-    state, metrics = init_state(s), []
-    state["params"]["layers"]["router"] = state["params"]["layers"]["router"] * ROUTER_SCALE
-    b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
-    with jax.set_mesh(s.mesh):
-        step = jit_train_step(s).lower(*abstract_inputs(s)).compile()
-        for i in range(steps):
-            state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
-            metrics.append({k: float(v) for k, v in m.items() if k in ("loss", "grad_norm") or "/" in k})
-    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"] == "data"
-
-
 def _same_as_one_device(model, layout):
-    want, want_p, _ = _train(tuple(model) + ONE)
-    got, got_p, split = _train(tuple(model) + tuple(layout))
-    assert split  # the experts were split over `data` (expert parallelism on by default here)
-    assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped"}
-    for g, w in zip(got, want):
-        assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w), (g, w)
-    if CAPACITY[0] in model:  # the same fraction dropped as one device, and some dropped
-        assert want[0]["moe/dropped"] > 0.01 and all(g["moe/dropped"] == w["moe/dropped"] for g, w in zip(got, want))
-    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
-        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+    same_as_one_device(model, layout, base=tuple(MOE), router_scale=ROUTER_SCALE, split=True)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

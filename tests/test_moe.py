@@ -299,47 +299,53 @@ SLOW = {
 
 
 @functools.lru_cache(maxsize=None)
-def _train(overrides: tuple, steps=2):
-    """`steps` steps: (each step's metrics, the parameters)."""
+def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: float = 1.0):
+    """`steps` steps of TINY + base + overrides from the initial state, the router's weights x router_scale: (each
+    step's metrics, the parameters, whether the run split its experts over `data`)."""
     from meshes import devices_named
     from trainer.config import load_config
     from trainer.data.batches import Batches
     from trainer.plan.verify import abstract_inputs
     from trainer.state import init_state, make_setup
     from trainer.step import jit_train_step
-    cfg = load_config(TINY + MOE + list(overrides))
+    cfg = load_config(TINY + list(base) + list(overrides))
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
     state, metrics = init_state(s), []
+    if router_scale != 1.0:
+        state["params"]["layers"]["router"] = state["params"]["layers"]["router"] * router_scale
     b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     with jax.set_mesh(s.mesh):
         step = jit_train_step(s).lower(*abstract_inputs(s)).compile()
         for i in range(steps):
             state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
             metrics.append({k: float(v) for k, v in m.items() if k in ("loss", "grad_norm") or "/" in k})
-    return metrics, jax.tree.map(np.asarray, state["params"])
+    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"] == "data"
 
 
-def _same_as_one_device(model, layout):
-    want, want_p = _train(tuple(model) + ONE)
-    got, got_p = _train(tuple(model) + tuple(layout))
+def same_as_one_device(model, layout, base: tuple = tuple(MOE), router_scale: float = 1.0, split: bool = False):
+    """Loss, grad_norm, aux/..., moe/dropped (with a capacity: some dropped, the same fraction) and parameters of
+    `layout` against one device's, 1e-5; `split`: whether the layout splits the experts over `data` (asserted)."""
+    want, want_p, _ = _train(tuple(model) + ONE, base=base, router_scale=router_scale)
+    got, got_p, was_split = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
+    assert was_split == split
     assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped"}
     for g, w in zip(got, want):
         assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w), (g, w)
     if any("capacity" in m for m in model):
-        assert want[0]["moe/dropped"] > 0.01
+        assert want[0]["moe/dropped"] > 0.01 and all(g["moe/dropped"] == w["moe/dropped"] for g, w in zip(got, want))
     for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_equal_one_device(name):
-    _same_as_one_device(*LAYOUTS[name])
+    same_as_one_device(*LAYOUTS[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW))
 def test_more_layouts_equal_one_device(name):
-    _same_as_one_device(*SLOW[name])
+    same_as_one_device(*SLOW[name])
 
 
 @pytest.mark.parametrize("capacity", [0.0, 2.0])
