@@ -73,6 +73,24 @@ class MoEConfig(ModelConfig):
                     f"n_experts / mesh.data experts)")
         return None
 
+    def expert_collectives(self, tokens: int, ranks: int, a: int) -> list[tuple[str, str, float, bool, bool]]:
+        """One MoE layer's forward collectives over `data` under expert parallelism (grouped_mlp), for `tokens` tokens
+        per rank on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the
+        array as trainer/plan/comm.py counts it, whether its transpose runs in the backward, whether a recomputed
+        forward runs it again: what the backward reads)."""
+        K, D, T = self.n_experts_per_token, self.d_model, self.seq_len
+        C = capacity(self, T)
+        if C is None:  # _experts_gathered: every rank's tokens, choices and weights gathered, the outputs scattered
+            n = ranks * tokens  # (the outputs are weighted before their sum: the backward does not read them)
+            return [("all-gather", "tokens to every rank", n * D * a, True, True),
+                    ("all-gather", "choices", n * K * 4, False, True),
+                    ("all-gather", "routing weights", n * K * a, True, True),
+                    ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
+        slots = self.n_experts * (tokens // T) * C * D * a  # _experts_all_to_all: this rank's buffer
+        # (the outputs come back unweighted: the routing weights' gradient reads them)
+        return [("all-to-all", "tokens to their experts' slots", slots, True, True),
+                ("all-to-all", "the slots' outputs back", slots, True, True)]
+
     def widths_over_model(self, tp: int) -> dict:
         """The fields of one `model` rank's widths (trainer/plan/memory.py): each expert's and the shared expert's
         hidden units split over `model`, as the dense MLP's."""
@@ -107,14 +125,27 @@ def moe_inventory(base):
     return inventory
 
 
+def top_k(x_NX, k: int):
+    """jax.lax.top_k over the last axis (the values, their indices; among equal values the lower index first) as k
+    argmaxes: elementwise work the compiler partitions over any batch axis, where its partitioner gathers a sharded
+    batch to every device for lax.top_k (XLA:CPU, jax 0.10.2: the whole batch's router logits per MoE layer)."""
+    chosen, idx = jnp.zeros(x_NX.shape, bool), []
+    for _ in range(k):
+        i = jnp.argmax(jnp.where(chosen, -jnp.inf, x_NX), axis=-1)
+        idx.append(i)
+        chosen = chosen | jax.nn.one_hot(i, x_NX.shape[-1], dtype=bool)
+    idx_NK = jnp.stack(idx, axis=-1).astype(jnp.int32)
+    return jnp.take_along_axis(x_NX, idx_NK, axis=-1), idx_NK
+
+
 def route(c: MoEConfig, logits_NX):
     """(probabilities (N, X) of the softmax over every logit, the chosen experts (N, k) int32, their weights
     (N, k) float32) of the router (c.router)."""
     probs_NX = jax.nn.softmax(logits_NX, axis=-1)
     if c.router == "topk_softmax":
-        top_NK, idx_NK = jax.lax.top_k(logits_NX, c.n_experts_per_token)
+        top_NK, idx_NK = top_k(logits_NX, c.n_experts_per_token)
         return probs_NX, idx_NK, jax.nn.softmax(top_NK, axis=-1)
-    w_NK, idx_NK = jax.lax.top_k(probs_NX, c.n_experts_per_token)
+    w_NK, idx_NK = top_k(probs_NX, c.n_experts_per_token)
     if c.norm_topk_prob:
         w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
     return probs_NX, idx_NK, w_NK
@@ -337,8 +368,10 @@ def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
     choices of them, the results summed over the ranks and scattered back to the tokens' ranks (MaxText's ring of
     experts: no buffer sized by the worst case)."""
     gather = functools.partial(coll.all_gather, logical="experts", axis=0)
-    h, idx, keep, w = gather(h_ND), gather(idx_NK), gather(keep_NK), gather(w_NK)
-    local, mine = _local_choices(coll, idx, keep, weights[0].shape[0])
+    X = weights[0].shape[0] * coll.axis_size("experts")
+    # a choice that is not kept (padding) travels as expert X, held by no rank
+    h, idx, w = gather(h_ND), gather(jnp.where(keep_NK, idx_NK, X)), gather(w_NK)
+    local, mine = _local_choices(coll, idx, jnp.ones(idx.shape, bool), weights[0].shape[0])
     y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
     return coll.reduce_scatter(y, "experts", 0)
 

@@ -3,6 +3,7 @@ ranks holding their experts (dropless: gathered and the results reduce-scattered
 per-row slots). Every layout against one device (SGD, no clipping; loss, grad_norm, aux/... and moe/dropped,
 parameters); the compiled program (no expert weight gathered or reduced over `data`; each rank holds 1/data of
 them); the one-line errors."""
+import jax
 import pytest
 from conftest import SGD, TINY
 from test_moe import same_as_one_device
@@ -75,3 +76,100 @@ def test_on_by_default_where_the_experts_divide_and_off_with_one_line_where_not(
     with caplog.at_level("WARNING"):
         assert not expert_parallel(load_config(TINY + MOE + ["model.n_experts=6", "mesh.data=4"]), 4)
     assert "expert parallelism off: model.n_experts=6 is not divisible by mesh.data=4" in caplog.text
+
+
+# ---- the compiled program (CPU HLO, compiled ahead of time: nothing runs) against the planner
+
+def _compiled(overrides):
+    """(XLA's measurement of the step, the plan of it, the pipeline table's weights for reading the HLO)."""
+    from test_plan import _plan
+    from trainer.plan.verify import measure, table_weights
+    from trainer.state import make_setup
+    cfg, plan = _plan(MOE + list(overrides))
+    return measure(cfg, grads=False), plan, table_weights(make_setup(cfg, jax.devices()[:8]))
+
+
+def _expert_shapes(m, plan) -> set[tuple]:
+    """The expert weights' shapes as a device may hold them: all experts or a data rank's, whole or split over
+    `model`, with or without the layers axis; no other leaf has any of them (checked)."""
+    from models.moe import MoEConfig
+    c = plan.model
+    assert isinstance(c, MoEConfig)
+    k, tp, F = m.mesh_shape["data"], m.mesh_shape["model"], c.expert_d_ff
+    out = {(e, c.d_model, f) for e in (E, E // k) for f in (F, F // tp)}
+    out |= {(e, f, d) for e, d, f in out}
+    out |= {(c.n_layers,) + sh for sh in out}
+    assert c.d_model != F
+    return out
+
+
+def expert_collectives(m, plan, weights) -> list[str]:
+    """HLO lines of every all-gather, all-reduce or reduce-scatter over `data` of an array of an expert weight's
+    shape (the weights or their gradients)."""
+    import re
+
+    from trainer.plan.hlo import collective_ops
+    shapes, bad = _expert_shapes(m, plan), []
+    for kind, axes, _, line in collective_ops(m.text, m.mesh_shape, *weights):
+        result = line.split(f" {kind}", 1)[0]
+        dims = {tuple(int(d) for d in x.split(",") if d) for x in re.findall(r"\[([\d,]*)\]", result)}
+        if kind in ("all-gather", "all-reduce", "reduce-scatter") and "data" in axes and dims & shapes:
+            bad.append(line.strip()[:160])
+    return bad
+
+
+def _expert_bytes(plan) -> float:
+    """The expert weights' float32 bytes, all of them."""
+    c = plan.model
+    return 4.0 * c.n_layers * E * 3 * c.d_model * c.expert_d_ff
+
+
+DISPATCH = {"dropless": (), "capacity": CAPACITY}
+
+
+@pytest.mark.parametrize("routing", [pytest.param(r, marks=[] if r == "dropless" else [pytest.mark.slow])
+                                     for r in DISPATCH])
+@pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_the_compiled_step_splits_the_experts_and_the_planner_holds_it(zero, routing):
+    """(8,1,1): against the experts replicated (train.expert_parallel=false), XLA's arguments (parameters and SGD
+    momentum) hold 7/8 of the experts' bytes fewer at ZeRO-0 and the same at ZeRO-3; no all-gather, all-reduce or
+    reduce-scatter over `data` of an expert weight or its gradient (the replicated step has them: its gradients'
+    all-reduce, ZeRO-3's gathers); the
+    planner's state within 1% of XLA's and its dispatch collectives (all-to-all with a capacity; dropless the
+    gathers and reduce-scatters) within 1% of the HLO's, as every collective over `data`."""
+    layout = ["mesh.data=8", f"train.zero_stage={zero}", *DISPATCH[routing]]
+    m, plan, weights = _compiled(layout)
+    rep, _, _ = _compiled(layout + ["train.expert_parallel=false"])
+    experts = _expert_bytes(plan) * 2  # the weights and SGD's momentum
+    saved = rep.params_opt_bytes - m.params_opt_bytes
+    assert abs(saved - (7 / 8 * experts if zero == 0 else 0)) <= 0.01 * experts, (saved, experts)
+    assert expert_collectives(m, plan, weights) == []
+    assert expert_collectives(rep, plan, weights) != []  # replicated: their gradients reduced (ZeRO-3: shards gathered)
+    state = plan.params_bytes + plan.opt_state_bytes
+    assert abs(state / m.params_opt_bytes - 1) < 0.01, (state, m.params_opt_bytes)
+    for kind in ("all-to-all", "all-gather", "reduce-scatter", "all-reduce"):
+        xla = m.collectives.get((kind, ("data",)), 0.0)
+        mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data")
+        # (+256 B: the step's scalar sums, the loss's and the aux statistics', which the planner leaves out)
+        assert abs(mine - xla) <= 0.01 * xla + 256, (kind, mine, xla)
+    assert (m.collectives.get(("all-to-all", ("data",)), 0) > 0) == (routing == "capacity")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["(4,1,2) ZeRO-3 remat full", "(2,4,1) 1F1B", "(2,2,2) interleaved V=2"])
+@pytest.mark.parametrize("routing", list(DISPATCH))
+def test_the_planner_holds_the_dispatch_on_more_layouts(name, routing):
+    """The dispatch's bytes over `data` within 1% of the HLO's where layers are recomputed (remat; a pipeline's
+    stage bodies) and under tensor parallelism; no expert weight gathered or reduced over `data`."""
+    layout = {"(4,1,2) ZeRO-3 remat full": ["mesh.data=4", "mesh.model=2", "train.zero_stage=3", "model.remat=full"],
+              "(2,4,1) 1F1B": ["mesh.data=2", "mesh.stage=4", "model.n_layers=4", "train.microbatches=4",
+                               "train.pipeline_schedule=1f1b"],
+              "(2,2,2) interleaved V=2": ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "model.n_layers=4",
+                                          "train.microbatches=2", "train.pipeline_schedule=interleaved_1f1b",
+                                          "train.pipeline_repeats=2"]}[name]
+    m, plan, weights = _compiled(layout + list(DISPATCH[routing]))
+    assert expert_collectives(m, plan, weights) == []
+    kind = "all-to-all" if routing == "capacity" else "all-gather"
+    xla = m.collectives.get((kind, ("data",)), 0.0)
+    mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data")
+    assert xla > 0 and abs(mine - xla) <= 0.01 * xla, (kind, mine, xla)

@@ -33,7 +33,31 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
     else:
         out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
-    return [t for t in out if t.bytes > 0]
+    return [t for t in out + _expert_transfers(mc, st, n, a) if t.bytes > 0]
+
+
+TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
+
+
+def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
+    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (models/moe.py
+    expert_collectives), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
+    a collective is no dot, so `dots` recomputes it too; every pipeline stage body), those whose results the
+    backward reads; the differentiable ones' transposes in the backward."""
+    if st.rules["experts"] != "data" or st.data == 1 or not hasattr(mc, "expert_collectives"):
+        return []
+    uses = st.microbatches * mc.n_layers // st.stage
+    recomputed = st.remat != "none" or st.stage > 1
+    out = []
+    for kind, what, size, grad, again in mc.expert_collectives(n, st.data, a):
+        bus = bus_factor(kind, st.data) * size
+        forwards = 2 if recomputed and again else 1
+        out.append(Transfer("data", kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses))
+        if grad:
+            back = TRANSPOSE[kind]
+            out.append(Transfer("data", back, f"experts: {what} (backward)", uses * bus_factor(back, st.data) * size,
+                                uses))
+    return out
 
 
 def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
