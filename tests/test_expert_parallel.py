@@ -34,6 +34,12 @@ SLOW = {
                                        "train.microbatches=2")),
     "(4,1,2) psum M=2 capacity": (CAPACITY, ("mesh.data=4", "mesh.stage=1", "mesh.model=2", "train.grad_sync=psum",
                                              "train.microbatches=2")),
+    "(8,1,1) ring ZeRO-1 dropless": ((), ("mesh.data=8", "mesh.stage=1", "mesh.model=1", "train.grad_sync=ring",
+                                          "train.zero_stage=1")),
+    "(2,1,4) ZeRO-2 remat full capacity": (CAPACITY + ("model.remat=full",),
+                                           ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=2")),
+    "(4,1,2) remat dots M=4 dropless": (("model.remat=dots",), ("mesh.data=4", "mesh.stage=1", "mesh.model=2",
+                                                                 "train.microbatches=4")),
 }
 ROUTER_SCALE = 20.0  # the router's weights x20: top-k margins far above the layouts' float differences
 
@@ -173,3 +179,43 @@ def test_the_planner_holds_the_dispatch_on_more_layouts(name, routing):
     xla = m.collectives.get((kind, ("data",)), 0.0)
     mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data")
     assert xla > 0 and abs(mine - xla) <= 0.01 * xla, (kind, mine, xla)
+
+
+# ---- checkpoints
+
+def _setup(overrides):
+    from meshes import devices_named
+    from trainer.config import load_config
+    from trainer.state import make_setup
+    cfg = load_config(TINY + MOE + list(overrides))
+    return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
+    """Saved after step 1 on (8,1,1) (one expert per data rank), restored bit for bit onto (2,1,4) ZeRO-3 (four
+    per rank) and onto one device (all of them, replicated); step 2 on each equals the uninterrupted (8,1,1) run's
+    (documents with padding: test_moe_everywhere's batches)."""
+    import numpy as np
+    from conftest import max_rel
+    from test_moe_everywhere import Runner
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.state import init_state
+    a = _setup(("mesh.data=8",))
+    assert a.layout.rules["experts"] == "data"
+    state, _ = Runner(a)(init_state(a), 0, 1)
+    saved = jax.tree.map(np.asarray, state)
+    c = Checkpointer(a, tmp_path / "run")
+    c.save(1, state)
+    c.close()
+    after, (want,) = Runner(a)(state, 1, 2)
+    for layout in (("mesh.data=2", "mesh.model=4", "train.zero_stage=3"), ONE):
+        b = _setup(layout)
+        c = Checkpointer(b, tmp_path / "run")
+        restored, at = c.restore()
+        c.close()
+        assert at == 1 and all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(restored),
+                                                                              jax.tree.leaves(saved)))
+        state_b, (got,) = Runner(b)(restored, 1, 2)
+        assert all(abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1e-3) for k in want), (layout, got, want)
+        assert max_rel(jax.tree.map(np.asarray, state_b["params"]), jax.tree.map(np.asarray, after["params"])) < 1e-5
