@@ -219,3 +219,26 @@ def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
         state_b, (got,) = Runner(b)(restored, 1, 2)
         assert all(abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1e-3) for k in want), (layout, got, want)
         assert max_rel(jax.tree.map(np.asarray, state_b["params"]), jax.tree.map(np.asarray, after["params"])) < 1e-5
+
+
+def test_the_search_weighs_expert_parallelism():
+    """`plan --search` plans each layout with the experts split over `data` (where n_experts divides it) and
+    replicated (train.expert_parallel null), and the split one holds 1/data of the experts: at (8,1,1) ZeRO-0 its
+    parameters are the replicated one's less 7/8 of the experts'; with train.expert_parallel=false only replicated."""
+    from test_plan import H100
+    from trainer.config import load_config, model_config
+    from trainer.plan.search import strategies
+    from trainer.plan.core import estimate
+    from trainer.state import rules_by_data
+    cfg = load_config(TINY + MOE)
+    mc = model_config(cfg)
+    tried = strategies(mc, cfg.train.batch_size, 8, rules=rules_by_data(cfg))
+    at = {st.rules["experts"] for st in tried if (st.data, st.stage, st.model, st.zero) == (8, 1, 1, 0)}
+    assert at == {"data", None}
+    assert {st.rules["experts"] for st in tried if st.data == 1} == {None}  # nothing to split over
+    plan = {st.rules["experts"]: estimate(mc, cfg.train, st, H100, 1, "float32") for st in tried
+            if (st.data, st.stage, st.model, st.zero, st.microbatches, st.remat) == (8, 1, 1, 0, 1, "none")}
+    experts = 4.0 * mc.n_layers * E * 3 * mc.d_model * mc.expert_d_ff
+    assert abs(plan[None].params_bytes - plan["data"].params_bytes - 7 / 8 * experts) < 1e-6 * experts
+    off = load_config(TINY + MOE + ["train.expert_parallel=false"])
+    assert {st.rules["experts"] for st in strategies(mc, 32, 8, rules=rules_by_data(off))} == {None}

@@ -58,13 +58,16 @@ def rules_for(cfg: Config, data: int, quiet: bool = False) -> Rules:
 
 
 def rules_by_data(cfg: Config):
-    """rules_for as a function of the data ranks, for the planner's search: None where the config's
-    train.expert_parallel=true cannot hold (that layout is not a candidate)."""
-    def rules(data: int) -> Rules | None:
+    """The rules a layout of the config may run with, as a function of its data ranks, for the planner's search:
+    train.expert_parallel null: with the experts split over `data` where they can be, and replicated; true: split
+    only (none where they cannot be: that layout is not a candidate); false: replicated."""
+    def rules(data: int) -> list[Rules]:
         try:
-            return rules_for(cfg, data, quiet=True)
+            split = expert_parallel(cfg, data, quiet=True)
         except UserError:
-            return None
+            return []
+        return [RULES.replace(experts="data"), RULES] if split and cfg.train.expert_parallel is None else \
+            [rules_for(cfg, data, quiet=True)]
     return rules
 
 

@@ -36,7 +36,7 @@ def param_shardings(cfg: Config, shardings=None, devices=None):
     from meshes import RULES
     from trainer.state import rules_by_data
     mesh = build_mesh(devices=devices)
-    return Layout(mesh, 3, rules_by_data(cfg)(mesh.shape["data"]) or RULES).tree("param", shapes, logical)
+    return Layout(mesh, 3, (rules_by_data(cfg)(mesh.shape["data"]) or [RULES])[0]).tree("param", shapes, logical)
 
 
 def one_set(meta: dict) -> tuple[str, dict]:

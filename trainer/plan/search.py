@@ -16,32 +16,30 @@ def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, gr
                rules=RULES):
     """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`). `rules`: the
     run's rules, or a function of the data ranks giving them (None: the config cannot run on that many;
-    trainer/state.py rules_by_data: an MoE's experts split over `data` where they divide)."""
+    trainer/state.py rules_by_data: a list, an MoE's experts split over `data` and replicated)."""
     return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules))))
 
 
 def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of):
-    """Every mesh shape x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
+    """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
         data, stage, model = shape["data"], shape["stage"], shape["model"]
-        rules = rules_of(data) if callable(rules_of) else rules_of
-        if rules is None:
-            continue
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
-        for schedule, v in _schedules(stage, repeats):
-            if mc.n_layers % (stage * v):
-                continue
-            for m in MICROBATCHES:
-                if batch % (data * m) or (stage > 1 and m < stage):
+        for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
+            for schedule, v in _schedules(stage, repeats):
+                if mc.n_layers % (stage * v):
                     continue
-                if schedule == "interleaved_1f1b" and m % stage:
-                    continue
-                for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
-                    for remat in REMATS:
-                        yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules)
+                for m in MICROBATCHES:
+                    if batch % (data * m) or (stage > 1 and m < stage):
+                        continue
+                    if schedule == "interleaved_1f1b" and m % stage:
+                        continue
+                    for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
+                        for remat in REMATS:
+                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:

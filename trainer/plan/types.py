@@ -33,7 +33,8 @@ class Strategy:
     def describe(self) -> str:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
         pp += f" {self.schedule}" if self.stage > 1 else ""
-        return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}"
+        ep = " experts over data" if self.rules["experts"] == "data" else ""
+        return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}{ep}"
 
 
 def executed(st: Strategy) -> Strategy:
