@@ -133,6 +133,9 @@ TPU_LAYOUTS = {  # (overrides, mesh.model, experts per rank): expert parallelism
                               4, 4),
     "d2s2m2-1f1b": (["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.pipeline_schedule=1f1b",
                      "train.microbatches=2"], 2, 2),
+    # the Mixtral-8x7B layout of docs/plan.md at a small shape: 8 experts, one per data rank, on 16 chips
+    "d8m2-8-experts-4x4x1": (["mesh.data=8", "mesh.model=2", "train.zero_stage=3", "model.n_experts=8",
+                              "train.batch_size=8", "model.remat=full"], 2, 1),
 }
 KERNEL = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*custom-call\([^\n]*custom_call_target=\"tpu_custom_call\"")
 
@@ -148,7 +151,7 @@ def test_the_tpu_moe_step_runs_megablox(name):
     from trainer.config import load_config
     from trainer.plan.aot import compile_for
     overrides, tp, El = TPU_LAYOUTS[name]
-    c = compile_for(load_config(MOE_TPU + overrides), TOPOLOGY)
+    c = compile_for(load_config(MOE_TPU + overrides), "v5p:4x4x1" if name.endswith("4x4x1") else TOPOLOGY)
     assert c.measured.platform == "tpu" and c.device_kind == "TPU v5"
     kernels = {(dtype, tuple(int(d) for d in dims.split(","))) for dtype, dims in KERNEL.findall(c.measured.text)}
     Fl = 512 // tp
@@ -156,3 +159,4 @@ def test_the_tpu_moe_step_runs_megablox(name):
     assert {(El, 256, Fl), (El, Fl, 256)} <= shapes, kernels  # tgmm: the weights' gradients, this rank's experts
     assert any(len(s) == 2 and s[1] == Fl for s in shapes) and any(len(s) == 2 and s[1] == 256 for s in shapes)
     assert not {s for s in shapes if len(s) == 3 and (s[0] != El or 512 in s)}, kernels  # never more
+    assert c.measured.total_bytes < c.plan.device.hbm  # it fits the chip
