@@ -1,8 +1,8 @@
 """The TPU's expert MLP: megablox's grouped matmul (jax.experimental.pallas.ops.tpu.megablox `gmm`, a Pallas/Mosaic
-kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/moe.py.
+kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/experts.py.
 
 XLA cannot partition a Mosaic kernel, so it runs in a region manual over every mesh axis (meshes/collectives.py,
-over=None; models/moe.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
+over=None; models/experts.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
 over `stage` and `data`) alike: each rank holds its tokens (split over `data` with the batch) and its slice of every
 expert's hidden units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own
 psum over `mlp` (the identity where `model` is one rank), taken after the combine (N x D, not N x k x D).
@@ -36,7 +36,7 @@ def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
 
 
 def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, interpret: bool = False):
-    """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/moe.py's
+    """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/experts.py's
     grouped_mlp runs it in its region and adds the partial sums over `mlp`)."""
     gate, up, down = weights
     (N, _), K, X = h_ND.shape, idx_NK.shape[1], gate.shape[0]

@@ -13,7 +13,7 @@ import pytest
 from conftest import SGD, TINY, corpus
 
 from models import from_preset
-from models import moe
+from models import experts, moe
 from models.layers import rms_norm
 from models.transformer import layer_call
 
@@ -92,7 +92,7 @@ def _inputs(padded):
 
 def _layer_half(c, impl, monkeypatch):
     """The MoE half with the plain SiLU and the experts' matmuls of formulation `impl`."""
-    monkeypatch.setitem(moe.BY_PLATFORM, "cpu", impl)
+    monkeypatch.setitem(experts.BY_PLATFORM, "cpu", impl)
 
     def run(p, x, seg):
         call = layer_call(c, None, segments=seg, data={"first": 1.0})
@@ -136,8 +136,8 @@ def test_layer_equals_a_per_expert_loop(router, capacity, monkeypatch):
     # every formulation of the experts' matmuls with Mixtral's router and a capacity (drops, padding); the rest on
     # the CPU's
     # (megablox, in Pallas's interpreter, against this loop in tests/test_moe_tpu.py)
-    every = [f for f in moe.FORMULATIONS if f != "megablox"]
-    for impl in every if router == "mixtral" and capacity else [moe.BY_PLATFORM["cpu"]]:
+    every = [f for f in experts.FORMULATIONS if f != "megablox"]
+    for impl in every if router == "mixtral" and capacity else [experts.BY_PLATFORM["cpu"]]:
         half = jax.jit(_layer_half(c, impl, monkeypatch))
         got, aux = half(p, x, seg)
         _close(got, want)

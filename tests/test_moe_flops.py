@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from models import abstract_model, from_preset, loss_fn
-from models import moe
+from models import experts
 from models.batch import abstract
 from models.counts import active_param_count, flops_per_token, hardware_flops_per_token, matmul_param_count
 from models.counts import param_count
@@ -63,7 +63,7 @@ N_X = B * T  # tokens of the compiled step; M = K N_X choices
 
 def _xla(c, impl, monkeypatch) -> float:
     """XLA's FLOPs of value_and_grad of the model's loss on one device, the experts' matmuls by `impl`."""
-    monkeypatch.setitem(moe.BY_PLATFORM, "cpu", impl)
+    monkeypatch.setitem(experts.BY_PLATFORM, "cpu", impl)
     step = jax.jit(jax.value_and_grad(functools.partial(loss_fn, c)))
     cost = step.lower(abstract_model(c).params, abstract(B, T)).compile().cost_analysis()
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
@@ -107,7 +107,7 @@ def _rows(impl: str) -> int:
     tiles in a lax.scan, whose body XLA counts once (one tile); `ragged_dot` on XLA:CPU is lowered to every group's
     matmul over all M rows, masked (X M)."""
     M = K * N_X
-    return {"tiles": moe.padded_tiles(M, X) * moe.TILE, "tile_scan": moe.TILE, "ragged_dot": X * M}[impl]
+    return {"tiles": experts.padded_tiles(M, X) * experts.TILE, "tile_scan": experts.TILE, "ragged_dot": X * M}[impl]
 
 
 @pytest.mark.parametrize("impl", [pytest.param("tiles", marks=pytest.mark.slow), "tile_scan",

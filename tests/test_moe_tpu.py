@@ -16,7 +16,7 @@ import pytest
 from conftest import SGD, run_steps
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import moe
+from models import experts, moe
 
 B, T, D, X, K, F = 4, 24, 128, 4, 2, 256  # 96 tokens, 192 choices: two row tiles of 128, 64 rows of padding
 
@@ -70,14 +70,14 @@ def test_megablox_equals_a_per_expert_loop(slots):
     keep = _keep(idx, slots)
     assert (~keep).any() == (slots is not None)
     w = jnp.where(keep, w, 0.0)  # as moe_half gives it: a dropped choice weighs 0
-    mine = functools.partial(moe.grouped_mlp, idx_NK=idx, keep_NK=keep, silu=jax.nn.silu, impl="megablox")
+    mine = functools.partial(experts.grouped_mlp, idx_NK=idx, keep_NK=keep, silu=jax.nn.silu, impl="megablox")
     got = _value_and_grads(lambda h, w, ws: mine(h, w_NK=w, weights=ws), h, w, ws)
     want = _value_and_grads(lambda h, w, ws: loop(h, idx, keep, w, ws), h, w, ws)
     _close(got, want)
 
 
 def _sharded(idx, keep, coll, h, w, ws):
-    return moe.grouped_mlp(h, idx, keep, w, ws, jax.nn.silu, impl="megablox", collectives=coll)
+    return experts.grouped_mlp(h, idx, keep, w, ws, jax.nn.silu, impl="megablox", collectives=coll)
 
 
 @pytest.mark.slow
@@ -107,7 +107,7 @@ def test_an_moe_step_with_megablox_on_2x1x4_zero3_equals_one_device(monkeypatch)
     """The hook: models/moe.py runs megablox where BY_PLATFORM says (here CPU, interpreted); two SGD steps of a
     2-layer MoE with a capacity on (2,1,4) ZeRO-3 (the region inside the compiler's step): loss, grad norm and
     parameters within 1e-5 of one device's."""
-    monkeypatch.setitem(moe.BY_PLATFORM, "cpu", "megablox")
+    monkeypatch.setitem(experts.BY_PLATFORM, "cpu", "megablox")
     base = SGD + ["model.family=mixtral", "model.n_experts=4", "model.expert_d_ff=64", "model.capacity_factor=1.0"]
     got = run_steps(base + ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"], steps=2)
     want = run_steps(base + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"], steps=2)

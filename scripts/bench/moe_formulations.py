@@ -35,7 +35,7 @@ def main():
     import jax
     import jax.numpy as jnp
     from models.fast_cpu import silu
-    from models.moe import FORMULATIONS
+    from models.experts import FORMULATIONS
     N, D, F, K = a.tokens, a.d, a.width, a.k
     keys = jax.random.split(jax.random.key(0), 8)
     h = jax.random.normal(keys[0], (N, D))

@@ -254,7 +254,7 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     of the stacked weights (under ZeRO-3, the gathered layer counted in buffer_bytes), the tile scan's gradient
     accumulators and the layer's gradient before it is written into the stack's. A dense layer's weights are a few
     percent of its activations; an MoE's experts are n_experts times a dense MLP's. And the dispatch's two
-    cotangents, one row per choice (on CPU padded to whole tiles per expert, models/moe.py): the experts' output's
+    cotangents, one row per choice (on CPU padded to whole tiles per expert, models/experts.py): the experts' output's
     and their input's."""
     if not getattr(mc, "sparse", False):
         return 0.0

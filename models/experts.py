@@ -1,0 +1,222 @@
+"""The experts' matmuls of the MoE MLP (models/moe.py) and their dispatch under expert parallelism.
+
+Letters as in models/moe.py: N tokens, k choices per token, M = N*k choices, X experts, F each expert's width.
+FORMULATIONS, one per platform (BY_PLATFORM, measured by scripts/bench/moe_formulations.py); `grouped_mlp` runs the
+platform's in a region manual over every axis, each data rank its own tokens; where the run's rules split the
+experts over `data` (expert parallelism) the tokens reach their experts' ranks by all-gather and reduce-scatter
+(dropless) or by all-to-all in fixed slots (with a capacity).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from models.moe_tpu import megablox
+from models.spec import LOCAL
+
+
+def all_experts(h_ND, idx_NK, w_NK, weights, silu):
+    """Every expert on every token, each output weighted by the token's weight for it (0 unless chosen)."""
+    gate, up, down = weights
+    comb_NX = jnp.einsum("nk,nkx->nx", w_NK, jax.nn.one_hot(idx_NK, gate.shape[0], dtype=w_NK.dtype))
+    a_XNF = silu(jnp.einsum("nd,xdf->xnf", h_ND, gate)) * jnp.einsum("nd,xdf->xnf", h_ND, up)
+    return jnp.einsum("xnf,xfd->nd", a_XNF * comb_NX.T[:, :, None], down)
+
+
+def _by_expert(idx_NK, keep_NK, X: int):
+    """The choices sorted by expert, a dropped one after the last: (order (M,) of the choices, each sorted
+    choice's expert (M,), X for a dropped one, the kept choices of each expert (X,) int32)."""
+    e_M = jnp.where(keep_NK, idx_NK, X).reshape(-1)
+    order_M = jnp.argsort(e_M, stable=True)
+    return order_M, e_M[order_M], jnp.sum(jax.nn.one_hot(e_M, X, dtype=jnp.int32), axis=0)
+
+
+def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+    """The choices sorted by expert, each expert's rows through its weights by jax.lax.ragged_dot."""
+    gate, up, down = weights
+    K = idx_NK.shape[1]
+    order_M, _, sizes_X = _by_expert(idx_NK, keep_NK, gate.shape[0])
+    token_M = order_M // K
+    x_MD = h_ND[token_M]
+    a_MF = silu(jax.lax.ragged_dot(x_MD, gate, sizes_X)) * jax.lax.ragged_dot(x_MD, up, sizes_X)
+    y_MD = jax.lax.ragged_dot(a_MF, down, sizes_X) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[token_M].add(y_MD)
+
+
+TILE = 128  # rows of a tile of `tiles` and `tile_scan`
+
+
+def padded_tiles(M: int, X: int, t: int = TILE) -> int:
+    """Tiles of t rows that hold M choices, each expert's padded to whole tiles: sum over experts of
+    ceil(rows / t) is at most this."""
+    return -(-M // t) + X
+
+
+def _tiles(idx_NK, keep_NK, X: int, t: int):
+    """The choices sorted by expert and each expert's rows padded to whole tiles of t rows: (order (M,), each
+    sorted choice's row in the tiles ((M,), past the end for a dropped one), the tiles' experts (nT,))."""
+    M = idx_NK.size
+    nT = padded_tiles(M, X, t)
+    order_M, e_M, sizes_X = _by_expert(idx_NK, keep_NK, X)
+    padded_X = -(-sizes_X // t) * t
+    start_X, pstart_X = jnp.cumsum(sizes_X) - sizes_X, jnp.cumsum(padded_X) - padded_X
+    e = jnp.minimum(e_M, X - 1)
+    row_M = jnp.where(e_M < X, pstart_X[e] + jnp.arange(M) - start_X[e], nT * t)
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_X), jnp.arange(nT) * t, side="right"), X - 1)
+    return order_M, row_M, tile_expert, nT
+
+
+def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
+    """Sorted and padded to tiles of t rows (_tiles); every tile through its expert's weights, gathered
+    per tile, in one batched matmul."""
+    gate, up, down = weights
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
+    x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
+    x_JtD = x_PD.reshape(nT, t, D)
+    a_JtF = silu(jnp.einsum("jtd,jdf->jtf", x_JtD, gate[tile_expert])) * jnp.einsum("jtd,jdf->jtf", x_JtD,
+                                                                                   up[tile_expert])
+    y_PD = jnp.einsum("jtf,jfd->jtd", a_JtF, down[tile_expert]).reshape(nT * t, D)
+    y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
+
+
+def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
+    """As `tiles`, the tiles run one at a time by lax.scan, each indexing its expert's weights (no per-tile copy of
+    the weights, forward or backward: `_expert_tiles`)."""
+    gate, up, down = weights
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
+    x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
+    y_PD = _expert_tiles(silu, x_PD.reshape(nT, t, D), tile_expert, gate, up, down).reshape(nT * t, D)
+    y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
+    return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
+
+
+def _tile_mlp(silu, x_tD, g_DF, u_DF):
+    h_tF, u_tF = x_tD @ g_DF, x_tD @ u_DF
+    return silu(h_tF) * u_tF, (h_tF, u_tF)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _expert_tiles(silu, x_JtD, e_J, gate, up, down):
+    """Tile j of rows (J, t, D) through expert e_J[j]'s SwiGLU MLP, by lax.scan. Autodiff of the scan would save
+    each tile's slice of the weights and stack each tile's weight gradient (J copies of an expert's weights);
+    here the backward scan adds each tile's weight gradients into the experts' in place, and keeps only the
+    tiles' two (t, F) hidden projections."""
+    return _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down)[0]
+
+
+def _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down):
+    def one(_, xe):
+        x_tD, e = xe
+        a_tF, hu = _tile_mlp(silu, x_tD, gate[e], up[e])
+        return None, (a_tF @ down[e], hu)
+    y_JtD, hu_J = jax.lax.scan(one, None, (x_JtD, e_J))[1]
+    return y_JtD, (x_JtD, e_J, gate, up, down, hu_J)
+
+
+def _expert_tiles_bwd(silu, res, dy_JtD):
+    x_JtD, e_J, gate, up, down, hu_J = res
+
+    def one(grads, xs):
+        x_tD, e, (h_tF, u_tF), dy_tD = xs
+        (s_tF, silu_vjp) = jax.vjp(silu, h_tF)
+        da_tF = dy_tD @ down[e].T
+        dh_tF, du_tF = silu_vjp(da_tF * u_tF)[0], da_tF * s_tF
+        f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)  # summed over tiles in float32
+        dg, du, dd = grads
+        dg = dg.at[e].add(f32(x_tD.T, dh_tF))
+        du = du.at[e].add(f32(x_tD.T, du_tF))
+        dd = dd.at[e].add(f32((s_tF * u_tF).T, dy_tD))
+        return (dg, du, dd), dh_tF @ gate[e].T + du_tF @ up[e].T
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
+    grads, dx_JtD = jax.lax.scan(one, zeros, (x_JtD, e_J, hu_J, dy_JtD))
+    return (dx_JtD, None, *(g.astype(w.dtype) for g, w in zip(grads, (gate, up, down))))
+
+
+_expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
+
+
+FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
+                "tiles": tiles, "tile_scan": tile_scan, "megablox": megablox}
+# the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md);
+# `megablox`: the TPU's Pallas kernel (models/moe_tpu.py), in Pallas's interpreter off TPU
+BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "megablox"}
+TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
+IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
+           (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed")))
+
+
+def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
+                collectives=LOCAL, slots: tuple | None = None):
+    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
+    Where the run's rules split the experts over `data` (expert parallelism), each rank's tokens reach the ranks
+    holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
+    per row)) by all-to-all in fixed per-row slots; dropless, the ranks' tokens gathered and the results
+    reduce-scattered (_experts_gathered)."""
+    name = impl or BY_PLATFORM.get(platform, "ragged_dot")
+    fn = FORMULATIONS[name]
+    if name == "megablox":
+        fn = functools.partial(fn, interpret=platform != "tpu")
+
+    # manual over every axis (XLA cannot partition megablox's Mosaic kernel; the others gain by it too): each data
+    # rank sorts and runs its own tokens (a sort over the whole batch gathered it onto every rank: 4.9x the planner's
+    # bytes at (8,1,1), tests/test_moe_plan.py), through its slice of the experts' hidden units, the down
+    # projection's partial sums added over `mlp` once, after the combine (N x D, not N x k x D)
+    def rank(h, i, k, w, ws, slot):
+        if collectives.axis_size("experts") == 1:
+            y = fn(h, i, k, w, ws, silu)
+        elif slots is None:
+            y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
+        else:
+            y = _experts_all_to_all(collectives, h, i, k, w, ws, silu, slot, *slots[1:])
+        return collectives.psum(y, "mlp")
+    slot_NK = jnp.zeros_like(idx_NK) if slots is None else slots[0]
+    return collectives.region(rank, IN_AXES + (CHOICES,), TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights),
+                                                                   slot_NK)
+
+
+def _local_choices(coll, idx_NK, keep_NK, El: int):
+    """(each choice's expert among this rank's El (clipped), whether it is kept and this rank's)."""
+    local_NK = idx_NK - coll.axis_index("experts") * El
+    return jnp.clip(local_NK, 0, El - 1), keep_NK & (local_NK >= 0) & (local_NK < El)
+
+
+def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+    """Dropless expert parallelism: every rank's tokens and choices gathered over `experts` (in rank order: the
+    batch's order, so each expert sees its tokens in the order one device does), this rank's experts run on the
+    choices of them, the results summed over the ranks and scattered back to the tokens' ranks (MaxText's ring of
+    experts: no buffer sized by the worst case)."""
+    gather = functools.partial(coll.all_gather, logical="experts", axis=0)
+    X = weights[0].shape[0] * coll.axis_size("experts")
+    # a choice that is not kept (padding) travels as expert X, held by no rank
+    h, idx, w = gather(h_ND), gather(jnp.where(keep_NK, idx_NK, X)), gather(w_NK)
+    local, mine = _local_choices(coll, idx, jnp.ones(idx.shape, bool), weights[0].shape[0])
+    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
+    return coll.reduce_scatter(y, "experts", 0)
+
+
+def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_NK, C: int, T: int):
+    """Expert parallelism with a capacity (GShard's dispatch): each rank's kept choices written into a buffer of C
+    slots per expert per row, (X, rows, C, D), whose experts' blocks go to the ranks holding them by all-to-all over
+    `experts`; each rank runs its experts on every slot it received (an empty slot is zeros and gives zeros), and
+    the results come back by the reverse all-to-all and are combined with the routing weights. Bytes known before
+    the step: X x rows x C x D each way."""
+    gate, up, down = weights
+    (N, D), K, El, R = h_ND.shape, idx_NK.shape[1], gate.shape[0], coll.axis_size("experts")
+    X, B = El * R, N // T
+    row_NK = jnp.broadcast_to((jnp.arange(N) // T)[:, None], (N, K))
+    at_NK = jnp.where(keep_NK, (idx_NK * B + row_NK) * C + slot_NK, X * B * C)  # past the end: dropped
+    token_NK = jnp.broadcast_to(jnp.arange(N)[:, None], (N, K))
+    buf = jnp.zeros((X * B * C, D), h_ND.dtype).at[at_NK.reshape(-1)].set(h_ND[token_NK.reshape(-1)], mode="drop")
+    got = coll.all_to_all(buf.reshape(X, B, C, D), "experts", 0, 1)  # (El, R B, C, D): my experts' slots
+    x = got.reshape(El, R * B * C, D)
+    a = silu(jnp.einsum("end,edf->enf", x, gate)) * jnp.einsum("end,edf->enf", x, up)
+    y = jnp.einsum("enf,efd->end", a, down).reshape(El, R * B, C, D)
+    back = coll.all_to_all(y, "experts", 1, 0).reshape(X * B * C, D)  # (X, B, C, D): my tokens' outputs
+    y_NKD = back.at[at_NK].get(mode="fill", fill_value=0)
+    return jnp.einsum("nk,nkd->nd", w_NK, y_NKD)
