@@ -39,6 +39,10 @@ AXES = (
     Axis("data", "devices the batch (and ZeRO's state) is split over; -1: the devices left", -1,
          "hosts/slices `data` is split over (hybrid mesh: `model` stays inside a host)"),
     Axis("stage", "pipeline stages, each holding n_layers / stage layers", dcn="hosts/slices `stage` is split over"),
+    # inside `stage`, outside `model`: it all-gathers each layer's K/V (GQA: fewer bytes than `model`'s two
+    # all-reduces of the activations per layer), so it takes the links next to model's
+    Axis("context", "ranks each sequence is split over (context parallelism): seq_len / context tokens of every "
+         "row per device", dcn="hosts/slices `context` is split over"),
     Axis("model", "tensor-parallel ranks splitting heads, MLP units and vocabulary"),
 )
 

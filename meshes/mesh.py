@@ -46,13 +46,14 @@ def build(shape: MeshShape, devices) -> Mesh:
     return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=axis_types)
 
 
-def build_mesh(*sizes: int, devices=None) -> Mesh:
-    """`build` of the shape that `sizes` (in mesh order; an axis left out: its default) asks for on `devices`
-    (default: all), on one host."""
+def build_mesh(devices=None, **sizes: int) -> Mesh:
+    """`build` of the shape that `sizes` (by axis name, e.g. data=2, model=4; an axis left out: its default) asks
+    for on `devices` (default: all), on one host."""
     devices = list(jax.devices() if devices is None else devices)
-    if len(sizes) > len(AXES):
-        raise MeshError(f"{len(sizes)} sizes for the {len(AXES)} mesh axes ({', '.join(a.name for a in AXES)})")
-    return build(resolve({a.name: s for a, s in zip(AXES, sizes)}, len(devices)), devices)
+    names = [a.name for a in AXES]
+    if unknown := set(sizes) - set(names):
+        raise MeshError(f"{sorted(unknown)} are not mesh axes ({', '.join(names)})")
+    return build(resolve(sizes, len(devices)), devices)
 
 
 def preset_names() -> list[str]:

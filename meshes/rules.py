@@ -88,8 +88,10 @@ def _drop(entry, axes: set[str]):
     return None if entry in axes else entry
 
 
-# The mesh axis ZeRO shards training state over: the batch's (gradients are summed over it).
+# The mesh axis ZeRO shards training state over: the batch's (gradients are summed over it); with context
+# parallelism (a run's rules map `seq` to CONTEXT) over both: a context rank is data-parallel for the weights.
 DATA = "data"
+CONTEXT = "context"
 # The base table: logical axis -> mesh axis (None = replicated). Activations and parameters share it;
 # parameters add the ZeRO/FSDP rule (`data` on one more dimension) on top.
 RULES = Rules({
@@ -120,11 +122,13 @@ def _axis_size(mesh: Mesh, entry) -> int:
     return math.prod(mesh.shape[n] for n in names)
 
 
-def _add_data(spec: P, dim: int | None, ndim: int) -> P:
+def _add_data(spec: P, dim: int | None, ndim: int, zero=(DATA,)) -> P:
+    """The spec with ZeRO's mesh axes `zero` (outermost first) added to dimension `dim`."""
     entries = list(spec) + [None] * (ndim - len(spec))
     if dim is not None:
         e = entries[dim]
-        entries[dim] = DATA if e is None else ((DATA,) + (e if isinstance(e, tuple) else (e,)))
+        new = tuple(zero) + (() if e is None else e if isinstance(e, tuple) else (e,))
+        entries[dim] = new[0] if len(new) == 1 else new
     return P(*entries)
 
 
@@ -147,8 +151,9 @@ class Layout:
         return _add_data(self.rules.spec(logical, shape, self.mesh), None, len(shape))
 
     def sharded_spec(self, shape, logical) -> P:
-        """Spec with the ZeRO `data` split added."""
-        return _add_data(self.rules.spec(logical, shape, self.mesh), self.data_dim(shape, logical), len(shape))
+        """Spec with the ZeRO split (over `zero_axes`) added."""
+        return _add_data(self.rules.spec(logical, shape, self.mesh), self.data_dim(shape, logical), len(shape),
+                         self.zero_axes)
 
     def param_spec(self, shape, logical) -> P:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 3 else self.compute_spec(shape, logical)
@@ -162,9 +167,9 @@ class Layout:
     def data_dim(self, shape, logical) -> int | None:
         """The dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small, or its rules
         split it over `data` already); for manual collectives in shard_map too."""
-        k = self.mesh.shape[DATA]
+        k = math.prod(self.mesh.shape[a] for a in self.zero_axes)
         base = self.rules.spec(logical, shape, self.mesh)
-        if k == 1 or DATA in mesh_axes(base):
+        if k == 1 or set(self.zero_axes) & mesh_axes(base):
             return None
         order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
                        key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
@@ -191,8 +196,16 @@ class Layout:
         each rank's block of it is there (a leaf the rules split over `data` stays split at every ZeRO stage)."""
         return keep(getattr(self, f"{kind}_spec")(shape, logical), set(manual))
 
+    @property
+    def zero_axes(self) -> tuple[str, ...]:
+        """The mesh axes ZeRO shards state over: `data`, and `context` where the rules split sequences over it."""
+        return (DATA,) + ((CONTEXT,) if CONTEXT in mesh_axes(self.rules.spec(("seq",))) else ())
+
     def batch_spec(self) -> P:
-        return self.rules.spec(("batch",))
+        """A (B, T) batch field's spec: rows over `data`, and each row's tokens over `context` where the rules
+        split sequences (context parallelism)."""
+        rows, seq = self.rules.spec(("batch", "seq"))
+        return P(rows) if seq is None else P(rows, seq)
 
     def tree(self, kind: str, shapes, logical):
         """NamedShardings for a pytree of ShapeDtypeStructs and the matching logical-axes tree."""

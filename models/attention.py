@@ -66,6 +66,7 @@ def reset_warnings():
     """Say each fallback again the next time it happens (they are said once per process)."""
     _warn_fallback.cache_clear()
     _warn_unsupported.cache_clear()
+    _warn_positions.cache_clear()
 
 
 def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask, softcap=None, scale=None):
@@ -96,37 +97,66 @@ def causal_mask(T: int, segments=None, window=None):
     return keep
 
 
+def position_mask(positions, segments=None, window=None):
+    """(B or 1, 1, 1, Tq, S) True where a query may see a key, by position: positions = (the queries' (Tq,), the
+    keys' (S,)); segments a pair ((B, Tq), (B, S)) or None; a window as causal_mask's."""
+    q, k = positions
+    ahead = q[:, None] - k[None, :]
+    keep = ahead >= 0
+    if window is not None:
+        keep = keep & (ahead < window)
+    keep = keep[None, None, None]
+    if segments is not None:
+        sq, sk = segments
+        keep = keep & (sq[:, :, None] == sk[:, None, :])[:, None, None]
+    return keep
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_positions(impl: str):
+    log.warning("attention: %s does not take positions (a chunk of a sequence under context parallelism); using "
+                "XLA's attention with a mask from the positions", impl)
+
+
 GLOBAL = 2 ** 30  # a traced window that means every causal key (a mixed stack's global layer)
 
 
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
               cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None,
-              windows: tuple | None = None):
+              windows: tuple | None = None, positions=None):
     """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
     with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
     positions before each query (itself included) only. `scale`: the scores' (default head_dim ** -0.5);
     `softcap`: scores soft-capped (the masked path); a traced `window` (a mixed stack's, GLOBAL for every key)
-    that takes one of the static `windows` (None: every key) runs that window's own kernel, picked at run time."""
+    that takes one of the static `windows` (None: every key) runs that window's own kernel, picked at run time.
+    `positions` = (the queries' (Tq,), the keys' (S,), float32): causality and windows by those positions, not by
+    index (a chunk of a sequence against keys gathered from elsewhere: context parallelism, models/context.py);
+    segments then a pair (the queries' (B, Tq), the keys' (B, S)). Without, whole sequences as they were."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     if scale is not None and softcap is None:  # the kernels' own scale, the rest folded into q
         q_BTHE = q_BTHE * jnp.asarray(scale * q_BTHE.shape[-1] ** 0.5, q_BTHE.dtype)
         scale = None
     if softcap is None and windows is not None and not isinstance(window, (int, type(None))):
-        kw = dict(impl=impl, block=block, platform=platform, cpu_fast=cpu_fast, segments=segments)
+        kw = dict(impl=impl, block=block, platform=platform, cpu_fast=cpu_fast, segments=segments,
+                  positions=positions)
         branches = [functools.partial(attention, window=w, **kw) for w in windows]
         index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
         return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
     if softcap is not None or scale is not None or not isinstance(window, (int, type(None))):
         with jax.named_scope("attention_masked"):  # Gemma's: no fused kernel takes these
-            return masked_attention(q_BTHE, k_BTKE, v_BTKE, causal_mask(q_BTHE.shape[1], segments, window),
-                                    softcap, scale)
+            mask = (causal_mask(q_BTHE.shape[1], segments, window) if positions is None
+                    else position_mask(positions, segments, window))
+            return masked_attention(q_BTHE, k_BTKE, v_BTKE, mask, softcap, scale)
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
     if segments is not None and "segments" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "document masks (segment_ids)")
         chosen = "xla"
     if window and "window" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "sliding windows")
+        chosen = "xla"
+    if positions is not None and chosen == "cudnn":
+        _warn_positions(chosen)
         chosen = "xla"
     # each implementation's ops are scoped `attention_<name>`: the HLO's metadata says which one ran
     if chosen == "cudnn" and impl == "auto":
@@ -138,7 +168,10 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
             chosen = "xla"
     with jax.named_scope(f"attention_{chosen}"):
         if chosen == "manual":
-            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments, window)
+            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments, window, positions)
+        if positions is not None:
+            mask = position_mask(positions, segments, window or None)[:, 0]  # (B or 1, 1, Tq, S)
+            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, implementation=chosen)
         mask = None if segments is None else (segments[:, None, :, None] == segments[:, None, None, :])
         local = {"local_window_size": (window - 1, 0)} if window else {}
         return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, is_causal=True,

@@ -120,15 +120,19 @@ def _kv(x_BSKE):
     return x_BSKE.transpose(0, 2, 1, 3)  # (B, K, S, E)
 
 
-def _scores(q, k, scale, offset, seg_q=None, seg_k=None, lo=0, window=None):
+def _scores(q, k, scale, offset, seg_q=None, seg_k=None, lo=0, window=None, pos=None):
     """Scaled scores (B, K, G, Tq, S) in float32 of queries at positions offset.. against keys
     lo..lo+S-1; keys after a query's position are at -inf (only the last Tq keys can be), with a window
     so are keys `window` or more positions before it, and with segments (B, Tq) and (B, S) so are keys of
-    another segment (a token always sees itself)."""
+    another segment (a token always sees itself). `pos` = (the queries' positions (Tq,), the keys' (S,)): the
+    positions are those, not the indices (a chunk of a sequence against keys gathered from elsewhere)."""
     s = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32) * scale
     Tq, S = s.shape[-2:]
-    q_pos, k_pos = jnp.arange(Tq)[:, None] + offset, jnp.arange(S)[None, :]
-    k_pos = k_pos + lo if lo else k_pos
+    if pos is None:
+        q_pos, k_pos = jnp.arange(Tq)[:, None] + offset, jnp.arange(S)[None, :]
+        k_pos = k_pos + lo if lo else k_pos
+    else:
+        q_pos, k_pos = pos[0][:, None], pos[1][None, :]
     keep = q_pos >= k_pos
     if window:
         keep = keep & (q_pos - k_pos < window)
@@ -137,26 +141,43 @@ def _scores(q, k, scale, offset, seg_q=None, seg_k=None, lo=0, window=None):
     return jnp.where(keep, s, -jnp.inf)
 
 
-def _blocks(T, block, window=None):
-    """Query blocks (start, stop, first key): block i needs keys first..stop-1 only (the causal saving; with a
-    window, keys before start - window + 1 are skipped too)."""
+def _blocks(T, block, window=None, S=None):
+    """Query blocks (start, stop, first key, past the last key): block i needs keys first..stop-1 only (the causal
+    saving; with a window, keys before start - window + 1 are skipped too). With `S` (keys at positions not
+    their indices: nothing to skip by index) every block takes all S keys."""
+    whole = T if S is None else S
     if block <= 0 or T % block or T <= block:
-        return [(0, T, 0)]
-    return [(a, a + block, max(0, a - window + 1) if window else 0) for a in range(0, T, block)]
+        return [(0, T, 0, whole)]
+    if S is not None:
+        return [(a, a + block, 0, S) for a in range(0, T, block)]
+    return [(a, a + block, max(0, a - window + 1) if window else 0, a + block) for a in range(0, T, block)]
 
 
-def _seg(seg, a, b, lo):
-    return (None, None) if seg is None else (seg[:, a:b], seg[:, lo:b])
+def _seg(seg, a, b, lo, hi):
+    """The block's (query segments, key segments): `seg` is (B, T) for both or a pair (queries', keys')."""
+    if seg is None:
+        return None, None
+    sq, sk = seg if isinstance(seg, tuple) else (seg, seg)
+    return sq[:, a:b], sk[:, lo:hi]
 
 
-def _forward(q, k, v, scale, block, seg=None, window=None):
+def _pos(pos, a, b, lo, hi):
+    return None if pos is None else (pos[0][a:b], pos[1][lo:hi])
+
+
+def _key_count(k, pos):
+    return None if pos is None else k.shape[2]
+
+
+def _forward(q, k, v, scale, block, seg=None, window=None, pos=None):
     outs, lses = [], []
-    for a, b, lo in _blocks(q.shape[3], block, window):
-        s = _scores(q[:, :, :, a:b], k[:, :, lo:b], scale, a, *_seg(seg, a, b, lo), lo, window)
+    for a, b, lo, hi in _blocks(q.shape[3], block, window, _key_count(k, pos)):
+        s = _scores(q[:, :, :, a:b], k[:, :, lo:hi], scale, a, *_seg(seg, a, b, lo, hi), lo, window,
+                    _pos(pos, a, b, lo, hi))
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - m)
         l = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v[:, :, lo:b],
+        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v[:, :, lo:hi],
                        preferred_element_type=jnp.float32) / l
         outs.append(o.astype(q.dtype))
         lses.append((m + jnp.log(l))[..., 0])
@@ -165,43 +186,47 @@ def _forward(q, k, v, scale, block, seg=None, window=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 6))
-def _attention(q, k, v, scale, block, seg, window):
-    return _forward(q, k, v, scale, block, seg, window)[0]
+def _attention(q, k, v, scale, block, seg, window, pos=None):
+    return _forward(q, k, v, scale, block, seg, window, pos)[0]
 
 
-def _attention_fwd(q, k, v, scale, block, seg, window):
-    o, lse = _forward(q, k, v, scale, block, seg, window)
-    return o, (q, k, v, o, lse, seg)
+def _attention_fwd(q, k, v, scale, block, seg, window, pos=None):
+    o, lse = _forward(q, k, v, scale, block, seg, window, pos)
+    return o, (q, k, v, o, lse, seg, pos)
 
 
 def _attention_bwd(scale, block, window, res, do):
-    q, k, v, o, lse, seg = res
+    q, k, v, o, lse, seg, pos = res
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for a, b, lo in _blocks(q.shape[3], block, window):
-        qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, lo:b], v[:, :, lo:b]
-        p = jnp.exp(_scores(qa, kb, scale, a, *_seg(seg, a, b, lo), lo, window) - lse[..., a:b, None])
+    for a, b, lo, hi in _blocks(q.shape[3], block, window, _key_count(k, pos)):
+        qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi]
+        p = jnp.exp(_scores(qa, kb, scale, a, *_seg(seg, a, b, lo, hi), lo, window, _pos(pos, a, b, lo, hi))
+                    - lse[..., a:b, None])
         dv_b = jnp.einsum("bkgts,bkgte->bkse", p.astype(do.dtype), doa, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bkgte,bkse->bkgts", doa, vb, preferred_element_type=jnp.float32)
         ds = (p * (dp - d[..., a:b, :]) * scale).astype(q.dtype)
         dqs.append(jnp.einsum("bkgts,bkse->bkgte", ds, kb, preferred_element_type=jnp.float32))
         dk_b = jnp.einsum("bkgts,bkgte->bkse", ds, qa, preferred_element_type=jnp.float32)
-        pad = ((0, 0), (0, 0), (lo, k.shape[2] - b), (0, 0))  # keys outside lo..b-1 get nothing from this block
+        pad = ((0, 0), (0, 0), (lo, k.shape[2] - hi), (0, 0))  # keys outside lo..hi-1 get nothing from this block
         dk, dv = dk + jnp.pad(dk_b, pad), dv + jnp.pad(dv_b, pad)
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
-    dseg = None if seg is None else jnp.zeros_like(seg)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dseg
+    zeros = lambda x: None if x is None else jax.tree.map(jnp.zeros_like, x)  # noqa: E731
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zeros(seg), zeros(pos)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None):
+def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None, positions=None):
     """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring.
     segments (B, T): each token's document; attention then stays inside it (the same blocks: a block's
     keys of other documents are masked like its future ones). window: a query sees only the keys fewer than
     `window` positions before it, itself included (Mistral's sliding window); a block skips the keys no query of
-    it sees."""
+    it sees. positions = (the queries' (Tq,), the keys' (S,), float32): causality (and the window) by those
+    positions, k and v holding S keys, segments then a pair ((B, Tq), (B, S)); every block takes every key (the
+    positions are traced: no block can be skipped)."""
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
-    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block, segments, window or None)
+    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block, segments, window or None,
+                   positions)
     return _ungroup(o)

@@ -30,6 +30,9 @@ class Placement(NamedTuple):
     platform: str | None = None
     kv_repeat: int = 1
     collectives: Any = LOCAL
+    # context parallelism (models/context.py ContextPlan: each row's tokens split over `context`, the attention
+    # strategy that attends a chunk, the tokens' original positions); None: whole rows, index causality
+    context: Any = None
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):

@@ -95,6 +95,15 @@ class MoEConfig(ModelConfig):
         hidden units split over `model`, as the dense MLP's."""
         return {k: getattr(self, k) // tp for k in ("expert_d_ff", "shared_expert_d_ff") if getattr(self, k)}
 
+    def context_refusal(self, context: int) -> str | None:
+        """Why this MoE cannot run with each row split over `context` ranks (None: it can): a capacity fills each
+        row's slots in row order, which would need a prefix sum over the ranks."""
+        if self.sparse and self.capacity_factor > 0 and context > 1:
+            return (f"model.capacity_factor={self.capacity_factor} with mesh.context={context} is not supported yet: "
+                    "a row's capacity slots would need a prefix sum over context; use model.capacity_factor=0 "
+                    "(dropless)")
+        return None
+
     def dispatch_rows(self, tokens: int, platform: str) -> int:
         """Rows the expert MLP's dispatch holds for `tokens` tokens on `platform` (trainer/plan/memory.py): one per
         choice; on CPU (tile_scan) each expert's padded to whole tiles."""

@@ -145,11 +145,12 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
 
 def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
                half: Callable = _identity, segments=None, index=0, data=None, kv_repeat: int = 1,
-               collectives=LOCAL) -> LayerCall:
-    """A LayerCall (models/spec.py) with the kernels' attention as its strategy (the collectives' local form unless
-    given)."""
+               collectives=LOCAL, attention: Callable | None = None) -> LayerCall:
+    """A LayerCall (models/spec.py) with `attention` as its strategy (default: the kernels' own, whole rows; the
+    collectives' local form unless given)."""
     kn = kernels or kernels_for(c)
-    return LayerCall(rope, constrain, kn, half, segments, kn.attention, index, data or {}, kv_repeat, collectives)
+    return LayerCall(rope, constrain, kn, half, segments, attention or kn.attention, index, data or {}, kv_repeat,
+                     collectives)
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -236,16 +237,24 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
-    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs, the kv heads' repeat and the
-    collectives its layers get.
+    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs, the kv heads' repeat, the
+    collectives its layers get and, under context parallelism (placement.context, models/context.py), the
+    attention strategy the trainer chose, which attends this chunk of each row by the tokens' original positions
+    (RoPE too); without, whole rows by index.
     """
     remat = c.remat if remat is None else remat
     segments, positions = (None, None) if documents is None else documents
     # segment ids travel as float32 (exact below 2^24): every constant a remat'd half closes over is then
     # differentiable, as jax.closure_convert and the sub-layer remat's branches need
     segments = None if segments is None else segments.astype(jnp.float32)
-    rope = rope_for(c, x_BTD.shape[1], positions)
     kernels = kernels_for(c, placement.platform)
+    attention = kernels.attention
+    if placement.context is not None:  # the trainer's strategy, on each token's original position
+        B, T = x_BTD.shape[:2]
+        pos_T = placement.context.positions(placement.collectives, T)
+        positions = jnp.broadcast_to(pos_T.astype(jnp.int32), (B, T)) if positions is None else positions
+        attention = placement.context.attention(attention, placement.collectives, pos_T)
+    rope = rope_for(c, x_BTD.shape[1], positions)
 
     L = jax.tree.leaves(layers)[0].shape[0]
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
@@ -259,7 +268,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     def body(x, pi):
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
-                          placement.kv_repeat, placement.collectives)
+                          placement.kv_repeat, placement.collectives, attention)
         return spec.layer(c, gather(p), x, call)
 
     if remat in REMAT:

@@ -7,7 +7,7 @@ on 8 simulated CPU devices, and compiles four steps ahead of time from abstract 
 `meshtrain train` step (the default config on one device), a (2,1,4) ZeRO-3 step (data x stage x model) and
 (2,2,2) ZeRO-3 steps (two pipeline microbatches, gpipe and 1f1b). The optimized HLO text of each is compared
 after dropping what says where the code came from, not what it computes: `metadata={...}` (source file, line, op
-name), the module's tables of source files and stack frames, and the module's name. Prints one line per case and
+name), the module's tables of source files and stack frames, the module's name and the size-1 axes of its mesh. Prints one line per case and
 exits 1 if any differs; a differing case also says whether it differs in value names only, and shows XLA's FLOPs, bytes
 accessed, temp and output bytes on both sides and the first differing lines.
 """
@@ -62,10 +62,12 @@ json.dump(out, sys.stdout)
 
 def normalise(hlo: str) -> list[str]:
     """HLO lines without source metadata (the `metadata={...}` of each op and the module's tables of
-    files, functions and stack frames) and without the module's name."""
+    files, functions and stack frames), without the module's name, and without the size-1 axes of the mesh the
+    module names (`#sdy.mesh<["data"=1, ...]>`: an axis added to the mesh list splits nothing at size 1)."""
     blocks = [b for b in hlo.split("\n\n") if b.split("\n", 1)[0].strip() not in STACK_TABLES]
     hlo = re.sub(r",?\s*metadata=\{[^{}]*\}", "", "\n\n".join(blocks))
     hlo = re.sub(r"^HloModule \S+", "HloModule m", hlo, flags=re.M)
+    hlo = re.sub(r'#sdy\.mesh<\[[^\]]*\]>', lambda m: re.sub(r'"\w+"=1(, )?', "", m.group(0)).replace(", ]", "]"), hlo)
     return [ln.rstrip() for ln in hlo.splitlines() if ln.strip()]
 
 

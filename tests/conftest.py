@@ -102,3 +102,16 @@ def max_rel(a_tree, b_tree):
 @pytest.fixture
 def tmp_run(tmp_path):
     return str(tmp_path / "run")
+
+
+def prepare_documents(tmp) -> str:
+    """A prepared file (`meshtrain prepare`, a trained 300-token BPE) of 12 documents of 20 to 185 words, in
+    folder tmp: their lengths divide nothing."""
+    from trainer.cli import main
+    rng = np.random.default_rng(0)
+    (tmp / "src").mkdir()
+    for i in range(12):
+        (tmp / "src" / f"d{i:02d}.txt").write_text(" ".join(f"w{i}_{w}" for w in rng.integers(0, 40, 20 + 15 * i)))
+    out = tmp / "data.bin"
+    assert main(["prepare", str(tmp / "src"), "--out", str(out), "--train-tokenizer", "300", "--no-progress"]) == 0
+    return str(out)

@@ -17,7 +17,8 @@ from trainer.data.batches import Batches, _split_files, stdlib_files
 def test_every_mesh_preset_loads(name):
     cfg = load_config([f"mesh.preset={name}", "model.preset=7b", "train.batch_size=512"])
     shape = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    assert validate(cfg, int(np.prod(shape))).sizes == shape
+    got = validate(cfg, int(np.prod(shape)))
+    assert (got["data"], got["stage"], got["model"]) == shape and got["context"] == 1
 
 
 def test_required_presets_exist():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY, max_rel, run_steps
+from conftest import SGD, TINY, max_rel, prepare_documents, run_steps
 from trainer.data.batches import documents
 
 SLOW = pytest.mark.slow
@@ -135,16 +135,7 @@ def test_fast_attention_backward_with_segments_equals_the_reference():
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A prepared file of 12 documents of different lengths (a trained 300-token BPE)."""
-    from trainer.cli import main
-    tmp = tmp_path_factory.mktemp("docs")
-    rng = np.random.default_rng(0)
-    (tmp / "src").mkdir()
-    for i in range(12):
-        (tmp / "src" / f"d{i:02d}.txt").write_text(" ".join(f"w{i}_{w}" for w in rng.integers(0, 40, 20 + 15 * i)))
-    out = tmp / "data.bin"
-    assert main(["prepare", str(tmp / "src"), "--out", str(out), "--train-tokenizer", "300", "--no-progress"]) == 0
-    return str(out)
+    return prepare_documents(tmp_path_factory.mktemp("docs"))
 
 
 TRAIN = ["model.vocab_size=320", "data.document_mask=true"] + SGD

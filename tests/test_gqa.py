@@ -30,7 +30,7 @@ def test_fewer_kv_heads_than_model_matches_single_device(name):
     over = LAYOUTS[name]
     ref_losses, ref_params, ref_norms = single_device(over)
     r = run_steps(over)
-    assert tuple(r.setup.mesh.shape.values()) == tuple(int(x) for x in name.split("-")[0].split(","))
+    assert tuple(r.setup.mesh.shape[a] for a in ("data", "stage", "model")) == tuple(int(x) for x in name.split("-")[0].split(","))
     assert abs(r.losses - ref_losses).max() / abs(ref_losses).max() < 1e-5, (r.losses, ref_losses)
     assert abs(r.grad_norms - ref_norms).max() / abs(ref_norms).max() < 1e-5, (r.grad_norms, ref_norms)
     assert max_rel(r.params, ref_params) < 1e-5
@@ -89,7 +89,7 @@ def test_kv_heads_must_divide_model_or_the_reverse():
     from trainer.config import validate
     from trainer.errors import UserError
     from trainer.plan.search import strategies
-    assert validate(load_config(TINY + KV2 + ["mesh.data=1", "mesh.model=8"]), 8).sizes == (1, 1, 8)
+    assert validate(load_config(TINY + KV2 + ["mesh.data=1", "mesh.model=8"]), 8).sizes == (1, 1, 1, 8)
     bad = TINY + ["mesh.data=2", "mesh.model=4", "model.d_model=96", "model.n_heads=12", "model.n_kv_heads=6"]
     with pytest.raises(UserError, match="model.n_kv_heads=6 and mesh.model=4 must divide one another"):
         validate(load_config(bad), 8)

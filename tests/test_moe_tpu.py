@@ -86,7 +86,7 @@ def test_megablox_fully_manual_on_2x1x4_equals_the_loop():
     the four slices' down projections; output and gradients (the weights' summed over `data` by the region's
     transpose) within 1e-5 of one device's loop, with a capacity."""
     from meshes import RULES, Collectives, build_mesh
-    mesh = build_mesh(2, 1, 4, devices=jax.devices())
+    mesh = build_mesh(data=2, model=4)
     coll = Collectives(RULES, mesh)
     h, idx, w, ws = _problem(1)
     keep = _keep(idx, 10)

@@ -146,8 +146,8 @@ def test_same_losses_zero3(fsdp_run, ref_fsdp):
     assert len([ln for ln in lines if '"loss"' in ln]) == STEPS
     assert len(list((fsdp_run.dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     # each process fed its own half of the batch to its own 4 devices
-    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 model 0 | batch rows 0:8 of 16" in fsdp_run.log
-    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 model 0 | batch rows 8:16 of 16" in fsdp_run.log
+    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 context 0 model 0 | batch rows 0:8 of 16" in fsdp_run.log
+    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 context 0 model 0 | batch rows 8:16 of 16" in fsdp_run.log
 
 
 def test_dead_process_then_resume(fsdp_run):
@@ -174,7 +174,7 @@ def test_same_losses_2x2x2_hybrid(env, tmp_path):
         assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
     # mesh.dcn_stage=2: stage i lives on process i; data and model stay inside a process, so both need all rows
     for i in range(2):
-        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} model 0-1 | batch rows 0:16 of 16" in log
+        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} context 0 model 0-1 | batch rows 0:16 of 16" in log
 
 
 def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):

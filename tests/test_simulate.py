@@ -25,7 +25,7 @@ def test_ring_traffic_is_what_the_compiled_ring_sends(k):
     from meshes import build_mesh
     from trainer.parallel import sync
     from trainer.plan.hlo import collective_ops
-    mesh, n = build_mesh(k, 1, 8 // k), 8 * 1000  # floats per device
+    mesh, n = build_mesh(data=k, model=8 // k), 8 * 1000  # floats per device
     r = sync.make("ring", "data", k)
     f = jax.shard_map(lambda x: r.all_reduce_tree({"g": x}, {"g": 0}, {"g": P()})["g"], mesh=mesh,
                       in_specs=P("data"), out_specs=P("data"), axis_names={"data"}, check_vma=False)

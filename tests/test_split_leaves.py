@@ -304,7 +304,7 @@ def test_each_collective_over_a_logical_axis_in_every_context(where):
     every axis, and the local form (one rank): each collective against numpy."""
     from meshes import Collectives, build_mesh
     from models.spec import LOCAL
-    mesh = build_mesh(2, 1, 4, devices=jax.devices())
+    mesh = build_mesh(data=2, model=4)
     coll = LOCAL if where == "local" else Collectives(EP_RULES, mesh)
     x = np.arange(32, dtype=np.float32).reshape(4, 8)
     fn = coll.region(functools.partial(_each_collective, coll), (("experts", "mlp"),), OUT,

@@ -47,7 +47,7 @@ def test_collectives_on_mixed_leaves(kind):
     """All-reduce, reduce-scatter, all-gather and the all-gather's gradient, against numpy, on (4,1,2)."""
     from meshes import build_mesh
     from trainer.parallel import sync
-    mesh, k = build_mesh(4, 1, 2), 4
+    mesh, k = build_mesh(data=4, model=2), 4
     r, rng = sync.make(kind, "data", k), np.random.default_rng(0)
     g = {n: rng.normal(size=(k,) + sh).astype(np.float32) for n, (sh, _, _) in LEAVES.items()}
     total = {n: x.sum(0) for n, x in g.items()}
@@ -78,7 +78,7 @@ def test_ring_bf16_error_within_documented_bound():
     """|error| <= K * 2^-8 * sum_i |g_i| per element (trainer/parallel/sync.py), and replicas agree bitwise."""
     from meshes import build_mesh
     from trainer.parallel import sync
-    mesh, k = build_mesh(8, 1, 1), 8
+    mesh, k = build_mesh(data=8), 8
     rng = np.random.default_rng(1)
     scale = 10.0 ** rng.uniform(-3, 3, size=(1, 1, 48))  # magnitudes spread over 6 decades
     g = {"a": (rng.normal(size=(k, 64, 48)) * scale).astype(np.float32), "b": rng.normal(size=(k, 24)).astype(np.float32)}
@@ -222,7 +222,7 @@ def test_hlo_counts_loop_bodies_per_trip():
     """The HLO reader multiplies ops in a loop body by its trip count (else the test above proves nothing)."""
     from meshes import build_mesh
     from trainer.plan.hlo import collective_ops
-    mesh = build_mesh(8, 1, 1)
+    mesh = build_mesh(data=8)
     perm = [(i, (i + 1) % 8) for i in range(8)]
 
     def local(x):

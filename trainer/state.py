@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from meshes import RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
+from models.context import ContextPlan, order
 from trainer import guard
 from trainer.parallel import localsgd
 from trainer.parallel.reduction import Decision, decide
@@ -45,16 +46,29 @@ class Setup:
         """The sharding of every batch field (rows over `data`)."""
         return self.layout.sharding(self.layout.batch_spec())
 
+    def in_context_order(self, batch: dict) -> dict:
+        """The batch as the model runs it: under context parallelism with load balancing, each row's tokens
+        reordered (models/context.py `order`; the loss is a sum over tokens, RoPE and masks take the original
+        positions); otherwise as it is."""
+        plan = self.placement.context
+        if plan is None or list(plan.order) == list(range(len(plan.order))):
+            return batch
+        idx = jnp.asarray(plan.order, jnp.int32)
+        return {k: jax.lax.with_sharding_constraint(jnp.take(v, idx, axis=1), self.batch_sharding())
+                for k, v in batch.items()}
+
     def abstract_batch(self, batch_size: int | None = None) -> dict:
         """The step's batch fields as ShapeDtypeStructs (train.batch_size rows unless given), sharded."""
         return batch_fields.abstract(batch_size or self.cfg.train.batch_size, self.model.seq_len,
                                      self.batch_sharding())
 
 
-def rules_for(cfg: Config, data: int, quiet: bool = False) -> Rules:
-    """The run's logical->mesh rules on `data` data ranks: the base table (meshes/rules.py) and the entries its
-    config adds (an MoE's experts over `data`: train.expert_parallel)."""
-    return RULES.replace(experts="data") if expert_parallel(cfg, data, quiet) else RULES
+def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1) -> Rules:
+    """The run's logical->mesh rules on `data` data ranks and `context` context ranks: the base table
+    (meshes/rules.py) and the entries its config adds (an MoE's experts over `data`: train.expert_parallel; each
+    sequence's tokens over `context`: context parallelism)."""
+    rules = RULES.replace(experts="data") if expert_parallel(cfg, data, quiet) else RULES
+    return rules.replace(seq="context") if context > 1 else rules
 
 
 def rules_by_data(cfg: Config):
@@ -88,11 +102,15 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     platform's."""
     model = mesh.shape["model"]
     mc = model_config(cfg)
-    layout = Layout(mesh, cfg.train.zero_stage, rules_for(cfg, mesh.shape["data"]) if rules is None else rules)
+    layout = Layout(mesh, cfg.train.zero_stage,
+                    rules_for(cfg, mesh.shape["data"], context=mesh.shape.get("context", 1)) if rules is None else rules)
     # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
     # rank repeats the one its query heads need; the collectives over the layout's logical axes
+    context = mesh.shape.get("context", 1)
+    plan = None if context == 1 else ContextPlan(context, cfg.train.context_attention, tuple(
+        int(i) for i in order(mc.seq_len, context, cfg.train.context_load_balance)))
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,
-                          Collectives(layout.rules, mesh))
+                          Collectives(layout.rules, mesh), plan)
     pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
     reduction = decide(layout, pshapes, logical, cfg.train.grad_sync, cfg.train.microbatches)
     tx, schedule = make_optimizer(cfg.train, decay)

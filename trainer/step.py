@@ -161,6 +161,7 @@ def loss_and_grads(s: Setup, params, batch, scale=None):
 def train_step(s: Setup, state: dict, batch: jax.Array):
     """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
     params = state["params"]
+    batch = s.in_context_order(batch)  # each row's tokens in its context ranks' order (identity without)
     parts, grads = loss_and_grads(s, params, batch)  # the mean over the step's counted tokens, the aux sums
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
@@ -175,6 +176,7 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
 
 def eval_step(s: Setup, params, batch):
     """(loss sum, counted tokens) of a batch: the evaluation sums both over its batches, then divides."""
+    batch = s.in_context_order(batch)
     return (loss_sum(s.model, params, batch, dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement),
             counted(batch))
 

@@ -14,6 +14,7 @@ GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
+CONTEXT_ATTENTION = ("all_gather",)  # train.context_attention (models/context.py STRATEGIES)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (tables: trainer/parallel/schedules.py)
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable (trainer/ckpt/checkpoint.py)
@@ -58,6 +59,12 @@ class TrainSection:
     expert_parallel: Optional[bool] = setting(None, None, "an MoE's experts split over mesh.data, tokens sent to them "
                                               "(docs/parallelism.md); null: on when n_experts > 1 is divisible by "
                                               "mesh.data > 1 and train.sync=every_step")
+    context_attention: str = setting("all_gather", CONTEXT_ATTENTION, "under context parallelism (mesh.context > 1): "
+                                     "how attention sees the keys of other ranks (all_gather: each layer's K/V "
+                                     "gathered over context; docs/parallelism.md)")
+    context_load_balance: bool = setting(True, None, "under context parallelism: rank i holds chunks i and 2C-1-i of "
+                                         "each sequence (every rank attends as many keys); needs seq_len divisible "
+                                         "by 2 x mesh.context")
     pipeline_repeats: int = setting(1, SIZE, "V: circular pipeline schedule when > 1 (needs mesh.stage > 1)")
     pipeline_schedule: str = setting("gpipe", SCHEDULES, "pipeline schedule (trainer/parallel/schedules.py)")
     seed: int = setting(0, SEED, "parameter initialisation and the data order")

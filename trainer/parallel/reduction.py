@@ -77,10 +77,10 @@ class Decision:
         return self.layout.batch_axes
 
     @property
-    def axis(self) -> str:
-        """The one axis of `axes`, for the reducers (each runs over one mesh axis)."""
-        (axis,) = self.axes
-        return axis
+    def axis(self):
+        """`axes` as the reducers' one axis name: the name, or the tuple of names (`data` x `context`: jax's
+        collectives take it as one axis, ranks in mesh order)."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
 
     @property
     def size(self) -> int:

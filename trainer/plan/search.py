@@ -23,7 +23,9 @@ def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, gr
 def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of):
     """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
-    for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
+    # every mesh axis but `context` (the planner does not weigh context parallelism yet); the first takes what the
+    # rest leave
+    for shape in shapes(n_devices, [a.name for a in AXES if a.name != "context"]):
         data, stage, model = shape["data"], shape["stage"], shape["model"]
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):

@@ -1,0 +1,144 @@
+"""Context parallelism (mesh.context: each row's tokens split over a fourth mesh axis; models/context.py): the
+all-gather attention over 4 devices against attention written out here on whole rows (output and q, k, v
+gradients), balanced and not, with documents across the chunks; training against one device on asymmetric meshes
+(SGD, no clipping; loss, grad_norm, parameters, 1e-5); one-line refusals."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import SGD, TINY, max_rel, prepare_documents, run_steps
+
+SLOW = pytest.mark.slow
+B, T, H, K, E = 2, 32, 4, 2, 8
+# three documents per row, their boundaries inside chunks (8 tokens each over 4 ranks, 4 balanced), then padding
+SEGMENTS = np.array([[1] * 5 + [2] * 13 + [3] * 11 + [0] * 3, [1] * 19 + [2] * 12 + [3] * 1], np.float32)
+
+
+def by_hand(q, k, v, segments=None):
+    """Causal grouped-query attention on whole rows, written out: each query against the keys at or before it
+    (in its document), softmax in float32."""
+    kk, vv = (jnp.repeat(a, H // K, axis=2) for a in (k, v))
+    s = jnp.einsum("bthe,bshe->bhts", q, kk) / np.sqrt(E)
+    keep = np.tril(np.ones((T, T), bool))[None, None]
+    if segments is not None:
+        keep = keep & (segments[:, None, :, None] == segments[:, None, None, :])
+    p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshe->bthe", p, vv)
+
+
+@pytest.mark.parametrize("impl", ["manual", "xla"])
+@pytest.mark.parametrize("balance", [True, False])
+@pytest.mark.parametrize("documents", [False, True])
+def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, documents):
+    """4 context ranks, each row reordered as the step does (balanced: rank i holds chunks i and 7-i of 8): the
+    output and the q, k, v gradients of a random cotangent, put back in order, equal whole-row attention's
+    (float32, 1e-5); the keys are gathered (an all-gather over `context` in the program)."""
+    from meshes import RULES, Collectives, build_mesh
+    from models.attention import attention
+    from models.context import ContextPlan, order
+    mesh = build_mesh(jax.devices()[:4], data=1, context=4)
+    rules = RULES.replace(seq="context")
+    coll = Collectives(rules, mesh)
+    perm = order(T, 4, balance)
+    assert sorted(perm) == list(range(T)) and (list(perm) != list(range(T))) == balance
+    plan = ContextPlan(4, "all_gather", tuple(int(i) for i in perm))
+    kernel = functools.partial(attention, impl=impl, block=4, platform="cpu")
+    rng = np.random.default_rng(0)
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+                   ((B, T, H, E), (B, T, K, E), (B, T, K, E), (B, T, H, E)))
+    seg = jnp.asarray(SEGMENTS) if documents else None
+    split = NamedSharding(mesh, P(None, "context"))
+
+    def chunked(q, k, v):
+        pos = plan.positions(coll, T)
+        args = [jax.lax.with_sharding_constraint(a[:, perm], split) for a in (q, k, v)]
+        s = None if seg is None else jax.lax.with_sharding_constraint(seg[:, perm], split)
+        o = plan.attention(kernel, coll, pos)(*args, segments=s)
+        return jnp.zeros_like(o).at[:, perm].set(o)  # back in row order
+
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v) * ct)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(chunked)(q, k, v)
+        got_g = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=(0, 1, 2)))(q, k, v)
+        hlo = jax.jit(chunked).lower(q, k, v).compile().as_text()
+    want = by_hand(q, k, v, seg)
+    want_g = jax.grad(functools.partial(loss, lambda *a: by_hand(*a, seg)), argnums=(0, 1, 2))(q, k, v)
+    valid = np.ones((B, T), bool) if seg is None else SEGMENTS > 0  # a padding query's output is never used
+    assert float(jnp.abs(got - want)[valid].max()) < 1e-5 * float(jnp.abs(want).max())
+    for name, a, b in zip("qkv", got_g, want_g):
+        a, b = (x if name != "q" else x[valid] for x in (a, b))
+        assert float(jnp.abs(a - b).max()) < 1e-5 * float(jnp.abs(b).max()), name
+    assert "all-gather" in hlo
+
+
+LAYOUTS = {
+    "d2c4": (["mesh.data=2", "mesh.context=4"], ()),
+    "c2m4": (["mesh.data=1", "mesh.context=2", "mesh.model=4", "model.n_kv_heads=4"], SLOW),
+    "c2s2-1f1b": (["mesh.data=1", "mesh.context=2", "mesh.stage=2", "mesh.model=2", "train.microbatches=2",
+                   "train.pipeline_schedule=1f1b"], SLOW),
+    "d2c2m2-zero3": (["mesh.data=2", "mesh.context=2", "mesh.model=2", "train.zero_stage=3"], SLOW),
+    "d2c4-psum-m2": (["mesh.data=2", "mesh.context=4", "train.grad_sync=psum", "train.microbatches=2"], SLOW),
+    "d2c4-unbalanced": (["mesh.data=2", "mesh.context=4", "train.context_load_balance=false"], SLOW),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in LAYOUTS.items()])
+def test_layouts_equal_one_device(name):
+    """3 SGD steps at T=32: losses, gradient norms and parameters within 1e-5 of one device's; the mesh is the
+    one asked for (a swap of axes would show)."""
+    keys = LAYOUTS[name][0] + SGD + ["model.seq_len=32"]
+    model = [k for k in keys if k.startswith("model.")]
+    got = run_steps(keys)
+    ref = run_steps(SGD + model + ["mesh.data=1"], 1)
+    sizes = {k.split("=")[0][5:]: int(k.split("=")[1]) for k in keys if k.startswith("mesh.")}
+    assert {a: got.setup.mesh.shape[a] for a in sizes} == sizes and got.setup.mesh.shape["context"] > 1
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_rel(got.params, ref.params) < 1e-5
+    assert ref.losses[-1] < ref.losses[0]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return prepare_documents(tmp_path_factory.mktemp("docs"))
+
+
+def test_packed_documents_equal_one_device(prepared):
+    """data.document_mask=true on prepared documents (boundaries anywhere in the chunks), (data 2, context 4)
+    balanced: equal to one device; without the mask the losses differ (the mask is exercised)."""
+    keys = ["model.vocab_size=320", "data.document_mask=true", "model.seq_len=64"] + SGD
+    got = run_steps(keys + ["mesh.data=2", "mesh.context=4"], source=prepared)
+    ref = run_steps(keys + ["mesh.data=1"], 1, source=prepared)
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-5)
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_rel(got.params, ref.params) < 1e-5
+    off = run_steps([k for k in keys if k != "data.document_mask=true"] + ["mesh.data=1"], 1, source=prepared)
+    assert np.abs(off.losses - ref.losses).max() > 1e-4 * ref.losses.max(), (off.losses, ref.losses)
+
+
+BAD = [
+    (["mesh.context=4", "model.seq_len=36"], r"^model.seq_len=36 is not divisible by 2 x mesh.context = 8 \(load "
+     r"balancing gives each rank 2 of 8 chunks; or set train.context_load_balance=false\); use a multiple of 8$"),
+    (["mesh.context=4", "model.seq_len=34", "train.context_load_balance=false"],
+     r"^model.seq_len=34 is not divisible by mesh.context = 4; use a multiple of 4$"),
+    (["mesh.context=2", "mesh.data=4", "train.sync=local_sgd", "train.sync_every=2"],
+     r"^train.sync=local_sgd with mesh.context=2 is not supported: local SGD keeps a replica per data rank"),
+    (["mesh.context=2", "model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2",
+      "model.capacity_factor=1.25"], r"^model.capacity_factor=1.25 with mesh.context=2 is not supported yet"),
+]
+
+
+@pytest.mark.parametrize("keys,message", BAD)
+def test_bad_input_is_one_line(keys, message):
+    from trainer import load_config
+    from trainer.config import validate
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match=message) as e:
+        validate(load_config(TINY + keys), 8)
+    assert "\n" not in str(e.value)
