@@ -142,3 +142,49 @@ def test_bad_input_is_one_line(keys, message):
     with pytest.raises(UserError, match=message) as e:
         validate(load_config(TINY + keys), 8)
     assert "\n" not in str(e.value)
+
+
+def _steps(s, state, first: int, last: int):
+    """Steps first..last-1 of the built-in corpus's batches from `state`: (state, each step's loss)."""
+    from conftest import corpus
+    from trainer.data.batches import Batches
+    from trainer.step import jit_train_step
+    b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
+    step, out = jit_train_step(s), []
+    with jax.set_mesh(s.mesh):
+        for i in range(first, last):
+            state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
+            out.append(float(m["loss"]))
+    return state, out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_data2_context4_restores_onto_data8_and_one_device(tmp_path):
+    """Saved after step 1 on (data 2, context 4) ZeRO-3 (state sharded over data x context), restored bit for bit
+    onto (data 8) ZeRO-1 and onto one device; step 2 on each equals the uninterrupted run's."""
+    from meshes import devices_named
+    from trainer import load_config
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.state import init_state, make_setup
+
+    def setup(*keys):
+        cfg = load_config(TINY + SGD + ["model.seq_len=32", *keys])
+        return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
+    a = setup("mesh.data=2", "mesh.context=4", "train.zero_stage=3")
+    assert a.layout.zero_axes == ("data", "context")
+    state, _ = _steps(a, init_state(a), 0, 1)
+    saved = jax.tree.map(np.asarray, state)
+    c = Checkpointer(a, tmp_path / "run")
+    c.save(1, state)
+    c.close()
+    after, want = _steps(a, state, 1, 2)
+    for keys in (("mesh.data=8", "train.zero_stage=1"), ("mesh.data=1",)):
+        b = setup(*keys)
+        c = Checkpointer(b, tmp_path / "run")
+        restored, at = c.restore()
+        c.close()
+        assert at == 1 and all(np.array_equal(np.asarray(x), y) for x, y in zip(jax.tree.leaves(restored["params"]),
+                                                                              jax.tree.leaves(saved["params"])))
+        state_b, got = _steps(b, restored, 1, 2)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        assert max_rel(jax.tree.map(np.asarray, state_b["params"]), jax.tree.map(np.asarray, after["params"])) < 1e-5

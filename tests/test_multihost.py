@@ -177,6 +177,24 @@ def test_same_losses_2x2x2_hybrid(env, tmp_path):
         assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} context 0 model 0-1 | batch rows 0:16 of 16" in log
 
 
+@pytest.mark.slow
+def test_same_losses_context_across_processes(env, tmp_path):
+    """(data 2, context 4) with mesh.dcn_context=2: each row's tokens split over both processes (each loads every
+    row and passes half of its tokens), ZeRO-3 over data x context: 2 processes x 4 devices equal 1 x 8."""
+    CP = ["mesh.data=2", "mesh.context=4", "train.zero_stage=3", "model.seq_len=32"]
+    ref = run_steps(RUN + CP + ["train.steps=5"], steps=5, source="synthetic")
+    d = tmp_path / "run"
+    log = run(env, 2, 4, *RUN, *CP, "mesh.dcn_context=2", "train.steps=5", f"run.dir={d}")
+    for key, want in (("loss", ref.losses), ("grad_norm", ref.grad_norms)):
+        got = losses(d, key)
+        print(f"(2,1,4,1) dcn_context=2 2x4 vs 1x8: max relative {key} difference "
+              f"{rel([got[i] for i in range(1, 6)], want):.2e}")
+        assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
+    for i in range(2):
+        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage 0 context {2 * i}-{2 * i + 1} model 0 | batch " \
+               "rows 0:16 of 16" in log
+
+
 def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
     d = fsdp_run.dir
     meta = read_meta(d, STEPS)

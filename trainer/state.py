@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from meshes import RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
@@ -45,6 +45,10 @@ class Setup:
     def batch_sharding(self):
         """The sharding of every batch field (rows over `data`)."""
         return self.layout.sharding(self.layout.batch_spec())
+
+    def row_sharding(self):
+        """The sharding of the batch's rows alone (over `data`), whatever splits each row's tokens."""
+        return self.layout.sharding(P(self.layout.batch_spec()[0]))
 
     def in_context_order(self, batch: dict) -> dict:
         """The batch as the model runs it: under context parallelism with load balancing, each row's tokens

@@ -73,9 +73,12 @@ def _newest_step(ckpt_dir: Path) -> int:
 
 
 def to_global(s: Setup, rows: dict) -> dict:
-    """This process's rows of every batch field -> the global batch, each field sharded over `data`."""
+    """This process's rows of every batch field -> the global batch, each field sharded over `data` (and each
+    row's tokens over `context`: a process whose devices hold part of each row passes that part)."""
     def field(x: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(s.batch_sharding(), x, (s.cfg.train.batch_size,) + x.shape[1:])
+        shape = (s.cfg.train.batch_size,) + x.shape[1:]
+        own = distributed.process_tokens(s.batch_sharding(), shape)
+        return jax.make_array_from_process_local_data(s.batch_sharding(), x[:, own], shape)
     return jax.tree.map(field, rows)
 
 
@@ -164,7 +167,7 @@ class Run:
         cfg, s, t, t_data = self.cfg, self.s, self.cfg.train, time.perf_counter()
         batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
                           t.batch_size, s.model.seq_len, s.model.vocab_size,
-                          *distributed.process_rows(s.batch_sharding(), t.batch_size), evaluates=t.eval_every > 0,
+                          *distributed.process_rows(s.row_sharding(), t.batch_size), evaluates=t.eval_every > 0,
                           document_mask=cfg.data.document_mask)
         self.t0 += time.perf_counter() - t_data
         return batches

@@ -147,6 +147,21 @@ def process_rows(sharding, batch_size: int, process_of=None, me: int | None = No
     return lo // n, batch_size // n
 
 
+def process_tokens(sharding, shape: tuple, me: int | None = None) -> slice:
+    """The tokens (dim 1 of a (B, T) batch field of `shape`) this process's devices hold: all of them unless
+    context parallelism splits rows over processes (mesh.context spanning hosts); then one contiguous block."""
+    me = jax.process_index() if me is None else me
+    cols = set()
+    for dev, idx in sharding.devices_indices_map(tuple(shape)).items():
+        if dev.process_index == me:
+            cols.update(range(shape[1])[idx[1]] if len(idx) > 1 else range(shape[1]))
+    lo, n = min(cols), len(cols)
+    if cols != set(range(lo, lo + n)):
+        raise UserError(f"this process's devices hold tokens {sorted(cols)} of each row, not one block; order the "
+                        "mesh so that each host holds a contiguous part of mesh.context")
+    return slice(lo, lo + n)
+
+
 def describe(mesh, rows: slice, batch_size: int) -> str:
     """'process 1 of 2 | 4 devices at data 0-3 stage 0 model 0 | batch rows 8:16 of 16'."""
     me = jax.process_index()
