@@ -29,7 +29,7 @@ from models.layers import rms_norm
 from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
 from models.experts import BY_PLATFORM, TILE, grouped_mlp, padded_tiles
 from models.qwen import qwen2_inventory, qwen3_inventory
-from models.spec import LayerCall, ModelSpec, Param, register
+from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
 
 ROUTERS = ("topk_softmax", "softmax_topk")
@@ -186,16 +186,18 @@ def kept(idx_BTK, valid_BT, X: int, slots: int | None):
     return (slot_of(idx_BTK, valid_BT, X) < slots) & valid_BTK
 
 
-def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT):
+def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT, collectives=LOCAL):
     """(the rows' load-balancing losses summed, the tokens' z-losses summed): per row, X x sum_e f_e P_e over its
     non-padding tokens (f_e the stop-gradient count of their choices of e / their number, so the f_e sum to k;
-    P_e their mean probability of e); per token, logsumexp(logits)^2."""
+    P_e their mean probability of e); per token, logsumexp(logits)^2. Where each row's tokens are split over
+    context ranks this code runs manual over, the counts are the row's (summed over `seq`) and P_e this rank's share
+    of the row's mean: the ranks' losses add up to the row's, each token's gradient from its own rank."""
     X = c.n_experts
     v_BT = valid_BT.astype(jnp.float32)
-    n_B = jnp.sum(v_BT, axis=1)
+    n_B = collectives.psum(jnp.sum(v_BT, axis=1), "seq")
     per_B = jnp.where(n_B > 0, n_B, 1.0)
     chosen_BTX = jnp.sum(jax.nn.one_hot(idx_BTK, X, dtype=jnp.float32), axis=2)
-    f_BX = jax.lax.stop_gradient(jnp.einsum("btx,bt->bx", chosen_BTX, v_BT) / per_B[:, None])
+    f_BX = jax.lax.stop_gradient(collectives.psum(jnp.einsum("btx,bt->bx", chosen_BTX, v_BT), "seq") / per_B[:, None])
     p_BX = jnp.einsum("btx,bt->bx", probs_BTX, v_BT) / per_B[:, None]
     balance = X * jnp.sum(f_BX * p_BX)
     z = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTX, axis=-1)) * v_BT)
@@ -234,10 +236,13 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
         a_BTS = constrain(kn.silu(gate_BTS) * up_BTS, ("batch", "seq", "mlp"))
         (shared_BTD,) = kn.project(a_BTS, (s["shared_down"],))
         y_BTD = y_BTD + jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, s["shared_expert_gate"])) * shared_BTD
-    balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT)
+    balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT, call.collectives)
     v = valid_BT.astype(jnp.float32)
     first = call.data["first"]
-    rows, tokens = jnp.sum(jnp.max(v, axis=1)), jnp.sum(v)
+    # a row split over context ranks: counted once, by the rank of its first chunk, if any rank holds a token of it
+    seq = call.collectives
+    rows = jnp.sum((seq.psum(jnp.max(v, axis=1), "seq") > 0).astype(jnp.float32)) * (seq.axis_index("seq") == 0)
+    tokens = jnp.sum(v)
     aux = {"load_balance": (balance, rows * first), "z_loss": (z, tokens * first),
            "moe/dropped": (jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)), tokens * K)}
     return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux

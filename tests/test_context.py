@@ -188,3 +188,25 @@ def test_a_checkpoint_of_data2_context4_restores_onto_data8_and_one_device(tmp_p
         state_b, got = _steps(b, restored, 1, 2)
         np.testing.assert_allclose(got, want, rtol=1e-5)
         assert max_rel(jax.tree.map(np.asarray, state_b["params"]), jax.tree.map(np.asarray, after["params"])) < 1e-5
+
+
+MOE_LAYOUTS = {
+    "d2c2-zero3": (("mesh.data=2", "mesh.context=2", "train.zero_stage=3"), True),
+    "d2c2-compiler": (("mesh.data=2", "mesh.context=2"), True),
+    "d2c2s2-1f1b": (("mesh.data=2", "mesh.context=2", "mesh.stage=2", "train.microbatches=2",
+                     "train.pipeline_schedule=1f1b"), True),
+    "d2c4-replicated": (("mesh.data=2", "mesh.context=4", "train.zero_stage=2", "train.expert_parallel=false"), False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_equals_one_device(name):
+    """A dropless MoE (router scaled for wide margins) with each row split over context: loss, grad_norm,
+    aux/load_balance (per-row statistics over the whole row, each row counted once), aux/z_loss and parameters
+    against one device (1e-5); with the experts split over `data` (their gradients summed over `context` only)
+    and replicated."""
+    from test_expert_parallel import MOE, ROUTER_SCALE
+    from test_moe import same_as_one_device
+    layout, split = MOE_LAYOUTS[name]
+    same_as_one_device(("model.seq_len=32",), layout, base=tuple(MOE), router_scale=ROUTER_SCALE, split=split)

@@ -130,15 +130,27 @@ class Decision:
             return self._apply(g, (ALL_REDUCE,), lambda xs, ds, ss: [reducer.all_reduce(x) for x in xs])
         return g
 
+    def rest(self, g):
+        """Leaves the rules split over some batch axes (kind NONE) summed over the batch axes left: experts split
+        over `data` under context parallelism, each context rank's tokens gave its experts part of their
+        gradient."""
+        xs, treedef = jax.tree.flatten(g)
+        rs = treedef.flatten_up_to(self.leaves)
+        return jax.tree.unflatten(treedef, [jax.lax.psum(x, r.axes) if r.kind == NONE and r.axes else x
+                                            for x, r in zip(xs, rs)])
+
     def per_step(self, reducer, g):
-        """The explicit step's reduction after accumulation: ZeRO 0/1 one all-reduce; ZeRO 2/3 nothing."""
+        """The explicit step's reduction after accumulation: ZeRO 0/1 one all-reduce; ZeRO 2/3 nothing (a leaf
+        split by its rules: `rest`, at every stage)."""
+        g = self.rest(g)
         if self.layout.zero_stage >= 2:
             return g
         return self._apply(g, (ALL_REDUCE,), reducer.all_reduce_tree)
 
     def once(self, reducer, g):
         """The pipeline's reduction of the step's gradients, once: reduce-scatter for ZeRO 2/3 (all-reduce where a
-        leaf has no ZeRO dimension), else all-reduce."""
+        leaf has no ZeRO dimension), else all-reduce (a leaf split by its rules: `rest`)."""
+        g = self.rest(g)
         if self.layout.zero_stage >= 2:
             return self._apply(g, (ALL_REDUCE, REDUCE_SCATTER), reducer.reduce_scatter_tree)
         return self._apply(g, (ALL_REDUCE,), reducer.all_reduce_tree)
