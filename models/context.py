@@ -55,8 +55,8 @@ class ContextPlan(NamedTuple):
 
 def all_gather(kernel, coll, positions_T):
     """(q, k, v, segments=) -> o: K, V, the keys' positions and documents gathered over `context`, the rank's
-    queries attended to them by position; in a region manual over `context` (nothing to add where it is
-    manual already: the explicit step, a pipeline)."""
+    queries attended to them by position; in a region manual over `context` and `model` (nothing to add where it
+    is manual already)."""
     def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, **options):  # options: a family's window, softcap, scale
         def rank(q, k, v, pos_q, *seg):
             pos_k = coll.all_gather(pos_q, "seq", 0)
@@ -66,5 +66,8 @@ def all_gather(kernel, coll, positions_T):
         args, axes = (q_BTHE, k_BTKE, v_BTKE, positions_T), (Q, KV, KV, ("seq",))
         if segments is not None:
             args, axes = args + (segments,), axes + (("batch", "seq"),)
-        return coll.region(rank, axes, Q, over=("seq",))(*args)
+        # manual over `model` too: a collective over `context` whose operand the compiler partitions over `model` is
+        # replicated over it first (XLA gathered every kv head over `model`, then ran every rank's attention on all
+        # of them); each rank's heads attend alone
+        return coll.region(rank, axes, Q, over=("seq", "heads"))(*args)
     return attend

@@ -192,7 +192,7 @@ def test_a_checkpoint_of_data2_context4_restores_onto_data8_and_one_device(tmp_p
 
 MOE_LAYOUTS = {
     "d2c2-zero3": (("mesh.data=2", "mesh.context=2", "train.zero_stage=3"), True),
-    "d2c2-compiler": (("mesh.data=2", "mesh.context=2"), True),
+    "d2c2-zero0": (("mesh.data=2", "mesh.context=2"), True),
     "d2c2s2-1f1b": (("mesh.data=2", "mesh.context=2", "mesh.stage=2", "train.microbatches=2",
                      "train.pipeline_schedule=1f1b"), True),
     "d2c4-replicated": (("mesh.data=2", "mesh.context=4", "train.zero_stage=2", "train.expert_parallel=false"), False),
@@ -210,3 +210,52 @@ def test_moe_equals_one_device(name):
     from test_moe import same_as_one_device
     layout, split = MOE_LAYOUTS[name]
     same_as_one_device(("model.seq_len=32",), layout, base=tuple(MOE), router_scale=ROUTER_SCALE, split=split)
+
+
+COMPILED = {
+    "d2c4-zero3": ["mesh.data=2", "mesh.context=4", "train.zero_stage=3"],
+    "d2c2m2-zero1-full": ["mesh.data=2", "mesh.context=2", "mesh.model=2", "train.zero_stage=1", "model.remat=full"],
+    "d2c2s2-1f1b": ["mesh.data=2", "mesh.context=2", "mesh.stage=2", "train.microbatches=2",
+                    "train.pipeline_schedule=1f1b"],
+    "d2c4-documents-m2": ["mesh.data=2", "mesh.context=4", "train.microbatches=2", "data.document_mask=true"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_the_compiled_step_gathers_only_kv_over_context_and_the_planner_holds_it(name):
+    """XLA's CPU program (HLO collectives by kind, mesh axes and bytes): the K/V all-gathers over `context` and the
+    dK/dV reduce-scatters equal the planner's within 1%, as do the collectives over data x context (ZeRO's and the
+    gradients'); every other collective over `context` (the batch's reorder, the positions, the loss's scalars)
+    moves less than one layer's K/V; nothing over `context` gathers the residual stream."""
+    import re
+
+    from test_plan import _plan
+    from trainer.plan.hlo import collective_ops
+    from trainer.plan.verify import measure, table_weights
+    from trainer.state import make_setup
+    cfg, plan = _plan(SGD + ["model.seq_len=64"] + COMPILED[name])
+    m = measure(cfg, grads=False)
+    s = make_setup(cfg, jax.devices()[:8])
+    kv = next(t for t in plan.transfers if t.what.startswith("K and V gathered"))
+    per_layer = kv.bytes / kv.count  # one layer's K (or V) as one device receives it
+    T = cfg.model.seq_len if cfg.model.seq_len else 64
+    xla_kv, xla_rest = 0.0, []
+    for kind, axes, sent, line in collective_ops(m.text, m.mesh_shape, *table_weights(s)):
+        if axes != ("context",) and not ("context" in axes and kind == "collective-permute"):
+            continue
+        shape = [int(d) for d in re.search(r"\w+\[([\d,]*)\]", line.split("=", 1)[1]).group(1).split(",") if d]
+        if kind == "all-gather" and len(shape) == 4 and shape[1] == T:  # (rows, T, kv heads, head_dim)
+            xla_kv += sent
+        elif kind != "reduce-scatter":
+            xla_rest.append((sent, line.strip()[:120]))
+    assert abs(xla_kv / kv.bytes - 1) < 0.01, (xla_kv, kv.bytes)
+    mine = {}
+    for t in plan.transfers:
+        mine[(t.kind, t.axis)] = mine.get((t.kind, t.axis), 0.0) + t.bytes
+    xla = {(k, ",".join(a)): b for (k, a), b in m.collectives.items()}
+    assert abs(xla.get(("reduce-scatter", "context"), 0) / mine[("reduce-scatter", "context")] - 1) < 0.01
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        got, want = xla.get((kind, "data,context"), 0.0), mine.get((kind, "data,context"), 0.0)
+        assert abs(got - want) <= 0.01 * want + 256, (kind, got, want)  # 256 B: the loss's scalars
+    assert all(sent < per_layer for sent, _ in xla_rest), [r for r in xla_rest if r[0] >= per_layer]

@@ -1,6 +1,5 @@
 """`meshtrain plan` against XLA's own numbers, against the hand arithmetic in docs/plan.md, and its CLI."""
 import json
-import math
 import re
 import subprocess
 import sys
@@ -57,9 +56,9 @@ AGAINST_XLA = {
 
 def _plan(overrides, device=H100, dtype="float32", platform=None):
     """The plan of TINY + overrides on `device`, with the kernels of `platform` (None: this host's)."""
+    from meshes import devices_named
     cfg = load_config(TINY + list(overrides))
-    sizes = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    n = math.prod(sizes) if min(sizes) > 0 else 8
+    n = devices_named(cfg.mesh) or 8
     return cfg, estimate(model_config(cfg), cfg.train, strategy_of(cfg, n), device, 1, dtype, platform)
 
 

@@ -26,14 +26,48 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
     gradients are reduced, how and where is the trainer's decision (trainer/parallel/reduction.py): a leaf its rules
     split over `data` (experts) moves nothing over `data`."""
     ls = leaves(mc, train, st)
-    n = batch // (st.data * st.microbatches) * mc.seq_len  # tokens per device and microbatch
+    n = batch // (st.data * st.microbatches) * mc.seq_len // st.context  # tokens per device and microbatch
     where = decision(mc, train, st).where
     if where == PIPELINE:
         out = _table_transfers(mc, st, ls, n, a)
     else:
-        out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data > 1 else [])
+        out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data * st.context > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
-    return [t for t in out + _expert_transfers(mc, st, n, a) if t.bytes > 0]
+    out += _expert_transfers(mc, st, n, a) + _context_transfers(mc, st, ls, n, a, documents=mc.documents)
+    return [t for t in out if t.bytes > 0]
+
+
+def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documents: bool) -> list[Transfer]:
+    """Context parallelism (models/context.py all_gather): per layer and microbatch each rank's K and V gathered
+    over `context` (again where the layer is recomputed: remat, a pipeline's stage bodies), dK and dV
+    reduce-scattered back in the backward; the tokens' positions (and documents) gathered once per microbatch;
+    leaves the rules split over `data` (experts) summed over `context` alone."""
+    C = st.context
+    if C == 1:
+        return []
+    tp, m = st.model, st.microbatches
+    kv_heads = mc.n_kv_heads // tp if mc.n_kv_heads >= tp else 1  # repeated kv heads: one per model rank
+    block = n * kv_heads * mc.head_dim * a  # one rank's K (or V) of one layer
+    uses = m * mc.n_layers // st.stage
+    forwards = 2 if st.remat != "none" or st.stage > 1 else 1
+    ag, rows = bus_factor("all-gather", C), n * C // mc.seq_len  # rows per device and microbatch
+    out = [Transfer("context", "all-gather", "K and V gathered over context (forward"
+                    + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
+                    2 * forwards * uses),
+           Transfer("context", "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
+                    uses * ag * 2 * C * block, 2 * uses),
+           Transfer("context", "all-gather", "the tokens' positions" + (" and documents" if documents else ""),
+                    m * ag * 4 * mc.seq_len * (1 + (rows if documents else 0)), m * (1 + documents))]
+    if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
+        # and with documents their ids and positions), all-gathered over `context` and sliced
+        fields = 5 if documents else 3
+        out.append(Transfer("context", "all-gather", "the batch reordered for load balancing",
+                            ag * fields * 4 * rows * m * mc.seq_len, fields))
+    split = sum(x.bytes for x in ls if x.split)
+    if split:
+        out.append(Transfer("context", "all-reduce", "gradients of leaves split over data (experts) summed over context",
+                            bus_factor("all-reduce", C) * split, 1))
+    return out
 
 
 TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
@@ -62,9 +96,9 @@ def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
 
 def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
                     explicit: bool) -> list[Transfer]:
-    k, m, zero, tp = st.data, st.microbatches, st.zero, st.model
+    k, m, zero, tp, over = st.data * st.context, st.microbatches, st.zero, st.model, st.batch_axes
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
-    ls = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data`
+    ls = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data` (and `context`)
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
@@ -82,21 +116,21 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
             return sum(x.bytes * x.model_split for x in ls if psum and sel(x) and x.model_split > 1)
 
         if zero >= 2:
-            out += [Transfer("data", "reduce-scatter", "gradient reduce-scatter, every microbatch",
+            out += [Transfer(over, "reduce-scatter", "gradient reduce-scatter, every microbatch",
                              m * ag * whole(lambda x: x.zero) * wire, m),
                     Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
                              m * bus_factor("all-gather", tp) * over_model(lambda x: x.zero), m),
-                    Transfer("data", "all-reduce", "all-reduce of leaves too small to shard",
+                    Transfer(over, "all-reduce", "all-reduce of leaves too small to shard",
                              m * ar * sum(x.bytes for x in ls if not x.zero), m)]
         else:
-            out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+            out.append(Transfer(over, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                                 ar * grads * wire, 1))
         if zero >= 3:
             # the backward pass gathers again under full/dots remat (sublayer's halves get gathered weights)
             again = 1 if st.remat in ("none", "sublayer") else 2
             top, lay = (lambda x: x.zero and not x.layers), (lambda x: x.zero and x.layers)
             c_top, c_lay = gather_casts(platform, a)
-            out += [Transfer("data", "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
+            out += [Transfer(over, "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
                              + (", again in backward)" if again > 1 else ")"),
                              ag * (whole(top) * c_top + m * again * whole(lay) * c_lay), 1 + m * again),
                     Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
@@ -106,17 +140,17 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
         embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
         if zero >= 1 and embed:
             # the lookup's gradient rows go all-to-all; the head's part is reduced with the rest
-            out.append(Transfer("data", "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
+            out.append(Transfer(over, "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
             if tp > 1:
                 grads -= embed
-                out.append(Transfer("data,model", "all-reduce", "tied head gradient",
+                out.append(Transfer(f"{over},model", "all-reduce", "tied head gradient",
                                     bus_factor("all-reduce", k * tp) * embed, 1))
         else:
             grads += embed  # the lookup's and the head's embedding gradients are reduced apart
         # one microbatch here: accumulation takes the manual path, which reduces once after its loop
-        out.append(Transfer("data", "all-reduce", "gradient all-reduce (compiler)", ar * grads, 1))
+        out.append(Transfer(over, "all-reduce", "gradient all-reduce (compiler)", ar * grads, 1))
     if zero in (1, 2):
-        out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+        out.append(Transfer(over, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
     return out
 
 
@@ -174,7 +208,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     The hops run on idle ticks too (zeros): one microbatch each way per tick, whatever the table
     says. Without a wrap (V = 1) the chain has S-1 senders, so a device sends (S-1)/S of that.
     """
-    k, S, tp, m, V, zero = st.data, st.stage, st.model, st.microbatches, st.repeats, st.zero
+    k, S, tp, m, V, zero = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats, st.zero
     ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
@@ -200,21 +234,21 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         whole = sum(x.bytes * (x.model_split if psum else 1) for x in reduced if x.zero)
         over_model = sum(x.bytes * x.model_split for x in reduced if psum and x.zero and x.model_split > 1)
         if zero >= 2:
-            out += [Transfer("data", "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
+            out += [Transfer(st.batch_axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
                              ag * whole * wire, 1),
                     Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
                              agm * over_model, 1),
-                    Transfer("data", "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
+                    Transfer(st.batch_axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
         else:
-            out.append(Transfer("data", "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+            out.append(Transfer(st.batch_axes, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                                 ar * share * wire, 1))
         if zero >= 3:
-            out += [Transfer("data", "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
+            out += [Transfer(st.batch_axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
                              ag * whole, 1),
                     Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
         elif zero:
-            out.append(Transfer("data", "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
-        out.append(Transfer("data", "all-reduce", "loss averaged over data", ar * 4, 1))
+            out.append(Transfer(st.batch_axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+        out.append(Transfer(st.batch_axes, "all-reduce", "loss averaged over data", ar * 4, 1))
     if tp > 1:  # the branch a stage runs each tick: per microbatch and repeat one forward and one backward
         ar = bus_factor("all-reduce", tp)
         # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)

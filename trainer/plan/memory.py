@@ -160,21 +160,23 @@ def _only_half(n: int):
 
 
 @functools.lru_cache(maxsize=512)
-def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str) -> tuple[float, float]:
+def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: int = 1) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
-    one, two = (_traced(mc, tp, dtype, platform, what, rows) for rows in (1, 2))
+    one, two = (_traced(mc, tp, dtype, platform, what, rows, context) for rows in (1, 2))
     return 2 * one - two, two - one
 
 
 @functools.lru_cache(maxsize=512)
-def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int) -> float:
-    """The residual bytes of _per_row's `what` at `rows` sequences, traced."""
+def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: int = 1) -> float:
+    """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` ranks splitting each
+    row, at one rank's seq_len / context tokens, its attention gathering K/V as large as the row's
+    (_OneContextRank)."""
     from models.loss import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import head, inventory, layer_call
-    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len, jax.numpy.dtype(dtype)
+    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len // context, jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
     # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
@@ -192,6 +194,12 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
 
     def fn(x, weights, half=half):
         call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
+        if context > 1:  # as models/transformer.py layer_stack runs it: per-token positions, the trainer's strategy
+            from models.context import ContextPlan
+            coll, pos = _OneContextRank(context), jax.numpy.arange(T, dtype=jax.numpy.float32)
+            call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
+                              data=data, kv_repeat=repeat, collectives=coll,
+                              attention=ContextPlan(context, "all_gather", ()).attention(kn.attention, coll, pos))
         run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
         if what not in ("none", "attention", "mlp", "sublayer"):
             run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
@@ -199,20 +207,50 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
     return _residuals(fn, x, weights)
 
 
-def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int) -> float:
+class _OneContextRank:
+    """The collectives (meshes/collectives.py) as one of `ranks` context ranks sees them, for tracing one layer at
+    one device's shapes: a gather over `seq` repeats the rank's block (the gathered K/V are the row's size), every
+    other axis one rank."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def axis_size(self, logical: str) -> int:
+        return self.ranks if logical == "seq" else 1
+
+    def axis_index(self, logical: str):
+        return 0
+
+    def psum(self, x, logical: str):
+        return x
+
+    def all_gather(self, x, logical: str, axis: int = 0):
+        return jax.numpy.concatenate([x] * self.ranks, axis) if logical == "seq" else x
+
+    def reduce_scatter(self, x, logical: str, axis: int = 0):
+        return x
+
+    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
+        return x
+
+    def region(self, fn, in_axes, out_axes, over=None):
+        return fn
+
+
+def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: int = 1) -> float:
     """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
     whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
     if getattr(mc, "sparse", False) and what != "head":
-        return _traced(_no_remat(mc), tp, dtype, platform, what, rows)
-    fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what)
+        return _traced(_no_remat(mc), tp, dtype, platform, what, rows, context)
+    fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what, context)
     return fixed + per * rows
 
 
 def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
     """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device of `platform`, as
     it runs."""
-    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat)
-    return fixed, per_row / mc.seq_len
+    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat, st.context)
+    return fixed, per_row / (mc.seq_len // st.context)
 
 
 def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: int, local: bool = False) -> float:
@@ -226,10 +264,10 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: i
     input gradient and the head weight's gradient as the blocks fill it in.
     """
     from models.loss import chunk_tokens, vocab_blocks
-    N, D = rows * mc.seq_len, mc.d_model  # this device's tokens
+    N, D = rows * mc.seq_len // st.context, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
-    res = _saved(mc, st.model, dtype, platform, "head", rows)
+    res = _saved(mc, st.model, dtype, platform, "head", rows, st.context)
     seen = N if local else N * st.data
     n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
@@ -242,7 +280,7 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
-        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b)
+        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b, st.context)
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
         return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform)
     return pipeline_activation_bytes(mc, st, b, dtype, platform)
@@ -261,7 +299,7 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     from models.transformer import inventory
     c = _shard(mc, st.model)[0]
     experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if k.startswith("expert_"))
-    dispatch = 2.0 * mc.dispatch_rows(b * mc.seq_len, platform) * mc.d_model * jax.numpy.dtype(dtype).itemsize
+    dispatch = 2.0 * mc.dispatch_rows(b * mc.seq_len // st.context, platform) * mc.d_model * jax.numpy.dtype(dtype).itemsize
     # less the slice where ZeRO-3 gathered the layer (buffer_bytes), less the gradient where a pipeline's stage body
     # counts it (pipeline_activation_bytes)
     copies = 3 - (st.zero >= 3 and st.data > 1) - (st.stage > 1)
@@ -271,8 +309,8 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
 def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
     """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's."""
     if st.remat == "sublayer":
-        return max(_saved(mc, st.model, dtype, platform, half, b) for half in ("attention", "mlp"))
-    return _saved(mc, st.model, dtype, platform, "none", b)
+        return max(_saved(mc, st.model, dtype, platform, half, b, st.context) for half in ("attention", "mlp"))
+    return _saved(mc, st.model, dtype, platform, "none", b, st.context)
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
@@ -284,12 +322,12 @@ def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
 def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, platform: str) -> float:
     """A pipeline stage's activations for b sequences per microbatch: the stage inputs and cotangents
     its schedule keeps live (trainer/plan/schedule_cost.py) plus one tick's working set."""
-    n = b * mc.seq_len * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
+    n = b * mc.seq_len // st.context * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's
-    recompute = body * _saved(mc, st.model, dtype, platform, "none", b)
+    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, st.context)
     if st.remat == "sublayer":
-        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b) + _recompute(mc, st, dtype, platform,
+        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, st.context) + _recompute(mc, st, dtype, platform,
                                                                                                  b)
     # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block

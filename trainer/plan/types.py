@@ -20,11 +20,22 @@ class Strategy:
     grad_sync: str = "auto"
     schedule: str = "gpipe"  # train.pipeline_schedule (meaningful where stage > 1)
     rules: Rules = RULES
+    balance: bool = True  # train.context_load_balance (meaningful where context > 1)
 
     # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py)
     data = property(lambda self: self.mesh["data"])
     stage = property(lambda self: self.mesh["stage"])
     model = property(lambda self: self.mesh["model"])
+    context = property(lambda self: self.mesh["context"] if "context" in self.mesh.names else 1)
+
+    @property
+    def batch_axes(self) -> str:
+        """The axes gradients are summed over and ZeRO shards over, as a Transfer (and the HLO) names them: `data`,
+        `data,context` under context parallelism (a context rank is data-parallel for the weights), `context` with
+        one data rank."""
+        if self.context == 1:
+            return "data"
+        return "context" if self.data == 1 else "data,context"
 
     @property
     def devices(self) -> int:

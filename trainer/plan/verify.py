@@ -107,7 +107,8 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
             g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
             g_bytes = g_mem.output_size_in_bytes - 4 * len(jax.tree.leaves(zero_parts(s.model)))
     fp = Footprint.of(step)
-    n_batch = sum(f.size * f.dtype.itemsize for f in jax.tree.leaves(batch)) // s.mesh.shape["data"]
+    split = int(np.prod([s.mesh.shape[a] for a in s.layout.batch_axes]))  # rows over data, tokens over context
+    n_batch = sum(f.size * f.dtype.itemsize for f in jax.tree.leaves(batch)) // split
     text = step.as_text()
     return Measured(
         **dataclasses.asdict(fp), params_opt_bytes=fp.argument_bytes - n_batch - 4, grads_bytes=g_bytes,
