@@ -15,6 +15,7 @@ import jax
 import optax
 from meshes import Layout
 from models import ModelConfig, abstract_model
+from models.spec import LocalCollectives
 from trainer.optim import make_optimizer
 from trainer.parallel.reduction import NONE, Decision, decide
 from trainer.plan.schedule_cost import cost
@@ -207,10 +208,10 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
     return _residuals(fn, x, weights)
 
 
-class _OneContextRank:
+class _OneContextRank(LocalCollectives):
     """The collectives (meshes/collectives.py) as one of `ranks` context ranks sees them, for tracing one layer at
     one device's shapes: a gather over `seq` repeats the rank's block (the gathered K/V are the row's size), every
-    other axis one rank."""
+    other axis one rank (models/spec.py's local form)."""
 
     def __init__(self, ranks: int):
         self.ranks = ranks
@@ -218,23 +219,8 @@ class _OneContextRank:
     def axis_size(self, logical: str) -> int:
         return self.ranks if logical == "seq" else 1
 
-    def axis_index(self, logical: str):
-        return 0
-
-    def psum(self, x, logical: str):
-        return x
-
     def all_gather(self, x, logical: str, axis: int = 0):
         return jax.numpy.concatenate([x] * self.ranks, axis) if logical == "seq" else x
-
-    def reduce_scatter(self, x, logical: str, axis: int = 0):
-        return x
-
-    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
-        return x
-
-    def region(self, fn, in_axes, out_axes, over=None):
-        return fn
 
 
 def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: int = 1) -> float:
