@@ -141,43 +141,26 @@ def _scores(q, k, scale, offset, seg_q=None, seg_k=None, lo=0, window=None, pos=
     return jnp.where(keep, s, -jnp.inf)
 
 
-def _blocks(T, block, window=None, S=None):
-    """Query blocks (start, stop, first key, past the last key): block i needs keys first..stop-1 only (the causal
-    saving; with a window, keys before start - window + 1 are skipped too). With `S` (keys at positions not
-    their indices: nothing to skip by index) every block takes all S keys."""
-    whole = T if S is None else S
+def _blocks(T, block, window=None):
+    """Query blocks (start, stop, first key): block i needs keys first..stop-1 only (the causal saving; with a
+    window, keys before start - window + 1 are skipped too)."""
     if block <= 0 or T % block or T <= block:
-        return [(0, T, 0, whole)]
-    if S is not None:
-        return [(a, a + block, 0, S) for a in range(0, T, block)]
-    return [(a, a + block, max(0, a - window + 1) if window else 0, a + block) for a in range(0, T, block)]
+        return [(0, T, 0)]
+    return [(a, a + block, max(0, a - window + 1) if window else 0) for a in range(0, T, block)]
 
 
-def _seg(seg, a, b, lo, hi):
-    """The block's (query segments, key segments): `seg` is (B, T) for both or a pair (queries', keys')."""
-    if seg is None:
-        return None, None
-    sq, sk = seg if isinstance(seg, tuple) else (seg, seg)
-    return sq[:, a:b], sk[:, lo:hi]
+def _seg(seg, a, b, lo):
+    return (None, None) if seg is None else (seg[:, a:b], seg[:, lo:b])
 
 
-def _pos(pos, a, b, lo, hi):
-    return None if pos is None else (pos[0][a:b], pos[1][lo:hi])
-
-
-def _key_count(k, pos):
-    return None if pos is None else k.shape[2]
-
-
-def _forward(q, k, v, scale, block, seg=None, window=None, pos=None):
+def _forward(q, k, v, scale, block, seg=None, window=None):
     outs, lses = [], []
-    for a, b, lo, hi in _blocks(q.shape[3], block, window, _key_count(k, pos)):
-        s = _scores(q[:, :, :, a:b], k[:, :, lo:hi], scale, a, *_seg(seg, a, b, lo, hi), lo, window,
-                    _pos(pos, a, b, lo, hi))
+    for a, b, lo in _blocks(q.shape[3], block, window):
+        s = _scores(q[:, :, :, a:b], k[:, :, lo:b], scale, a, *_seg(seg, a, b, lo), lo, window)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - m)
         l = jnp.sum(p, axis=-1, keepdims=True)
-        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v[:, :, lo:hi],
+        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v[:, :, lo:b],
                        preferred_element_type=jnp.float32) / l
         outs.append(o.astype(q.dtype))
         lses.append((m + jnp.log(l))[..., 0])
@@ -186,36 +169,103 @@ def _forward(q, k, v, scale, block, seg=None, window=None, pos=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 6))
-def _attention(q, k, v, scale, block, seg, window, pos=None):
-    return _forward(q, k, v, scale, block, seg, window, pos)[0]
+def _attention(q, k, v, scale, block, seg, window):
+    return _forward(q, k, v, scale, block, seg, window)[0]
 
 
-def _attention_fwd(q, k, v, scale, block, seg, window, pos=None):
-    o, lse = _forward(q, k, v, scale, block, seg, window, pos)
-    return o, (q, k, v, o, lse, seg, pos)
+def _attention_fwd(q, k, v, scale, block, seg, window):
+    o, lse = _forward(q, k, v, scale, block, seg, window)
+    return o, (q, k, v, o, lse, seg)
 
 
 def _attention_bwd(scale, block, window, res, do):
-    q, k, v, o, lse, seg, pos = res
+    q, k, v, o, lse, seg = res
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for a, b, lo, hi in _blocks(q.shape[3], block, window, _key_count(k, pos)):
-        qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi]
-        p = jnp.exp(_scores(qa, kb, scale, a, *_seg(seg, a, b, lo, hi), lo, window, _pos(pos, a, b, lo, hi))
-                    - lse[..., a:b, None])
+    for a, b, lo in _blocks(q.shape[3], block, window):
+        qa, doa, kb, vb = q[:, :, :, a:b], do[:, :, :, a:b], k[:, :, lo:b], v[:, :, lo:b]
+        p = jnp.exp(_scores(qa, kb, scale, a, *_seg(seg, a, b, lo), lo, window) - lse[..., a:b, None])
         dv_b = jnp.einsum("bkgts,bkgte->bkse", p.astype(do.dtype), doa, preferred_element_type=jnp.float32)
         dp = jnp.einsum("bkgte,bkse->bkgts", doa, vb, preferred_element_type=jnp.float32)
         ds = (p * (dp - d[..., a:b, :]) * scale).astype(q.dtype)
         dqs.append(jnp.einsum("bkgts,bkse->bkgte", ds, kb, preferred_element_type=jnp.float32))
         dk_b = jnp.einsum("bkgts,bkgte->bkse", ds, qa, preferred_element_type=jnp.float32)
-        pad = ((0, 0), (0, 0), (lo, k.shape[2] - hi), (0, 0))  # keys outside lo..hi-1 get nothing from this block
+        pad = ((0, 0), (0, 0), (lo, k.shape[2] - b), (0, 0))  # keys outside lo..b-1 get nothing from this block
         dk, dv = dk + jnp.pad(dk_b, pad), dv + jnp.pad(dv_b, pad)
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=3)
-    zeros = lambda x: None if x is None else jax.tree.map(jnp.zeros_like, x)  # noqa: E731
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zeros(seg), zeros(pos)
+    dseg = None if seg is None else jnp.zeros_like(seg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dseg
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- a chunk of a row, by position
+
+def _query_blocks(x, block: int, axis: int):
+    """x cut into blocks of `block` along `axis`, the blocks stacked first: (n, ...)."""
+    n = x.shape[axis] // block
+    return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, block) + x.shape[axis + 1:]), axis, 0)
+
+
+def _from_blocks(x, axis: int):
+    """_query_blocks undone: (n, ..., block, ...) -> (..., n x block, ...)."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _chunk_forward(q, k, v, scale, block, seg, window, pos):
+    """Each block of `block` queries against all S keys (their positions traced: nothing to skip), one block at a
+    time in a scan: one block's scores live, whatever the number of blocks (unrolled, XLA:CPU kept them all)."""
+    sk = None if seg is None else seg[1]
+
+    def one(_, xs):
+        qa, pa, sa = xs
+        s = _scores(qa, k, scale, 0, sa, sk, 0, window, (pa, pos[1]))
+        m = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), v, preferred_element_type=jnp.float32) / l
+        return None, (o.astype(q.dtype), (m + jnp.log(l))[..., 0])
+    xs = (_query_blocks(q, block, 3), pos[0].reshape(-1, block), None if seg is None else _query_blocks(seg[0], block, 1))
+    o, lse = jax.lax.scan(one, None, xs)[1]
+    return _from_blocks(o, 3), _from_blocks(lse, 3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 6))
+def _chunk_attention(q, k, v, scale, block, seg, window, pos):
+    return _chunk_forward(q, k, v, scale, block, seg, window, pos)[0]
+
+
+def _chunk_attention_fwd(q, k, v, scale, block, seg, window, pos):
+    o, lse = _chunk_forward(q, k, v, scale, block, seg, window, pos)
+    return o, (q, k, v, o, lse, seg, pos)
+
+
+def _chunk_attention_bwd(scale, block, window, res, do):
+    q, k, v, o, lse, seg, pos = res
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
+    sk = None if seg is None else seg[1]
+
+    def one(carry, xs):
+        dk, dv = carry
+        qa, doa, la, da, pa, sa = xs
+        p = jnp.exp(_scores(qa, k, scale, 0, sa, sk, 0, window, (pa, pos[1])) - la[..., None])
+        dv = dv + jnp.einsum("bkgts,bkgte->bkse", p.astype(doa.dtype), doa, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgte,bkse->bkgts", doa, v, preferred_element_type=jnp.float32)
+        ds = (p * (dp - da) * scale).astype(q.dtype)
+        dk = dk + jnp.einsum("bkgts,bkgte->bkse", ds, qa, preferred_element_type=jnp.float32)
+        return (dk, dv), jnp.einsum("bkgts,bkse->bkgte", ds, k, preferred_element_type=jnp.float32)
+    blocks = lambda x, axis=3: _query_blocks(x, block, axis)  # noqa: E731
+    xs = (blocks(q), blocks(do), blocks(lse), blocks(d), pos[0].reshape(-1, block),
+          None if seg is None else blocks(seg[0], 1))
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq = jax.lax.scan(one, zeros, xs)
+    like = lambda x: None if x is None else jax.tree.map(jnp.zeros_like, x)  # noqa: E731
+    return _from_blocks(dq, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), like(seg), like(pos)
+
+
+_chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
 
 
 def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None, positions=None):
@@ -224,9 +274,12 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, wi
     keys of other documents are masked like its future ones). window: a query sees only the keys fewer than
     `window` positions before it, itself included (Mistral's sliding window); a block skips the keys no query of
     it sees. positions = (the queries' (Tq,), the keys' (S,), float32): causality (and the window) by those
-    positions, k and v holding S keys, segments then a pair ((B, Tq), (B, S)); every block takes every key (the
-    positions are traced: no block can be skipped)."""
+    positions, k and v holding S keys, segments then a pair ((B, Tq), (B, S)): every block takes every key (the
+    positions are traced: no block can be skipped), the blocks run one at a time in a scan (_chunk_forward)."""
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
-    o = _attention(_group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE), 1.0 / E ** 0.5, block, segments, window or None,
-                   positions)
-    return _ungroup(o)
+    q, k, v = _group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE)
+    if positions is None:
+        return _ungroup(_attention(q, k, v, 1.0 / E ** 0.5, block, segments, window or None))
+    T = q_BTHE.shape[1]
+    block = block if 0 < block < T and T % block == 0 else T
+    return _ungroup(_chunk_attention(q, k, v, 1.0 / E ** 0.5, block, segments, window or None, positions))

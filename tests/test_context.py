@@ -18,12 +18,13 @@ B, T, H, K, E = 2, 32, 4, 2, 8
 SEGMENTS = np.array([[1] * 5 + [2] * 13 + [3] * 11 + [0] * 3, [1] * 19 + [2] * 12 + [3] * 1], np.float32)
 
 
-def by_hand(q, k, v, segments=None):
+def by_hand(q, k, v, segments=None, window=None):
     """Causal grouped-query attention on whole rows, written out: each query against the keys at or before it
-    (in its document), softmax in float32."""
+    (fewer than `window` before it; in its document), softmax in float32."""
     kk, vv = (jnp.repeat(a, H // K, axis=2) for a in (k, v))
     s = jnp.einsum("bthe,bshe->bhts", q, kk) / np.sqrt(E)
-    keep = np.tril(np.ones((T, T), bool))[None, None]
+    ahead = np.arange(T)[:, None] - np.arange(T)[None, :]
+    keep = ((ahead >= 0) & (ahead < (window or T)))[None, None]
     if segments is not None:
         keep = keep & (segments[:, None, :, None] == segments[:, None, None, :])
     p = jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1)
@@ -31,12 +32,13 @@ def by_hand(q, k, v, segments=None):
 
 
 @pytest.mark.parametrize("impl", ["manual", "xla"])
-@pytest.mark.parametrize("balance", [True, False])
-@pytest.mark.parametrize("documents", [False, True])
-def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, documents):
+@pytest.mark.parametrize("balance,documents,window", [(True, False, None), (False, False, None), (True, True, None),
+                                                      (False, True, None), (True, True, 6)])
+def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, documents, window):
     """4 context ranks, each row reordered as the step does (balanced: rank i holds chunks i and 7-i of 8): the
     output and the q, k, v gradients of a random cotangent, put back in order, equal whole-row attention's
-    (float32, 1e-5); the keys are gathered (an all-gather over `context` in the program)."""
+    (float32, 1e-5), with documents and with a sliding window too; the keys are gathered (an all-gather over
+    `context` in the program)."""
     from meshes import RULES, Collectives, build_mesh
     from models.attention import attention
     from models.context import ContextPlan, order
@@ -46,7 +48,7 @@ def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, docu
     perm = order(T, 4, balance)
     assert sorted(perm) == list(range(T)) and (list(perm) != list(range(T))) == balance
     plan = ContextPlan(4, "all_gather", tuple(int(i) for i in perm))
-    kernel = functools.partial(attention, impl=impl, block=4, platform="cpu")
+    kernel = functools.partial(attention, impl=impl, block=4, platform="cpu", window=window)
     rng = np.random.default_rng(0)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
                    ((B, T, H, E), (B, T, K, E), (B, T, K, E), (B, T, H, E)))
@@ -67,8 +69,8 @@ def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, docu
         got = jax.jit(chunked)(q, k, v)
         got_g = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=(0, 1, 2)))(q, k, v)
         hlo = jax.jit(chunked).lower(q, k, v).compile().as_text()
-    want = by_hand(q, k, v, seg)
-    want_g = jax.grad(functools.partial(loss, lambda *a: by_hand(*a, seg)), argnums=(0, 1, 2))(q, k, v)
+    want = by_hand(q, k, v, seg, window)
+    want_g = jax.grad(functools.partial(loss, lambda *a: by_hand(*a, seg, window)), argnums=(0, 1, 2))(q, k, v)
     valid = np.ones((B, T), bool) if seg is None else SEGMENTS > 0  # a padding query's output is never used
     assert float(jnp.abs(got - want)[valid].max()) < 1e-5 * float(jnp.abs(want).max())
     for name, a, b in zip("qkv", got_g, want_g):
