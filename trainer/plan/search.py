@@ -13,24 +13,28 @@ REMATS = ("none", "dots", "full")
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto",
-               rules=RULES):
+               rules=RULES, balance: bool = True):
     """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`). `rules`: the
     run's rules, or a function of the data ranks giving them (None: the config cannot run on that many;
     trainer/state.py rules_by_data: a list, an MoE's experts split over `data` and replicated)."""
-    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules))))
+    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules, balance))))
 
 
-def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of):
+def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of,
+                balance: bool = True):
     """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
-    # every mesh axis but `context` (the planner does not weigh context parallelism yet); the first takes what the
-    # rest leave
-    for shape in shapes(n_devices, [a.name for a in AXES if a.name != "context"]):
-        data, stage, model = shape["data"], shape["stage"], shape["model"]
+    for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
+        data, stage, model, context = shape["data"], shape["stage"], shape["model"], shape["context"]
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
+        # context parallelism: whole chunks (two per rank, balanced), an MoE that can split its rows
+        if context > 1 and (mc.seq_len % (2 * context if balance else context)
+                            or getattr(mc, "context_refusal", lambda n: None)(context)):
+            continue
         for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
+            rules = rules.replace(seq="context") if context > 1 else rules
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):
                     continue
@@ -39,9 +43,9 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
                         continue
                     if schedule == "interleaved_1f1b" and m % stage:
                         continue
-                    for zero in (range(4) if data > 1 else (0,)):  # ZeRO needs a data axis to shard over
+                    for zero in (range(4) if data * context > 1 else (0,)):  # ZeRO shards over data x context
                         for remat in REMATS:
-                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules)
+                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:
@@ -65,7 +69,8 @@ def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: st
     """Every layout of n_devices planned (on `platform`'s kernels, None: this host's), the fitting ones fastest
     first."""
     plans = [estimate(mc, train, st, device, hosts, dtype, platform)
-             for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync, rules)]
+             for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync, rules,
+                                  train.context_load_balance)]
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.total_bytes))
     smallest = min(plans, key=lambda p: p.total_bytes) if plans else None
     return Ranked(fit, len(plans) - len(fit), len(plans), smallest)
