@@ -435,7 +435,7 @@ def test_search_shows_each_layout_once(capsys):
     pipeline's row keeps train.grad_sync, whose reducer it runs (it said auto)."""
     # an odd vocabulary keeps the model axis out (it must divide it): the search plans one width, in half the time
     code = main(["plan", *TINY, "model.vocab_size=257", "train.grad_sync=ring", "plan.device=h100-80g", "--search",
-                 "--devices", "2", "--top", "100", "--json"])
+                 "--devices", "2", "--top", "200", "--json"])
     doc = json.loads(capsys.readouterr().out)
     rows = [p["layout"] for p in doc["plans"]]
     keys = [_as_run(r) for r in rows]
