@@ -274,3 +274,26 @@ def test_the_compiled_step_gathers_only_kv_over_context_and_the_planner_holds_it
         got, want = xla.get((kind, "data,context"), 0.0), mine.get((kind, "data,context"), 0.0)
         assert abs(got - want) <= 0.01 * want + 256, (kind, got, want)  # 256 B: the loss's scalars
     assert all(sent < per_layer for sent, _ in xla_rest), [r for r in xla_rest if r[0] >= per_layer]
+
+
+@pytest.mark.slow
+def test_evaluation_equals_one_device():
+    """The eval step on (data 2, context 4), balanced, with the same parameters: loss sum and counted tokens of a
+    held-out batch equal one device's (1e-5)."""
+    from conftest import corpus
+    from meshes import devices_named
+    from trainer import load_config
+    from trainer.data.batches import Batches
+    from trainer.state import init_state, make_setup
+    from trainer.step import jit_eval_step
+    out = []
+    for keys in (["mesh.data=2", "mesh.context=4"], ["mesh.data=1"]):
+        cfg = load_config(TINY + SGD + ["model.seq_len=32", *keys])
+        s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
+        b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,
+                    evaluates=True)
+        with jax.set_mesh(s.mesh):
+            total, n = jit_eval_step(s)(init_state(s)["params"], jax.device_put(b.eval(0), s.batch_sharding()))
+        out.append((float(total), float(n)))
+    (got, n_got), (want, n_want) = out
+    assert n_got == n_want > 0 and abs(got - want) <= 1e-5 * abs(want)
