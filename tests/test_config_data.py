@@ -16,9 +16,9 @@ from trainer.data.batches import Batches, _split_files, stdlib_files
 @pytest.mark.parametrize("name", preset_names())
 def test_every_mesh_preset_loads(name):
     cfg = load_config([f"mesh.preset={name}", "model.preset=7b", "train.batch_size=512"])
-    shape = (cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model)
-    got = validate(cfg, int(np.prod(shape)))
-    assert (got["data"], got["stage"], got["model"]) == shape and got["context"] == 1
+    from meshes import AXES
+    sizes = {a.name: getattr(cfg.mesh, a.name) for a in AXES}
+    assert validate(cfg, int(np.prod(list(sizes.values())))).as_dict() == sizes
 
 
 def test_required_presets_exist():
