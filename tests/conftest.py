@@ -83,7 +83,8 @@ def train_setup(s, steps=3, source="builtin"):
 
 def single_device(overrides, steps=3):
     """The 1-device reference run for the same model/train settings: (losses, params, grad norms)."""
-    keep = [o for o in overrides if not o.startswith(("mesh.", "train.zero_stage", "train.grad_sync"))]
+    keep = [o for o in overrides if not o.startswith(("mesh.", "train.zero_stage", "train.grad_sync",
+                                                      "train.pipeline_repeats", "train.pipeline_schedule"))]
     return _single(tuple(keep), steps)
 
 
