@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-STRATEGIES = ("all_gather",)
+STRATEGIES = ("all_gather", "all_to_all")
 
 
 def order(T: int, ranks: int, balance: bool) -> np.ndarray:
@@ -48,8 +48,11 @@ class ContextPlan(NamedTuple):
         return jax.lax.dynamic_slice_in_dim(full, collectives.axis_index("seq") * T, T)
 
     def attention(self, kernel, collectives, positions_T):
-        """The attention strategy (LayerCall.attention) for this plan: `kernel` (models/attention.py `attention`
-        with the model's options) run on each rank's queries against the gathered keys."""
+        """The attention strategy (LayerCall.attention) for this plan, `kernel` (models/attention.py `attention`
+        with the model's options) inside: all_gather (each rank's queries against the gathered keys, by position)
+        or all_to_all (whole rows of a group of heads on each rank, by index)."""
+        if self.strategy == "all_to_all":
+            return all_to_all(kernel, collectives, np.asarray(self.order, np.int64))
         return all_gather(kernel, collectives, positions_T)
 
 
@@ -69,5 +72,36 @@ def all_gather(kernel, coll, positions_T):
         # replicated over it first (XLA gathered every kv head over `model`, then ran every rank's attention on all
         # of them), and with any axis automatic (`stage` of size 1 too) the reduce-scatter's reduction holds a
         # sharding annotation that XLA:CPU's bfloat16 promotion aborts on; each rank's heads attend alone
+        return coll.region(rank, axes, Q)(*args)
+    return attend
+
+
+def _repeat_for(k, ranks: int):
+    """k (B, T, K, E) with each kv head repeated so that the ranks split the heads evenly and each rank's kv heads
+    stay those of its query heads: r = ranks / gcd(K, ranks) copies, side by side (r = 1: as it is)."""
+    r = ranks // np.gcd(k.shape[2], ranks)
+    return k if r == 1 else jnp.repeat(k, r, axis=2)
+
+
+def all_to_all(kernel, coll, order_T):
+    """(q, k, v, segments=) -> o, DeepSpeed-Ulysses' form: an all-to-all over `context` turns each rank's chunk of
+    every head into whole rows of its group of heads (kv heads repeated where their count does not split), the row
+    put back in its original order (load balancing reordered it) and attended by `kernel` as a whole row (by
+    index: any kernel, documents and windows included), then reordered and turned back by the reverse all-to-all.
+    Needs each rank's heads to split over the context ranks (config validation)."""
+    back = np.argsort(order_T)  # the reordered row's index of each original position
+
+    def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, **options):
+        def rank(q, k, v, *seg):
+            C = coll.axis_size("seq")
+            k, v = _repeat_for(k, C), _repeat_for(v, C)
+            # block j of the heads to rank j; each rank's chunk arrives as block i of the row: the reordered row
+            q, k, v = (coll.all_to_all(x, "seq", 2, 1)[:, back] for x in (q, k, v))
+            whole = coll.all_gather(seg[0], "seq", 1)[:, back] if seg else None
+            o = kernel(q, k, v, segments=whole, **options)
+            return coll.all_to_all(o[:, order_T], "seq", 1, 2)
+        args, axes = (q_BTHE, k_BTKE, v_BTKE), (Q, KV, KV)
+        if segments is not None:
+            args, axes = args + (segments,), axes + (("batch", "seq"),)
         return coll.region(rank, axes, Q)(*args)
     return attend

@@ -31,14 +31,16 @@ def by_hand(q, k, v, segments=None, window=None):
     return jnp.einsum("bhts,bshe->bthe", p, vv)
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("impl", ["manual", "xla"])
 @pytest.mark.parametrize("balance,documents,window", [(True, False, None), (False, False, None), (True, True, None),
                                                       (False, True, None), (True, True, 6)])
-def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, documents, window):
+def test_context_attention_equals_attention_on_whole_rows(strategy, impl, balance, documents, window):
     """4 context ranks, each row reordered as the step does (balanced: rank i holds chunks i and 7-i of 8): the
     output and the q, k, v gradients of a random cotangent, put back in order, equal whole-row attention's
-    (float32, 1e-5), with documents and with a sliding window too; the keys are gathered (an all-gather over
-    `context` in the program)."""
+    (float32, 1e-5), with documents and with a sliding window too; all_gather gathers the keys (an all-gather over
+    `context` in the program), all_to_all sends each rank's chunk of every head group to its rank (2 kv heads
+    repeated to 4 for 4 ranks)."""
     from meshes import RULES, Collectives, build_mesh
     from models.attention import attention
     from models.context import ContextPlan, order
@@ -47,7 +49,7 @@ def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, docu
     coll = Collectives(rules, mesh)
     perm = order(T, 4, balance)
     assert sorted(perm) == list(range(T)) and (list(perm) != list(range(T))) == balance
-    plan = ContextPlan(4, "all_gather", tuple(int(i) for i in perm))
+    plan = ContextPlan(4, strategy, tuple(int(i) for i in perm))
     kernel = functools.partial(attention, impl=impl, block=4, platform="cpu", window=window)
     rng = np.random.default_rng(0)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
@@ -76,7 +78,7 @@ def test_all_gather_attention_equals_attention_on_whole_rows(impl, balance, docu
     for name, a, b in zip("qkv", got_g, want_g):
         a, b = (x if name != "q" else x[valid] for x in (a, b))
         assert float(jnp.abs(a - b).max()) < 1e-5 * float(jnp.abs(b).max()), name
-    assert "all-gather" in hlo
+    assert ("all-gather" if strategy == "all_gather" else "all-to-all") in hlo
 
 
 LAYOUTS = {
@@ -88,6 +90,10 @@ LAYOUTS = {
     "d2c4-psum-m2": (["mesh.data=2", "mesh.context=4", "train.grad_sync=psum", "train.microbatches=2"], SLOW),
     "d2c4-unbalanced": (["mesh.data=2", "mesh.context=4", "train.context_load_balance=false"], SLOW),
     "d2c4-ring-zero1": (["mesh.data=2", "mesh.context=4", "train.grad_sync=ring", "train.zero_stage=1"], SLOW),
+    "c2m4-all_to_all": (["mesh.data=1", "mesh.context=2", "mesh.model=4", "train.context_attention=all_to_all"],
+                        SLOW),
+    "d2c4-all_to_all-zero3": (["mesh.data=2", "mesh.context=4", "train.context_attention=all_to_all",
+                               "train.zero_stage=3"], ()),
 }
 
 
@@ -124,11 +130,12 @@ def prepared(tmp_path_factory):
     return prepare_documents(tmp_path_factory.mktemp("docs"))
 
 
-def test_packed_documents_equal_one_device(prepared):
+@pytest.mark.parametrize("strategy", ["all_gather", pytest.param("all_to_all", marks=SLOW)])
+def test_packed_documents_equal_one_device(prepared, strategy):
     """data.document_mask=true on prepared documents (boundaries anywhere in the chunks), (data 2, context 4)
-    balanced: equal to one device; without the mask the losses differ (the mask is exercised)."""
+    balanced, each strategy: equal to one device; without the mask the losses differ (the mask is exercised)."""
     keys = ["model.vocab_size=320", "data.document_mask=true", "model.seq_len=64"] + SGD
-    got = run_steps(keys + ["mesh.data=2", "mesh.context=4"], source=prepared)
+    got = run_steps(keys + ["mesh.data=2", "mesh.context=4", f"train.context_attention={strategy}"], source=prepared)
     ref = run_steps(keys + ["mesh.data=1"], 1, source=prepared)
     np.testing.assert_allclose(got.losses, ref.losses, rtol=1e-5)
     np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
@@ -146,6 +153,11 @@ BAD = [
      r"^train.sync=local_sgd with mesh.context=2 is not supported: local SGD keeps a replica per data rank"),
     (["mesh.context=2", "model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2",
       "model.capacity_factor=1.25"], r"^model.capacity_factor=1.25 with mesh.context=2 is not supported yet"),
+    (["mesh.data=8", "train.context_attention=all_to_all"],
+     r"^train.context_attention=all_to_all needs mesh.context > 1 \(each row split over context ranks\)"),
+    (["mesh.context=4", "mesh.model=2", "mesh.data=1", "train.context_attention=all_to_all", "model.n_heads=4"],
+     r"^train.context_attention=all_to_all splits each rank's heads over the context ranks: model.n_heads=4 is not "
+     r"divisible by mesh.model x mesh.context = 2 x 4"),
 ]
 
 
@@ -234,6 +246,34 @@ COMPILED = {
                     "train.pipeline_schedule=1f1b"],
     "d2c4-documents-m2": ["mesh.data=2", "mesh.context=4", "train.microbatches=2", "data.document_mask=true"],
 }
+ULYSSES = {
+    "d2c4-zero3": ["mesh.data=2", "mesh.context=4", "train.zero_stage=3"],
+    "c2m4-full-documents": ["mesh.data=1", "mesh.context=2", "mesh.model=4", "model.remat=full",
+                            "data.document_mask=true"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ULYSSES))
+def test_the_all_to_all_step_sends_what_the_planner_says(name):
+    """train.context_attention=all_to_all (CPU HLO): its all-to-alls over `context` (q, k, v there, the output
+    back, the transposes; again under remat) and its all-gathers over `context` (the batch's reorder, the
+    documents) equal the planner's within 1%; no K/V is gathered."""
+    from test_plan import _plan
+    from trainer.plan.verify import measure
+    cfg, plan = _plan(SGD + ["model.seq_len=64", "train.context_attention=all_to_all"] + ULYSSES[name])
+    m = measure(cfg, grads=False)
+    mine = {}
+    for t in plan.transfers:
+        mine[(t.kind, t.axis)] = mine.get((t.kind, t.axis), 0.0) + t.bytes
+    xla = {(k, ",".join(a)): b for (k, a), b in m.collectives.items()}
+    # XLA moves the batch's reorder by all-gather or collective-permute (over context, and model where the rows
+    # are replicated over it): counted together
+    xla[("all-gather", "context")] = xla.get(("all-gather", "context"), 0.0) + sum(
+        b for (k, a), b in m.collectives.items() if k == "collective-permute" and "context" in a)
+    for key in (("all-to-all", "context"), ("all-gather", "context")):
+        assert mine[key] > 0 and abs(xla[key] / mine[key] - 1) < 0.01, (key, xla[key], mine[key])
+    assert ("reduce-scatter", "context") not in xla
 
 
 @pytest.mark.slow

@@ -267,7 +267,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        *_context_checks(t, mc, shape["context"]),
+        *_context_checks(t, mc, shape["context"], model),
     ]
     for ok, msg in checks:
         if not ok:
@@ -280,16 +280,21 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
     return shape
 
 
-def _context_checks(t, mc: ModelConfig, context: int) -> list[tuple[bool, str]]:
+def _context_checks(t, mc: ModelConfig, context: int, model: int = 1) -> list[tuple[bool, str]]:
     """(ok, message) of context parallelism (mesh.context > 1) against the model and the other keys."""
     if context == 1:
-        return []
+        return [(t.context_attention == "all_gather", f"train.context_attention={t.context_attention} needs "
+                 "mesh.context > 1 (each row split over context ranks); set mesh.context or leave the key out")]
     chunks = 2 * context if t.context_load_balance else context
     why = (f" (load balancing gives each rank 2 of {chunks} chunks; or set train.context_load_balance=false)"
            if t.context_load_balance else "")
     return [
         (mc.seq_len % chunks == 0, f"model.seq_len={mc.seq_len} is not divisible by "
          f"{'2 x ' if t.context_load_balance else ''}mesh.context = {chunks}{why}; use a multiple of {chunks}"),
+        (t.context_attention != "all_to_all" or mc.n_heads % (model * context) == 0,
+         f"train.context_attention=all_to_all splits each rank's heads over the context ranks: model.n_heads="
+         f"{mc.n_heads} is not divisible by mesh.model x mesh.context = {model} x {context}; use all_gather or "
+         "a mesh.context that divides the heads"),
         (t.sync == "every_step", f"train.sync={t.sync} with mesh.context={context} is not supported: local SGD keeps "
          "a replica per data rank; use train.sync=every_step or mesh.context=1"),
         *[(False, f"{why}; use mesh.context=1") for why in [getattr(mc, "context_refusal", lambda n: None)(context)]

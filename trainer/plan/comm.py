@@ -12,6 +12,8 @@ a bytes of the compute dtype, act = n*D*a one microbatch's residual stream.
 """
 from __future__ import annotations
 
+import math
+
 from models import ModelConfig
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
@@ -38,10 +40,9 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
 
 
 def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documents: bool) -> list[Transfer]:
-    """Context parallelism (models/context.py all_gather): per layer and microbatch each rank's K and V gathered
-    over `context` (again where the layer is recomputed: remat, a pipeline's stage bodies), dK and dV
-    reduce-scattered back in the backward; the tokens' positions (and documents) gathered once per microbatch;
-    leaves the rules split over `data` (experts) summed over `context` alone."""
+    """Context parallelism (models/context.py): each layer's attention traffic per microbatch (again where the
+    layer is recomputed: remat, a pipeline's stage bodies), by strategy; the batch's reorder; leaves the rules split
+    over `data` (experts) summed over `context` alone."""
     C = st.context
     if C == 1:
         return []
@@ -51,13 +52,10 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documen
     uses = m * mc.n_layers // st.stage
     forwards = 2 if st.remat != "none" or st.stage > 1 else 1
     ag, rows = bus_factor("all-gather", C), n * C // mc.seq_len  # rows per device and microbatch
-    out = [Transfer("context", "all-gather", "K and V gathered over context (forward"
-                    + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
-                    2 * forwards * uses),
-           Transfer("context", "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
-                    uses * ag * 2 * C * block, 2 * uses),
-           Transfer("context", "all-gather", "the tokens' positions" + (" and documents" if documents else ""),
-                    m * ag * 4 * mc.seq_len * (1 + (rows if documents else 0)), m * (1 + documents))]
+    if st.context_attention == "all_to_all":
+        out = _ulysses_transfers(mc, st, n, a, kv_heads, uses, forwards, documents, rows)
+    else:
+        out = _gather_transfers(mc, st, block, uses, forwards, documents, rows)
     if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
         # and with documents their ids and positions), all-gathered over `context` and sliced
         fields = 5 if documents else 3
@@ -68,6 +66,41 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documen
         out.append(Transfer("context", "all-reduce", "gradients of leaves split over data (experts) summed over context",
                             bus_factor("all-reduce", C) * split, 1))
     return out
+
+
+def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: int, forwards: int, documents: bool,
+                       rows: int) -> list[Transfer]:
+    """models/context.py all_to_all, per layer and microbatch: q, k and v (kv heads repeated where their count
+    does not split over the ranks) sent to their head group's rank and the output back; the transposes in the
+    backward; the documents gathered, where there are any, once per microbatch."""
+    C = st.context
+    kv = kv_heads * (C // math.gcd(kv_heads, C))
+    sent = n * (2 * mc.n_heads // st.model + 2 * kv) * mc.head_dim * a  # q, o and k, v of one layer, one rank
+    a2a = bus_factor("all-to-all", C)
+    out = [Transfer("context", "all-to-all", "q, k, v to their head group's rank and the output back (forward"
+                    + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * a2a * sent,
+                    4 * forwards * uses),
+           Transfer("context", "all-to-all", "their transposes (backward)", uses * a2a * sent, 4 * uses)]
+    if documents:  # the same for every layer: gathered once per microbatch
+        m = st.microbatches
+        out.append(Transfer("context", "all-gather", "the documents of the whole row",
+                            m * bus_factor("all-gather", C) * 4 * rows * mc.seq_len, m))
+    return out
+
+
+def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, documents: bool,
+                      rows: int) -> list[Transfer]:
+    """models/context.py all_gather: each layer's K and V gathered, dK and dV reduce-scattered back, the tokens'
+    positions (and documents) gathered once per microbatch."""
+    C, m = st.context, st.microbatches
+    ag = bus_factor("all-gather", C)
+    return [Transfer("context", "all-gather", "K and V gathered over context (forward"
+                    + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
+                    2 * forwards * uses),
+           Transfer("context", "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
+                    uses * ag * 2 * C * block, 2 * uses),
+           Transfer("context", "all-gather", "the tokens' positions" + (" and documents" if documents else ""),
+                    m * ag * 4 * mc.seq_len * (1 + (rows if documents else 0)), m * (1 + documents))]
 
 
 TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}

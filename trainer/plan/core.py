@@ -128,4 +128,5 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     shape = validate(cfg, n_devices)
     return Strategy(shape, t.zero_stage, t.microbatches, cfg.model.remat,
                     t.pipeline_repeats, t.grad_sync, t.pipeline_schedule,
-                    rules_for(cfg, shape["data"], context=shape["context"]), t.context_load_balance)
+                    rules_for(cfg, shape["data"], context=shape["context"]), t.context_load_balance,
+                    t.context_attention)

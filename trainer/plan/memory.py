@@ -161,7 +161,8 @@ def _only_half(n: int):
 
 
 @functools.lru_cache(maxsize=512)
-def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: int = 1) -> tuple[float, float]:
+def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: tuple = (1, "all_gather")
+             ) -> tuple[float, float]:
     """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
     without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
     one, two = (_traced(mc, tp, dtype, platform, what, rows, context) for rows in (1, 2))
@@ -169,15 +170,16 @@ def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, con
 
 
 @functools.lru_cache(maxsize=512)
-def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: int = 1) -> float:
-    """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` ranks splitting each
-    row, at one rank's seq_len / context tokens, its attention gathering K/V as large as the row's
-    (_OneContextRank)."""
+def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
+            context: tuple = (1, "all_gather")) -> float:
+    """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
+    each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
+    one rank sees them (_OneContextRank: the gathered K/V as large as the row's)."""
     from models.loss import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import head, inventory, layer_call
-    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len // context, jax.numpy.dtype(dtype)
+    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len // context[0], jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
     # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
@@ -195,17 +197,23 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
 
     def fn(x, weights, half=half):
         call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
-        if context > 1:  # as models/transformer.py layer_stack runs it: per-token positions, the trainer's strategy
+        if context[0] > 1:  # as models/transformer.py layer_stack runs it: per-token positions, the trainer's strategy
             from models.context import ContextPlan
-            coll, pos = _OneContextRank(context), jax.numpy.arange(T, dtype=jax.numpy.float32)
+            coll, pos = _OneContextRank(context[0]), jax.numpy.arange(T, dtype=jax.numpy.float32)
+            plan = ContextPlan(context[0], context[1], tuple(range(mc.seq_len)))
             call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
                               data=data, kv_repeat=repeat, collectives=coll,
-                              attention=ContextPlan(context, "all_gather", ()).attention(kn.attention, coll, pos))
+                              attention=plan.attention(kn.attention, coll, pos))
         run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
         if what not in ("none", "attention", "mlp", "sublayer"):
             run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
         return run(x, weights)
     return _residuals(fn, x, weights)
+
+
+def _ctx(st: Strategy) -> tuple:
+    """(context ranks, their attention strategy) of a layout, as the traced layer takes them."""
+    return (st.context, st.context_attention)
 
 
 class _OneContextRank(LocalCollectives):
@@ -222,8 +230,14 @@ class _OneContextRank(LocalCollectives):
     def all_gather(self, x, logical: str, axis: int = 0):
         return jax.numpy.concatenate([x] * self.ranks, axis) if logical == "seq" else x
 
+    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
+        if logical != "seq":
+            return x
+        return jax.numpy.concatenate(jax.numpy.split(x, self.ranks, split_axis), concat_axis)
 
-def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: int = 1) -> float:
+
+def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
+           context: tuple = (1, "all_gather")) -> float:
     """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
     whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
     if getattr(mc, "sparse", False) and what != "head":
@@ -235,7 +249,7 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
 def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
     """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device of `platform`, as
     it runs."""
-    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat, st.context)
+    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat, _ctx(st))
     return fixed, per_row / (mc.seq_len // st.context)
 
 
@@ -253,7 +267,7 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: i
     N, D = rows * mc.seq_len // st.context, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
-    res = _saved(mc, st.model, dtype, platform, "head", rows, st.context)
+    res = _saved(mc, st.model, dtype, platform, "head", rows, _ctx(st))
     seen = N if local else N * st.data
     n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
@@ -266,7 +280,7 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
-        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b, st.context)
+        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st))
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
         return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform)
     return pipeline_activation_bytes(mc, st, b, dtype, platform)
@@ -295,8 +309,8 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
 def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
     """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's."""
     if st.remat == "sublayer":
-        return max(_saved(mc, st.model, dtype, platform, half, b, st.context) for half in ("attention", "mlp"))
-    return _saved(mc, st.model, dtype, platform, "none", b, st.context)
+        return max(_saved(mc, st.model, dtype, platform, half, b, _ctx(st)) for half in ("attention", "mlp"))
+    return _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
@@ -311,9 +325,9 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str,
     n = b * mc.seq_len // st.context * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
     body = mc.n_layers // (st.stage * st.repeats)
     # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's
-    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, st.context)
+    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
     if st.remat == "sublayer":
-        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, st.context) + _recompute(mc, st, dtype, platform,
+        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, _ctx(st)) + _recompute(mc, st, dtype, platform,
                                                                                                  b)
     # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block

@@ -13,15 +13,16 @@ REMATS = ("none", "dots", "full")
 
 
 def strategies(mc: ModelConfig, batch: int, n_devices: int, repeats: int = 1, grad_sync: str = "auto",
-               rules=RULES, balance: bool = True):
+               rules=RULES, balance: bool = True, context_attention: str = "all_gather"):
     """The layouts the trainer accepts on n_devices, each once as the trainer runs it (`executed`). `rules`: the
     run's rules, or a function of the data ranks giving them (None: the config cannot run on that many;
     trainer/state.py rules_by_data: a list, an MoE's experts split over `data` and replicated)."""
-    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules, balance))))
+    return list(dict.fromkeys(map(executed, _candidates(mc, batch, n_devices, repeats, grad_sync, rules, balance,
+                                                        context_attention))))
 
 
 def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_sync: str, rules_of,
-                balance: bool = True):
+                balance: bool = True, context_attention: str = "all_gather"):
     """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
@@ -31,7 +32,8 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
             continue
         # context parallelism: whole chunks (two per rank, balanced), an MoE that can split its rows
         if context > 1 and (mc.seq_len % (2 * context if balance else context)
-                            or getattr(mc, "context_refusal", lambda n: None)(context)):
+                            or getattr(mc, "context_refusal", lambda n: None)(context)
+                            or (context_attention == "all_to_all" and mc.n_heads % (model * context))):
             continue
         for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
             rules = rules.replace(seq="context") if context > 1 else rules
@@ -45,7 +47,8 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
                         continue
                     for zero in (range(4) if data * context > 1 else (0,)):  # ZeRO shards over data x context
                         for remat in REMATS:
-                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance)
+                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance,
+                                           context_attention)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:
@@ -70,7 +73,7 @@ def search(mc: ModelConfig, train, n_devices: int, device, hosts: int, dtype: st
     first."""
     plans = [estimate(mc, train, st, device, hosts, dtype, platform)
              for st in strategies(mc, train.batch_size, n_devices, train.pipeline_repeats, train.grad_sync, rules,
-                                  train.context_load_balance)]
+                                  train.context_load_balance, train.context_attention)]
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.total_bytes))
     smallest = min(plans, key=lambda p: p.total_bytes) if plans else None
     return Ranked(fit, len(plans) - len(fit), len(plans), smallest)

@@ -21,6 +21,7 @@ class Strategy:
     schedule: str = "gpipe"  # train.pipeline_schedule (meaningful where stage > 1)
     rules: Rules = RULES
     balance: bool = True  # train.context_load_balance (meaningful where context > 1)
+    context_attention: str = "all_gather"  # train.context_attention (meaningful where context > 1)
 
     # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py)
     data = property(lambda self: self.mesh["data"])
