@@ -337,3 +337,20 @@ def test_evaluation_equals_one_device():
         out.append((float(total), float(n)))
     (got, n_got), (want, n_want) = out
     assert n_got == n_want > 0 and abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.slow
+def test_the_search_weighs_both_strategies(capsys):
+    """`plan --search` on 8 devices plans layouts with context > 1 under all_gather and all_to_all (each once), and
+    all_to_all only where the heads split over model x context."""
+    import json
+
+    from trainer.cli import main
+    assert main(["plan", *TINY, "model.seq_len=64", "model.n_heads=4", "model.n_kv_heads=4", "plan.device=h100-80g",
+                 "--search", "--devices", "8", "--top", "5000", "--json"]) == 0
+    rows = [p["layout"] for p in json.loads(capsys.readouterr().out)["plans"]]
+    ctx = [r for r in rows if r["context"] > 1]
+    assert {r["context_attention"] for r in ctx} == {"all_gather", "all_to_all"}
+    assert all(4 % (r["model"] * r["context"]) == 0 for r in ctx if r["context_attention"] == "all_to_all")
+    assert any(4 % (r["model"] * r["context"]) for r in ctx if r["context_attention"] == "all_gather")
+    assert all("context_attention" not in r for r in rows if r["context"] == 1)

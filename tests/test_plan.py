@@ -442,8 +442,8 @@ def test_search_shows_each_layout_once(capsys):
     assert len(set(keys)) == len(keys), [dict(k) for k in keys[:3]]
     # by hand, tiny (2 layers) at batch 16 on 2 devices: data=2: ZeRO 0-3 x M = 1, 2, 4, 8 x 3 remats; stage=2: gpipe
     # and 1f1b (interleaving needs 4 layers) x M = 2, 4, 8, 16, each once; context=2 (each row split in two, ZeRO over
-    # it): ZeRO 0-3 x M = 1, 2, 4, 8, 16 x 3 remats
-    assert code == 0 and doc["tried"] == doc["fit"] == len(rows) == 48 + 8 + 60
+    # it): ZeRO 0-3 x M = 1, 2, 4, 8, 16 x 3 remats x 2 attention strategies
+    assert code == 0 and doc["tried"] == doc["fit"] == len(rows) == 48 + 8 + 120
     piped = {(r["pipeline_schedule"], r["microbatches"], r["remat"]) for r in rows if r["stage"] == 2}
     assert piped == {(s, m, "none") for s in ("gpipe", "1f1b") for m in (2, 4, 8, 16)}
     tie = [p["step_s"] for p in doc["plans"] if p["layout"]["stage"] == 2 and p["layout"]["microbatches"] == 16]

@@ -71,7 +71,8 @@ def as_json(p: Plan) -> dict:
     return {
         "layout": {**st.mesh.as_dict(), "zero_stage": st.zero,
                    "microbatches": st.microbatches, "remat": st.remat, "pipeline_repeats": st.repeats,
-                   "grad_sync": st.grad_sync, "pipeline_schedule": st.schedule},
+                   "grad_sync": st.grad_sync, "pipeline_schedule": st.schedule,
+                   **({"context_attention": st.context_attention} if st.context > 1 else {})},
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
         "params": param_count(p.model), "hbm_bytes": p.device.hbm,
         **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits, "over_bytes": p.over_bytes,
@@ -161,17 +162,20 @@ def search_text(ranked, best_n: int, why) -> str:
         return ""
     p0 = fit[0]
     ep = any(p.strategy.rules["experts"] == "data" for p in fit)  # an EP column (expert parallelism) where tried
+    cp = any(p.strategy.context > 1 for p in fit[:best_n])  # the context attention's column where a row has context
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
             f"the fastest {min(best_n, len(fit))} by roofline step time:",
             "   #" + "".join(f" {a:>5}" for a in p0.strategy.mesh.names)
-            + " ZeRO    M remat schedule          step s   MFU  mem GB  comm GB" + (" EP" if ep else "")]
+            + " ZeRO    M remat schedule          step s   MFU  mem GB  comm GB" + (" EP" if ep else "")
+            + (" attention" if cp else "")]
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
         rows.append(f"  {i + 1:>2}" + "".join(f" {n:>5}" for n in st.mesh.sizes)
                     + f" {st.zero:>4} {st.microbatches:>4} {st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} "
                     f"{100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}"
-                    + ((" on" if st.rules["experts"] == "data" else " off") if ep else ""))
+                    + ((" on" if st.rules["experts"] == "data" else " off") if ep else "")
+                    + ((f" {st.context_attention}" if st.context > 1 else " -") if cp else ""))
         rows.append(f"       {why(p, p0, i)}")
     if any(p.strategy.stage > 1 for p in fit[:best_n]):
         rows.append("a pipeline recomputes each stage body whole for its backward: remat none, dots and full run "

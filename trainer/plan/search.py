@@ -8,6 +8,8 @@ from models import ModelConfig
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
+CONTEXT_STRATEGIES = ("all_gather", "all_to_all")  # models/context.py STRATEGIES, each planned where it can run
+
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")
 
@@ -32,9 +34,10 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
             continue
         # context parallelism: whole chunks (two per rank, balanced), an MoE that can split its rows
         if context > 1 and (mc.seq_len % (2 * context if balance else context)
-                            or getattr(mc, "context_refusal", lambda n: None)(context)
-                            or (context_attention == "all_to_all" and mc.n_heads % (model * context))):
+                            or getattr(mc, "context_refusal", lambda n: None)(context)):
             continue
+        # under context parallelism each strategy whose heads split (all_to_all: over model x context)
+        weighed = [a for a in CONTEXT_STRATEGIES if a != "all_to_all" or mc.n_heads % (model * context) == 0]
         for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
             rules = rules.replace(seq="context") if context > 1 else rules
             for schedule, v in _schedules(stage, repeats):
@@ -47,8 +50,8 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
                         continue
                     for zero in (range(4) if data * context > 1 else (0,)):  # ZeRO shards over data x context
                         for remat in REMATS:
-                            yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance,
-                                           context_attention)
+                            for ca in (weighed if context > 1 else [context_attention]):
+                                yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance, ca)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:

@@ -46,6 +46,7 @@ class Strategy:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
         pp += f" {self.schedule}" if self.stage > 1 else ""
         ep = " experts over data" if self.rules["experts"] == "data" else ""
+        ep += f" context by {self.context_attention}" if self.context > 1 else ""
         return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}{ep}"
 
 
