@@ -85,6 +85,14 @@ class Collectives:
         axes = self._over(logical)
         return x if axes is None else jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
 
+    def shift(self, x, logical: str):
+        """Each rank's block to the next rank (the last's to the first): one step around a ring."""
+        axes = self._over(logical)
+        if axes is None:
+            return x
+        n = self.axis_size(logical)
+        return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
+
     # ---- regions
 
     def region(self, fn, in_axes, out_axes, over: tuple[str, ...] | None = None):

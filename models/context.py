@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-STRATEGIES = ("all_gather", "all_to_all")
+STRATEGIES = ("all_gather", "all_to_all", "ring")
 
 
 def order(T: int, ranks: int, balance: bool) -> np.ndarray:
@@ -53,6 +53,9 @@ class ContextPlan(NamedTuple):
         or all_to_all (whole rows of a group of heads on each rank, by index)."""
         if self.strategy == "all_to_all":
             return all_to_all(kernel, collectives, np.asarray(self.order, np.int64))
+        if self.strategy == "ring":
+            from models.ring import ring
+            return ring(kernel, collectives, positions_T)
         return all_gather(kernel, collectives, positions_T)
 
 

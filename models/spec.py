@@ -31,7 +31,8 @@ class LocalCollectives:
     each method acts on one rank's blocks, as inside a shard_map:
       axis_size(lg), axis_index(lg); psum(x, lg); all_gather(x, lg, axis) (blocks concatenated along axis);
       reduce_scatter(x, lg, axis) (summed, each rank keeps its block of axis); all_to_all(x, lg, split_axis,
-      concat_axis) (block j of split_axis to rank j, rank i's arriving as block i of concat_axis);
+      concat_axis) (block j of split_axis to rank j, rank i's arriving as block i of concat_axis); shift(x, lg)
+      (each rank's block to the next rank, around a ring);
       region(fn, in_axes, out_axes, over=None): fn on each rank's blocks, manual over the logical axes `over`
       (None: every axis), the arguments' and the result's layouts given by their logical axes."""
 
@@ -51,6 +52,9 @@ class LocalCollectives:
         return x
 
     def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
+        return x
+
+    def shift(self, x, logical: str):
         return x
 
     def region(self, fn, in_axes, out_axes, over=None):

@@ -267,7 +267,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        *_context_checks(t, mc, shape["context"], model),
+        *_context_checks(t, mc, shape["context"], model, stage),
     ]
     for ok, msg in checks:
         if not ok:
@@ -280,7 +280,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
     return shape
 
 
-def _context_checks(t, mc: ModelConfig, context: int, model: int = 1) -> list[tuple[bool, str]]:
+def _context_checks(t, mc: ModelConfig, context: int, model: int = 1, stage: int = 1) -> list[tuple[bool, str]]:
     """(ok, message) of context parallelism (mesh.context > 1) against the model and the other keys."""
     if context == 1:
         return [(t.context_attention == "all_gather", f"train.context_attention={t.context_attention} needs "
@@ -295,6 +295,9 @@ def _context_checks(t, mc: ModelConfig, context: int, model: int = 1) -> list[tu
          f"train.context_attention=all_to_all splits each rank's heads over the context ranks: model.n_heads="
          f"{mc.n_heads} is not divisible by mesh.model x mesh.context = {model} x {context}; use all_gather or "
          "a mesh.context that divides the heads"),
+        (t.context_attention != "ring" or stage == 1,
+         f"train.context_attention=ring with mesh.stage={stage} is not supported yet: inside a pipeline's stage "
+         "branches XLA:CPU's ring sends gave NaN; use all_gather or all_to_all with a pipeline"),
         (t.sync == "every_step", f"train.sync={t.sync} with mesh.context={context} is not supported: local SGD keeps "
          "a replica per data rank; use train.sync=every_step or mesh.context=1"),
         *[(False, f"{why}; use mesh.context=1") for why in [getattr(mc, "context_refusal", lambda n: None)(context)]

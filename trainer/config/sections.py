@@ -14,7 +14,7 @@ GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
-CONTEXT_ATTENTION = ("all_gather", "all_to_all")  # train.context_attention (models/context.py STRATEGIES)
+CONTEXT_ATTENTION = ("all_gather", "all_to_all", "ring")  # train.context_attention (models/context.py STRATEGIES)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (tables: trainer/parallel/schedules.py)
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable (trainer/ckpt/checkpoint.py)
@@ -62,7 +62,7 @@ class TrainSection:
     context_attention: str = setting("all_gather", CONTEXT_ATTENTION, "under context parallelism (mesh.context > 1): "
                                      "how attention sees the keys of other ranks (all_gather: each layer's K/V "
                                      "gathered over context; all_to_all: whole rows of a group of heads per rank, "
-                                     "Ulysses; docs/parallelism.md)")
+                                     "Ulysses; ring: K/V blocks passed rank to rank; docs/parallelism.md)")
     context_load_balance: bool = setting(True, None, "under context parallelism: rank i holds chunks i and 2C-1-i of "
                                          "each sequence (every rank attends as many keys); needs seq_len divisible "
                                          "by 2 x mesh.context")

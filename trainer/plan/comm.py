@@ -54,6 +54,8 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documen
     ag, rows = bus_factor("all-gather", C), n * C // mc.seq_len  # rows per device and microbatch
     if st.context_attention == "all_to_all":
         out = _ulysses_transfers(mc, st, n, a, kv_heads, uses, forwards, documents, rows)
+    elif st.context_attention == "ring":
+        out = _ring_transfers(mc, st, n, a, block, uses, forwards, documents)
     else:
         out = _gather_transfers(mc, st, block, uses, forwards, documents, rows)
     if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
@@ -86,6 +88,23 @@ def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: in
         out.append(Transfer("context", "all-gather", "the documents of the whole row",
                             m * bus_factor("all-gather", C) * 4 * rows * mc.seq_len, m))
     return out
+
+
+def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, forwards: int,
+                    documents: bool) -> list[Transfer]:
+    """models/ring.py, per layer and microbatch: C - 1 steps around the ring, each passing the K and V block with
+    its keys' positions (and documents); the backward passes them again with their float32 dK and dV accumulators,
+    which take one more step home."""
+    steps = st.context - 1
+    meta = 4 * mc.seq_len // st.context + (4 * n if documents else 0)  # the block's positions (and documents)
+    kv = 2 * block + meta
+    home = 2 * block * 4 / a  # dK and dV, float32
+    # a recomputed forward (remat, a pipeline's stage body) passes the same blocks as the backward beside it: XLA
+    # sends them once (one op), so `forwards` adds nothing
+    return [Transfer("context", "collective-permute", "K and V blocks around the ring (forward)", uses * steps * kv,
+                     uses * steps * (3 + documents)),
+            Transfer("context", "collective-permute", "K, V and their float32 gradients around the ring (backward)",
+                     uses * (steps * (kv + home) + home), uses * (steps * (5 + documents) + 2))]
 
 
 def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, documents: bool,
