@@ -296,8 +296,9 @@ def _context_checks(t, mc: ModelConfig, context: int, model: int = 1, stage: int
          f"{mc.n_heads} is not divisible by mesh.model x mesh.context = {model} x {context}; use all_gather or "
          "a mesh.context that divides the heads"),
         (t.context_attention != "ring" or stage == 1,
-         f"train.context_attention=ring with mesh.stage={stage} is not supported yet: inside a pipeline's stage "
-         "branches XLA:CPU's ring sends gave NaN; use all_gather or all_to_all with a pipeline"),
+         f"train.context_attention=ring with mesh.stage={stage} is not supported yet: XLA:CPU's collective-permute "
+         "waits for every device, and a pipeline runs each stage's branch on its own devices; use all_gather or "
+         "all_to_all with a pipeline"),
         (t.sync == "every_step", f"train.sync={t.sync} with mesh.context={context} is not supported: local SGD keeps "
          "a replica per data rank; use train.sync=every_step or mesh.context=1"),
         *[(False, f"{why}; use mesh.context=1") for why in [getattr(mc, "context_refusal", lambda n: None)(context)]
