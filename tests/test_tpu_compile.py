@@ -156,7 +156,7 @@ def test_compile_for_cli_prints_xla_tpu_beside_the_plan_and_refuses_bad_topologi
 GUARD = ["model.preset=small", "model.d_model=512", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=1024",
          "model.vocab_size=32000", "model.seq_len=256", "model.n_layers=2", "train.batch_size=8",
          "train.dtype=bfloat16", "mesh.data=8", "mesh.model=1", "train.zero_stage=3", "model.remat=full"]
-GUARD_TEMP = {("0.10.2", "0.0.42.1"): 272_194_656}
+GUARD_TEMP = {("0.10.2", "0.0.42.1"): 272_194_656, ("0.12.0.1", "0.0.50.1"): 272_423_456}
 
 
 def test_the_tpu_programs_temp_holds_its_recorded_figure():
