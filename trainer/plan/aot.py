@@ -180,6 +180,9 @@ def lower_cuda(cfg, n: int) -> Lowered:
 def _lowered_axes(line: str, mesh_shape: dict) -> tuple[str, ...]:
     """The mesh axes a lowered collective spans, from its replica groups or permutation pairs."""
     from trainer.plan.hlo import axes_of, pair_axes
+    if "replica_group_mesh_axes" in line:  # jax 0.12 names the mesh axes themselves
+        named = set(re.findall(r'axis_ref<name = "(\w+)"', line.split("replica_group_mesh_axes", 1)[1].split("]>", 1)[0]))
+        return tuple(a for a in mesh_shape if a in named and mesh_shape[a] > 1)
     m = re.search(r"(?:replica_groups|source_target_pairs) = dense<(.*?)> : tensor<(\d+)x(\d+)xi64>", line)
     if not m:
         return ("?",)
