@@ -7,7 +7,8 @@ and gradients in float32); each is here because XLA:CPU runs the plain form meas
   project            shared backward for same-shaped projections (custom VJP)
   silu               x * sigmoid(x) through tanh
   apply_rope         rotate-half without splitting and concatenating the halves
-  causal_attention   attention with a hand-written, FlashAttention-style backward (below)
+  causal_attention   attention with a hand-written, FlashAttention-style backward (below); from LOOPS_FROM
+                     tokens on as loops over tiles (models/flash_cpu.py)
 
 causal_attention(q, k, v) equals jax.nn.dot_product_attention(q, k, v, is_causal=True) for
 q (B, T, H, E) and k, v (B, T, K, E) with H a multiple of K. What differs is what is kept for the
@@ -33,6 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from models.flash_cpu import LOOPS_FROM, TILE, flash, with_backward
 
 # ----------------------------------------------------------------------------- projections
 
@@ -168,16 +171,6 @@ def _forward(q, k, v, scale, block, seg=None, window=None):
     return cat(outs), cat(lses)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 6))
-def _attention(q, k, v, scale, block, seg, window):
-    return _forward(q, k, v, scale, block, seg, window)[0]
-
-
-def _attention_fwd(q, k, v, scale, block, seg, window):
-    o, lse = _forward(q, k, v, scale, block, seg, window)
-    return o, (q, k, v, o, lse, seg)
-
-
 def _attention_bwd(scale, block, window, res, do):
     q, k, v, o, lse, seg = res
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
@@ -197,7 +190,7 @@ def _attention_bwd(scale, block, window, res, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dseg
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = with_backward(_forward, _attention_bwd)
 
 
 # ----------------------------------------------------------------------------- a chunk of a row, by position
@@ -279,7 +272,10 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, wi
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
     q, k, v = _group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE)
     if positions is None:
-        return _ungroup(_attention(q, k, v, 1.0 / E ** 0.5, block, segments, window or None))
+        T = q_BTHE.shape[1]
+        loops = T >= LOOPS_FROM and T % TILE == 0
+        return _ungroup((flash if loops else _attention)(q, k, v, 1.0 / E ** 0.5, TILE if loops else block,
+                                                           segments, window or None))
     T = q_BTHE.shape[1]
     block = block if 0 < block < T and T % block == 0 else T
     return _ungroup(_chunk_attention(q, k, v, 1.0 / E ** 0.5, block, segments, window or None, positions))

@@ -106,6 +106,29 @@ def test_manual_attention_equals_jax_attention(heads, block):
     assert max_rel(fast[0], ref[0]) < TOL and max_rel(fast[1], ref[1]) < TOL
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (6, 6)], ids=["gqa-4", "mha"])
+@pytest.mark.parametrize("documents, window", [(False, None), (True, None), (False, 20), (True, 12)],
+                         ids=["causal", "documents", "window", "documents-window"])
+def test_long_rows_run_as_loops_equal_to_jax_attention(monkeypatch, heads, documents, window):
+    """From LOOPS_FROM tokens on, the whole-row kernel is models/flash_cpu.py's loops (here from 32 tokens, tiles
+    of 16): forward and gradients equal jax.nn's attention with the mask written out, causal, documents crossing
+    tiles, a window shorter than a tile's reach."""
+    monkeypatch.setattr(fast_cpu, "LOOPS_FROM", 32)
+    monkeypatch.setattr(fast_cpu, "TILE", 16)
+    (H, K), B, Tn, E = heads, 2, 48, 16
+    q, k, v = _normal(6, (B, Tn, H, E), (B, Tn, K, E), (B, Tn, K, E))
+    seg = jnp.asarray([[0] * 7 + [1] * 25 + [2] * 16, [0] * 39 + [1] * 9], jnp.int32)  # documents across tiles
+    i = np.arange(Tn)
+    keep = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+    mask = jnp.asarray(keep)[None, None] & ((seg[:, None, :, None] == seg[:, None, None, :]) if documents else True)
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask)  # noqa: E731
+    fast = lambda q, k, v: fast_cpu.causal_attention(q, k, v, 128, seg if documents else None, window)  # noqa: E731
+    assert "while" in str(jax.make_jaxpr(fast)(q, k, v))  # the loops, not the unrolled blocks
+    ref = jax.jit(lambda *a: _value_and_vjp(plain, a))(q, k, v)
+    got = jax.jit(lambda *a: _value_and_vjp(fast, a))(q, k, v)
+    assert max_rel(got[0], ref[0]) < TOL and max_rel(got[1], ref[1]) < TOL
+
+
 # ----------------------------------------------------------------------------- selection and the whole model
 
 def _tiny(**kw):

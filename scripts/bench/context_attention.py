@@ -3,7 +3,10 @@ the runs alternating:
 
   python scripts/bench/context_attention.py [--seq 2048] [--heads 12] [--head-dim 64] [--rounds 5] [--steps 3]
 
-  whole row     the whole-row kernel (index causality: each query block skips the key blocks after it, unrolled)
+  whole row     the whole-row kernel (index causality: each query block skips the key blocks after it): from
+                fast_cpu.LOOPS_FROM tokens on as loops over tiles (models/flash_cpu.py), shorter rows unrolled
+  unrolled      the unrolled form at any length (query blocks of 128, each against the keys it sees), for the
+                choice of LOOPS_FROM; with --loops the same for the loops form ("loops")
   by position   the same row through the context kernel (positions traced: every block takes every key, the
                 blocks one at a time in a scan): what a row costs when the kernel cannot know its order
   chunk of C    one context rank's share under the all-gather strategy: T/C balanced queries against all T keys
@@ -29,6 +32,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--loops", action="store_true", help="also time the loops form at any length")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import trainer.platforms  # noqa: F401  (before jax: with libtpu installed and no chip, no TPU runtime)
@@ -47,6 +51,13 @@ def main():
         return lambda: jax.block_until_ready([grad(*args) for _ in range(a.steps)])
 
     runs = {"whole row": timed(lambda q, k, v: causal_attention(q, k, v, 128), q, k, v)}
+    from models import fast_cpu as F
+    from models.flash_cpu import TILE, flash
+    whole = lambda kernel, block: lambda q, k, v: F._ungroup(kernel(  # noqa: E731
+        F._group(q, k.shape[2]), F._kv(k), F._kv(v), E ** -0.5, block, None, None))
+    runs["unrolled"] = timed(whole(F._attention, 128), q, k, v)
+    if a.loops:
+        runs["loops"] = timed(whole(flash, TILE), q, k, v)
     pos = jnp.arange(T, dtype=jnp.float32)
     runs["by position"] = timed(lambda q, k, v: causal_attention(q, k, v, 128, positions=(pos, pos)), q, k, v)
     for C in (2, 4):

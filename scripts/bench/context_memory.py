@@ -6,7 +6,8 @@ For each C the planner (trainer/plan) finds the longest seq_len, a multiple of 2
 whole 128-query blocks), whose step fits --memory-gb per device: one row per data rank, mesh (data 1, context C) on C
 simulated CPU devices, float32, the model's remat. Then `plan --verify`'s measurement compiles that step ahead of time
 (XLA:CPU, nothing runs) and prints XLA's own total (arguments + temp + outputs not aliased) and temp against the
-planner's. Every compile is cold, in this process; figures are per device.
+planner's; last, stepping down from the planner's length, the longest whose compiled step XLA says fits (`XLA fits`).
+Every compile is cold, in this process; figures are per device.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def main():
     print(f"{a.model}, one row per data rank, float32, fit within {a.memory_gb:g} GB per device (planner); "
           "XLA's figures from an ahead-of-time compile of that step")
     print(f"{'C':>2} {'seq_len':>8} {'plan GB':>8} {'XLA GB':>8} {'plan/XLA':>8} {'plan temp':>9} {'XLA temp':>9}"
-          f" {'compile s':>9}")
+          f" {'compile s':>9} {'XLA fits':>9}")
     for C in contexts:
         step, lo, hi = 256 * C, 0, a.max_len // (256 * C)  # in units of `step`: lo fits, hi + 1 does not
         while lo < hi:
@@ -72,9 +73,12 @@ def main():
         t0 = time.perf_counter()
         m = measure(cfg, grads=False)
         took = time.perf_counter() - t0
+        fits = lo  # then XLA's own: the longest length whose compiled step fits, from the planner's down
+        while fits > 0 and measure(config(C, fits * step), grads=False).total_bytes > budget:
+            fits -= 1
         print(f"{C:>2} {T:>8} {plan.total_bytes / 1e9:>8.2f} {m.total_bytes / 1e9:>8.2f} "
-              f"{plan.total_bytes / m.total_bytes:>8.3f} {temp / 1e9:>9.2f} {m.temp_bytes / 1e9:>9.2f} {took:>9.1f}",
-              flush=True)
+              f"{plan.total_bytes / m.total_bytes:>8.3f} {temp / 1e9:>9.2f} {m.temp_bytes / 1e9:>9.2f} {took:>9.1f}"
+              f" {fits * step:>9}", flush=True)
 
 
 if __name__ == "__main__":

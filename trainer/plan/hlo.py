@@ -85,6 +85,25 @@ def _scoped(comps, cond: str | None, loop_trips) -> float | None:
     return loop_trips[found.pop()] if len(found) == 1 else None
 
 
+def _has_collectives(comps, name: str) -> bool:
+    """Whether a computation, or one it calls, holds a collective."""
+    level, seen = [name], set()
+    while level:
+        nxt = []
+        for n in level:
+            if n in seen or n not in comps:
+                continue
+            seen.add(n)
+            if any(_OP.search(line) for line in comps[n]):
+                return True
+            for line in comps[n]:
+                nxt += re.findall(r"(?:body|to_apply|calls|condition)=%([\w.\-]+)", line)
+                for group in re.findall(r"computations=\{([^}]*)\}", line):
+                    nxt += [c.strip().lstrip("%") for c in group.split(",")]
+        level = nxt
+    return False
+
+
 def _trips(comps, body: str, loop_trips, functions, cond: str | None = None) -> float:
     """Mean trips of a while loop with no known trip count: counted from its condition, or loop_trips
     of the one function its ops are scoped by, or else of the one its body came from. Read level by
@@ -109,6 +128,8 @@ def _trips(comps, body: str, loop_trips, functions, cond: str | None = None) -> 
         if found:
             break
         level = nxt
+    if not _has_collectives(comps, body):  # its trips weigh no collective (a kernel's loop of traced bounds)
+        return 1
     raise ValueError(f"while loop calling {body} has no known trip count"
                      + (f" (its body comes from {sorted(found)})" if found else ""))
 
