@@ -19,9 +19,27 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 
 from meshes.rules import keep
+
+
+# The pipeline's axis: where it is manual, code runs in the table executor's per-stage branches
+# (trainer/parallel/pipeline.py). A collective-permute's rendezvous there waits for every device of the program
+# (XLA:CPU's; a 2x4 mesh deadlocked), where a collective with replica groups waits for its group's only.
+BRANCHED = "stage"
+
+
+def _pair_shift(x, axes, n: int):
+    """ppermute(x, i -> i + 1) over n ranks (n even) as all-gathers whose groups are pairs of neighbours: (2i, 2i+1),
+    where an odd rank takes its partner's block, then (2i+1, 2i+2), where an even rank does (rank 0 from n - 1).
+    Each rank receives two blocks for the one it keeps (one for n = 2)."""
+    first = jax.lax.all_gather(x, axes, axis_index_groups=[[i, i + 1] for i in range(0, n, 2)])
+    if n == 2:
+        return first[1 - jax.lax.axis_index(axes)]
+    second = jax.lax.all_gather(x, axes, axis_index_groups=[[i, (i + 1) % n] for i in range(1, n, 2)])
+    return jnp.where(jax.lax.axis_index(axes) % 2 == 1, first[0], second[0])
 
 
 def _is_axes(x) -> bool:
@@ -86,11 +104,16 @@ class Collectives:
         return x if axes is None else jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
 
     def shift(self, x, logical: str):
-        """Each rank's block to the next rank (the last's to the first): one step around a ring."""
+        """Each rank's block to the next rank (the last's to the first): one step around a ring. A collective-permute;
+        inside a pipeline (a manual `stage` of more than one), whose tick runs each stage's branch on that stage's
+        devices only, two all-gathers within pairs of neighbours instead (`_pair_shift`)."""
         axes = self._over(logical)
         if axes is None:
             return x
         n = self.axis_size(logical)
+        mesh, manual = self._context()
+        if BRANCHED in manual and mesh.shape[BRANCHED] > 1:
+            return _pair_shift(x, axes, n)
         return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 
     # ---- regions

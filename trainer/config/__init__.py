@@ -295,10 +295,10 @@ def _context_checks(t, mc: ModelConfig, context: int, model: int = 1, stage: int
          f"train.context_attention=all_to_all splits each rank's heads over the context ranks: model.n_heads="
          f"{mc.n_heads} is not divisible by mesh.model x mesh.context = {model} x {context}; use all_gather or "
          "a mesh.context that divides the heads"),
-        (t.context_attention != "ring" or stage == 1,
-         f"train.context_attention=ring with mesh.stage={stage} is not supported yet: XLA:CPU's collective-permute "
-         "waits for every device, and a pipeline runs each stage's branch on its own devices; use all_gather or "
-         "all_to_all with a pipeline"),
+        (t.context_attention != "ring" or stage == 1 or context % 2 == 0,
+         f"train.context_attention=ring with mesh.stage={stage} needs an even mesh.context (got {context}): inside a "
+         "pipeline the ring's step is two all-gathers within pairs of neighbours; use an even mesh.context, or "
+         "all_gather or all_to_all"),
         (t.sync == "every_step", f"train.sync={t.sync} with mesh.context={context} is not supported: local SGD keeps "
          "a replica per data rank; use train.sync=every_step or mesh.context=1"),
         *[(False, f"{why}; use mesh.context=1") for why in [getattr(mc, "context_refusal", lambda n: None)(context)]

@@ -99,8 +99,15 @@ def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, f
     meta = 4 * mc.seq_len // st.context + (4 * n if documents else 0)  # the block's positions (and documents)
     kv = 2 * block + meta
     home = 2 * block * 4 / a  # dK and dV, float32
-    # a recomputed forward (remat, a pipeline's stage body) passes the same blocks as the backward beside it: XLA
-    # sends them once (one op), so `forwards` adds nothing
+    if st.stage > 1:  # meshes/collectives.py _pair_shift: each step two all-gathers within pairs (one for C = 2),
+        # each receiving the partner's block; the stage body's forward runs again in its backward's vjp
+        x = 1 if st.context == 2 else 2
+        return [Transfer("context", "all-gather", "K and V blocks around the ring, pairwise (forward, again where "
+                         "recomputed)", x * forwards * uses * steps * kv, x * forwards * uses * steps * (3 + documents)),
+                Transfer("context", "all-gather", "K, V and their float32 gradients around the ring, pairwise "
+                         "(backward)", x * uses * (steps * (kv + home) + home), x * uses * (steps * (5 + documents) + 2))]
+    # a recomputed forward (remat) passes the same blocks as the backward beside it: XLA sends them once (one op), so
+    # `forwards` adds nothing
     return [Transfer("context", "collective-permute", "K and V blocks around the ring (forward)", uses * steps * kv,
                      uses * steps * (3 + documents)),
             Transfer("context", "collective-permute", "K, V and their float32 gradients around the ring (backward)",
