@@ -350,9 +350,9 @@ def test_evaluation_equals_one_device():
 
 
 @pytest.mark.slow
-def test_the_search_weighs_both_strategies(capsys):
-    """`plan --search` on 8 devices plans layouts with context > 1 under all_gather and all_to_all (each once), and
-    all_to_all only where the heads split over model x context."""
+def test_the_search_weighs_the_three_strategies(capsys):
+    """`plan --search` on 8 devices plans layouts with context > 1 under all_gather, all_to_all and ring, all_to_all
+    only where the heads split over model x context, the ring under a pipeline too."""
     import json
 
     from trainer.cli import main
@@ -360,7 +360,8 @@ def test_the_search_weighs_both_strategies(capsys):
                  "--search", "--devices", "8", "--top", "5000", "--json"]) == 0
     rows = [p["layout"] for p in json.loads(capsys.readouterr().out)["plans"]]
     ctx = [r for r in rows if r["context"] > 1]
-    assert {r["context_attention"] for r in ctx} == {"all_gather", "all_to_all"}
+    assert {r["context_attention"] for r in ctx} == {"all_gather", "all_to_all", "ring"}
+    assert any(r["context_attention"] == "ring" and r["stage"] > 1 for r in ctx)
     assert all(4 % (r["model"] * r["context"]) == 0 for r in ctx if r["context_attention"] == "all_to_all")
     assert any(4 % (r["model"] * r["context"]) for r in ctx if r["context_attention"] == "all_gather")
     assert all("context_attention" not in r for r in rows if r["context"] == 1)

@@ -8,7 +8,7 @@ from models import ModelConfig
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
-CONTEXT_STRATEGIES = ("all_gather", "all_to_all")  # models/context.py STRATEGIES, each planned where it can run
+CONTEXT_STRATEGIES = ("all_gather", "all_to_all", "ring")  # models/context.py STRATEGIES, each where it can run
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")
@@ -37,7 +37,8 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
                             or getattr(mc, "context_refusal", lambda n: None)(context)):
             continue
         # under context parallelism each strategy whose heads split (all_to_all: over model x context)
-        weighed = [a for a in CONTEXT_STRATEGIES if a != "all_to_all" or mc.n_heads % (model * context) == 0]
+        weighed = [a for a in CONTEXT_STRATEGIES if (a != "all_to_all" or mc.n_heads % (model * context) == 0)
+                   and (a != "ring" or stage == 1 or context % 2 == 0)]  # trainer/config's checks
         for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
             rules = rules.replace(seq="context") if context > 1 else rules
             for schedule, v in _schedules(stage, repeats):
