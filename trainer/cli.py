@@ -129,7 +129,8 @@ def _prepare(args: list[str]) -> int:
                   "held-out ones), its loss mask where records have an assistant, and its JSON sidecar; train with "
                   "data.source=OUT.")
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="text, .jsonl or .parquet file, folder, or builtin")
-    p.add_argument("--out", required=True, help="the .bin to write (its sidecar: OUT.json)")
+    p.add_argument("--out", required=True, help="the .bin to write (its sidecar: OUT.json), or a folder: shards and "
+                   "their manifest.json (train with data.source=FOLDER)")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--tokenizer", help="a Hugging Face tokenizer.json, or a folder holding one")
     how.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
@@ -144,11 +145,24 @@ def _prepare(args: list[str]) -> int:
     p.add_argument("--require-counted", action="store_true", help="a record without a token the loss counts is "
                    "an error (default: kept, and counted in the summary and the sidecar)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--workers", type=int, help="with --out FOLDER: local worker processes (default: the cores)")
+    p.add_argument("--ray", metavar="ADDRESS", help="with --out FOLDER: the shards as tasks on the Ray cluster at "
+                   "ADDRESS (or auto)")
+    p.add_argument("--shard-mb", type=float, default=256.0, help="with --out FOLDER: input megabytes of text files "
+                   "per shard (a record file is a shard of its own; default: 256)")
     ns = p.parse_args(args)
-    from trainer.data.prepare import prepare
-    prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, show_progress=not ns.no_progress,
-            field=ns.field, chat_template=ns.chat_template, date=ns.date, loss_on=ns.loss_on,
-            require_counted=ns.require_counted)
+    common = dict(show_progress=not ns.no_progress, field=ns.field, chat_template=ns.chat_template, date=ns.date,
+                  loss_on=ns.loss_on, require_counted=ns.require_counted)
+    if ns.out.endswith(".bin"):
+        if ns.workers is not None or ns.ray:
+            raise UserError(f"--workers and --ray write shards into a folder; give --out a folder instead of "
+                            f"'{ns.out}'")
+        from trainer.data.prepare import prepare
+        prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, **common)
+        return 0
+    from trainer.data.shards import prepare_folder
+    prepare_folder(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, workers=ns.workers,
+                   ray=ns.ray, shard_mb=ns.shard_mb, **common)
     return 0
 
 

@@ -184,6 +184,7 @@ class _Job:
     held: list[Doc]
     records: list[Doc]
     digest: str = ""
+    timed: bool = True  # the sidecar records the seconds taken (a shard's does not: its bytes are its inputs')
 
 
 @dataclass
@@ -230,7 +231,7 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
     return meta
 
 
-def _check_args(sources, out: str, tokenizer, train_vocab, heldout: float, loss_on: str):
+def _check_args(sources, out: str, tokenizer, train_vocab, heldout: float, loss_on: str, folder: bool = False):
     if (tokenizer is None) == (train_vocab is None):
         raise UserError("give exactly one of --tokenizer PATH and --train-tokenizer VOCAB_SIZE")
     if train_vocab is not None and not 257 <= train_vocab <= 2**32:
@@ -242,7 +243,7 @@ def _check_args(sources, out: str, tokenizer, train_vocab, heldout: float, loss_
         raise UserError(f"--loss-on {loss_on} is unknown; choose one of {', '.join(LOSS_ON)}")
     if not sources:
         raise UserError("give at least one source: text files, folders or builtin")
-    if Path(out).suffix != ".bin":
+    if Path(out).suffix != ".bin" and not folder:
         raise UserError(f"--out '{out}' must end in .bin (data.source tells token files by that suffix)")
 
 
@@ -389,5 +390,6 @@ def _sidecar(job: _Job, tk: _Tok, train: Split, held: Split, entries: int, secon
         "bytes_per_token": (train.bytes + held.bytes) / total,
         "heldout_bytes_per_token": held.bytes / held.n if held.n else None,
         "heldout_range": [train.n, total], "sources": job.sources, "heldout_fraction": job.heldout,
-        "seconds": seconds, "tokens_per_sec": round(total / max(encode_s, 1e-9)), "inputs_sha256": job.digest,
+        "inputs_sha256": job.digest,
+        **({"seconds": seconds, "tokens_per_sec": round(total / max(encode_s, 1e-9))} if job.timed else {}),
     }

@@ -1,0 +1,111 @@
+"""Sharded prepare (`meshtrain prepare SOURCES --out DIR/`, trainer/data/shards.py): the same bytes with 1 worker,
+2 workers and on a Ray cluster started here on localhost; a prepare killed mid-way and run again redoes only the
+shards it had not finished; a finished one run again writes nothing."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sources(tmp: Path, files: int = 40, words: int = 400) -> Path:
+    """A folder of text files of varied lengths and a JSONL file of text records."""
+    rng = np.random.default_rng(1)
+    src = tmp / "src"
+    (src / "sub").mkdir(parents=True)
+    for i in range(files):
+        where = src / "sub" if i % 3 == 0 else src
+        (where / f"f{i:03d}.txt").write_text(" ".join(f"w{w}" for w in rng.integers(0, 300, words + 37 * i)) + "\n")
+    (src / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * (i % 50)}) + "\n"
+                                               for i in range(200)))
+    return src
+
+
+def _args(src: Path, out: Path, *more: str) -> list[str]:
+    return ["prepare", str(src), "--out", str(out), "--train-tokenizer", "400", "--shard-mb", "0.01",
+            "--no-progress", *more]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_worker_two_workers_and_ray_write_the_same_bytes(tmp_path, capsys):
+    src = _sources(tmp_path)
+    assert main(_args(src, tmp_path / "one", "--workers", "1")) == 0
+    assert main(_args(src, tmp_path / "two", "--workers", "2")) == 0
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    manifest = json.loads(one["manifest.json"])
+    assert len(manifest["shards"]) >= 4 and manifest["shards"][-1]["loss_mask"] is False
+    assert sum(s["tokens"]["total"] for s in manifest["shards"]) == manifest["tokens"]["total"] > 0
+    assert one == two
+    port = _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    subprocess.run(ray + ["start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard", "false"],
+                   check=True, capture_output=True, env=env)
+    try:
+        assert main(_args(src, tmp_path / "ray", "--ray", f"127.0.0.1:{port}")) == 0
+    finally:
+        subprocess.run(ray + ["stop", "--force"], capture_output=True, env=env)
+    assert _files(tmp_path / "ray") == one
+    assert "on the Ray cluster" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_redoes_only_unfinished_shards(tmp_path):
+    """SIGKILL once two shards are written; the rerun gives a clean run's bytes and leaves the finished shards'
+    files alone (the same inodes and times); run again, it writes nothing."""
+    src = _sources(tmp_path, files=120, words=3000)
+    assert main(_args(src, tmp_path / "clean", "--workers", "1")) == 0
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", "import sys; from trainer.cli import main; sys.exit(main(sys.argv[1:]))",
+           *_args(src, out, "--workers", "1")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (out / "shard-00001.bin.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists(), "killed too late to test a rerun"
+    done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*") if not p.name.endswith("tmp")}
+    assert "shard-00000.bin.json" in done
+    assert main(_args(src, out, "--workers", "2")) == 0
+    assert _files(out) == _files(tmp_path / "clean")
+    for name, stamp in done.items():
+        p = out / name
+        if (out / (name.split(".bin")[0] + ".bin.json")).name in done:  # a finished shard: untouched
+            assert (p.stat().st_ino, p.stat().st_mtime_ns) == stamp, name
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(_args(src, out, "--workers", "2")) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_workers_need_a_folder_and_ray_is_one_line(tmp_path, monkeypatch, capsys):
+    src = _sources(tmp_path, files=2)
+    assert main(["prepare", str(src), "--out", str(tmp_path / "x.bin"), "--train-tokenizer", "300", "--workers",
+                 "2"]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"meshtrain: error: --workers and --ray write shards into a folder; give --out a folder instead of "
+        f"'{tmp_path / 'x.bin'}'"]
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    assert main(_args(src, tmp_path / "r", "--ray", "auto")) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("meshtrain: error: --ray needs Ray, which is not installed; pip "), err
+    assert not (tmp_path / "r").exists()
