@@ -109,3 +109,81 @@ def test_workers_need_a_folder_and_ray_is_one_line(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshtrain: error: --ray needs Ray, which is not installed; pip "), err
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------- training on a manifest
+
+def _texts(tmp: Path, n: int = 30) -> Path:
+    rng = np.random.default_rng(0)
+    src = tmp / "texts"
+    src.mkdir()
+    for i in range(n):
+        (src / f"d{i:02d}.txt").write_text(" ".join(f"w{i % 5}_{w}" for w in rng.integers(0, 60, 100 + 40 * i)))
+    return src
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The same documents as one .bin, as a manifest of one shard, and as a manifest of several."""
+    tmp = tmp_path_factory.mktemp("manifest")
+    src = _texts(tmp)
+    common = ["--train-tokenizer", "400", "--no-progress"]
+    for out, more in (("one.bin", []), ("one", ["--workers", "1"]), ("many", ["--shard-mb", "0.004", "--workers", "1"])):
+        assert main(["prepare", str(src), "--out", str(tmp / out), *common, *more]) == 0
+    return tmp
+
+
+def test_a_manifest_of_one_shard_trains_like_its_bin(prepared):
+    """The shard's files are the .bin's, bytes and all but the timings; training on the folder is bitwise training on
+    the .bin (loss, grad_norm, parameters), with and without the document mask."""
+    from conftest import run_steps
+    assert (prepared / "one" / "shard-00000.bin").read_bytes() == (prepared / "one.bin").read_bytes()
+    for mask in ("false", "true"):
+        keys = ["model.vocab_size=400", "model.seq_len=32", "mesh.data=1", f"data.document_mask={mask}"]
+        a = run_steps(keys, 1, source=str(prepared / "one"))
+        b = run_steps(keys, 1, source=str(prepared / "one.bin"))
+        assert np.array_equal(a.losses, b.losses) and np.array_equal(a.grad_norms, b.grad_norms)
+        assert all(np.array_equal(x, y) for x, y in zip(*(__import__("jax").tree.leaves(r.params) for r in (a, b))))
+
+
+def test_windows_stay_in_their_shard_and_follow_its_tokens(prepared):
+    """Several shards: no window crosses a shard; each shard's share of 1,000 windows within 3 standard errors of
+    its share of the training tokens; the documents are the shards' own; a process's rows are the global batch's."""
+    from trainer.data.batches import _TRAIN, Batches, load_corpus
+    c = load_corpus(str(prepared / "many"))
+    m = json.loads((prepared / "many" / "manifest.json").read_text())
+    lens = np.array([s["tokens"]["train"] for s in m["shards"]])
+    assert len(lens) >= 4 and len(c.train) == lens.sum()
+    bounds = np.cumsum([0, *lens])
+    T, B = 32, 8
+    b = Batches(c, 0, B, T, 400, document_mask=True)
+    starts = np.concatenate([b._windows(c.train, [0, s, _TRAIN], B)[1] for s in range(125)])
+    k = np.searchsorted(bounds, starts, side="right") - 1
+    assert np.all(starts + T + 1 <= bounds[k + 1])  # inside shard k
+    share, p = np.bincount(k, minlength=len(lens)) / len(starts), lens / lens.sum()
+    assert np.all(np.abs(share - p) <= 3 * np.sqrt(p * (1 - p) / len(starts))), (share, p)
+    docs = c.documents()
+    for e, lo in zip(m["shards"], bounds[:-1]):  # each shard's train documents where its tokens are
+        own = np.fromfile(prepared / "many" / (e["path"] + ".docs"), np.uint64).astype(np.int64)
+        assert set((lo + own[own < e["tokens"]["train"]]).tolist()) <= set(docs.tolist())
+    whole = b.global_train(7)
+    half = Batches(c, 0, B, T, 400, process_index=1, process_count=2, document_mask=True).train(7)
+    assert all(np.array_equal(half[f], whole[f][B // 2:]) for f in whole)
+
+
+def test_a_missing_or_truncated_shard_is_one_line(prepared, tmp_path):
+    import shutil
+
+    from trainer.data.batches import load_corpus
+    from trainer.errors import UserError
+    folder = tmp_path / "many"
+    shutil.copytree(prepared / "many", folder)
+    (folder / "shard-00002.bin").unlink()
+    with pytest.raises(UserError, match=r"shard 'shard-00002.bin' named by its manifest.json is missing; run "
+                       r"meshtrain prepare --out FOLDER again \(it redoes only what is missing\)$"):
+        load_corpus(str(folder))
+    shutil.copy(prepared / "many" / "shard-00002.bin", folder)
+    with open(folder / "shard-00001.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match=r"shard 'shard-00001.bin' has 50 tokens where its manifest.json says "):
+        load_corpus(str(folder))

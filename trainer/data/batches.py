@@ -4,6 +4,7 @@ Sources:
   builtin    the Python standard library's .py files read as bytes (vocab 256); files go to
              train or held-out by a hash of their relative path, so the split is stable.
   synthetic  uniform random tokens (for benchmarks; nothing to learn).
+  DIR        a folder of shards with its manifest.json (`meshtrain prepare --out DIR/`, trainer/data/manifest.py)
   PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
              uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
              A .bin from `meshtrain prepare` has a sidecar DATA.bin.json (trainer/data/prepare.py) that
@@ -37,6 +38,8 @@ import numpy as np
 from models.batch import from_windows
 from trainer.errors import UserError
 from trainer.config.sections import BIN_DTYPES
+from trainer.data.manifest import Concat, is_manifest
+from trainer.data.manifest import load as load_manifest
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
 log = logging.getLogger(__name__)
@@ -57,12 +60,15 @@ class Corpus:
     index: Path | None = None  # a prepared .bin's document index file (its sidecar's `document_index`)
     eot_id: int | None = None  # a prepared .bin's end-of-text token: older ones have no index
     loss_mask: np.ndarray | None = None  # a prepared .bin's loss mask (uint8 per token: 1 = a counted target)
+    doc_starts: np.ndarray | None = None  # a manifest's documents, its shards' indexes in `whole`'s order
 
     def documents(self) -> np.ndarray | None:
         """The start offset of every document in `whole`, with len(whole) last (one more entry than
         documents), or None where the source has no documents (a single text file, a bare .bin, synthetic).
         Files read as bytes are one document each; a prepared .bin reads its index, or, prepared before
         there was one, finds its documents by scanning for the end-of-text token (with a log line)."""
+        if self.doc_starts is not None:
+            return self.doc_starts
         if self.file_starts is not None:
             return self.file_starts
         if self.index is not None:
@@ -178,6 +184,8 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
     if not path.exists():
         raise UserError(f"data.source '{source}' does not exist; give an existing file or folder, "
                         "or use data.source=builtin")
+    if is_manifest(path):  # a folder of shards (meshtrain prepare --out DIR/)
+        return _check(Corpus(**load_manifest(path, source, read_sidecar)), source)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return _check(_files(*_split_files(files, path, heldout_fraction)), source)
@@ -337,7 +345,10 @@ class Batches:
         if self.c.synthetic:
             full = rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)
             return (full[self.rows] if n == self.B else full), None
-        starts = rng.integers(0, len(tokens) - self.T - 1, size=n)
+        if isinstance(tokens, Concat):  # a manifest's shards: no window crosses one
+            starts = tokens.window_starts(rng, n, self.T)
+        else:
+            starts = rng.integers(0, len(tokens) - self.T - 1, size=n)
         starts = starts[self.rows] if n == self.B else starts
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         return np.asarray(tokens[idx], dtype=np.int32), starts

@@ -1,8 +1,8 @@
 """`meshtrain prepare SOURCES --out DIR/`: the documents in shards, each a prepared .bin (trainer/data/prepare.py's
 formats: tokens, document index, loss mask, sidecar), and DIR/manifest.json naming them, written last.
 
-Shards are cut from the documents in the order `collect` lists them (sources as given, files sorted): text files
-fill a shard until it holds --shard-mb of input, a record file (JSONL, Parquet) is a shard of its own. The rule knows
+Shards are cut from the documents in the order `collect` lists them (sources as given, files sorted; the training
+files, then the held-out ones): text files fill a shard until it holds --shard-mb of input, a record file (JSONL, Parquet) is a shard of its own. The rule knows
 nothing of the workers, and a shard's bytes depend only on its documents and the tokenizer, so 1 worker, N workers
 and a Ray cluster write the same bytes (no timings in a shard's sidecar or the manifest). A tokenizer is trained
 once, before sharding, on every training document. Each shard is written under temporary names and renamed into
@@ -51,12 +51,11 @@ class Unit:
 
 
 def units(train: list[Doc], held: list[Doc], records: list[Doc], shard_bytes: int) -> list[Unit]:
-    """The shards' documents: text files in collect's order (train and held-out interleaved by name), cut when a
-    shard reaches shard_bytes of input; then each record file alone."""
+    """The shards' documents: the training text files, then the held-out ones, in collect's order (one shard holds
+    what one .bin would, in its order), cut when a shard reaches shard_bytes of input; then each record file alone."""
     split = {id(d): True for d in train}
-    texts = sorted(train + held, key=lambda d: d.name)
     out, cur, size = [], [], 0
-    for d in texts:
+    for d in train + held:
         cur.append(d)
         size += d.size
         if size >= shard_bytes:
@@ -145,6 +144,7 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, folder / MANIFEST)
     total = manifest["tokens"]["total"]
+    n = min(n, len(plan))
     where = f"on the Ray cluster at {ray}" if ray else f"with {n} worker{'s' * (n > 1)}"
     log(f"wrote {folder / MANIFEST}: {len(entries)} shards, {total:,} tokens ({manifest['tokens']['train']:,} train, "
         f"{manifest['tokens']['heldout']:,} held-out) from {sum(sum(e['documents'].values()) for e in entries):,} "
