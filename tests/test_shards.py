@@ -128,7 +128,8 @@ def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manifest")
     src = _texts(tmp)
     common = ["--train-tokenizer", "400", "--no-progress"]
-    for out, more in (("one.bin", []), ("one", ["--workers", "1"]), ("many", ["--shard-mb", "0.004", "--workers", "1"])):
+    for out, more in (("one.bin", []), ("one", ["--workers", "1"]),
+                      ("many", ["--shard-mb", "0.004", "--workers", "1"])):
         assert main(["prepare", str(src), "--out", str(tmp / out), *common, *more]) == 0
     return tmp
 

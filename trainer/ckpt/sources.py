@@ -1,12 +1,17 @@
 """A config's sources: what it points at, read in one step that every entry point (train, plan, simulate, generate,
 export) calls after the pure `load_config`: a Hugging Face `model.init_from` folder's model shape keys
-(checked against its tensors before anything is written) and a prepared .bin's sidecar (data.tokenizer,
-data.bin_dtype and, unless set, model.vocab_size)."""
+(checked against its tensors before anything is written) and a prepared .bin's sidecar or a folder's manifest
+(data.tokenizer, data.bin_dtype and, unless set, model.vocab_size; a mixture's: the first source's tokenizer and the
+largest vocabulary)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
 from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
+from trainer.data.manifest import is_manifest, read_manifest
+from trainer.config.mixture import parse_entries
 
 
 def resolve(cfg: Config, tensors: bool = True) -> Config:
@@ -18,14 +23,34 @@ def resolve(cfg: Config, tensors: bool = True) -> Config:
     return _with_sidecar(cfg)
 
 
+def _meta(source: str) -> dict | None:
+    """What a prepared source says of itself: (vocab_size, tokenizer path from here, dtype, loss mask or not), from a
+    .bin's sidecar or a folder's manifest and first shard; None for any other source."""
+    if source.endswith(".bin"):
+        meta = read_sidecar(source)
+        return meta and {"vocab_size": int(meta["vocab_size"]), "tokenizer": tokenizer_of(source, meta),
+                         "dtype": meta["dtype"], "masked": bool(meta.get("loss_mask"))}
+    folder = Path(source)
+    if not is_manifest(folder):
+        return None
+    m = read_manifest(folder)
+    shards = [read_sidecar(folder / e["path"]) or {} for e in m["shards"][:1]]
+    return {"vocab_size": int(m["vocab_size"]), "tokenizer": str(folder / m["tokenizer"]["path"]),
+            "dtype": shards[0].get("dtype", "uint16"), "masked": any(e.get("loss_mask") for e in m["shards"])}
+
+
 def _with_sidecar(cfg: Config) -> Config:
-    meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
-    masked = bool(meta and meta.get("loss_mask"))
+    if cfg.data.mixture:  # the sources share a tokenizer (checked as they load): the first's, the largest vocabulary
+        metas = [m for src in parse_entries(cfg.data.mixture)[0] if (m := _meta(src))]
+        model = {} if cfg.model.vocab_size is not None or not metas else {
+            "vocab_size": max(m["vocab_size"] for m in metas)}
+        return replace(cfg, data={"tokenizer": metas[0]["tokenizer"]} if metas else {}, model=model)
+    meta = _meta(cfg.data.source)
+    masked = bool(meta and meta["masked"])
     if masked and cfg.data.document_mask is False:
         raise needs_documents(cfg.data.source)
     documents = {"document_mask": True} if masked else {}  # unset stays unset: false
     if not meta:
         return replace(cfg, data=documents)
-    model = {} if cfg.model.vocab_size is not None else {"vocab_size": int(meta["vocab_size"])}
-    return replace(cfg, data={"tokenizer": tokenizer_of(cfg.data.source, meta), "bin_dtype": meta["dtype"],
-                              **documents}, model=model)
+    model = {} if cfg.model.vocab_size is not None else {"vocab_size": meta["vocab_size"]}
+    return replace(cfg, data={"tokenizer": meta["tokenizer"], "bin_dtype": meta["dtype"], **documents}, model=model)

@@ -9,6 +9,7 @@ from meshes import AXES, Axis
 from trainer.hardware import ALIASES as DEVICE_ALIASES, DEVICES
 from trainer.config.model_section import ModelSection
 from trainer.config.schema import FLOAT32, INT32, INT64, POSITIVE, Form, setting, step_range
+from trainer.config.mixture import parse_entries, parse_schedule
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
@@ -31,6 +32,8 @@ STEP = f">= 1 and <= {INT64}"  # a number of steps
 EVERY = f">= 0 and <= {INT64}"  # steps between events (0: none)
 NON_NEGATIVE = f">= 0 and <= {FLOAT32}"  # a float a step computes with
 STEPS = Form("A:B (1 <= A <= B), or '' (none)", step_range)
+MIXTURE = Form("SOURCE=WEIGHT entries, weights >= 0 and not all 0", lambda v, k: parse_entries(v, k))
+MIXTURE_SCHEDULE = Form("STEP:NAME=WEIGHT entries", lambda v, k: parse_schedule(v, None, k))
 STEP_OR_STEPS = Form("STEP or A:B, or '' (none)", lambda v, k: step_range(v, k, single=True))
 
 
@@ -132,6 +135,10 @@ class DataSection:
     # unset: false, or true where the data has a loss mask (conversations), which only trains with it
     document_mask: Optional[bool] = setting(None, None, "attention inside each document, positions per document; "
                                             "null: true where the data has a loss mask")
+    mixture: List[str] = setting([], MIXTURE, "sources mixed by weight instead of data.source, each row of a step "
+                                 "drawn from one (docs/data.md); eval_loss/NAME per source")
+    mixture_schedule: List[str] = setting([], MIXTURE_SCHEDULE, "weight changes: from step STEP on, source NAME's "
+                                          "weight is WEIGHT")
 
 
 @dataclasses.dataclass(frozen=True)

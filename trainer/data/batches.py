@@ -61,6 +61,7 @@ class Corpus:
     eot_id: int | None = None  # a prepared .bin's end-of-text token: older ones have no index
     loss_mask: np.ndarray | None = None  # a prepared .bin's loss mask (uint8 per token: 1 = a counted target)
     doc_starts: np.ndarray | None = None  # a manifest's documents, its shards' indexes in `whole`'s order
+    tokenizer_sha: str | None = None  # a prepared source's tokenizer.json hash (a mixture's sources share one)
 
     def documents(self) -> np.ndarray | None:
         """The start offset of every document in `whole`, with len(whole) last (one more entry than
@@ -197,7 +198,8 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks,
                              bytes_per_token=None if mask is not None else bpt,  # counted bytes unknown
                              prepared=True, index=path.parent / index["path"] if index else None,
-                             eot_id=meta.get("eot_id"), loss_mask=mask), source)
+                             eot_id=meta.get("eot_id"), loss_mask=mask,
+                             tokenizer_sha=meta.get("tokenizer", {}).get("sha256")), source)
     if path.suffix == ".bin":
         if bin_dtype not in BIN_DTYPES:
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use {' or '.join(BIN_DTYPES)}")
@@ -331,25 +333,31 @@ class Batches:
         rows = rows if everyone else rows[self.rows]
         return fields(p, rows, self.c.whole, self.c.loss_mask, self.T)
 
-    def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> dict:
-        windows, at = self._windows(tokens, seed_words, n)
+    def rows_of(self, tokens: np.ndarray, seed_words: list[int], n: int, keep: np.ndarray) -> dict:
+        """The rows `keep` (indices into them) of n windows drawn with seed_words (a mixture's share of a step)."""
+        return self._rows(tokens, seed_words, n, keep)
+
+    def _rows(self, tokens: np.ndarray, seed_words: list[int], n: int, keep=None) -> dict:
+        windows, at = self._windows(tokens, seed_words, n, keep)
         if self.starts is None:
             return from_windows(windows)
         # where each window's tokens lie in corpus.whole (held-out tokens follow the training ones there)
         base = 0 if tokens is self.c.train else len(self.c.train)
         return from_windows(windows, *documents(self.starts, base + at, self.T))
 
-    def _windows(self, tokens: np.ndarray, seed_words: list[int], n: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """This process's windows (rows, T+1) of consecutive tokens, and where each starts in `tokens`."""
+    def _windows(self, tokens: np.ndarray, seed_words: list[int], n: int, keep=None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+        """This process's windows (rows, T+1) of consecutive tokens, and where each starts in `tokens` (keep: which
+        of the n drawn; default this process's rows of a whole batch, else all)."""
         rng = np.random.default_rng(seed_words)
+        keep = keep if keep is not None else self.rows if n == self.B else slice(None)
         if self.c.synthetic:
-            full = rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)
-            return (full[self.rows] if n == self.B else full), None
+            return rng.integers(0, self.V, size=(n, self.T + 1), dtype=np.int32)[keep], None
         if isinstance(tokens, Concat):  # a manifest's shards: no window crosses one
             starts = tokens.window_starts(rng, n, self.T)
         else:
             starts = rng.integers(0, len(tokens) - self.T - 1, size=n)
-        starts = starts[self.rows] if n == self.B else starts
+        starts = starts[keep]
         idx = starts[:, None] + np.arange(self.T + 1)[None, :]
         return np.asarray(tokens[idx], dtype=np.int32), starts
 
@@ -382,6 +390,11 @@ class Batches:
     def iterate(self, start: int, stop: int, prefetch: int = 4, offset: int = 0):
         """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread; step s
         trains on the batch at position s + offset (moved on by a rollback, trainer/guard.py)."""
-        import grain
-        ds = grain.MapDataset.range(start, stop).map(lambda s: (s, self.train(s + offset)))
-        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))
+        return prefetched(self.train, start, stop, prefetch, offset)
+
+
+def prefetched(train, start: int, stop: int, prefetch: int = 4, offset: int = 0):
+    """(step, train(step + offset)) for steps [start, stop), produced ahead in one grain worker thread."""
+    import grain
+    ds = grain.MapDataset.range(start, stop).map(lambda s: (s, train(s + offset)))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))

@@ -113,7 +113,8 @@ def load(folder: Path, source: str, read_sidecar) -> dict:
     return dict(train=Concat(trains, dtype), heldout=Concat(helds, dtype), vocab=int(m["vocab_size"]), whole=whole,
                 bytes_per_token=None if masks is not None else (hb / held_tokens if held_tokens else
                                                                 tb / max(n_train, 1)),
-                prepared=True, eot_id=m.get("eot_id"), loss_mask=masks, doc_starts=np.unique(doc_starts))
+                prepared=True, eot_id=m.get("eot_id"), loss_mask=masks, doc_starts=np.unique(doc_starts),
+                tokenizer_sha=m["tokenizer"]["sha256"])
 
 
 def _shard_meta(path: Path, entry: dict, source: str, read_sidecar) -> dict:

@@ -2,12 +2,13 @@
 formats: tokens, document index, loss mask, sidecar), and DIR/manifest.json naming them, written last.
 
 Shards are cut from the documents in the order `collect` lists them (sources as given, files sorted; the training
-files, then the held-out ones): text files fill a shard until it holds --shard-mb of input, a record file (JSONL, Parquet) is a shard of its own. The rule knows
-nothing of the workers, and a shard's bytes depend only on its documents and the tokenizer, so 1 worker, N workers
-and a Ray cluster write the same bytes (no timings in a shard's sidecar or the manifest). A tokenizer is trained
-once, before sharding, on every training document. Each shard is written under temporary names and renamed into
-place (prepare's own `_finish`), and skipped when it is up to date: a prepare killed at any point and run again
-redoes only the shards that were not finished; a finished one run again writes nothing.
+files, then the held-out ones): text files fill a shard until it holds --shard-mb of input, a record file (JSONL,
+Parquet) is a shard of its own. The rule knows nothing of the workers, and a shard's bytes depend only on its
+documents and the tokenizer, so 1 worker, N workers and a Ray cluster write the same bytes (no timings in a shard's
+sidecar or the manifest). A tokenizer is trained once, before sharding, on every training document. Each shard is
+written under temporary names and renamed into place (prepare's own `_finish`), and skipped when it is up to date: a
+prepare killed at any point and run again redoes only the shards that were not finished; a finished one run again
+writes nothing.
 
 Workers: --workers N local processes (spawned; each tokenizer single-threaded, TOKENIZERS_PARALLELISM=false), or
 with --ray ADDRESS|auto the same units as Ray tasks. One progress bar in this process, advanced as shards finish.
@@ -24,8 +25,8 @@ from pathlib import Path
 
 from trainer.data.batches import sidecar_path
 from trainer.data.chat import load_template, parse_date
-from trainer.data.prepare import (VERSION, Doc, _check_args, _given, _Job, _trained, _up_to_date, _write, collect, inputs_hash,
-                                  sha256_file)
+from trainer.data.prepare import (VERSION, Doc, _check_args, _given, _Job, _trained, _up_to_date, _write, collect,
+                                  inputs_hash, sha256_file)
 from trainer.data.records import Encoder
 from trainer.errors import UserError
 

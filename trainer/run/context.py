@@ -165,10 +165,15 @@ class Run:
     def _batches(self) -> Batches:
         """The run's data: the corpus read (its time left out of init+compile) and the batch function made."""
         cfg, s, t, t_data = self.cfg, self.s, self.cfg.train, time.perf_counter()
-        batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
-                          t.batch_size, s.model.seq_len, s.model.vocab_size,
-                          *distributed.process_rows(s.row_sharding(), t.batch_size), evaluates=t.eval_every > 0,
-                          document_mask=cfg.data.document_mask)
+        rows = distributed.process_rows(s.row_sharding(), t.batch_size)
+        if cfg.data.mixture:
+            from trainer.data.mixture import Mixture
+            batches = Mixture(cfg.data, t.seed, t.batch_size, s.model.seq_len, s.model.vocab_size, *rows,
+                              evaluates=t.eval_every > 0, document_mask=cfg.data.document_mask)
+        else:
+            batches = Batches(load_corpus(cfg.data.source, cfg.data.heldout_fraction, cfg.data.bin_dtype), t.seed,
+                              t.batch_size, s.model.seq_len, s.model.vocab_size, *rows, evaluates=t.eval_every > 0,
+                              document_mask=cfg.data.document_mask)
         self.t0 += time.perf_counter() - t_data
         return batches
 

@@ -1,5 +1,6 @@
 """Evaluation every train.eval_every steps (and after the last): the mean loss over the counted tokens
-of train.eval_batches held-out batches, and bits per byte where the data's bytes per token are known."""
+of train.eval_batches held-out batches, and bits per byte where the data's bytes per token are known. A mixture
+(data.mixture): each source's (eval_loss/NAME, eval_bpb/NAME) and eval_loss their mean by the step's weights."""
 from __future__ import annotations
 
 import jax
@@ -22,10 +23,28 @@ class Eval(Plugin):
     def at_sync(self, run, step: int):
         if not self.due(run, step):
             return
-        # (loss sum, counted tokens) per batch: one mean over all their counted tokens
-        sums = jax.device_get([run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)])
-        total, count = np.sum(sums, axis=0, dtype=np.float64)  # a collective's result: every process waits
+        if hasattr(run.batches, "eval_of"):  # a mixture: each source's, and their mean by the step's weights
+            return self._mixture(run, step)
+        total, count = self._mean(run, run.batches.eval)
         run.eval_loss = float(total / count) if count > 0 else 0.0
         run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_counted_tokens": int(count)})
         if self.bpt:
             run.record["eval_bpb"] = bits_per_byte(run.eval_loss, self.bpt)
+
+    def _mean(self, run, batch_of) -> tuple[float, float]:
+        """(loss sum, counted tokens) over the eval batches: one mean over all their counted tokens."""
+        sums = jax.device_get([run.eval_fn(run.state["params"], run.batch(batch_of(i))) for i in range(self.n)])
+        return np.sum(sums, axis=0, dtype=np.float64)  # a collective's result: every process waits
+
+    def _mixture(self, run, step: int):
+        b, losses, counted = run.batches, [], 0
+        for j, name in enumerate(b.names):
+            total, count = self._mean(run, lambda i, j=j: b.eval_of(j, i))
+            losses.append(float(total / count) if count > 0 else 0.0)
+            counted += int(count)
+            run.record[f"eval_loss/{name}"] = losses[-1]
+            if bpt := b.parts[j].c.bytes_per_token:
+                run.record[f"eval_bpb/{name}"] = bits_per_byte(losses[-1], bpt)
+        w = b.weights(step - 1)
+        run.eval_loss = float(np.dot(w, losses) / w.sum())
+        run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_counted_tokens": counted})

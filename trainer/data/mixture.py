@@ -1,0 +1,97 @@
+"""Weighted mixtures of sources (`data.mixture`, `data.mixture_schedule`): the batch of step s still a pure function
+of (seed, s).
+
+data.mixture lists SOURCE=WEIGHT entries (any data.source: a prepared .bin, a folder of shards, ...); a source is
+named by its file or folder name without suffix (eval_loss/NAME). data.mixture_schedule lists STEP:NAME=WEIGHT
+entries: from step STEP on, NAME's weight is WEIGHT (the others keep theirs).
+
+Rows: step s's B rows go to the sources by systematic sampling, one uniform draw r of (seed, s) and row i at
+(i + r) / B on the weights' cumulative distribution: each source gets its weight's share of the rows, rounded up or
+down, every step (the rows of a source are consecutive). Each source draws its rows' windows with its own words
+(seed, s, source index): a resume or another mesh reads the same batch; a process builds only its own rows. One
+source of weight 1 draws exactly as that source alone. The sources' tokens are memory maps, read where a row needs
+them, in the one loader thread of every run: threads and host memory do not grow with the sources.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
+from trainer.data.batches import Batches, load_corpus, prefetched
+from trainer.errors import UserError
+
+
+class Mixture:
+    """The batches of a mixture: Batches' interface (train, global_train, iterate, eval, rows, note), each source a
+    Batches of its own."""
+
+    def __init__(self, cfg_data, seed: int, batch_size: int, seq_len: int, vocab_size: int, process_index: int = 0,
+                 process_count: int = 1, evaluates: bool = True, document_mask: bool = False):
+        self.sources, self.names, self.w0 = parse_entries(cfg_data.mixture)
+        self.schedule = parse_schedule(cfg_data.mixture_schedule, self.names)
+        check_schedule(self.w0, self.schedule, self.names)
+        corpora = [load_corpus(s, cfg_data.heldout_fraction, cfg_data.bin_dtype) for s in self.sources]
+        _same_tokenizer(corpora, self.names)
+        for c, name in zip(corpora, self.names):
+            if c.loss_mask is not None:
+                raise UserError(f"data.mixture source '{name}' has a loss mask (conversations), which a mixture does "
+                                "not pack yet; mix token sources, or train on it alone with data.source")
+        self.parts = [Batches(c, seed, batch_size, seq_len, vocab_size, process_index, process_count, evaluates,
+                              document_mask) for c in corpora]
+        self.seed, self.B, self.rows = seed, batch_size, self.parts[0].rows
+        self.c = SimpleNamespace(bytes_per_token=None)  # the mixture's bytes per token: per source (eval_bpb/NAME)
+        mix = ", ".join(f"{n} {w:g}" for n, w in zip(self.names, self.w0))
+        self.note = f"mixing {len(self.names)} sources: {mix}" + (
+            f"; {len(self.schedule)} weight changes from step {self.schedule[0][0]}" if self.schedule else "")
+
+    def weights(self, step: int) -> np.ndarray:
+        return weights_at(self.w0, self.schedule, step)
+
+    def _build(self, step: int, rows: slice) -> dict:
+        src = assignment(self.seed, step, self.B, self.weights(step))
+        mine = np.arange(self.B)[rows]
+        out = None
+        for j, b in enumerate(self.parts):
+            at = np.flatnonzero(src == j)  # the global rows source j fills
+            if not len(at):
+                continue
+            keep = np.flatnonzero((at >= mine[0]) & (at <= mine[-1])) if len(mine) else at[:0]
+            words = [self.seed, step, 0x7A1] if len(self.parts) == 1 else [self.seed, step, 0x7A1, j]
+            got = b.rows_of(b.c.train, words, len(at), keep)
+            if out is None:
+                out = {k: np.zeros((len(mine),) + v.shape[1:], v.dtype) for k, v in got.items()}
+            for k, v in got.items():
+                out[k][at[keep] - (mine[0] if len(mine) else 0)] = v
+        return out
+
+    def train(self, step: int) -> dict:
+        return self._build(step, self.rows)
+
+    def global_train(self, step: int) -> dict:
+        return self._build(step, slice(None))
+
+    def sources_of(self, step: int) -> np.ndarray:
+        """Each global row's source index at a step."""
+        return assignment(self.seed, step, self.B, self.weights(step))
+
+    def eval(self, i: int) -> dict:
+        """The first source's eval batch i (the evaluator reads each source's with eval_of)."""
+        return self.parts[0].eval(i)
+
+    def eval_of(self, j: int, i: int) -> dict:
+        return self.parts[j].eval(i)
+
+    def iterate(self, start: int, stop: int, prefetch: int = 4, offset: int = 0):
+        return prefetched(self.train, start, stop, prefetch, offset)
+
+
+def _same_tokenizer(corpora, names: list[str]):
+    seen = [(n, c.tokenizer_sha) for n, c in zip(names, corpora)]
+    first = seen[0]
+    for n, sha in seen[1:]:
+        if sha != first[1]:
+            what = lambda s: f"tokenizer {s[:12]}" if s else "no tokenizer (bytes or a bare .bin)"  # noqa: E731
+            raise UserError(f"data.mixture mixes tokenizers: '{first[0]}' has {what(first[1])}, '{n}' {what(sha)}; "
+                            "prepare every source with one tokenizer (meshtrain prepare --tokenizer FILE)")
