@@ -5,21 +5,19 @@ Sources:
              train or held-out by a hash of their relative path, so the split is stable.
   synthetic  uniform random tokens (for benchmarks; nothing to learn).
   DIR        a folder of shards with its manifest.json (`meshtrain prepare --out DIR/`, trainer/data/manifest.py)
-  PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of
-             uint16/uint32 tokens (data.bin_dtype); the last heldout_fraction is held out.
-             A .bin from `meshtrain prepare` has a sidecar DATA.bin.json (trainer/data/prepare.py) that
-             gives its dtype, vocabulary, tokenizer and held-out documents' token range instead.
-Evaluation never reads training tokens: where the held-out part is shorter than one eval window
-(a one-file folder, a small file), the last heldout_fraction of the tokens, at least one window,
-is held out instead, or the data is refused as too small.
+  PATH       a text file or a folder of files (bytes), or a pre-tokenized .bin of uint16/uint32 tokens
+             (data.bin_dtype); the last heldout_fraction is held out. A .bin from `meshtrain prepare` has a sidecar
+             DATA.bin.json (trainer/data/prepare.py): its dtype, vocabulary, tokenizer and held-out token range.
+  URL        s3:// or gs://: a folder of shards or a prepared .bin in object storage (trainer/data/remote.py).
+Evaluation never reads training tokens: where the held-out part is shorter than one eval window (a one-file folder,
+a small file), the last heldout_fraction of the tokens, at least one window, is held out instead, or the data is
+refused as too small.
 
-Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each
-process builds only its own rows, as the named fields of models/batch.py (targets shifted here,
-once; every target counted and one document per row unless data.document_mask says otherwise).
-Nothing depends on what came before, so a resumed or
-resharded run sees exactly the batches it would have seen. grain runs the per-step batch
-function in a background thread with a prefetch buffer (its MapDataset is random-access,
-which fits a step-indexed source, and it starts at any step).
+Batches: step s draws B window starts from numpy's PCG64 seeded with (seed, s); each process builds only its own
+rows, as the named fields of models/batch.py (targets shifted here, once; every target counted and one document per
+row unless data.document_mask says otherwise). Nothing depends on what came before, so a resumed or resharded run
+sees exactly the batches it would have seen. grain runs the per-step batch function in a background thread with a
+prefetch buffer (its MapDataset is random-access, which fits a step-indexed source, and it starts at any step).
 """
 from __future__ import annotations
 
@@ -38,8 +36,10 @@ import numpy as np
 from models.batch import from_windows
 from trainer.errors import UserError
 from trainer.config.sections import BIN_DTYPES
-from trainer.data.manifest import Concat, is_manifest
+from trainer.data.feed import prefetched
+from trainer.data.manifest import Concat, is_manifest, load_url
 from trainer.data.manifest import load as load_manifest
+from trainer.data.remote import is_url
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
 log = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ class Corpus:
     tokenizer_sha: str | None = None  # a prepared source's tokenizer.json hash (a mixture's sources share one)
 
     def documents(self) -> np.ndarray | None:
-        """The start offset of every document in `whole`, with len(whole) last (one more entry than
-        documents), or None where the source has no documents (a single text file, a bare .bin, synthetic).
-        Files read as bytes are one document each; a prepared .bin reads its index, or, prepared before
-        there was one, finds its documents by scanning for the end-of-text token (with a log line)."""
+        """The start offset of every document in `whole`, with len(whole) last (one more entry than documents), or
+        None where the source has no documents (a single text file, a bare .bin, synthetic). Files read as bytes are
+        one document each; a prepared .bin reads its index (a manifest its shards'), or, prepared before there was
+        one, finds its documents by scanning for the end-of-text token (with a log line)."""
         if self.doc_starts is not None:
             return self.doc_starts
         if self.file_starts is not None:
@@ -181,12 +181,14 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         files = stdlib_files()
         root = Path(sysconfig.get_paths()["stdlib"])
         return _check(_files(*_split_files(files, root, heldout_fraction)), source)
+    if is_url(source):  # object storage: a folder of shards or a prepared .bin (trainer/data/remote.py)
+        return _check(Corpus(**load_url(source)), source)
     path = Path(source)
     if not path.exists():
         raise UserError(f"data.source '{source}' does not exist; give an existing file or folder, "
                         "or use data.source=builtin")
     if is_manifest(path):  # a folder of shards (meshtrain prepare --out DIR/)
-        return _check(Corpus(**load_manifest(path, source, read_sidecar)), source)
+        return _check(Corpus(**load_manifest(path, source)), source)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         return _check(_files(*_split_files(files, path, heldout_fraction)), source)
@@ -392,9 +394,3 @@ class Batches:
         trains on the batch at position s + offset (moved on by a rollback, trainer/guard.py)."""
         return prefetched(self.train, start, stop, prefetch, offset)
 
-
-def prefetched(train, start: int, stop: int, prefetch: int = 4, offset: int = 0):
-    """(step, train(step + offset)) for steps [start, stop), produced ahead in one grain worker thread."""
-    import grain
-    ds = grain.MapDataset.range(start, stop).map(lambda s: (s, train(s + offset)))
-    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))

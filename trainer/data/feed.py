@@ -20,3 +20,10 @@ class Feed:
                     break
             else:
                 return
+
+
+def prefetched(train, start: int, stop: int, prefetch: int = 4, offset: int = 0):
+    """(step, train(step + offset)) for steps [start, stop), produced ahead in one grain worker thread."""
+    import grain
+    ds = grain.MapDataset.range(start, stop).map(lambda s: (s, train(s + offset)))
+    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)))

@@ -64,38 +64,103 @@ class Concat:
         return self.starts[k] + u - (ends[k] - valid[k])
 
 
-def is_manifest(path: Path) -> bool:
+class Where:
+    """A folder on local disk or in object storage (trainer/data/remote.py): its files' sizes, bytes and arrays."""
+
+    def __init__(self, folder):
+        from trainer.data import remote
+        self.r, self.url = remote, remote.is_url(folder)
+        self.folder = str(folder).rstrip("/") if self.url else Path(folder)
+
+    def at(self, name: str):
+        return self.r.join(self.folder, name) if self.url else self.folder / name
+
+    def size(self, name: str) -> int | None:
+        """Bytes of a file, None where it is missing."""
+        if not self.url:
+            p = self.folder / name
+            return p.stat().st_size if p.is_file() else None
+        fs, path = self.r.filesystem(self.at(name))
+        try:
+            return fs.size(path)
+        except FileNotFoundError:
+            return None
+
+    def json(self, name: str) -> dict:
+        return self.r.read_json(self.at(name)) if self.url else json.loads((self.folder / name).read_text())
+
+    def array(self, name: str, dtype):
+        if self.url:
+            return self.r.Remote(self.at(name), dtype)
+        p = self.folder / name
+        return np.memmap(p, dtype=dtype, mode="r") if p.stat().st_size else np.zeros(0, dtype)
+
+    def small(self, name: str, dtype) -> np.ndarray:
+        if self.url:
+            return np.frombuffer(self.r.read_bytes(self.at(name)), dtype)
+        return np.fromfile(self.folder / name, dtype=dtype)
+
+
+def is_manifest(path) -> bool:
+    from trainer.data.remote import exists, is_url, join
+    if is_url(path):
+        return exists(join(str(path), MANIFEST))
+    path = Path(path)
     return path.is_dir() and (path / MANIFEST).is_file()
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest(folder) -> dict:
+    where = Where(folder)
     try:
-        m = json.loads((folder / MANIFEST).read_text())
+        m = where.json(MANIFEST)
         m["shards"][0]["path"], m["vocab_size"]  # noqa: B018 (the keys used below)
         return m
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise UserError(f"'{folder / MANIFEST}' is not a readable manifest ({type(e).__name__}: {e}); run meshtrain "
+        raise UserError(f"'{where.at(MANIFEST)}' is not a readable manifest ({type(e).__name__}: {e}); run meshtrain "
                         "prepare --out FOLDER again") from None
 
 
-def load(folder: Path, source: str, read_sidecar) -> dict:
-    """The fields of the Corpus (trainer/data/batches.py) of a manifest's shards; read_sidecar reads a shard's."""
-    m = read_manifest(folder)
+def load(folder, source: str) -> dict:
+    """The fields of the Corpus (trainer/data/batches.py) of a manifest's shards, on local disk or in object
+    storage."""
+    return _load(Where(folder), read_manifest(folder), source)
+
+
+def load_url(source: str) -> dict:
+    """A data.source in object storage: a folder of shards or a prepared .bin."""
+    if is_manifest(source):
+        return load(source, source)
+    if source.endswith(".bin"):
+        return load_bin(source, source)
+    raise UserError(f"data.source '{source}' holds no manifest.json (a missing bucket or folder?); give a folder "
+                    "written by meshtrain prepare --out URL/ or a prepared .bin")
+
+
+def load_bin(url: str, source: str) -> dict:
+    """A prepared .bin in object storage, read as a manifest of that one shard."""
+    from trainer.data.remote import read_json
+    parent, _, name = url.rpartition("/")
+    side = read_json(url + ".json")
+    m = {"shards": [{"path": name, "tokens": side["tokens"]}], "tokens": side["tokens"], "eot_id": side.get("eot_id"),
+         "vocab_size": side["vocab_size"], "tokenizer": side["tokenizer"]}
+    return _load(Where(parent), m, source)
+
+
+def _load(where: Where, m: dict, source: str) -> dict:
     trains, helds, t_masks, h_masks, t_docs, h_docs, tb, hb = [], [], [], [], [], [], 0, 0
     n_train = m["tokens"]["train"]
     at_t = at_h = 0
     for e in m["shards"]:
-        path = folder / e["path"]
-        meta = _shard_meta(path, e, source, read_sidecar)
-        toks = np.memmap(path, dtype=meta["dtype"], mode="r")
+        meta = _shard_meta(where, e, source)
+        toks = where.array(e["path"], meta["dtype"])
         cut = int(meta["heldout_range"][0])
         trains.append(toks[:cut])
         helds.append(toks[cut:])
         if "loss_mask" in meta:
-            mask = np.memmap(path.parent / meta["loss_mask"]["path"], dtype=np.uint8, mode="r")
+            mask = where.array(meta["loss_mask"]["path"], np.uint8)
             t_masks.append(mask[:cut])
             h_masks.append(mask[cut:])
-        starts = np.fromfile(path.parent / meta["document_index"]["path"], dtype=np.uint64).astype(np.int64)
+        starts = where.small(meta["document_index"]["path"], np.uint64).astype(np.int64)
         t_docs.append(at_t + starts[starts < cut])
         h_docs.append(n_train + at_h + starts[(starts >= cut) & (starts < len(toks))] - cut)
         at_t, at_h = at_t + cut, at_h + len(toks) - cut
@@ -117,16 +182,21 @@ def load(folder: Path, source: str, read_sidecar) -> dict:
                 tokenizer_sha=m["tokenizer"]["sha256"])
 
 
-def _shard_meta(path: Path, entry: dict, source: str, read_sidecar) -> dict:
+def _shard_meta(where: Where, entry: dict, source: str) -> dict:
     """A shard's sidecar, checked against the manifest: present, and as many tokens and documents."""
-    want = entry["tokens"]["total"]
-    if not path.is_file():
-        raise UserError(f"data.source '{source}': shard '{entry['path']}' named by its {MANIFEST} is missing; run "
+    want, name = entry["tokens"]["total"], entry["path"]
+    size = where.size(name)
+    if size is None:
+        raise UserError(f"data.source '{source}': shard '{name}' named by its {MANIFEST} is missing; run "
                         "meshtrain prepare --out FOLDER again (it redoes only what is missing)")
-    meta = read_sidecar(path)
-    have = path.stat().st_size // np.dtype(meta["dtype"]).itemsize if meta else -1
-    if meta is None or meta["tokens"]["total"] != want or have != want or \
-            (path.parent / meta["document_index"]["path"]).stat().st_size != 8 * meta["document_index"]["entries"]:
-        raise UserError(f"data.source '{source}': shard '{entry['path']}' has {max(have, 0):,} tokens where its "
+    try:
+        meta = where.json(name + ".json")
+        have = size // np.dtype(meta["dtype"]).itemsize
+        index = meta["document_index"]
+        ok = meta["tokens"]["total"] == want == have and where.size(index["path"]) == 8 * index["entries"]
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        meta, have, ok = None, 0, False
+    if not ok:
+        raise UserError(f"data.source '{source}': shard '{name}' has {max(have, 0):,} tokens where its "
                         f"{MANIFEST} says {want:,} (truncated or rewritten); run meshtrain prepare --out FOLDER again")
     return meta

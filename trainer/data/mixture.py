@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
-from trainer.data.batches import Batches, load_corpus, prefetched
+from trainer.data.batches import Batches, load_corpus
+from trainer.data.feed import prefetched
 from trainer.errors import UserError
 
 

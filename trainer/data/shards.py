@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
+from trainer.data import remote
 from trainer.data.batches import sidecar_path
 from trainer.data.chat import load_template, parse_date
 from trainer.data.prepare import (VERSION, Doc, _check_args, _given, _Job, _trained, _up_to_date, _write, collect,
@@ -82,6 +86,7 @@ class Settings:
     loss_on: str
     require_counted: bool
     hashed: tuple  # the settings each shard's inputs hash covers (json-able pairs)
+    upload: str | None = None  # --out in object storage: `folder` stages each shard, uploaded once written
 
 
 def run_unit(unit: Unit, s: Settings) -> dict:
@@ -93,23 +98,40 @@ def run_unit(unit: Unit, s: Settings) -> dict:
     job = _Job(out, list(s.sources), s.heldout, s.loss_on, day, load_template(tk.path, s.chat_template, day),
                list(unit.train), list(unit.held), list(unit.records), timed=False)
     job.digest = inputs_hash(job.train, job.held + job.records, {**dict(s.hashed), "shard": unit.name})
+    if s.upload and (meta := remote.remote_shard(s.upload, unit.name, job.digest)):
+        return _entry(unit, meta)
     if not _up_to_date(out, job.digest, s.require_counted):
         enc = Encoder(tk.tok, tk.eot, job.template, s.loss_on, s.field, s.require_counted)
         enc.specials = tk.specials
         _write(job, tk, enc, 0.0, False)
     meta = json.loads(sidecar_path(out).read_text())
+    if s.upload:
+        remote.upload_shard(out, meta, s.upload)
+    return _entry(unit, meta)
+
+
+def _entry(unit: Unit, meta: dict) -> dict:
     return {"path": unit.name, "tokens": meta["tokens"], "documents": meta["documents"],
-            "inputs_sha256": meta["inputs_sha256"], "loss_mask": "loss_mask" in meta,
-            "input_bytes": unit.size}
+            "inputs_sha256": meta["inputs_sha256"], "loss_mask": "loss_mask" in meta, "input_bytes": unit.size}
 
 
 def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vocab: int | None, heldout: float,
                    log=print, show_progress: bool = True, field: str = "text", chat_template: str | None = None,
                    date: str | None = None, loss_on: str = "assistant", require_counted: bool = False,
-                   workers: int | None = None, ray: str | None = None, shard_mb: float = 256.0) -> dict:
+                   workers: int | None = None, ray: str | None = None, shard_mb: float = 256.0,
+                   upload: str | None = None) -> dict:
     """Tokenize the sources into shards in the folder `out` and write its manifest; returns the manifest
-    (`skipped`: it was up to date)."""
+    (`skipped`: it was up to date). `out` a URL (s3://, gs://): the shards are written in a local staging folder
+    and uploaded as each is finished (its sidecar last), the tokenizer first and the manifest last; what is there
+    already, whole and of the same inputs, is not written again."""
     _check_args(sources, out, tokenizer, train_vocab, heldout, loss_on, folder=True)
+    if remote.is_url(out):
+        stage = Path(tempfile.mkdtemp(prefix="meshtrain-prepare-"))
+        try:
+            return prepare_folder(sources, str(stage), tokenizer, train_vocab, heldout, log, show_progress, field,
+                                  chat_template, date, loss_on, require_counted, workers, ray, shard_mb, upload=out)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--out '{out}' is a file; give a folder for shards (or a .bin for one token file)")
@@ -125,29 +147,39 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
                 "field": field, "loss_on": loss_on, "date": parse_date(date).isoformat(),
                 "chat_template": chat_template and sha256_file(chat_template)}
     digest = inputs_hash(train, held + records, settings)
-    if (done := _finished(folder, digest, require_counted)) is not None:
-        log(f"skipped: {out} is up to date (same inputs and settings as its {MANIFEST})")
+    done = _finished_remote(upload, digest) if upload else _finished(folder, digest, require_counted)
+    if done is not None:
+        log(f"skipped: {upload or out} is up to date (same inputs and settings as its {MANIFEST})")
         return {**done, "skipped": True}
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tok_path = Path(tokenizer) if tokenizer else _train_once(folder, sources, heldout, train_vocab, train, held,
                                                             records, field, chat_template, date, loss_on, log)
+    if upload:  # the bucket's copy is the one its manifest names
+        tok_path = Path(shutil.copy(_given(str(tok_path)).path, folder / "tokenizer.json")) \
+            if tok_path.resolve() != (folder / "tokenizer.json").resolve() else tok_path
+        there = remote.join(upload, "tokenizer.json")
+        if remote.size(there) is None or hashlib.sha256(remote.read_bytes(there)).hexdigest() != sha256_file(tok_path):
+            remote.put(tok_path, there)
     tk = _given(str(tok_path))
     hashed = {**settings, "tokenizer_sha256": sha256_file(tk.path)}
     s = Settings(str(folder), tuple(sources), str(tk.path), heldout, field, chat_template, date, loss_on,
-                 require_counted, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in hashed.items())))
+                 require_counted, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in hashed.items())), upload)
     n = workers or os.cpu_count() or 1
     t1 = time.perf_counter()
     entries = _run(plan, s, n, ray_module, ray, show_progress)
     took = time.perf_counter() - t1
     manifest = _manifest(entries, tk, digest, sources, heldout, folder)
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    if upload:
+        remote.write_bytes(remote.join(upload, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
+    else:
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, folder / MANIFEST)
     total = manifest["tokens"]["total"]
     n = min(n, len(plan))
     where = f"on the Ray cluster at {ray}" if ray else f"with {n} worker{'s' * (n > 1)}"
-    log(f"wrote {folder / MANIFEST}: {len(entries)} shards, {total:,} tokens ({manifest['tokens']['train']:,} train, "
+    log(f"wrote {remote.join(upload, MANIFEST) if upload else folder / MANIFEST}: {len(entries)} shards, {total:,} tokens ({manifest['tokens']['train']:,} train, "
         f"{manifest['tokens']['heldout']:,} held-out) from {sum(sum(e['documents'].values()) for e in entries):,} "
         f"documents {where} in {took:.1f}s ({total / max(took, 1e-9):,.0f} tokens/s; "
         f"{time.perf_counter() - t0:.1f}s in all)")
@@ -175,6 +207,19 @@ def _finished(folder: Path, digest: str, require_counted: bool) -> dict | None:
         return m
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _finished_remote(url: str, digest: str) -> dict | None:
+    """The manifest in object storage, if it is of these inputs and every shard it names is there whole."""
+    try:
+        m = remote.read_json(remote.join(url, MANIFEST))
+        tok = remote.read_bytes(remote.join(url, m["tokenizer"]["path"]))
+    except (UserError, ValueError, KeyError, TypeError):
+        return None
+    if m.get("inputs_sha256") != digest or hashlib.sha256(tok).hexdigest() != m["tokenizer"]["sha256"]:
+        return None
+    ok = all(remote.remote_shard(url, e["path"], e["inputs_sha256"]) for e in m["shards"])
+    return m if ok else None
 
 
 def _train_once(folder: Path, sources, heldout, train_vocab, train, held, records, field, chat_template, date,

@@ -1,0 +1,227 @@
+"""Data in object storage: `s3://` and `gs://` (any fsspec URL) for a prepared .bin or a folder of shards.
+
+A URL is read through fsspec (`s3fs`, `gcsfs`: the s3 and gcs extras; a scheme without its package is one line
+saying what to install; the endpoint and credentials are the library's own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
+Token files and loss masks are never downloaded whole: `Remote` reads the byte ranges a batch's windows need, rounded
+out to blocks of `BLOCK` bytes, through one `Blocks` cache per process: an LRU of blocks in this process's memory,
+at most `CACHE` bytes (nothing is written to local disk). Small files (the manifest, sidecars, document indexes) are
+read whole. A failed read is retried `TRIES` times with exponential backoff, then stops the run with one line naming
+the object.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+
+import numpy as np
+
+from trainer.errors import UserError
+
+BLOCK = 1 << 12  # bytes per cached block: a window of 8,192 uint16 tokens (16 KiB) is fetched as 5 or 6 of them
+CACHE = 256 << 20  # bytes of blocks kept per process
+TRIES = 5
+EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+
+
+def is_url(path) -> bool:
+    s = str(path)
+    return "://" in s and not s.startswith("file://")
+
+
+def join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path inside it) of a URL; one line where its scheme's package is missing."""
+    import fsspec
+    scheme = url.split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError:
+        pkg, extra = EXTRAS.get(scheme, (f"the fsspec backend for {scheme}://", scheme))
+        raise UserError(f"'{url}': {scheme}:// paths need {pkg}, which is not installed; pip install "
+                        f"'meshtrain[{extra}]' (or pip install {pkg})") from None
+    except ValueError as e:
+        raise UserError(f"'{url}' is not a URL fsspec knows ({e}); give s3://BUCKET/PATH or gs://BUCKET/PATH") from None
+
+
+def _retried(what: str, fn):
+    """fn() with TRIES tries and backoff on a failed read; a missing object or bucket at once, one line."""
+    for k in range(TRIES):
+        try:
+            return fn()
+        except FileNotFoundError as e:
+            raise UserError(f"'{what}' does not exist ({e}); check the bucket and the path") from None
+        except (OSError, TimeoutError, RuntimeError) as e:
+            if k == TRIES - 1:
+                raise UserError(f"reading '{what}' failed {TRIES} times ({type(e).__name__}: {e}); check the "
+                                "endpoint, the credentials and the object") from None
+            time.sleep(0.1 * 2 ** k)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    return _retried(url, lambda: fs.cat_file(path))
+
+
+def read_json(url: str) -> dict:
+    return json.loads(read_bytes(url))
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    try:
+        return fs.exists(path)
+    except (OSError, ValueError):
+        return False
+
+
+class Blocks:
+    """The process's cache of object blocks: an LRU of at most `capacity` bytes; counts the bytes it fetched."""
+
+    def __init__(self, block: int = BLOCK, capacity: int = CACHE):
+        self.block, self.capacity, self.fetched = block, capacity, 0
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._held, self._lock = 0, threading.Lock()
+
+    def read(self, url: str, fs, path: str, size: int, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the object, whole blocks fetched (one range request per run of missing ones)."""
+        b = self.block
+        first, last = start // b, (stop - 1) // b
+        got, missing = {}, []
+        with self._lock:
+            for i in range(first, last + 1):
+                if (url, i) in self._lru:
+                    self._lru.move_to_end((url, i))
+                    got[i] = self._lru[(url, i)]
+                else:
+                    missing.append(i)
+        for run in _runs(missing):
+            lo, hi = run[0] * b, min((run[-1] + 1) * b, size)
+            data = _retried(url, lambda lo=lo, hi=hi: fs.cat_file(path, start=lo, end=hi))
+            with self._lock:
+                self.fetched += len(data)
+                for i in run:
+                    piece = data[(i - run[0]) * b:(i - run[0] + 1) * b]
+                    got[i] = piece
+                    self._lru[(url, i)] = piece
+                    self._held += len(piece)
+                while self._held > self.capacity and self._lru:
+                    self._held -= len(self._lru.popitem(last=False)[1])
+        whole = b"".join(got[i] for i in range(first, last + 1))
+        return whole[start - first * b:stop - first * b]
+
+
+def _runs(ids: list[int]) -> list[list[int]]:
+    out = []
+    for i in ids:
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+BLOCKS = Blocks()
+
+
+class Remote:
+    """A 1-D array of `dtype` in an object (from byte `offset`, `n` items): slices and integer-array indexing read
+    only the ranges they touch (each contiguous run of indices one read), through BLOCKS."""
+
+    def __init__(self, url: str, dtype, n: int | None = None, offset: int = 0, blocks: Blocks | None = None):
+        self.url, self.dtype, self.offset = url, np.dtype(dtype), offset
+        self.fs, self.path = filesystem(url)
+        self.size = _retried(url, lambda: self.fs.size(self.path))
+        self.n = (self.size - offset) // self.dtype.itemsize if n is None else n
+        self.blocks = blocks or BLOCKS
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.n,)
+
+    def _range(self, a: int, b: int) -> np.ndarray:
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        k = self.dtype.itemsize
+        raw = self.blocks.read(self.url, self.fs, self.path, self.size, self.offset + a * k, self.offset + b * k)
+        return np.frombuffer(raw, self.dtype)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            a, b, step = idx.indices(self.n)
+            if step != 1:
+                raise IndexError("a strided slice of a remote array")
+            return Remote(self.url, self.dtype, max(b - a, 0), self.offset + a * self.dtype.itemsize, self.blocks)
+        idx = np.asarray(idx, np.int64)
+        flat = np.unique(idx)
+        cuts = np.flatnonzero(np.diff(flat) != 1) + 1
+        values = np.concatenate([self._range(int(r[0]), int(r[-1]) + 1) for r in np.split(flat, cuts)]) \
+            if len(flat) else np.zeros(0, self.dtype)
+        return values[np.searchsorted(flat, idx)]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self._range(0, self.n)
+        return out.astype(dtype) if dtype is not None else out
+
+
+# ----------------------------------------------------------------------------- prepare's output (trainer/data/shards.py)
+
+def put(local, url: str):
+    fs, path = filesystem(url)
+    _retried(url, lambda: fs.put_file(str(local), path))
+
+
+def write_bytes(url: str, data: bytes):
+    """One object written whole (an object store's PUT: readers see the old object or the new one)."""
+    fs, path = filesystem(url)
+    _retried(url, lambda: fs.pipe_file(path, data))
+
+
+def size(url: str) -> int | None:
+    fs, path = filesystem(url)
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
+
+
+def shard_files(bin_path, meta: dict) -> list[str]:
+    """A shard's file names beside its .bin: the tokens, index, mask and template its sidecar names; the sidecar
+    last (uploaded last: a shard whose sidecar is there is whole)."""
+    from pathlib import Path
+    names = [Path(bin_path).name, meta["document_index"]["path"]]
+    names += [x["path"] for x in (meta.get("loss_mask"), meta.get("chat_template")) if x]
+    return names + [Path(bin_path).name + ".json"]
+
+
+def upload_shard(bin_path, meta: dict, base: str):
+    """Upload a shard written under `bin_path`'s folder to the folder URL `base`, sidecar last, then remove it here."""
+    from pathlib import Path
+    folder = Path(bin_path).parent
+    for name in shard_files(bin_path, meta):
+        put(folder / name, join(base, name))
+    for name in shard_files(bin_path, meta):
+        (folder / name).unlink(missing_ok=True)
+
+
+def remote_shard(base: str, name: str, digest: str) -> dict | None:
+    """A shard's sidecar in object storage if the shard is there whole and of these inputs, else None."""
+    try:
+        meta = read_json(join(base, name + ".json"))
+    except (UserError, ValueError):
+        return None
+    if meta.get("inputs_sha256") != digest:
+        return None
+    total = meta["tokens"]["total"]
+    want = {name: total * np.dtype(meta["dtype"]).itemsize,
+            meta["document_index"]["path"]: 8 * meta["document_index"]["entries"]}
+    if meta.get("loss_mask"):
+        want[meta["loss_mask"]["path"]] = total
+    return meta if all(size(join(base, n)) == b for n, b in want.items()) else None
