@@ -73,6 +73,10 @@ def test_prepare_to_s3_and_train_from_it_as_from_disk(s3, tmp_path):
     stamps = {p["name"]: p["LastModified"] for p in s3.ls("bkt/data", detail=True, refresh=True)}
     assert _prepare(src, "s3://bkt/data/", "--workers", "2") == 0
     assert {p["name"]: p["LastModified"] for p in s3.ls("bkt/data", detail=True, refresh=True)} == stamps
+    from trainer.ckpt.sources import resolve
+    from trainer.config import load_config
+    cfg = resolve(load_config(["data.source=s3://bkt/data/"]))  # what `meshtrain train` reads of its data first
+    assert cfg.model.vocab_size == m["vocab_size"] and cfg.data.tokenizer == "s3://bkt/data/tokenizer.json"
     s3.rm(["bkt/data/manifest.json", "bkt/data/shard-00002.bin"])
     assert _prepare(src, "s3://bkt/data/", "--workers", "1") == 0
     after = {p["name"]: p["LastModified"] for p in s3.ls("bkt/data", detail=True, refresh=True)}

@@ -5,12 +5,11 @@ export) calls after the pure `load_config`: a Hugging Face `model.init_from` fol
 largest vocabulary)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
 from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
-from trainer.data.manifest import is_manifest, read_manifest
+from trainer.data import remote
+from trainer.data.manifest import Where, is_manifest, read_manifest
 from trainer.config.mixture import parse_entries
 
 
@@ -26,17 +25,19 @@ def resolve(cfg: Config, tensors: bool = True) -> Config:
 def _meta(source: str) -> dict | None:
     """What a prepared source says of itself: (vocab_size, tokenizer path from here, dtype, loss mask or not), from a
     .bin's sidecar or a folder's manifest and first shard; None for any other source."""
+    url = remote.is_url(source)
     if source.endswith(".bin"):
-        meta = read_sidecar(source)
-        return meta and {"vocab_size": int(meta["vocab_size"]), "tokenizer": tokenizer_of(source, meta),
+        meta = read_sidecar(source) if not url else remote.read_json(source + ".json")
+        return meta and {"vocab_size": int(meta["vocab_size"]), "tokenizer": tokenizer_of(source, meta) if not url
+                         else remote.join(source.rpartition("/")[0], meta["tokenizer"]["path"]),
                          "dtype": meta["dtype"], "masked": bool(meta.get("loss_mask"))}
-    folder = Path(source)
-    if not is_manifest(folder):
+    if not is_manifest(source):
         return None
-    m = read_manifest(folder)
-    shards = [read_sidecar(folder / e["path"]) or {} for e in m["shards"][:1]]
-    return {"vocab_size": int(m["vocab_size"]), "tokenizer": str(folder / m["tokenizer"]["path"]),
-            "dtype": shards[0].get("dtype", "uint16"), "masked": any(e.get("loss_mask") for e in m["shards"])}
+    m = read_manifest(source)
+    where = Where(source)
+    first = where.json(m["shards"][0]["path"] + ".json")
+    return {"vocab_size": int(m["vocab_size"]), "tokenizer": str(where.at(m["tokenizer"]["path"])),
+            "dtype": first.get("dtype", "uint16"), "masked": any(e.get("loss_mask") for e in m["shards"])}
 
 
 def _with_sidecar(cfg: Config) -> Config:
