@@ -156,3 +156,25 @@ def test_a_missing_bucket_or_object_is_one_line(s3, tmp_path):
     s3.rm("bkt/gone/shard-00001.bin")
     with pytest.raises(UserError, match=r"shard 'shard-00001.bin' named by its manifest.json is missing"):
         load_corpus("s3://bkt/gone")
+
+
+def test_prepare_reads_sources_in_a_bucket(s3, tmp_path):
+    """A folder of text files and a JSONL file uploaded as they are: prepared from s3:// its shards hold the same
+    tokens, documents and masks as prepared from local disk (the sidecars differ in the sources named)."""
+    src = _texts(tmp_path)
+    (src / "sub").mkdir()
+    (src / "sub" / "more.txt").write_text("more words " * 50)
+    (src / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * i}) + "\n" for i in range(40)))
+    for f in sorted(src.rglob("*")):
+        if f.is_file():
+            s3.put_file(str(f), f"bkt/src/{f.relative_to(src)}")
+    assert _prepare("s3://bkt/src/", tmp_path / "from-s3", "--workers", "2") == 0
+    assert _prepare(src, tmp_path / "from-disk", "--workers", "2") == 0
+    a, b = tmp_path / "from-s3", tmp_path / "from-disk"
+    names = sorted(p.name for p in b.iterdir() if not p.name.endswith(".json"))
+    assert names == sorted(p.name for p in a.iterdir() if not p.name.endswith(".json")) and len(names) > 6
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    with pytest.raises(UserError, match=r"^source 's3://bkt/none/' does not exist \(no object under it\)"):
+        from trainer.data.prepare import collect
+        collect(["s3://bkt/none/"], 0.05)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data import remote
 from trainer.data.batches import _split_files, index_path, mask_path, sidecar_path, stdlib_files, template_path
 from trainer.data.chat import ChatTemplate, load_template, parse_date
 from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read, text_specials
@@ -51,6 +52,8 @@ def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc], l
         if src == "builtin":
             root = Path(sysconfig.get_paths()["stdlib"])
             files = stdlib_files()
+        elif remote.is_url(src):  # objects read in place (trainer/data/remote.py Object)
+            root, files = remote.objects(src)
         else:
             p = Path(src)
             if not p.exists():
@@ -76,7 +79,7 @@ def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc], l
 
 def _pieces(doc: Doc):
     """A document's text in pieces of about PIECE bytes, cut after a newline (a whole UTF-8 character)."""
-    with open(doc.path, "rb") as f:
+    with remote.open_source(doc.path) as f:
         rest = b""
         while chunk := f.read(PIECE):
             buf = rest + chunk
@@ -99,7 +102,7 @@ def _texts(docs: list[Doc], records: list[Doc], enc: Encoder):
 
 
 def sha256_file(path) -> str:
-    with open(path, "rb") as f:
+    with remote.open_source(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 

@@ -225,3 +225,69 @@ def remote_shard(base: str, name: str, digest: str) -> dict | None:
     if meta.get("loss_mask"):
         want[meta["loss_mask"]["path"]] = total
     return meta if all(size(join(base, n)) == b for n, b in want.items()) else None
+
+
+# ----------------------------------------------------------------------------- prepare's sources
+
+class Object:
+    """An object in storage as prepare reads a source file: the pathlib.Path calls it makes (name, suffix, size,
+    open for reading, relative_to its source's root, ordering); picklable for the workers (the URL and size)."""
+
+    def __init__(self, url: str, size: int):
+        self.url, self.size = url, size
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Object({self.url!r})"
+
+    def __lt__(self, other) -> bool:  # by path components, as pathlib orders a local folder's files
+        return self.url.split("/") < str(other).split("/")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Object) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/").rpartition("/")[2]
+
+    @property
+    def suffix(self) -> str:
+        stem, dot, ext = self.name.rpartition(".")
+        return f".{ext}" if dot and stem else ""
+
+    def relative_to(self, root) -> str:
+        return self.url[len(str(root).rstrip("/")) + 1:]
+
+    def stat(self):
+        return type("Stat", (), {"st_size": self.size})()
+
+    def open(self, mode: str = "rb"):
+        fs, path = filesystem(self.url)
+        return _retried(self.url, lambda: fs.open(path, mode))
+
+
+def open_source(path):
+    """A source file or object (Object), for reading bytes."""
+    return path.open("rb") if isinstance(path, Object) else open(path, "rb")
+
+
+def objects(url: str) -> tuple[str, list[Object]]:
+    """(the root names are relative to, every object under a URL or the one it names, sorted); one line where there
+    is none."""
+    fs, path = filesystem(url)
+    try:
+        found = _retried(url, lambda: fs.find(path, detail=True))
+    except UserError:
+        found = {}
+    if not found:
+        raise UserError(f"source '{url}' does not exist (no object under it); check the bucket and the path")
+    proto = url.split("://", 1)[0]
+    files = sorted(Object(f"{proto}://{k}", int(v.get("size") or 0)) for k, v in found.items()
+                   if v.get("type", "file") == "file")
+    one = len(files) == 1 and files[0].url == url.rstrip("/")  # a URL naming one object: its folder is the root
+    return (files[0].url.rpartition("/")[0] if one else url.rstrip("/")), files
