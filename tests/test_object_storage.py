@@ -6,6 +6,7 @@ line."""
 import json
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,8 +169,8 @@ def test_prepare_reads_sources_in_a_bucket(s3, tmp_path):
     for f in sorted(src.rglob("*")):
         if f.is_file():
             s3.put_file(str(f), f"bkt/src/{f.relative_to(src)}")
-    assert _prepare("s3://bkt/src/", tmp_path / "from-s3", "--workers", "2") == 0
-    assert _prepare(src, tmp_path / "from-disk", "--workers", "2") == 0
+    assert _prepare("s3://bkt/src/", tmp_path / "from-s3", "--workers", "1") == 0
+    assert _prepare(src, tmp_path / "from-disk", "--workers", "1") == 0
     a, b = tmp_path / "from-s3", tmp_path / "from-disk"
     names = sorted(p.name for p in b.iterdir() if not p.name.endswith(".json"))
     assert names == sorted(p.name for p in a.iterdir() if not p.name.endswith(".json")) and len(names) > 6
@@ -178,3 +179,29 @@ def test_prepare_reads_sources_in_a_bucket(s3, tmp_path):
     with pytest.raises(UserError, match=r"^source 's3://bkt/none/' does not exist \(no object under it\)"):
         from trainer.data.prepare import collect
         collect(["s3://bkt/none/"], 0.05)
+
+
+def test_init_from_a_bucket_reads_a_local_copy(s3, tmp_path, monkeypatch):
+    """model.init_from=s3://... (a Hugging Face folder): copied once into $MESHTRAIN_CACHE, then imported as the local
+    folder is, parameters bit for bit; a second resolve fetches nothing again."""
+    import jax
+
+    from conftest import TINY
+    from trainer import load_config, resolve
+    from trainer.ckpt.params import init_params
+    from trainer.state import make_setup
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
+    fix = Path(__file__).parent / "fixtures" / "hf" / "gqa_untied_f32"
+    for f in sorted(fix.rglob("*")):
+        if f.is_file():
+            s3.put_file(str(f), f"bkt/models/gqa/{f.relative_to(fix)}")
+    got = []
+    for where in ("s3://bkt/models/gqa/", str(fix)):
+        cfg = resolve(load_config(TINY + ["mesh.data=1", f"model.init_from={where}"]))
+        s = make_setup(cfg, jax.devices()[:1])
+        got.append(jax.tree.leaves(init_params(s, cfg.model.init_from)))
+    assert all(np.array_equal(a, b) for a, b in zip(*got)) and len(got[0]) > 5
+    copy = next((tmp_path / "cache" / "objects").iterdir())
+    stamps = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+    resolve(load_config(TINY + ["mesh.data=1", "model.init_from=s3://bkt/models/gqa"]))
+    assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == stamps

@@ -291,3 +291,30 @@ def objects(url: str) -> tuple[str, list[Object]]:
                    if v.get("type", "file") == "file")
     one = len(files) == 1 and files[0].url == url.rstrip("/")  # a URL naming one object: its folder is the root
     return (files[0].url.rpartition("/")[0] if one else url.rstrip("/")), files
+
+
+def cache_root():
+    """Where objects copied whole are kept: $MESHTRAIN_CACHE, else ~/.cache/meshtrain."""
+    import os
+    from pathlib import Path
+    return Path(os.environ.get("MESHTRAIN_CACHE") or Path.home() / ".cache" / "meshtrain")
+
+
+def mirror(url: str):
+    """A local copy of every object under `url` (a model.init_from folder: its weights are read whole anyway), in
+    cache_root()/objects/<hash of the URL>/: an object already there with its size is not fetched again; each is
+    written under a temporary name and renamed. Returns the copy's folder."""
+    import hashlib
+    import os
+    root, files = objects(url)
+    here = cache_root() / "objects" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    for f in files:
+        dst = here / f.relative_to(root)
+        if dst.is_file() and dst.stat().st_size == f.size:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        fs, path = filesystem(f.url)
+        _retried(f.url, lambda fs=fs, path=path, tmp=tmp: fs.get_file(path, str(tmp)))
+        os.replace(tmp, dst)
+    return here
