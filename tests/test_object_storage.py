@@ -205,3 +205,34 @@ def test_init_from_a_bucket_reads_a_local_copy(s3, tmp_path, monkeypatch):
     stamps = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
     resolve(load_config(TINY + ["mesh.data=1", "model.init_from=s3://bkt/models/gqa"]))
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == stamps
+
+
+def test_a_failed_read_is_retried_then_one_line(monkeypatch):
+    """Two failed range reads then a good one: the data, after two backoffs; failing every time: one line naming the
+    object after remote.TRIES tries."""
+    import sys
+
+    import fsspec.registry  # noqa: F401
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from trainer.data import remote
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "gs", MemoryFileSystem)
+    monkeypatch.setattr(remote.time, "sleep", lambda s: slept.append(s))
+    slept, calls = [], []
+    fs, path = remote.filesystem("gs://bkt/r/x.bin")
+    fs.pipe_file(path, np.arange(1000, dtype=np.uint16).tobytes())
+    real = MemoryFileSystem.cat_file
+
+    def flaky(self, p, start=None, end=None, **kw):
+        calls.append(p)
+        if len(calls) <= fails:
+            raise OSError("connection reset")
+        return real(self, p, start=start, end=end, **kw)
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", flaky)
+    fails = 2
+    a = remote.Remote("gs://bkt/r/x.bin", np.uint16, blocks=remote.Blocks(block=256))
+    assert np.array_equal(a[np.array([[3, 4, 5]])], [[3, 4, 5]]) and slept == [0.1, 0.2]
+    fails = 10 ** 6
+    with pytest.raises(UserError, match=r"^reading 'gs://bkt/r/x.bin' failed 5 times \(OSError: connection reset\); "
+                       r"check the endpoint, the credentials and the object$"):
+        remote.Remote("gs://bkt/r/x.bin", np.uint16, blocks=remote.Blocks(block=256))[np.array([500])]
