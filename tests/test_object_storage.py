@@ -236,3 +236,12 @@ def test_a_failed_read_is_retried_then_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^reading 'gs://bkt/r/x.bin' failed 5 times \(OSError: connection reset\); "
                        r"check the endpoint, the credentials and the object$"):
         remote.Remote("gs://bkt/r/x.bin", np.uint16, blocks=remote.Blocks(block=256))[np.array([500])]
+
+
+def test_a_run_dir_in_object_storage_is_one_line():
+    from conftest import TINY
+    from trainer.config import load_config, validate
+    with pytest.raises(UserError, match=r"^run.dir='s3://bkt/run' is a URL: checkpoints and metrics in object storage "
+                       r"are not supported yet \(data.source and model.init_from may be URLs\); give a local or "
+                       r"mounted path$"):
+        validate(load_config(TINY + ["run.dir=s3://bkt/run"]), 8)
