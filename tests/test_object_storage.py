@@ -165,7 +165,8 @@ def test_prepare_reads_sources_in_a_bucket(s3, tmp_path):
     src = _texts(tmp_path)
     (src / "sub").mkdir()
     (src / "sub" / "more.txt").write_text("more words " * 50)
-    (src / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * i}) + "\n" for i in range(40)))
+    records = "".join(json.dumps({"text": f"record {i} " + "z" * i}) + "\n" for i in range(40))
+    (src / "records.jsonl").write_text(records)
     for f in sorted(src.rglob("*")):
         if f.is_file():
             s3.put_file(str(f), f"bkt/src/{f.relative_to(src)}")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
-from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
-from trainer.data import remote
-from trainer.data.manifest import Where, is_manifest, read_manifest
 from trainer.config.mixture import parse_entries
+from trainer.data import remote
+from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
+from trainer.data.manifest import Where, is_manifest, read_manifest
 
 
 def resolve(cfg: Config, tensors: bool = True) -> Config:

@@ -72,7 +72,7 @@ def weights_at(w0: np.ndarray, schedule: list[tuple[int, int, float]], step: int
     return w
 
 
-def check_schedule(w0: np.ndarray, schedule, names: list[str]):
+def check_schedule(w0: np.ndarray, schedule):
     w = w0.copy()
     for at, j, weight in schedule:
         w[j] = weight

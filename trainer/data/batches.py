@@ -393,4 +393,3 @@ class Batches:
         """Yield (step, rows) for steps [start, stop), produced ahead in a grain worker thread; step s
         trains on the batch at position s + offset (moved on by a rollback, trainer/guard.py)."""
         return prefetched(self.train, start, stop, prefetch, offset)
-

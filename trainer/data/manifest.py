@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data import remote
 from trainer.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -68,7 +69,6 @@ class Where:
     """A folder on local disk or in object storage (trainer/data/remote.py): its files' sizes, bytes and arrays."""
 
     def __init__(self, folder):
-        from trainer.data import remote
         self.r, self.url = remote, remote.is_url(folder)
         self.folder = str(folder).rstrip("/") if self.url else Path(folder)
 
@@ -80,11 +80,7 @@ class Where:
         if not self.url:
             p = self.folder / name
             return p.stat().st_size if p.is_file() else None
-        fs, path = self.r.filesystem(self.at(name))
-        try:
-            return fs.size(path)
-        except FileNotFoundError:
-            return None
+        return self.r.size(self.at(name))
 
     def json(self, name: str) -> dict:
         return self.r.read_json(self.at(name)) if self.url else json.loads((self.folder / name).read_text())
@@ -102,9 +98,8 @@ class Where:
 
 
 def is_manifest(path) -> bool:
-    from trainer.data.remote import exists, is_url, join
-    if is_url(path):
-        return exists(join(str(path), MANIFEST))
+    if remote.is_url(path):
+        return remote.exists(remote.join(str(path), MANIFEST))
     path = Path(path)
     return path.is_dir() and (path / MANIFEST).is_file()
 
@@ -138,9 +133,8 @@ def load_url(source: str) -> dict:
 
 def load_bin(url: str, source: str) -> dict:
     """A prepared .bin in object storage, read as a manifest of that one shard."""
-    from trainer.data.remote import read_json
     parent, _, name = url.rpartition("/")
-    side = read_json(url + ".json")
+    side = remote.read_json(url + ".json")
     m = {"shards": [{"path": name, "tokens": side["tokens"]}], "tokens": side["tokens"], "eot_id": side.get("eot_id"),
          "vocab_size": side["vocab_size"], "tokenizer": side["tokenizer"]}
     return _load(Where(parent), m, source)

@@ -19,20 +19,20 @@ from types import SimpleNamespace
 import numpy as np
 
 from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
-from trainer.data.batches import Batches, load_corpus
+from trainer.data.batches import _TRAIN, Batches, load_corpus
 from trainer.data.feed import prefetched
 from trainer.errors import UserError
 
 
 class Mixture:
-    """The batches of a mixture: Batches' interface (train, global_train, iterate, eval, rows, note), each source a
-    Batches of its own."""
+    """The batches of a mixture: Batches' interface (train, global_train, iterate, rows, note; eval_of(j, i) for
+    source j's eval batches), each source a Batches of its own."""
 
     def __init__(self, cfg_data, seed: int, batch_size: int, seq_len: int, vocab_size: int, process_index: int = 0,
                  process_count: int = 1, evaluates: bool = True, document_mask: bool = False):
         self.sources, self.names, self.w0 = parse_entries(cfg_data.mixture)
         self.schedule = parse_schedule(cfg_data.mixture_schedule, self.names)
-        check_schedule(self.w0, self.schedule, self.names)
+        check_schedule(self.w0, self.schedule)
         corpora = [load_corpus(s, cfg_data.heldout_fraction, cfg_data.bin_dtype) for s in self.sources]
         _same_tokenizer(corpora, self.names)
         for c, name in zip(corpora, self.names):
@@ -51,7 +51,7 @@ class Mixture:
         return weights_at(self.w0, self.schedule, step)
 
     def _build(self, step: int, rows: slice) -> dict:
-        src = assignment(self.seed, step, self.B, self.weights(step))
+        src = self.sources_of(step)
         mine = np.arange(self.B)[rows]
         out = None
         for j, b in enumerate(self.parts):
@@ -59,7 +59,7 @@ class Mixture:
             if not len(at):
                 continue
             keep = np.flatnonzero((at >= mine[0]) & (at <= mine[-1])) if len(mine) else at[:0]
-            words = [self.seed, step, 0x7A1] if len(self.parts) == 1 else [self.seed, step, 0x7A1, j]
+            words = [self.seed, step, _TRAIN] if len(self.parts) == 1 else [self.seed, step, _TRAIN, j]
             got = b.rows_of(b.c.train, words, len(at), keep)
             if out is None:
                 out = {k: np.zeros((len(mine),) + v.shape[1:], v.dtype) for k, v in got.items()}
@@ -76,10 +76,6 @@ class Mixture:
     def sources_of(self, step: int) -> np.ndarray:
         """Each global row's source index at a step."""
         return assignment(self.seed, step, self.B, self.weights(step))
-
-    def eval(self, i: int) -> dict:
-        """The first source's eval batch i (the evaluator reads each source's with eval_of)."""
-        return self.parts[0].eval(i)
 
     def eval_of(self, j: int, i: int) -> dict:
         return self.parts[j].eval(i)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing
+from trainer.data.remote import open_source
 from trainer.errors import UserError
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -53,7 +54,7 @@ def read(path: Path):
     if path.suffix == ".parquet":
         yield from _parquet(path)
         return
-    with (path.open("rb") if hasattr(path, "url") else open(path, "rb")) as f:  # a file, or an object in storage
+    with open_source(path) as f:  # a file, or an object in storage
         at = 0
         for n, line in enumerate(f, 1):
             at += len(line)
@@ -69,7 +70,7 @@ def read(path: Path):
 def _parquet(path: Path):
     import pyarrow.parquet as pq
     try:
-        f = pq.ParquetFile(path.open("rb") if hasattr(path, "url") else path)
+        f = pq.ParquetFile(path if isinstance(path, Path) else open_source(path))
     except Exception as e:  # pyarrow's own ArrowInvalid and friends
         raise UserError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0][:120]}); "
                         "give a Parquet or JSONL file") from None

@@ -171,7 +171,7 @@ class Remote:
         return out.astype(dtype) if dtype is not None else out
 
 
-# ----------------------------------------------------------------------------- prepare's output (trainer/data/shards.py)
+# ------------------------------------------------------------------- prepare's output (trainer/data/shards.py)
 
 def put(local, url: str):
     fs, path = filesystem(url)

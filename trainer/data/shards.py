@@ -29,12 +29,12 @@ from pathlib import Path
 from trainer.data import remote
 from trainer.data.batches import sidecar_path
 from trainer.data.chat import load_template, parse_date
+from trainer.data.manifest import MANIFEST, Where
 from trainer.data.prepare import (VERSION, Doc, _check_args, _given, _Job, _trained, _up_to_date, _write, collect,
                                   inputs_hash, sha256_file)
 from trainer.data.records import Encoder
 from trainer.errors import UserError
 
-MANIFEST = "manifest.json"
 FORMAT = "meshtrain-manifest"
 
 
@@ -58,7 +58,7 @@ class Unit:
 def units(train: list[Doc], held: list[Doc], records: list[Doc], shard_bytes: int) -> list[Unit]:
     """The shards' documents: the training text files, then the held-out ones, in collect's order (one shard holds
     what one .bin would, in its order), cut when a shard reaches shard_bytes of input; then each record file alone."""
-    split = {id(d): True for d in train}
+    split = {id(d) for d in train}
     out, cur, size = [], [], 0
     for d in train + held:
         cur.append(d)
@@ -147,7 +147,11 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
                 "field": field, "loss_on": loss_on, "date": parse_date(date).isoformat(),
                 "chat_template": chat_template and sha256_file(chat_template)}
     digest = inputs_hash(train, held + records, settings)
-    done = _finished_remote(upload, digest) if upload else _finished(folder, digest, require_counted)
+    def whole(e: dict) -> bool:  # a shard the manifest names: there whole, of its inputs
+        if upload:
+            return remote.remote_shard(upload, e["path"], e["inputs_sha256"]) is not None
+        return _up_to_date(folder / e["path"], e["inputs_sha256"], require_counted)
+    done = _finished(upload or folder, digest, whole)
     if done is not None:
         log(f"skipped: {upload or out} is up to date (same inputs and settings as its {MANIFEST})")
         return {**done, "skipped": True}
@@ -179,9 +183,10 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     total = manifest["tokens"]["total"]
     n = min(n, len(plan))
     where = f"on the Ray cluster at {ray}" if ray else f"with {n} worker{'s' * (n > 1)}"
-    log(f"wrote {remote.join(upload, MANIFEST) if upload else folder / MANIFEST}: {len(entries)} shards, {total:,} tokens ({manifest['tokens']['train']:,} train, "
-        f"{manifest['tokens']['heldout']:,} held-out) from {sum(sum(e['documents'].values()) for e in entries):,} "
-        f"documents {where} in {took:.1f}s ({total / max(took, 1e-9):,.0f} tokens/s; "
+    docs = sum(sum(e["documents"].values()) for e in entries)
+    log(f"wrote {remote.join(upload, MANIFEST) if upload else folder / MANIFEST}: {len(entries)} shards, "
+        f"{total:,} tokens ({manifest['tokens']['train']:,} train, {manifest['tokens']['heldout']:,} held-out) from "
+        f"{docs:,} documents {where} in {took:.1f}s ({total / max(took, 1e-9):,.0f} tokens/s; "
         f"{time.perf_counter() - t0:.1f}s in all)")
     return {**manifest, "seconds": round(took, 3)}
 
@@ -195,31 +200,19 @@ def _ray():
     return ray
 
 
-def _finished(folder: Path, digest: str, require_counted: bool) -> dict | None:
-    """The manifest, if it is of these inputs and every shard it names is up to date; else None."""
+def _finished(folder, digest: str, shard_ok) -> dict | None:
+    """The manifest of a folder (on disk or in a bucket), if it is of these inputs, its tokenizer is the one it
+    names and every shard passes shard_ok(entry); else None."""
+    where = Where(folder)
     try:
-        m = json.loads((folder / MANIFEST).read_text())
-        if m.get("inputs_sha256") != digest or sha256_file(folder / m["tokenizer"]["path"]) != m["tokenizer"]["sha256"]:
+        m = where.json(MANIFEST)
+        tok = sha256_file(where.at(m["tokenizer"]["path"])) if not where.url else \
+            hashlib.sha256(remote.read_bytes(where.at(m["tokenizer"]["path"]))).hexdigest()
+        if m.get("inputs_sha256") != digest or tok != m["tokenizer"]["sha256"]:
             return None
-        for e in m["shards"]:
-            if not _up_to_date(folder / e["path"], e["inputs_sha256"], require_counted):
-                return None
-        return m
-    except (OSError, ValueError, KeyError, TypeError):
+        return m if all(shard_ok(e) for e in m["shards"]) else None
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         return None
-
-
-def _finished_remote(url: str, digest: str) -> dict | None:
-    """The manifest in object storage, if it is of these inputs and every shard it names is there whole."""
-    try:
-        m = remote.read_json(remote.join(url, MANIFEST))
-        tok = remote.read_bytes(remote.join(url, m["tokenizer"]["path"]))
-    except (UserError, ValueError, KeyError, TypeError):
-        return None
-    if m.get("inputs_sha256") != digest or hashlib.sha256(tok).hexdigest() != m["tokenizer"]["sha256"]:
-        return None
-    ok = all(remote.remote_shard(url, e["path"], e["inputs_sha256"]) for e in m["shards"])
-    return m if ok else None
 
 
 def _train_once(folder: Path, sources, heldout, train_vocab, train, held, records, field, chat_template, date,
