@@ -116,3 +116,28 @@ def prepare_documents(tmp) -> str:
     out = tmp / "data.bin"
     assert main(["prepare", str(tmp / "src"), "--out", str(out), "--train-tokenizer", "300", "--no-progress"]) == 0
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3 endpoint on localhost for this module (AWS_ENDPOINT_URL and test credentials), bucket `bkt` made."""
+    pytest.importorskip("s3fs")
+    import socket
+
+    from moto.server import ThreadedMotoServer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("bkt")
+    yield fs
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    server.stop()

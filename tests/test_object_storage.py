@@ -4,8 +4,6 @@ filesystem registered for the scheme: prepare to a bucket and train from it as f
 uploads only what is missing; training reads byte ranges, never whole shards; a missing bucket or object is one
 line."""
 import json
-import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -13,29 +11,6 @@ import pytest
 
 from trainer.cli import main
 from trainer.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """An S3 endpoint on localhost for this module (AWS_ENDPOINT_URL and test credentials), bucket `bkt` made."""
-    pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir("bkt")
-    yield fs
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    server.stop()
 
 
 def _texts(tmp):
@@ -237,12 +212,3 @@ def test_a_failed_read_is_retried_then_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"^reading 'gs://bkt/r/x.bin' failed 5 times \(OSError: connection reset\); "
                        r"check the endpoint, the credentials and the object$"):
         remote.Remote("gs://bkt/r/x.bin", np.uint16, blocks=remote.Blocks(block=256))[np.array([500])]
-
-
-def test_a_run_dir_in_object_storage_is_one_line():
-    from conftest import TINY
-    from trainer.config import load_config, validate
-    with pytest.raises(UserError, match=r"^run.dir='s3://bkt/run' is a URL: checkpoints and metrics in object storage "
-                       r"are not supported yet \(data.source and model.init_from may be URLs\); give a local or "
-                       r"mounted path$"):
-        validate(load_config(TINY + ["run.dir=s3://bkt/run"]), 8)

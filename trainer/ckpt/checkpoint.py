@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from meshes import recorded
+from trainer.ckpt.objects import path_of
 from trainer.ckpt.store import (FORMAT, SUBDIR, abstract, check_shapes, choose, config_dict, describe_leaves,
                                 manager, meta_of, restore, verify)
 from trainer.config import Config
@@ -31,7 +32,7 @@ class Checkpointer:
     def __init__(self, s, run_dir, log: Callable[[str], None] | None = None):
         # checkpoint.* keys were range-checked by the config loader (trainer/config/sections.py)
         self.s, self.log = s, log or logging.getLogger(__name__).info
-        self.dir = Path(run_dir) / SUBDIR
+        self.dir = path_of(run_dir) / SUBDIR  # a URL's: trainer/ckpt/objects.py
         self._mngr = None
         self._open = True
 

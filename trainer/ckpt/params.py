@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 
 from models import abstract_model
 from trainer.ckpt.evidence import EXPORT, evidence, short as _short
+from trainer.ckpt.objects import path_of
 from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_dict, config_of,
                                 kind_of, leaf_names, list_steps, manager, meta_of, read_meta, restore, verify)
 from trainer.config import Config, model_config
@@ -112,7 +113,7 @@ def load_params(run_dir, step: int | None = None, shardings=None):
 
 def load_params_at(run_dir, step: int | None = None, shardings=None):
     """load_params, plus the step the parameters come from."""
-    path = Path(run_dir)
+    path = path_of(run_dir)
     kind = kind_of(path)
     if kind == "export":
         return _load_export(path, shardings)
@@ -186,7 +187,7 @@ def init_params(s, path) -> dict:
     """Parameters for `model.init_from`: an export, a run's checkpoint or an HF folder read into the run's
     parameter shardings and cast to the train state's dtype."""
     from trainer.parallel import localsgd
-    p, (target, shardings) = Path(path), localsgd.one_replica(s)  # local SGD: every replica starts from them
+    p, (target, shardings) = path_of(path), localsgd.one_replica(s)  # local SGD: every replica starts from them
     kind = kind_of(p)
     if kind == "export":
         params = _load_export(p, shardings, target, s.cfg)[0]

@@ -17,7 +17,8 @@ def resolve(cfg: Config, tensors: bool = True) -> Config:
     """cfg with what its model.init_from and data.source supply; an explicit key that contradicts them
     is a one-line error. Without `tensors` an HF folder's weight files are left unopened (a run checks
     them when it reads them, after its step compiled and fit)."""
-    if cfg.model.init_from and remote.is_url(cfg.model.init_from):  # read from a local copy (remote.mirror)
+    url = cfg.model.init_from and remote.is_url(cfg.model.init_from)
+    if url and not remote.exists(remote.join(cfg.model.init_from, "checkpoints")):  # a run's are read in place
         cfg = replace(cfg, model={"init_from": str(remote.mirror(cfg.model.init_from))})
     if cfg.model.init_from:
         cfg = with_hf_shapes(cfg, tensors)

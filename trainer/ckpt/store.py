@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from omegaconf import OmegaConf
 
 from trainer.ckpt.evidence import evidence, short
+from trainer.ckpt.objects import absolute, manager_options, path_of
 from trainer.ckpt.preempt import any_process
 from trainer.config import Config, load_config, model_config
 from trainer.errors import CheckpointUnreadable, UserError
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 def kind_of(path) -> str | None:
     """What a path given as a source of parameters is: 'export' (meta.json and params/), 'run' (a
     run.dir with checkpoints/), 'hf' (a Hugging Face folder: config.json), or None (none of these)."""
-    p = Path(path)
+    p = path_of(path)
     if (p / EXPORT_META).is_file() and (p / "params").is_dir():
         return "export"
     if (p / SUBDIR).is_dir():
@@ -167,21 +168,23 @@ def _item(restored, name: str):
 def manager(ckpt_dir: Path, cfg: Config | None = None) -> ocp.CheckpointManager:
     """A writing manager for a training run (cfg given), else one that only reads."""
     if cfg is None:  # not read_only=True: that logs a warning per manager; this one never saves anyway
-        opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+        opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False,
+                                            **manager_options(ckpt_dir))
     else:
         c = cfg.checkpoint
         opts = ocp.CheckpointManagerOptions(max_to_keep=c.keep or None, keep_period=c.keep_every or None,
-                                            cleanup_tmp_directories=True, enable_async_checkpointing=True)
+                                            cleanup_tmp_directories=True, enable_async_checkpointing=True,
+                                            **manager_options(ckpt_dir))
     # No zstd: float32 weights and moments shrink by ~8% for ~4x the background write's CPU time,
     # which on a CPU host slows the training steps it overlaps (scripts/bench/ckpt_stall.py).
     handlers = {"state": _returning(ocp.PyTreeCheckpointHandler(use_compression=False)),
                 "meta": _returning(ocp.JsonCheckpointHandler())}
-    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts, item_handlers=handlers)
+    return ocp.CheckpointManager(absolute(ckpt_dir), options=opts, item_handlers=handlers)
 
 
 def list_steps(run_dir) -> list[int]:
     """Steps of the run's complete (finalized) checkpoints, oldest first."""
-    d = Path(run_dir) / SUBDIR
+    d = path_of(run_dir) / SUBDIR
     return sorted(manager(d).all_steps()) if d.is_dir() else []
 
 
@@ -194,7 +197,7 @@ def meta_of(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 def read_meta(run_dir, step: int) -> dict:
     """The metadata JSON of one checkpoint (config, mesh, ZeRO stage, leaves)."""
-    d = Path(run_dir) / SUBDIR
+    d = path_of(run_dir) / SUBDIR
     return classified(d, lambda st: meta_of(manager(d), st), step)
 
 
@@ -247,7 +250,7 @@ def choose(mngr: ocp.CheckpointManager, where: str, read: Callable, check: Calla
     falling back past damaged ones with a warning (on_corrupt(step) for each once one passes);
     (None, None, [(step, why), ...]) if none passes. Any other failure raises at once on every process
     and leaves every checkpoint in place."""
-    d, steps = Path(mngr.directory), sorted(mngr.all_steps(), reverse=True)
+    d, steps = path_of(mngr.directory), sorted(mngr.all_steps(), reverse=True)
     if step is not None:
         if step not in steps:
             have = ", ".join(map(str, sorted(steps))) or "none"

@@ -10,16 +10,21 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshes import AXES, recorded
+from trainer.ckpt.objects import absolute, path_of
 from trainer.ckpt.params import load_params_at
 from trainer.ckpt.store import (EXPORT_META, FORMAT, SUBDIR, CorruptCheckpoint, config_dict, describe_leaves, is_export,
                                 list_steps, read_meta)
 from trainer.config import to_yaml
+from trainer.data import remote
 from trainer.errors import UserError
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 
 
-def _size(path: Path) -> int:
+def _size(path) -> int:
+    if remote.is_url(path):  # one listing, not a request per object
+        fs, key = remote.filesystem(str(path))
+        return int(fs.du(key))
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
@@ -39,7 +44,7 @@ def _leaf_table(leaves: dict, prefix: str) -> list[str]:
 
 def inspect_run(run_dir) -> str:
     """A run's checkpoints (step, size, time, mesh, ZeRO stage) and the newest one's parameters."""
-    path = Path(run_dir)
+    path = path_of(run_dir)
     if is_export(path):
         meta = json.loads((path / EXPORT_META).read_text())
         return "\n".join([f"export {path}: parameters of step {meta['step']} as {meta['dtype']} "
@@ -91,7 +96,7 @@ def export(run_dir, out, step: int | None = None, dtype: str | None = None) -> P
     ckptr = ocp.StandardCheckpointer()
     ckptr.save((out / "params").absolute(), params)
     ckptr.wait_until_finished()
-    meta = {"format": FORMAT, "kind": "params", "step": step, "source": str(Path(run_dir).absolute()),
+    meta = {"format": FORMAT, "kind": "params", "step": step, "source": str(absolute(run_dir)),
             "dtype": dtype or str(jax.tree.leaves(params)[0].dtype), "config": config_dict(cfg),
             "leaves": describe_leaves({"params": params})}
     for leaf in meta["leaves"].values():

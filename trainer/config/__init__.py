@@ -268,8 +268,6 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         *_context_checks(t, mc, shape["context"], model, stage),
-        ("://" not in cfg.run.dir, f"run.dir='{cfg.run.dir}' is a URL: checkpoints and metrics in object storage are "
-         "not supported yet (data.source and model.init_from may be URLs); give a local or mounted path"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -77,6 +77,11 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
         self._scalars(record)
 
+    def flush(self):
+        if self.enabled:
+            self.file.flush()
+            self.tb.flush()
+
     def close(self):
         if self.enabled:
             self.file.close()

@@ -14,6 +14,7 @@ class Checkpointing(Plugin):
     def at_sync(self, run, step: int):
         if run.ckpt.due(step):
             run.ckpt.save(step, run.state)
+            run.upload()  # a URL run.dir's metrics beside the checkpoint
 
     def on_exit(self, run, error):
         if error is None and run.done > run.start and self.guard.may_save(run.metrics):

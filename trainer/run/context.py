@@ -20,10 +20,12 @@ from rich.console import Console
 
 from models import param_count
 from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.objects import RunFiles
 from trainer.ckpt.hf import keep_origin
 from trainer.ckpt.initial import initial_state
 from trainer.ckpt.store import kind_of
 from trainer.config import Config, to_yaml
+from trainer.data import remote
 from trainer.data.batches import Batches, load_corpus
 from trainer.data.feed import Feed
 from trainer.errors import UserError
@@ -56,7 +58,13 @@ def _not_writable(path: str, why: str) -> UserError:
 
 def check_run_dir(path: str) -> Path:
     """run.dir checked writable without creating or touching anything (a start that fails leaves it as it was):
-    the directory itself or, where it does not exist yet, its nearest existing parent."""
+    the directory itself or, where it does not exist yet, its nearest existing parent. A URL: its bucket exists."""
+    if remote.is_url(path):
+        bucket = path.split("://", 1)[1].split("/", 1)[0]
+        if not remote.exists(path.split("://", 1)[0] + "://" + bucket):
+            raise UserError(f"run.dir '{path}': bucket '{bucket}' does not exist (or cannot be reached at the "
+                            "endpoint); create it or give another run.dir")
+        return Path(path)
     d = Path(path)
     near = next(p for p in (d, *d.absolute().parents) if p.exists())
     if not near.is_dir():
@@ -66,9 +74,9 @@ def check_run_dir(path: str) -> Path:
     return d
 
 
-def _newest_step(ckpt_dir: Path) -> int:
+def _newest_step(ckpt_dir) -> int:
     """The newest step among the checkpoint folders' names (-1: none), listed without opening any of them."""
-    names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
+    names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.is_dir() else []
     return max((int(n) for n in names if n.isdigit()), default=-1)
 
 
@@ -113,10 +121,14 @@ class Run:
         # the tokens and the checkpoints are read once the step has compiled and fits (train.memory_check)
         cfg = self.cfg = resolve(cfg, tensors=False)
         self.dir = check_run_dir(cfg.run.dir)  # nothing is written before begin()
+        # a URL's checkpoints go there, its other files to a local folder uploaded after each save and at the end
+        self.files = RunFiles(cfg.run.dir) if remote.is_url(cfg.run.dir) else None
+        if self.files is not None:
+            self.dir = self.files.local
         s = self.s = make_setup(cfg, devices)
         t = cfg.train
         self.t0 = time.perf_counter()
-        self.ckpt = Checkpointer(s, self.dir, log=self.console.print)
+        self.ckpt = Checkpointer(s, cfg.run.dir, log=self.console.print)
         self.history, self.eval_loss, self.preempted, self.goodput_record = [], None, False, None
         self.writer = None  # begin() opens it
         try:
@@ -194,6 +206,8 @@ class Run:
         config.yaml, an HF model.init_from's context, metrics.jsonl and TensorBoard."""
         cfg = self.cfg
         if self.main:
+            if self.files is not None:
+                self.files.pull()  # what the URL holds: metrics.jsonl goes on from the checkpoint's step
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 (self.dir / "config.yaml").write_text(to_yaml(cfg))
@@ -202,6 +216,12 @@ class Run:
             except OSError as e:
                 raise _not_writable(cfg.run.dir, e.strerror) from None
         self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=self.start)
+
+    def upload(self):
+        """A URL run.dir's files uploaded (process 0), those that changed since the last upload."""
+        if self.files is not None and self.main and self.writer is not None:
+            self.writer.flush()
+            self.files.push()
 
     def initial(self) -> dict:
         """The state of a run with no checkpoint to resume: from model.init_from, else random."""

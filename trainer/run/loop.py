@@ -94,6 +94,10 @@ def _exit(run: Run, ps: list, error: BaseException | None) -> BaseException | No
     if not ps:
         run.ckpt.close()  # a plug-in failed to start: the checkpointer still closes
     if run.writer is not None:
+        try:
+            run.upload()
+        except BaseException as e:  # noqa: BLE001 - the run's own error, if any, comes first
+            error = error or e
         run.writer.close()
     return error
 
