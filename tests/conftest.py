@@ -135,8 +135,10 @@ def s3():
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import fsspec
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one per arguments: another module's, of another port
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir("bkt")
+    fs.makedirs("bkt", exist_ok=True)  # moto's state is the process's: another module's server made it already
     yield fs
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
