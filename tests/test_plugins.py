@@ -51,7 +51,8 @@ class _Writer:
 
 def _run(*overrides, start=0):
     cfg = load_config(["train.steps=10", "run.progress=false", *overrides])
-    return types.SimpleNamespace(cfg=cfg, start=start, done=start, state={"params": "P"}, metrics=None, host=None,
+    uploads = []  # a run.dir URL's files uploaded after each save (trainer/ckpt/objects.py)
+    return types.SimpleNamespace(uploads=uploads, upload=lambda: uploads.append(1), cfg=cfg, start=start, done=start, state={"params": "P"}, metrics=None, host=None,
                                  record={}, history=[], offset=0, ckpt=_Ckpt(cfg.checkpoint.every), writer=_Writer(),
                                  console=Console(file=io.StringIO(), width=200), preempted=False,
                                  goodput=types.SimpleNamespace(record=lambda: {"goodput": 0.5}),
@@ -84,7 +85,7 @@ def test_checkpointing_saves_when_due_and_at_the_end_unless_a_streak_is_unacted(
     ck = Checkpointing(run, guard)
     for step in range(3, 8):
         ck.at_sync(run, step)
-    assert run.ckpt.saved == [3, 6]
+    assert run.ckpt.saved == [3, 6] and len(run.uploads) == 2
     run.done = 7
     ck.on_exit(run, None)
     assert run.ckpt.saved == [3, 6, 7] and run.ckpt.closed == 1
