@@ -27,12 +27,28 @@ class ArgParser(argparse.ArgumentParser):
         raise UserError(f"{sub + ': ' if sub else ''}{message}; see {self.prog} --help")
 
 
+def launcher_defaults() -> dict | None:
+    """Keys a launcher sets as defaults (scripts/slurm/train.sbatch): $MESHTRAIN_DEFAULTS, key=value pairs in
+    shell quoting, below every YAML file and key=value of the command line."""
+    import shlex
+    text = os.environ.get("MESHTRAIN_DEFAULTS", "").strip()
+    if not text:
+        return None
+    from omegaconf import OmegaConf
+    pairs = shlex.split(text)
+    bad = [p for p in pairs if "=" not in p or p.startswith("=")]
+    if bad:
+        raise UserError(f"MESHTRAIN_DEFAULTS holds '{bad[0]}', not key=value; write key=value pairs, e.g. "
+                        "MESHTRAIN_DEFAULTS='run.dir=runs/x run.progress=false'")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(pairs))
+
+
 def _train(args: list[str]) -> int:
     from trainer.config import keys_help, load_config
     if args and args[0] in ("-h", "--help"):
         print(USAGE + KEYS_HEADER + keys_help())
         return 0
-    cfg = load_config(args)  # every key's range checked before anything is imported, read or created
+    cfg = load_config(args, base=launcher_defaults())  # every key's range checked before anything is touched
     from trainer.run.distributed import initialize
     from trainer.run.loop import train
     initialize(cfg.dist)  # before jax touches a device
