@@ -5,7 +5,6 @@ the command line (`--gpus-per-node=0`): the fixture declares no GPUs.
 
 Without slurm-wlm and munge (apt-get install slurm-wlm munge) or without root (slurmd starts jobs as their user) the
 tests skip and say why; with MESHTRAIN_REQUIRE_SLURM=1 (.ci/run sets it) they fail instead."""
-import json
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import SGD, TINY, run_steps
+from test_checkpoint import logged_steps
 
 from trainer.ckpt.params import load_params
 from trainer.ckpt.store import list_steps
@@ -150,19 +150,6 @@ def _submit(s, folder: Path, run_dir: Path, *keys) -> str:
     return out.strip().split(";")[0]
 
 
-def _steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if "loss" in rec:
-            out.append(rec["step"])
-    return out
-
-
 STEPS = 40
 KEYS = TINY + SGD + [f"train.steps={STEPS}", "train.eval_every=0", "run.log_every=1", "data.source=synthetic",
                      "mesh.data=8", "checkpoint.every=0"]
@@ -176,7 +163,7 @@ def test_sbatch_preempted_by_scancel_requeued_resumes_to_the_uninterrupted_resul
     run = tmp_path / "run"
     jid = _submit(slurm, tmp_path, run, *KEYS, "dist.timeout_s=300")
     t0 = time.time()
-    while len(_steps(run)) < 2:
+    while len(logged_steps(run)) < 2:
         assert _job(slurm, jid)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
             (tmp_path / f"meshtrain-{jid}.out").read_text()[-3000:]
         assert time.time() - t0 < 240, "no step logged in 240 s"
@@ -186,7 +173,7 @@ def test_sbatch_preempted_by_scancel_requeued_resumes_to_the_uninterrupted_resul
     first = (tmp_path / f"meshtrain-{jid}.out").read_text()
     stop = list_steps(run)[-1]
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", first[-3000:]
-    assert 2 <= stop < STEPS and _steps(run) == list(range(1, stop + 1)), (stop, _steps(run))
+    assert 2 <= stop < STEPS and logged_steps(run) == list(range(1, stop + 1)), (stop, logged_steps(run))
     assert f"stopped after step {stop}; checkpoint saved" in first, first[-3000:]
     _ctl(slurm, "scontrol", "requeue", jid)
     _ctl(slurm, "scontrol", "update", f"JobId={jid}", "StartTime=now")  # a requeued job waits 2 minutes otherwise
@@ -194,7 +181,7 @@ def test_sbatch_preempted_by_scancel_requeued_resumes_to_the_uninterrupted_resul
     second = (tmp_path / f"meshtrain-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", second[-3000:]
     assert f"resumed from {run}/checkpoints/{stop} " in second, second[-3000:]
-    assert _steps(run) == list(range(1, STEPS + 1)) and list_steps(run)[-1] == STEPS
+    assert logged_steps(run) == list(range(1, STEPS + 1)) and list_steps(run)[-1] == STEPS
     assert "timeout_s: 300" in (run / "config.yaml").read_text()
     got = jax.tree.map(np.asarray, load_params(str(run))[0])
     ref = run_steps(KEYS, 8, STEPS, "synthetic").params
@@ -210,7 +197,7 @@ def test_a_task_killed_ends_the_job_failed(slurm, tmp_path):
     run = tmp_path / "run"
     jid = _submit(slurm, tmp_path, run, *KEYS[:-2], "train.steps=100000", "mesh.data=8")
     t0 = time.time()
-    while not _steps(run):
+    while not logged_steps(run):
         assert _job(slurm, jid)["JobState"] in ("PENDING", "CONFIGURING", "RUNNING")
         assert time.time() - t0 < 240, "no step logged in 240 s"
         time.sleep(0.05)
