@@ -160,6 +160,8 @@ def _prepare(args: list[str]) -> int:
                    help="the tokens of a conversation the loss counts (default: assistant)")
     p.add_argument("--require-counted", action="store_true", help="a record without a token the loss counts is "
                    "an error (default: kept, and counted in the summary and the sidecar)")
+    p.add_argument("--max-length", type=int, default=1024, help="preference pairs: each sequence (prompt + answer) "
+                   "keeps its first N tokens; a pair whose prompt alone has N is dropped (TRL's; default: 1024)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--workers", type=int, help="with --out FOLDER: local worker processes (default: the cores)")
     p.add_argument("--ray", metavar="ADDRESS", help="with --out FOLDER: the shards as tasks on the Ray cluster at "
@@ -174,7 +176,7 @@ def _prepare(args: list[str]) -> int:
             raise UserError(f"--workers and --ray write shards into a folder; give --out a folder instead of "
                             f"'{ns.out}'")
         from trainer.data.prepare import prepare
-        prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, **common)
+        prepare(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, max_length=ns.max_length, **common)
         return 0
     from trainer.data.shards import prepare_folder
     prepare_folder(ns.sources, ns.out, ns.tokenizer, ns.train_tokenizer, ns.heldout, workers=ns.workers,

@@ -187,6 +187,7 @@ class _Job:
     held: list[Doc]
     records: list[Doc]
     digest: str = ""
+    max_length: int = 1024  # a preference pair's sequences keep this many tokens (trainer/data/pairs.py)
     timed: bool = True  # the sidecar records the seconds taken (a shard's does not: its bytes are its inputs')
 
 
@@ -204,7 +205,7 @@ class _Tok:
 def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vocab: int | None = None,
             heldout: float = 0.05, log=print, show_progress: bool = True, field: str = "text",
             chat_template: str | None = None, date: str | None = None, loss_on: str = "assistant",
-            require_counted: bool = False) -> dict:
+            require_counted: bool = False, max_length: int = 1024) -> dict:
     """Tokenize the sources into `out` and its sidecar; returns the sidecar (`skipped`: it was up to date)."""
     # require_counted: a record without a token the loss counts is an error; else it is kept and counted
     _check_args(sources, out, tokenizer, train_vocab, heldout, loss_on)
@@ -219,13 +220,16 @@ def prepare(sources: list[str], out: str, tokenizer: str | None = None, train_vo
     if job.records:  # what else decides a record file's tokens (a text-only prepare hashes as it always did)
         settings.update(field=field, loss_on=loss_on, date=day.isoformat(),
                         chat_template=job.template and job.template.sha256)
+        if max_length != 1024:  # what a pair's sequences keep (a prepare without pairs hashes as before)
+            settings["max_length"] = max_length
+    job.max_length = max_length
     job.digest = inputs_hash(job.train, job.held + job.records, settings)
     if _up_to_date(out_p, job.digest, require_counted):
         log(f"skipped: {out} is up to date (same inputs and settings as its {sidecar_path(out_p).name})")
         return {**json.loads(sidecar_path(out_p).read_text()), "skipped": True}
 
     out_p.parent.mkdir(parents=True, exist_ok=True)
-    enc = Encoder(None, -1, job.template, loss_on, field, require_counted)
+    enc = Encoder(None, -1, job.template, loss_on, field, require_counted, max_length)
     t0 = time.perf_counter()
     tk = tk or _trained(job, train_vocab, enc, log)
     enc.tok, enc.eot, enc.specials = tk.tok, tk.eot, tk.specials
@@ -283,7 +287,10 @@ def _write(job: _Job, tk: _Tok, enc: Encoder, train_s: float, show_progress: boo
         train.close()
         held.close()
         encode_s = time.perf_counter() - t1
-        masked = bool(kinds.conversations or kinds.exchanges)
+        masked = bool(kinds.conversations or kinds.exchanges or kinds.pairs)
+        if kinds.pairs and kinds.pairs != kinds.total:
+            raise UserError(f"the sources mix {kinds.pairs} preference pairs with {kinds.total - kinds.pairs} other "
+                            "records; prepare pairs (for train.objective=dpo) into a .bin of their own")
         _check_splits(job, kinds, train, held, masked)
         meta = _finish(job, names, tk, train, held, masked, kinds,
                        {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)}, encode_s)
@@ -303,7 +310,10 @@ def _progress(show: bool):
 
 
 def _summary(job: _Job, meta: dict, train: Split, held: Split, kinds: Kinds, tk: _Tok, log):
-    if "loss_mask" in meta:
+    if "pairs" in meta:
+        log(f"{kinds.pairs:,} preference pairs ({meta['pairs']['train']:,} train, {meta['pairs']['heldout']:,} "
+            f"held-out); {kinds.dropped_pairs:,} dropped: their prompt alone has --max-length {job.max_length} tokens")
+    elif "loss_mask" in meta:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
             f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({job.loss_on})"
             + (f"; {kinds.uncounted:,} records kept without a counted token (the first: {kinds.first_uncounted}; "
@@ -364,6 +374,9 @@ def _finish(job: _Job, names: Names, tk: _Tok, train: Split, held: Split, masked
                              "counted": {"train": train.counted, "heldout": held.counted}}
         meta["records"] = {"text": kinds.text, "conversations": kinds.conversations, "exchanges": kinds.exchanges,
                            "uncounted": kinds.uncounted}
+        if kinds.pairs:  # documents 2i and 2i + 1 are pair i's chosen and rejected (trainer/data/pairs.py)
+            meta["pairs"] = {"train": train.docs // 2, "heldout": held.docs // 2, "dropped": kinds.dropped_pairs,
+                             "max_length": job.max_length}
         t = job.template
         meta["chat_template"] = t and {"path": template_path(out_p).name, "source": t.source, "sha256": t.sha256,
                                        "generation_blocks": t.blocks, "date": job.day.isoformat()}

@@ -4,6 +4,7 @@ A record is one of
   {"text": ...}                                   one document (--field NAME for another column)
   {"messages": [{"role": ..., "content": ...}]}   one conversation, rendered with the chat template
   {"prompt": ..., "completion": ...}              one exchange: a user turn and an assistant turn
+  {"prompt": ..., "chosen": ..., "rejected": ...} a preference pair (trainer/data/pairs.py): two documents
 Keys whose value is None are dropped first, at every depth (Parquet fills a column a record lacks with
 None), so the same records read the same from either format. A record goes to the held-out split by a
 hash of that normalised form (keys sorted), whatever file or format holds it.
@@ -87,11 +88,13 @@ class Kinds:
     text: int = 0
     conversations: int = 0
     exchanges: int = 0
+    pairs: int = 0
+    dropped_pairs: int = 0  # pairs whose prompt alone reaches --max-length (TRL drops them)
     uncounted: int = 0
     first_uncounted: str = ""
 
     def add(self, kind: str):
-        name = {"text": "text", "conversation": "conversations", "exchange": "exchanges"}[kind]
+        name = {"text": "text", "conversation": "conversations", "exchange": "exchanges", "pair": "pairs"}[kind]
         setattr(self, name, getattr(self, name) + 1)
 
     def add_uncounted(self, where: str):
@@ -100,7 +103,7 @@ class Kinds:
 
     @property
     def total(self) -> int:
-        return self.text + self.conversations + self.exchanges
+        return self.text + self.conversations + self.exchanges + self.pairs
 
 
 def kind_of(rec, where: str, field: str) -> str:
@@ -113,6 +116,10 @@ def kind_of(rec, where: str, field: str) -> str:
                                                          for m in msgs)):
             raise UserError(f"{where}: 'messages' must be a non-empty list of objects with a 'role'; fix the record")
         return "conversation"
+    if "chosen" in rec or "rejected" in rec:
+        from trainer.data.pairs import check_pair
+        check_pair(rec, where)
+        return "pair"
     if "prompt" in rec and "completion" in rec:
         if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
             raise UserError(f"{where}: 'prompt' and 'completion' must be strings; fix the record")
@@ -167,8 +174,9 @@ class Encoder:
     """Turns records into (ids, mask) documents, a batch at a time (the tokenizer encodes a batch in parallel)."""
 
     def __init__(self, tok, eot: int, template: ChatTemplate | None, loss_on: str, field: str,
-                 require_counted: bool = False):
+                 require_counted: bool = False, max_length: int | None = None):
         self.tok, self.eot, self.template, self.loss_on, self.field = tok, eot, template, loss_on, field
+        self.max_length = max_length  # a pair's sequences kept to this many tokens; None: pairs are refused
         self.require_counted = require_counted  # a record without a counted token is an error, not a count
         self.specials = ([], [])  # text_specials of tok, set with it
 
@@ -226,6 +234,9 @@ class Encoder:
         """[(where, kind, record)] -> [(ids, mask)], each a document. Plain text and exchanges without a template
         are texts: as tokenizer(text) encodes them, then the end-of-text token (as_text); a conversation's text
         holds the template's own special tokens, so the tokenizer adds none."""
+        if any(k == "pair" for _, k, _ in batch):  # each pair: its two documents, or none (fully truncated)
+            from trainer.data.pairs import encode_pair
+            return [encode_pair(self, w, r) if k == "pair" else self.encode([(w, k, r)])[0] for w, k, r in batch]
         rendered = [self.render(w, k, r) for w, k, r in batch]
         texts = [t for t, _, _ in rendered]
         plain = all(k == "text" for _, k, _ in batch)

@@ -121,11 +121,15 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
 
     def flush():
         nonlocal batch, nbytes
-        for (split, n, (where, kind, _)), (ids, mask) in zip(batch, enc.encode([b for _, _, b in batch])):
-            if not mask.any():
-                _uncounted(enc, kinds, where, kind)
-                split.first_uncounted = split.first_uncounted or where
-            split.add(ids, mask, True)
+        for (split, n, (where, kind, _)), docs in zip(batch, enc.encode([b for _, _, b in batch])):
+            if kind == "pair" and not docs:  # its prompt alone reaches --max-length: dropped, counted
+                kinds.dropped_pairs += 1
+                continue
+            for ids, mask in docs if kind == "pair" else [docs]:  # a pair: two documents, chosen then rejected
+                if not mask.any():
+                    _uncounted(enc, kinds, where, kind)
+                    split.first_uncounted = split.first_uncounted or where
+                split.add(ids, mask, True)
             split.bytes += n
         bar.advance(0)
         batch, nbytes = [], 0
