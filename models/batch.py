@@ -18,7 +18,9 @@ import numpy as np
 
 FIELDS = ("tokens", "targets", "loss_weight", "segment_ids", "positions")
 DTYPES = {"tokens": np.int32, "targets": np.int32, "loss_weight": np.float32, "segment_ids": np.int32,
-          "positions": np.int32}
+          "positions": np.int32, "ref_logp": np.float32}
+# train.objective=dpo adds ref_logp: the frozen reference's log-probability of each target (models/dpo.py)
+DPO_FIELDS = FIELDS + ("ref_logp",)
 
 
 def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, positions_BT=None) -> dict:
@@ -33,9 +35,9 @@ def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, position
     return {"tokens": w[:, :-1], "targets": w[:, 1:], "loss_weight": weight, "segment_ids": seg, "positions": pos}
 
 
-def abstract(batch_size: int, seq_len: int, sharding=None) -> dict:
+def abstract(batch_size: int, seq_len: int, sharding=None, fields: tuple = FIELDS) -> dict:
     """ShapeDtypeStructs of a (batch_size, seq_len) batch, each with `sharding`."""
-    return {f: jax.ShapeDtypeStruct((batch_size, seq_len), DTYPES[f], sharding=sharding) for f in FIELDS}
+    return {f: jax.ShapeDtypeStruct((batch_size, seq_len), DTYPES[f], sharding=sharding) for f in fields}
 
 
 def counted(batch) -> jax.Array:

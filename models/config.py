@@ -10,6 +10,7 @@ the kv heads' replication) is not part of the config: the model takes it as an a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from models.spec import FAMILIES
 
@@ -80,6 +81,8 @@ class ModelConfig:
     # data.document_mask: attention stays inside each token's document (the batch's segment_ids) and RoPE takes each
     # token's position in it (positions); False: one document per row, positions 0..T-1
     documents: bool = False
+    # train.objective=dpo: the preference loss and its settings (models/dpo.py Dpo); None: the token loss
+    dpo: Any = None
 
     def __post_init__(self):
         if self.head_dim is None:

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from models import dpo
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
 from models.layers import Placement
@@ -76,7 +77,8 @@ def vocab_blocks(vocab: int, at_most: int) -> int:
     return max(b for b in divisors(vocab) if b <= max(1, at_most))
 
 
-def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain, cap: float | None = None):
+def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, constrain, cap: float | None = None,
+                        per_token: bool = False):
     """Sum of weight x cross-entropy of the logits x @ w, computed n tokens at a time; w is (D, V) for
     w_axes "dv" or (V, D) for "vd" (a tied embedding, used as stored: its gradient then needs no
     transpose before it meets the lookup's).
@@ -90,6 +92,8 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
     weight gradient would be a second head-sized buffer next to the accumulated one (XLA:CPU
     does not add a matmul's output in place).
     cap: the logits soft-capped first (the family's Ends.cap: Gemma's final_logit_softcapping), in both passes.
+    per_token: each token's weight x cross-entropy (N,) instead of their sum (DPO sums them per answer); the
+    backward is the same with a cotangent per token.
     """
     N, D = x_ND.shape
     C = -(-N // n)
@@ -109,10 +113,12 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
             x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
             logits = softcap(_logits(x_nD, w, w_axes, constrain), cap)
             logz = jax.nn.logsumexp(logits, axis=-1)
-            return total + jnp.sum((logz - _target_logits(logits, t_n, 1, 0)) * m_n), logz
+            ce = (logz - _target_logits(logits, t_n, 1, 0)) * m_n
+            return total + jnp.sum(ce), (logz, ce)
 
-        total, logz_Cn = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
-        return total, logz_Cn.T.reshape(C * n)[:N]
+        total, (logz_Cn, ce_Cn) = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
+        value = ce_Cn.T.reshape(C * n)[:N] if per_token else total
+        return value, logz_Cn.T.reshape(C * n)[:N]
 
     @jax.custom_vjp
     def loss(x_ND, w, targets_N, weight_N):
@@ -171,15 +177,55 @@ def head_loss(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT, constr
                                weight_BT.reshape(B * T), n, constrain, family(c.family).ends(c).cap)
 
 
+def head_token_losses(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT,
+                      constrain: Constrain = _no_constrain):
+    """Each target's weight x cross-entropy (B, T) from the final hidden states: whole or tiled (c.loss_chunk)."""
+    B, T, D = x_BTD.shape
+    n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
+    if not n:
+        logits = head(c, params, x_BTD, constrain)
+        tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+        return (jax.nn.logsumexp(logits, axis=-1) - tgt) * weight_BT
+    x = final_norm(c, params, x_BTD)
+    w, w_axes = head_weight(c, params)
+    return tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T), weight_BT.reshape(B * T),
+                               n, constrain, family(c.family).ends(c).cap, per_token=True).reshape(B, T)
+
+
+def dpo_head(c: ModelConfig, params: dict, x_BTD, batch: dict, scale: dict, constrain: Constrain = _no_constrain):
+    """(DPO's value: pair loss / pairs + sft_weight x chosen token loss / chosen tokens, its metrics' (sum, pairs))
+    of a batch's final hidden states (models/dpo.py)."""
+    ce = head_token_losses(c, params, x_BTD, batch["targets"], batch["loss_weight"].astype(jnp.float32), constrain)
+    pair, sft, metrics = dpo.sums(c.dpo, ce, batch)
+    return pair * scale["pairs"] + c.dpo.sft_weight * sft * scale["chosen"], metrics
+
+
+def dpo_eval_sums(c: ModelConfig, params: dict, batch: dict, **kw) -> dict:
+    """What an evaluation adds up over its batches: the pair loss sum and pairs, the chosen token loss sum and
+    chosen tokens, each metric's sum (trainer/run/evaluator.py divides once)."""
+    x, _ = hidden(c, params, batch, **kw)
+    ce = head_token_losses(c, params, x, batch["targets"], batch["loss_weight"].astype(jnp.float32),
+                           kw.get("constrain", _no_constrain))
+    pair, sft, metrics = dpo.sums(c.dpo, ce, batch)
+    pairs, chosen = dpo.counts(batch)
+    return {"pair": pair, "pairs": pairs, "sft": sft, "chosen": chosen, **{k: v for k, (v, _) in metrics.items()}}
+
+
 def stack_sums(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32,
                constrain: Constrain = _no_constrain, gather=_identity, remat: str | None = None,
                placement: Placement = Placement()):
     """(sum of loss_weight x next-token loss, the layers' aux outputs {name: (sum, count)}) over a batch, on the
     platform and with the kv heads' repeat of `placement` (models/layers.py)."""
-    x = embed(c, params, batch["tokens"], dtype, constrain)
-    x, aux = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
-                         documents=documents_of(c, batch), placement=placement)
+    x, aux = hidden(c, params, batch, dtype=dtype, constrain=constrain, gather=gather, remat=remat, placement=placement)
     return head_loss(c, params, x, batch["targets"], batch["loss_weight"], constrain), aux
+
+
+def hidden(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32, constrain: Constrain = _no_constrain,
+           gather=_identity, remat: str | None = None, placement: Placement = Placement()):
+    """(the final hidden states (B, T, D), the layers' aux outputs) of a batch."""
+    x = embed(c, params, batch["tokens"], dtype, constrain)
+    return layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
+                       documents=documents_of(c, batch), placement=placement)
 
 
 def loss_sum(c: ModelConfig, params: dict, batch: dict, **kw):
@@ -193,14 +239,18 @@ def scales(c: ModelConfig, batch: dict) -> dict:
     aux_counts) for that output (1 where a count is 0)."""
     spec = family(c.family)
     counts, weights = spec.aux_counts(c, batch), spec.aux_weights(c)
-    return {"loss": inverse_count(batch),
-            "aux": {k: weights.get(k, 1.0) * mean_of(1.0, n) for k, n in counts.items()}}
+    out = {"loss": inverse_count(batch), "aux": {k: weights.get(k, 1.0) * mean_of(1.0, n) for k, n in counts.items()}}
+    if c.dpo is not None:  # the pairs' mean and the chosen tokens' mean; the metrics are statistics (weight 0)
+        out.update(dpo.scales(batch))
+        out["aux"].update({k: jnp.zeros((), jnp.float32) for k in dpo.METRICS})
+    return out
 
 
 def zero_parts(c: ModelConfig) -> dict:
     """`objective`'s parts, all zero: where a path starts adding them up."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return {"loss": z(), "aux": {k: (z(), z()) for k in family(c.family).aux}}
+    aux = {k: (z(), z()) for k in family(c.family).aux}
+    return {"loss": z(), "aux": {**aux, **dpo.zero_metrics()} if c.dpo is not None else aux}
 
 
 def part_metrics(parts: dict) -> dict:
@@ -214,11 +264,17 @@ def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, **kw):
     """(what the step differentiates, its parts): the token loss sum x scale["loss"] plus each aux sum x its
     scale (its weight / its count: a statistic's is 0); parts = {"loss": the scaled token loss sum, "aux": {name:
     (sum, count)}}, the sums every path adds up over its microbatches, data ranks and stages."""
-    token, aux = stack_sums(c, params, batch, **kw)
-    value = token * scale["loss"]
+    if c.dpo is not None:
+        x, aux = hidden(c, params, batch, **kw)
+        loss, metrics = dpo_head(c, params, x, batch, scale, kw.get("constrain", _no_constrain))
+        aux = {**aux, **metrics}
+    else:
+        token, aux = stack_sums(c, params, batch, **kw)
+        loss = token * scale["loss"]
+    value = loss
     for k, (total, _) in aux.items():
         value = value + total * scale["aux"][k]
-    return value, {"loss": token * scale["loss"], "aux": aux}
+    return value, {"loss": loss, "aux": aux}
 
 
 def documents_of(c: ModelConfig, batch: dict):

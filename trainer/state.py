@@ -63,8 +63,9 @@ class Setup:
 
     def abstract_batch(self, batch_size: int | None = None) -> dict:
         """The step's batch fields as ShapeDtypeStructs (train.batch_size rows unless given), sharded."""
+        fields = batch_fields.DPO_FIELDS if self.model.dpo is not None else batch_fields.FIELDS
         return batch_fields.abstract(batch_size or self.cfg.train.batch_size, self.model.seq_len,
-                                     self.batch_sharding())
+                                     self.batch_sharding(), fields)
 
 
 def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1) -> Rules:

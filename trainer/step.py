@@ -36,7 +36,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from models.batch import counted
-from models.loss import loss_sum, objective, part_metrics, scales, zero_parts
+from models.loss import dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, reduction
@@ -177,8 +177,10 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
 def eval_step(s: Setup, params, batch):
     """(loss sum, counted tokens) of a batch: the evaluation sums both over its batches, then divides."""
     batch = s.in_context_order(batch)
-    return (loss_sum(s.model, params, batch, dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement),
-            counted(batch))
+    kw = dict(dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement)
+    if s.model.dpo is not None:  # preference pairs: the pair loss and each metric, summed (trainer/run/evaluator.py)
+        return dpo_eval_sums(s.model, params, batch, **kw)
+    return loss_sum(s.model, params, batch, **kw), counted(batch)
 
 
 def jit_train_step(s: Setup):

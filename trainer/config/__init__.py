@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshes import MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
+from models.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range
 from trainer.config.sections import ALIASES, Config
@@ -223,7 +224,10 @@ def model_config(cfg: Config) -> ModelConfig:
             raise UserError(f"model.{k} is a key of {', '.join(theirs[k])}, not of model.family='{name}'; drop it "
                             "or set model.family")
         over.pop(k, None)
-    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask))
+    d = cfg.dpo
+    pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight)) \
+        if cfg.train.objective == "dpo" else None
+    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref)
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:

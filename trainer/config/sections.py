@@ -20,6 +20,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (ta
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable (trainer/ckpt/checkpoint.py)
 BIN_DTYPES = ("uint16", "uint32")
+OBJECTIVES = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")  # models/dpo.py LOSSES
+REFERENCE_MODES = ("precompute", "online")
 # dist.cluster: auto, none, or one of jax.distributed's cluster_detection_method names; trainer/run/distributed.py
 # takes its names from here (detect() returns one of them)
 CLUSTERS = ("auto", "none", "slurm", "ompi", "gcetpu", "gketpu", "mpi4py")
@@ -84,6 +87,7 @@ class TrainSection:
     b2: float = setting(0.95, ">= 0 and < 1", "AdamW's second-moment decay")
     grad_clip: float = setting(1.0, NON_NEGATIVE, "clip the gradients' global norm to this; 0: off")
     optimizer: str = setting("adamw", OPTIMIZERS, "adamw, or sgd (momentum b1; linear in the gradient)")
+    objective: str = setting("lm", OBJECTIVES, "lm: the next-token loss; dpo: preference pairs (dpo.*, docs/dpo.md)")
     sync: str = setting("every_step", SYNC_MODES, "replicas synced every step, or local SGD / DiLoCo "
                         "(docs/local_sgd.md)")
     sync_every: int = setting(1, STEP, "H: optimizer steps each replica takes on its own between syncs")
@@ -142,6 +146,19 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoSection:
+    """train.objective=dpo: Direct Preference Optimization and its variants, as TRL 1.16 defines them (models/dpo.py)."""
+    beta: float = setting(0.1, f"> 0 and <= {FLOAT32}", "how far the policy may move from the reference (IPO: tau)")
+    loss: str = setting("sigmoid", DPO_LOSSES, "sigmoid (DPO), ipo, hinge (SLiC) or robust (label noise)")
+    label_smoothing: float = setting(0.0, ">= 0 and < 0.5", "robust: the assumed share of flipped labels")
+    sft_weight: float = setting(0.0, NON_NEGATIVE, "weight of the chosen answers' mean token loss (TRL's sft term)")
+    reference: Optional[str] = setting(None, None, "the frozen reference: an export, run or HF folder; null: "
+                                       "model.init_from")
+    reference_mode: str = setting("precompute", REFERENCE_MODES, "precompute: its log-probabilities once, stored "
+                                  "beside the data; online: a forward of the reference every step")
+
+
+@dataclasses.dataclass(frozen=True)
 class DistSection:
     """Joining a multi-process run (trainer/run/distributed.py); one process needs none of it."""
     coordinator: Optional[str] = setting(None, None, "HOST:PORT of process 0; with num_processes and process_id")
@@ -193,6 +210,7 @@ class Config:
     sim: SimSection = dataclasses.field(default_factory=SimSection)
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
+    dpo: DpoSection = dataclasses.field(default_factory=DpoSection)
 
 
 # The names other trainers (MaxText, torchtitan, Megatron-LM, Hugging Face, nanoGPT) give these keys, for "did you

@@ -62,6 +62,7 @@ class Corpus:
     loss_mask: np.ndarray | None = None  # a prepared .bin's loss mask (uint8 per token: 1 = a counted target)
     doc_starts: np.ndarray | None = None  # a manifest's documents, its shards' indexes in `whole`'s order
     tokenizer_sha: str | None = None  # a prepared source's tokenizer.json hash (a mixture's sources share one)
+    pairs: bool = False  # preference pairs: documents 2i and 2i + 1 (trainer/data/pairs.py)
 
     def documents(self) -> np.ndarray | None:
         """The start offset of every document in `whole`, with len(whole) last (one more entry than documents), or
@@ -200,7 +201,7 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks,
                              bytes_per_token=None if mask is not None else bpt,  # counted bytes unknown
                              prepared=True, index=path.parent / index["path"] if index else None,
-                             eot_id=meta.get("eot_id"), loss_mask=mask,
+                             eot_id=meta.get("eot_id"), loss_mask=mask, pairs=bool(meta.get("pairs")),
                              tokenizer_sha=meta.get("tokenizer", {}).get("sha256")), source)
     if path.suffix == ".bin":
         if bin_dtype not in BIN_DTYPES:
@@ -277,6 +278,7 @@ class Batches:
         rows = batch_size // process_count
         self.rows = slice(process_index * rows, (process_index + 1) * rows)
         self.note = None  # what the run prints about its data (packing)
+        self.ref = None  # preference pairs: the reference's log-probability of each token (trainer/run/reference.py)
         self.packed = self.packed_eval = None  # with a loss mask: conversations packed whole (trainer/data/packing.py)
         if not corpus.synthetic:
             if corpus.vocab > vocab_size and corpus.prepared:
@@ -309,6 +311,8 @@ class Batches:
         if not document_mask:
             raise needs_documents(corpus.source)
         self.c, starts, cut = corpus, corpus.documents(), len(corpus.train)
+        if corpus.pairs:
+            return self._pairs(corpus, starts, cut, evaluates)
         self.packed = pack(starts[starts <= cut], self.T)
         if self.packed.rows == 0:
             raise UserError(f"data.source '{corpus.source}' has no training document with a target; prepare it "
@@ -324,6 +328,20 @@ class Batches:
                                 "with --heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
         self._epochs: dict = {}
 
+    def _pairs(self, corpus: Corpus, starts: np.ndarray, cut: int, evaluates: bool):
+        """One preference pair per row (trainer/data/pairs.py), the held-out pairs apart."""
+        from trainer.data.pairs import pack_pairs
+        self.packed = pack_pairs(starts[starts <= cut], self.T, corpus.source)
+        if self.packed.rows == 0:
+            raise UserError(f"data.source '{corpus.source}' has no training pairs; prepare it from more records")
+        self.note = f"{self.packed.rows:,} training preference pairs, one per row of {self.T}"
+        if evaluates:
+            self.packed_eval = pack_pairs(starts[starts >= cut], self.T, corpus.source)
+            if self.packed_eval.rows == 0:
+                raise UserError(f"data.source '{corpus.source}' has no held-out pairs to evaluate on (prepared with "
+                                "--heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
+        self._epochs = {}
+
     def _packed_rows(self, eval_batch: int | None, step: int, everyone: bool = False) -> dict:
         from trainer.data.packing import fields, rows_of
         if eval_batch is None:
@@ -333,7 +351,7 @@ class Batches:
             g = eval_batch * self.B + np.arange(self.B)
             rows = np.where(g < p.rows, g, -1)  # each held-out row once over the eval batches, then padding
         rows = rows if everyone else rows[self.rows]
-        return fields(p, rows, self.c.whole, self.c.loss_mask, self.T)
+        return fields(p, rows, self.c.whole, self.c.loss_mask, self.T, self.ref)
 
     def rows_of(self, tokens: np.ndarray, seed_words: list[int], n: int, keep: np.ndarray) -> dict:
         """The rows `keep` (indices into them) of n windows drawn with seed_words (a mixture's share of a step)."""

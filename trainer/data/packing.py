@@ -115,11 +115,12 @@ def rows_of(p: Packing, seed: int, first: int, n: int, cache: dict) -> np.ndarra
     return out
 
 
-def fields(p: Packing, rows, tokens: np.ndarray, mask: np.ndarray, T: int) -> dict:
+def fields(p: Packing, rows, tokens: np.ndarray, mask: np.ndarray, T: int, ref: np.ndarray | None = None) -> dict:
     """The batch fields of packed rows (-1: a padding row): segment k for its k-th piece, each piece's true
-    positions, and the loss mask's weight for each target; the rest padding (segment 0, weight 0)."""
+    positions, and the loss mask's weight for each target; the rest padding (segment 0, weight 0). With `ref` (a
+    value per token: preference pairs' reference log-probabilities) the field ref_logp holds each target's."""
     B = len(rows)
-    out = {f: np.zeros((B, T), DTYPES[f]) for f in FIELDS}
+    out = {f: np.zeros((B, T), DTYPES[f]) for f in FIELDS + (("ref_logp",) if ref is not None else ())}
     for i, r in enumerate(rows):
         at = 0
         for k in range(int(p.row_ptr[r]), int(p.row_ptr[r + 1])) if r >= 0 else ():
@@ -129,5 +130,7 @@ def fields(p: Packing, rows, tokens: np.ndarray, mask: np.ndarray, T: int) -> di
             out["loss_weight"][i, at:at + n] = mask[s + 1:s + n + 1]
             out["segment_ids"][i, at:at + n] = k - int(p.row_ptr[r]) + 1
             out["positions"][i, at:at + n] = p.offset[k] + np.arange(n)
+            if ref is not None:
+                out["ref_logp"][i, at:at + n] = ref[s + 1:s + n + 1]
             at += n
     return out

@@ -35,6 +35,7 @@ from trainer.optim import warn_if_no_decay
 from trainer.parallel.schedules import describe as describe_pipeline
 from trainer.plan.verify import Footprint, abstract_inputs
 from trainer.run import distributed
+from trainer.run.reference import Reference
 from trainer.run.memory_check import check_compiled, check_fits, device_limit, is_out_of_memory, out_of_memory
 from trainer.ckpt.sources import resolve
 from trainer.state import Setup, make_setup
@@ -131,6 +132,7 @@ class Run:
         self.ckpt = Checkpointer(s, cfg.run.dir, log=self.console.print)
         self.history, self.eval_loss, self.preempted, self.goodput_record = [], None, False, None
         self.writer = None  # begin() opens it
+        self.reference = None  # train.objective=dpo: the frozen reference (trainer/run/reference.py)
         try:
             # a finished run's rerun reads its data and checkpoint first: nothing compiles when that holds train.steps
             early, restored, self.nothing_left = _newest_step(self.ckpt.dir) >= t.steps, None, False
@@ -145,6 +147,8 @@ class Run:
                 if not early:
                     self.batches, restored = self._batches(), self.ckpt.restore()
                 self.state, self.start = restored or (self.initial(), 0)
+                self.reference = Reference(s, self.batches, self.batches.rows, lambda r: to_global(s, r),
+                                           self.console.print) if s.model.dpo is not None else None
                 self._announce()
             else:
                 self.state, self.start = restored
@@ -228,7 +232,8 @@ class Run:
         return initial_state(self.s, self.console.print)
 
     def batch(self, rows) -> dict:
-        return to_global(self.s, rows)
+        batch = to_global(self.s, rows)
+        return self.reference.add(batch) if self.reference is not None else batch  # DPO online: ref_logp
 
     def logging(self, step: int) -> bool:
         """Whether `step` writes a metrics line (run.log_every, and the last step)."""

@@ -25,11 +25,24 @@ class Eval(Plugin):
             return
         if hasattr(run.batches, "eval_of"):  # a mixture: each source's, and their mean by the step's weights
             return self._mixture(run, step)
+        if run.s.model.dpo is not None:
+            return self._pairs(run, step)
         total, count = self._mean(run, run.batches.eval)
         run.eval_loss = float(total / count) if count > 0 else 0.0
         run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_counted_tokens": int(count)})
         if self.bpt:
             run.record["eval_bpb"] = bits_per_byte(run.eval_loss, self.bpt)
+
+    def _pairs(self, run, step: int):
+        """Preference pairs: eval_loss (the pair loss over the held-out pairs, plus the sft term) and each metric's
+        mean over them, as eval_rewards/accuracies and so on (TRL's names)."""
+        got = jax.device_get([run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)])
+        tot = {k: float(np.sum([g[k] for g in got], dtype=np.float64)) for k in got[0]}
+        per = lambda k, n: tot[k] / tot[n] if tot[n] > 0 else 0.0  # noqa: E731
+        run.eval_loss = per("pair", "pairs") + run.s.model.dpo.sft_weight * per("sft", "chosen")
+        run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_pairs": int(tot["pairs"])})
+        from models.dpo import METRICS
+        run.record.update({f"eval_{k}": per(k, "pairs") for k in METRICS})
 
     def _mean(self, run, batch_of) -> tuple[float, float]:
         """(loss sum, counted tokens) over the eval batches: one mean over all their counted tokens."""
