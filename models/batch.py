@@ -18,9 +18,10 @@ import numpy as np
 
 FIELDS = ("tokens", "targets", "loss_weight", "segment_ids", "positions")
 DTYPES = {"tokens": np.int32, "targets": np.int32, "loss_weight": np.float32, "segment_ids": np.int32,
-          "positions": np.int32, "ref_logp": np.float32}
+          "positions": np.int32}
 # train.objective=dpo adds ref_logp: the frozen reference's log-probability of each target (models/dpo.py)
 DPO_FIELDS = FIELDS + ("ref_logp",)
+ALL_DTYPES = {**DTYPES, "ref_logp": np.float32}
 
 
 def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, positions_BT=None) -> dict:
@@ -37,7 +38,7 @@ def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, position
 
 def abstract(batch_size: int, seq_len: int, sharding=None, fields: tuple = FIELDS) -> dict:
     """ShapeDtypeStructs of a (batch_size, seq_len) batch, each with `sharding`."""
-    return {f: jax.ShapeDtypeStruct((batch_size, seq_len), DTYPES[f], sharding=sharding) for f in fields}
+    return {f: jax.ShapeDtypeStruct((batch_size, seq_len), ALL_DTYPES[f], sharding=sharding) for f in fields}
 
 
 def counted(batch) -> jax.Array:

@@ -33,6 +33,7 @@ class Dpo:
     beta: float = 0.1
     label_smoothing: float = 0.0
     sft_weight: float = 0.0
+    online: bool = False  # dpo.reference_mode=online: the reference's parameters are held beside the policy's
 
 
 def _answers(batch, values_BT):

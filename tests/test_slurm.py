@@ -175,6 +175,9 @@ def test_sbatch_preempted_by_scancel_requeued_resumes_to_the_uninterrupted_resul
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", first[-3000:]
     assert 2 <= stop < STEPS and logged_steps(run) == list(range(1, stop + 1)), (stop, logged_steps(run))
     assert f"stopped after step {stop}; checkpoint saved" in first, first[-3000:]
+    # slurmd revokes a cancelled job's credential with a time in whole seconds and refuses a launch whose credential
+    # is not newer ("Job credential revoked"): a requeue within the same second as the end fails the job
+    time.sleep(1.5)
     _ctl(slurm, "scontrol", "requeue", jid)
     _ctl(slurm, "scontrol", "update", f"JobId={jid}", "StartTime=now")  # a requeued job waits 2 minutes otherwise
     job = _wait(slurm, jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))

@@ -225,7 +225,7 @@ def model_config(cfg: Config) -> ModelConfig:
                             "or set model.family")
         over.pop(k, None)
     d = cfg.dpo
-    pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight)) \
+    pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight), d.reference_mode == "online") \
         if cfg.train.objective == "dpo" else None
     return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref)
 
@@ -272,6 +272,12 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         *_context_checks(t, mc, shape["context"], model, stage),
+        (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
+         "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
+         "or model.init_from (the reference is then the model training starts from)"),
+        (t.objective != "dpo" or shape["context"] == 1,
+         f"train.objective=dpo sums each pair's log-probabilities along its row, and mesh.context={shape['context']} "
+         "splits the rows over context ranks (not supported with DPO yet); set mesh.context=1"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -39,6 +39,7 @@ from trainer.config.sections import BIN_DTYPES
 from trainer.data.feed import prefetched
 from trainer.data.manifest import Concat, is_manifest, load_url
 from trainer.data.manifest import load as load_manifest
+from trainer.data.pairs import packed_pairs
 from trainer.data.remote import is_url
 
 _TRAIN, _EVAL = 0x7A1, 0xE7A
@@ -310,9 +311,10 @@ class Batches:
         from trainer.data.packing import pack
         if not document_mask:
             raise needs_documents(corpus.source)
-        self.c, starts, cut = corpus, corpus.documents(), len(corpus.train)
-        if corpus.pairs:
-            return self._pairs(corpus, starts, cut, evaluates)
+        self.c, starts, cut, self._epochs = corpus, corpus.documents(), len(corpus.train), {}
+        if corpus.pairs:  # one preference pair per row (trainer/data/pairs.py)
+            self.packed, self.packed_eval, self.note = packed_pairs(corpus, starts, cut, self.T, evaluates)
+            return
         self.packed = pack(starts[starts <= cut], self.T)
         if self.packed.rows == 0:
             raise UserError(f"data.source '{corpus.source}' has no training document with a target; prepare it "
@@ -326,21 +328,6 @@ class Batches:
             if self.packed_eval.rows == 0:
                 raise UserError(f"data.source '{corpus.source}' has no held-out documents to evaluate on (prepared "
                                 "with --heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
-        self._epochs: dict = {}
-
-    def _pairs(self, corpus: Corpus, starts: np.ndarray, cut: int, evaluates: bool):
-        """One preference pair per row (trainer/data/pairs.py), the held-out pairs apart."""
-        from trainer.data.pairs import pack_pairs
-        self.packed = pack_pairs(starts[starts <= cut], self.T, corpus.source)
-        if self.packed.rows == 0:
-            raise UserError(f"data.source '{corpus.source}' has no training pairs; prepare it from more records")
-        self.note = f"{self.packed.rows:,} training preference pairs, one per row of {self.T}"
-        if evaluates:
-            self.packed_eval = pack_pairs(starts[starts >= cut], self.T, corpus.source)
-            if self.packed_eval.rows == 0:
-                raise UserError(f"data.source '{corpus.source}' has no held-out pairs to evaluate on (prepared with "
-                                "--heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
-        self._epochs = {}
 
     def _packed_rows(self, eval_batch: int | None, step: int, everyone: bool = False) -> dict:
         from trainer.data.packing import fields, rows_of

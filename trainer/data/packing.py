@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.batch import DTYPES, FIELDS
+from models.batch import ALL_DTYPES, FIELDS
 
 _EPOCH = 0x9AC
 
@@ -120,7 +120,7 @@ def fields(p: Packing, rows, tokens: np.ndarray, mask: np.ndarray, T: int, ref: 
     positions, and the loss mask's weight for each target; the rest padding (segment 0, weight 0). With `ref` (a
     value per token: preference pairs' reference log-probabilities) the field ref_logp holds each target's."""
     B = len(rows)
-    out = {f: np.zeros((B, T), DTYPES[f]) for f in FIELDS + (("ref_logp",) if ref is not None else ())}
+    out = {f: np.zeros((B, T), ALL_DTYPES[f]) for f in FIELDS + (("ref_logp",) if ref is not None else ())}
     for i, r in enumerate(rows):
         at = 0
         for k in range(int(p.row_ptr[r]), int(p.row_ptr[r + 1])) if r >= 0 else ():

@@ -106,3 +106,27 @@ def pack_pairs(doc_starts: np.ndarray, T: int, source: str):
     rows = len(need)
     return Packing(row_ptr=np.arange(0, 2 * rows + 1, 2, dtype=np.int64), start=starts[:-1].copy(),
                    length=slots.copy(), offset=np.zeros(n_docs, np.int64), documents=n_docs, split=0)
+
+
+def packed_pairs(corpus, starts: np.ndarray, cut: int, T: int, evaluates: bool):
+    """(training rows, held-out rows or None, the line a run prints) of a prepared source of pairs."""
+    packed = pack_pairs(starts[starts <= cut], T, corpus.source)
+    if packed.rows == 0:
+        raise UserError(f"data.source '{corpus.source}' has no training pairs; prepare it from more records")
+    held = pack_pairs(starts[starts >= cut], T, corpus.source) if evaluates else None
+    if held is not None and held.rows == 0:
+        raise UserError(f"data.source '{corpus.source}' has no held-out pairs to evaluate on (prepared with "
+                        "--heldout 0); prepare it with --heldout > 0 or set train.eval_every=0")
+    return packed, held, f"{packed.rows:,} training preference pairs, one per row of {T}"
+
+
+def check_kinds(kinds):
+    """One line where a prepare mixes pairs with other records (a pair's rows are laid out otherwise)."""
+    if kinds.pairs and kinds.pairs != kinds.total:
+        raise UserError(f"the sources mix {kinds.pairs} preference pairs with {kinds.total - kinds.pairs} other "
+                        "records; prepare pairs (for train.objective=dpo) into a .bin of their own")
+
+
+def summary(kinds, meta: dict, max_length: int) -> str:
+    return (f"{kinds.pairs:,} preference pairs ({meta['pairs']['train']:,} train, {meta['pairs']['heldout']:,} "
+            f"held-out); {kinds.dropped_pairs:,} dropped: their prompt alone has --max-length {max_length} tokens")

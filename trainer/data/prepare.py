@@ -26,13 +26,13 @@ import numpy as np
 from trainer.data import remote
 from trainer.data.batches import _split_files, index_path, mask_path, sidecar_path, stdlib_files, template_path
 from trainer.data.chat import ChatTemplate, load_template, parse_date
+from trainer.data import pairs
+from trainer.data.tokenizer import EOT, load_tokenizer, train_tokenizer  # noqa: F401 (load_tokenizer: re-exported)
 from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read, text_specials
 from trainer.data.writers import Bar, Names, Split, mask_name, write_files, write_records
 from trainer.errors import UserError
 
 VERSION = 2  # 2: the document index
-EOT = "<|endoftext|>"
-EOS_NAMES = (EOT, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
 LOSS_ON = ("assistant", "all")  # --loss-on: the tokens a conversation's loss counts
 PIECE = 1 << 22  # bytes of one document handed to the encoder at a time: bounds memory on huge files
 
@@ -104,48 +104,6 @@ def _texts(docs: list[Doc], records: list[Doc], enc: Encoder):
 def sha256_file(path) -> str:
     with remote.open_source(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def load_tokenizer(path: str):
-    """(Tokenizer, its tokenizer.json path, end-of-text id) from a tokenizer.json or a folder holding one."""
-    from tokenizers import Tokenizer
-    p = Path(path)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    if not p.is_file():
-        raise UserError(f"--tokenizer '{path}' is not a tokenizer.json file or a folder holding one; "
-                        "give a Hugging Face tokenizer.json or use --train-tokenizer VOCAB_SIZE")
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as e:  # the library raises its own Exception type for any unparsable file
-        raise UserError(f"--tokenizer '{path}' is not a tokenizer ({str(e).splitlines()[0][:120]}); give a "
-                        "Hugging Face tokenizer.json or use --train-tokenizer VOCAB_SIZE") from None
-    return tok, p, _eos_id(tok, p, path)
-
-
-def _eos_id(tok, p: Path, path: str) -> int:
-    names = list(EOS_NAMES)
-    try:  # an HF folder names its eos token in tokenizer_config.json
-        eos = json.loads((p.parent / "tokenizer_config.json").read_text()).get("eos_token")
-        names.insert(0, eos.get("content") if isinstance(eos, dict) else eos)
-    except (OSError, ValueError, AttributeError):
-        pass
-    for name in names:
-        if isinstance(name, str) and (i := tok.token_to_id(name)) is not None:
-            return i
-    raise UserError(f"--tokenizer '{path}' has no end-of-text token (none of {', '.join(EOS_NAMES)}, nor "
-                    "tokenizer_config.json's eos_token); add one to it or use --train-tokenizer VOCAB_SIZE")
-
-
-def train_tokenizer(texts, vocab_size: int, length: int):
-    """A byte-level BPE trained on the texts, with EOT as its one special token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer, length=length)
-    return tok
 
 
 def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
@@ -288,9 +246,7 @@ def _write(job: _Job, tk: _Tok, enc: Encoder, train_s: float, show_progress: boo
         held.close()
         encode_s = time.perf_counter() - t1
         masked = bool(kinds.conversations or kinds.exchanges or kinds.pairs)
-        if kinds.pairs and kinds.pairs != kinds.total:
-            raise UserError(f"the sources mix {kinds.pairs} preference pairs with {kinds.total - kinds.pairs} other "
-                            "records; prepare pairs (for train.objective=dpo) into a .bin of their own")
+        pairs.check_kinds(kinds)
         _check_splits(job, kinds, train, held, masked)
         meta = _finish(job, names, tk, train, held, masked, kinds,
                        {"train_tokenizer": round(train_s, 2), "encode": round(encode_s, 2)}, encode_s)
@@ -311,8 +267,7 @@ def _progress(show: bool):
 
 def _summary(job: _Job, meta: dict, train: Split, held: Split, kinds: Kinds, tk: _Tok, log):
     if "pairs" in meta:
-        log(f"{kinds.pairs:,} preference pairs ({meta['pairs']['train']:,} train, {meta['pairs']['heldout']:,} "
-            f"held-out); {kinds.dropped_pairs:,} dropped: their prompt alone has --max-length {job.max_length} tokens")
+        log(pairs.summary(kinds, meta, job.max_length))
     elif "loss_mask" in meta:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
             f"{meta['loss_mask']['counted']['train']:,} train tokens counted in the loss ({job.loss_on})"

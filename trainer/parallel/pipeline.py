@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from models.loss import chunk_tokens, head_loss, scales, token_losses, zero_parts
+from models.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
+from models.spec import family
 from models.transformer import embed, head, layer_stack, scale_embedding
 from trainer.parallel import schedules
 from trainer.parallel.circular import circular_blocks
@@ -156,7 +157,15 @@ def documents(st: Stage, m):
 
 
 def microbatch_loss(st: Stage, y, top, m):
-    """scale["loss"] x the loss sum of microbatch m from the last stage's output y."""
+    """(scale["loss"] x the loss sum of microbatch m from the last stage's output y, its statistics: DPO's metrics'
+    (sum, pairs), models/dpo.py; none for the token loss)."""
+    c, constrain = st.pipe.model, st.pipe.constrain
+    if c.dpo is not None:
+        return dpo_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.scale, constrain)
+    return token_loss(st, y, top, m), {}
+
+
+def token_loss(st: Stage, y, top, m):
     c, constrain = st.pipe.model, st.pipe.constrain
     targets, weight = st.mbs["targets"][m], st.mbs["loss_weight"][m]
     if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
@@ -181,14 +190,16 @@ def fwd_embed(st: Stage, h, m, v):
 
 
 # the steps that add to the sums read their inputs as `ins`: see run_if
-def loss_step(st: Stage, ins, gbuf, dtop, loss, *out):
-    """The last stage's loss of microbatch m: its cotangent filed in gbuf's slot, the head's gradient added."""
+def loss_step(st: Stage, ins, gbuf, dtop, loss, aux, *out):
+    """The last stage's loss of microbatch m: its cotangent filed in gbuf's slot, the head's gradient added, its
+    statistics added to aux."""
     top, y, m, slot = ins
-    ls, (dy, dt) = jax.value_and_grad(functools.partial(microbatch_loss, st), argnums=(0, 1))(y, top, m)
+    (ls, stats), (dy, dt) = jax.value_and_grad(functools.partial(microbatch_loss, st), argnums=(0, 1),
+                                               has_aux=True)(y, top, m)
     gbuf = _put(gbuf, slot, dy.astype(y.dtype))
     if out:  # keep_logits: microbatch m's logits, filed in its row
         out = (_put(out[0], m, head(st.pipe.model, top, y, st.pipe.constrain).astype(jnp.float32)),)
-    return gbuf, _add(dtop, dt), loss + ls, *out
+    return gbuf, _add(dtop, dt), loss + ls, {**aux, **_add({k: aux[k] for k in stats}, stats)}, *out
 
 
 def bwd_step(st: Stage, ins, dblk, dh):
@@ -229,9 +240,9 @@ def tick(st: Stage, carry, row):
     h = xbuf[r["slot"]]
     branches = [functools.partial(f, st) for f in (idle, fwd, fwd_embed)]
     y, aux_y = jax.lax.switch(jnp.asarray(FORWARD_BRANCH)[br], branches, h, m, v)
-    aux = _add(aux, aux_y)
-    gbuf, dtop, loss, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
-                                    gbuf, dtop, loss, *out)
+    aux = {**aux, **_add({k: aux[k] for k in aux_y}, aux_y)}  # the layers' aux; DPO's statistics: loss_step
+    gbuf, dtop, loss, aux, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
+                                         gbuf, dtop, loss, aux, *out)
     # read after the loss step's write (never on a backward's tick), which then needs no copy
     g = gbuf[r["cot_slot"]]
     # the writes nobody reads, such as what a stage sends on a tick it has nothing to send (any
@@ -255,7 +266,7 @@ def scan_ticks(st: Stage):
     out = [jnp.zeros((pipe.microbatches,) + h0.shape[:-1] + (pipe.model.vocab_size,), jnp.float32)
            ] if pipe.keep_logits else []
     carry = (rows(pipe.plan.n_act), rows(pipe.plan.n_cot), jax.tree.map(jnp.zeros_like, st.blocks),
-             jax.tree.map(jnp.zeros_like, st.top), jnp.zeros((), jnp.float32), st.aux0, *out)
+             jax.tree.map(jnp.zeros_like, st.top), jnp.zeros((), jnp.float32), zero_parts(pipe.model)["aux"], *out)
     (_, _, dblk, dtop, loss, aux, *out), _ = jax.lax.scan(functools.partial(tick, st), carry, pipe.rows)
     return loss, aux, dblk, dtop, out
 
@@ -278,7 +289,7 @@ def stage_grads(pipe: Pipe, layers, top, mbs, scale):
     # circular.py; V = 1: the stage's L/S consecutive layers)
     n = c.n_layers // (S * V)
     index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
-    aux0 = zero_parts(c)["aux"]
+    aux0 = {k: v for k, v in zero_parts(c)["aux"].items() if k in family(c.family).aux}  # the layers' own
     aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
     st = Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index("stage"))
     loss, aux, dblk, dtop, out = scan_ticks(st)

@@ -41,10 +41,11 @@ class Plan:
     comm_s: dict  # axis -> seconds
     links: dict  # axis -> "fast" | "net"
     layer_bytes: tuple = (0.0, 0.0)  # one layer's residuals: (bytes whatever the batch, bytes per token)
+    reference_bytes: float = 0.0  # dpo.reference_mode=online: the frozen reference's parameters, outside the step
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activations_bytes + self.buffers_bytes
+        return self.state_bytes + self.activations_bytes + self.buffers_bytes + self.reference_bytes
 
     @property
     def state_bytes(self) -> float:
@@ -100,6 +101,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     batch = train.batch_size
     mc = dataclasses.replace(mc, remat=st.remat)
     p, g, o = state_bytes(mc, train, st)
+    ref = p if mc.dpo is not None and mc.dpo.online else 0.0  # DPO's online reference: the parameters' layout again
     acts = activation_bytes(mc, st, batch, dtype, platform)
     bufs = buffer_bytes(mc, train, st, a, platform)
     moves = tuple(transfers(mc, train, st, batch, a, platform))
@@ -117,7 +119,7 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
         slow = min(bw[lk[a]] for a in t.axis.split(","))
         comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
     return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk,
-                layer_residuals(mc, st, dtype, platform))
+                layer_residuals(mc, st, dtype, platform), ref)
 
 
 def strategy_of(cfg, n_devices: int) -> Strategy:

@@ -9,7 +9,7 @@ from trainer.plan.types import executed
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}
 TERMS = {"params_bytes": "parameters", "grads_bytes": "gradients", "opt_state_bytes": "optimizer state",
-         "activations_bytes": "activations", "buffers_bytes": "buffers"}
+         "activations_bytes": "activations", "buffers_bytes": "buffers", "reference_bytes": "DPO reference (online)"}
 # The planner's figures that are XLA's own on every platform: the arguments, whose shapes and shardings come from
 # the run's rules (within 0.1% of XLA:CPU's, and of XLA:TPU's where it pads no width to its tiles: docs/plan.md)
 EXACT = ("params_bytes", "opt_state_bytes")
@@ -28,7 +28,8 @@ FIXES = {"params_bytes": "train.zero_stage=3 or a larger mesh.model / mesh.stage
          "grads_bytes": "train.zero_stage=2 or a larger mesh.model / mesh.stage",
          "opt_state_bytes": "train.zero_stage=1 (or higher) shards it over data",
          "activations_bytes": "model.remat=full, more train.microbatches, or a larger mesh.model",
-         "buffers_bytes": "model.remat (ZeRO-3 keeps gathered weights without it) or fewer train.microbatches"}
+         "buffers_bytes": "model.remat (ZeRO-3 keeps gathered weights without it) or fewer train.microbatches",
+         "reference_bytes": "dpo.reference_mode=precompute (its log-probabilities computed once, stored beside the data)"}
 
 
 def _exact(platform: str) -> tuple:
@@ -95,6 +96,8 @@ def text(p: Plan) -> str:
             f"layout: {st.describe()} | grad_sync {st.grad_sync}", "",
             "memory per device"]
     for key, name in TERMS.items():
+        if key == "reference_bytes" and not p.reference_bytes:
+            continue
         rows.append(f"  {name:<30}{size(getattr(p, key)):>12}")
         if key == "activations_bytes":
             fixed, per_token = p.layer_bytes

@@ -25,7 +25,7 @@ class Eval(Plugin):
             return
         if hasattr(run.batches, "eval_of"):  # a mixture: each source's, and their mean by the step's weights
             return self._mixture(run, step)
-        if run.s.model.dpo is not None:
+        if run.cfg.train.objective == "dpo":
             return self._pairs(run, step)
         total, count = self._mean(run, run.batches.eval)
         run.eval_loss = float(total / count) if count > 0 else 0.0
@@ -39,7 +39,7 @@ class Eval(Plugin):
         got = jax.device_get([run.eval_fn(run.state["params"], run.batch(run.batches.eval(i))) for i in range(self.n)])
         tot = {k: float(np.sum([g[k] for g in got], dtype=np.float64)) for k in got[0]}
         per = lambda k, n: tot[k] / tot[n] if tot[n] > 0 else 0.0  # noqa: E731
-        run.eval_loss = per("pair", "pairs") + run.s.model.dpo.sft_weight * per("sft", "chosen")
+        run.eval_loss = per("pair", "pairs") + run.cfg.dpo.sft_weight * per("sft", "chosen")
         run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_pairs": int(tot["pairs"])})
         from models.dpo import METRICS
         run.record.update({f"eval_{k}": per(k, "pairs") for k in METRICS})

@@ -1,0 +1,228 @@
+"""Preference tuning (train.objective=dpo): pairs tokenized as TRL 1.16 tokenizes them, one lr-0 step's loss and every
+metric equal to TRL's DPOTrainer for each loss variant (tests/fixtures/dpo, made by scripts/make_dpo_fixture.py in a
+venv of its own), every layout equal to one device (SGD without clipping: losses, grad norms, parameters), the
+precomputed and the online reference equal, learning a rule on held-out pairs, and bad input as one line each."""
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import SGD
+
+from trainer.cli import main
+from trainer.errors import UserError
+
+FIX = Path(__file__).parent / "fixtures" / "dpo"
+REF = json.loads((FIX / "reference.json").read_text())
+METRICS = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected"]
+VARIANTS = {"sigmoid": [], "ipo": ["dpo.loss=ipo"], "hinge": ["dpo.loss=hinge"],
+            "robust": ["dpo.loss=robust", "dpo.label_smoothing=0.1"], "sigmoid_sft": ["dpo.sft_weight=0.5"]}
+
+
+def _prepare(src, out, *more) -> int:
+    return main(["prepare", str(src), "--out", str(out), "--tokenizer", str(FIX / "policy"), "--no-progress", *more])
+
+
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    for kind in ("text", "chat"):
+        assert _prepare(FIX / f"pairs_{kind}.jsonl", d / f"{kind}.bin", "--max-length", str(REF["max_length"]),
+                        "--heldout", "0") == 0
+    return d
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_pairs_are_tokenized_as_trl(fixture_data, kind):
+    """Each pair's two sequences (prompt + answer, cut to max_length keeping the start) and their completion masks
+    are TRL's; the pair whose prompt alone fills max_length is dropped and counted."""
+    meta = json.loads((fixture_data / f"{kind}.bin.json").read_text())
+    toks = np.fromfile(fixture_data / f"{kind}.bin", np.uint16)
+    mask = np.fromfile(fixture_data / meta["loss_mask"]["path"], np.uint8)
+    idx = np.fromfile(fixture_data / meta["document_index"]["path"], np.uint64).astype(int)
+    trl = REF[kind]["tokens"]
+    assert meta["pairs"] == {"train": len(trl), "heldout": 0, "dropped": 1, "max_length": REF["max_length"]}
+    for i, t in enumerate(trl):
+        for j, answer in enumerate(("chosen_ids", "rejected_ids")):
+            a, b, n = idx[2 * i + j], idx[2 * i + j + 1], REF["max_length"]
+            assert toks[a:b].tolist() == (t["prompt_ids"] + t[answer])[:n], (i, answer)
+            assert mask[a:b].tolist() == ([0] * len(t["prompt_ids"]) + [1] * len(t[answer]))[:n], (i, answer)
+
+
+def _one_step(data: Path, kind: str, variant: str) -> dict:
+    """The policy's loss, grad norm and metrics on every pair at once, the reference read from its folder."""
+    from models.loss import part_metrics
+    from trainer.ckpt.params import init_params
+    from trainer.ckpt.sources import resolve
+    from trainer.config import load_config
+    from trainer.data.batches import Batches, load_corpus
+    from trainer.run import reference
+    from trainer.state import make_setup
+    from trainer.step import loss_and_grads
+    n = len(REF[kind]["tokens"])
+    cfg = resolve(load_config([f"data.source={data / kind}.bin", f"model.init_from={FIX / 'policy'}",
+                               f"dpo.reference={FIX / 'reference'}", "train.objective=dpo", f"train.batch_size={n}",
+                               "mesh.data=1", f"dpo.beta={REF['beta']}", *VARIANTS[variant]]))
+    s = make_setup(cfg, jax.devices()[:1])
+    b = Batches(load_corpus(cfg.data.source), 0, n, s.model.seq_len, s.model.vocab_size, evaluates=False,
+                document_mask=True)
+    batch = jax.device_put(b.global_train(0), s.batch_sharding())  # every pair once
+    with jax.set_mesh(s.mesh):
+        batch["ref_logp"] = reference.logp_fn(s)(reference.load(s, lambda _: None), batch)
+        parts, grads = jax.jit(functools.partial(loss_and_grads, s))(init_params(s, cfg.model.init_from), batch)
+    return {**{k: float(v) for k, v in part_metrics(parts).items()}, "grad_norm": float(optax.tree.norm(grads))}
+
+
+@pytest.mark.parametrize("kind,variant", [("text", v) for v in VARIANTS] + [("chat", "sigmoid_sft")] + [
+    pytest.param("chat", v, marks=pytest.mark.slow) for v in VARIANTS if v != "sigmoid_sft"])
+def test_one_step_equals_trl(fixture_data, kind, variant):
+    """loss, grad_norm and rewards/*, logps/* of one step at learning rate 0 = TRL's, relative 1e-5."""
+    got, want = _one_step(fixture_data, kind, variant), REF[kind][variant]
+    for k in METRICS:
+        assert abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, got[k], want[k])
+
+
+# Layouts: a tiny model (vocabulary 1032, divisible by every model axis here) on synthetic pairs whose chosen answers
+# use warm colours and the rejected ones cold colours; the reference is another random initialisation.
+TINY = ["model.preset=tiny", "model.vocab_size=1032", "model.n_layers=4", "model.seq_len=64", "train.batch_size=8",
+        "train.warmup_steps=0", "run.progress=false", "run.log_every=1", "checkpoint.every=0"]
+WARM, COLD = "red orange warm sunny bright hot golden".split(), "blue grey cold icy dark frozen pale".split()
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    """(prepared pairs, a run holding the reference's parameters)."""
+    import random
+
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.config import load_config
+    from trainer.state import init_state, make_setup
+    d, rng = tmp_path_factory.mktemp("synth"), random.Random(1)
+    recs = []
+    for _ in range(300):
+        n = rng.randint(2, 5)
+        recs.append({"prompt": "Colours: " + " ".join(rng.choice(WARM + COLD) for _ in range(rng.randint(2, 5))) + ".",
+                     "chosen": " " + " ".join(rng.choice(WARM) for _ in range(n)) + ".",
+                     "rejected": " " + " ".join(rng.choice(COLD) for _ in range(n)) + "."})
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert _prepare(d / "pairs.jsonl", d / "pairs.bin", "--max-length", "32", "--heldout", "0.1") == 0
+    s = make_setup(load_config(TINY + ["mesh.data=1", "train.seed=1"]), jax.devices()[:1])
+    c = Checkpointer(s, d / "reference")
+    c.save(1, init_state(s))
+    c.close()
+    return d / "pairs.bin", d / "reference"
+
+
+def _train(synth, tmp: Path, extra: list[str], devices: int, steps: int = 3):
+    from trainer.config import load_config
+    from trainer.run.loop import train
+    data, ref = synth
+    keys = TINY + SGD + [f"data.source={data}", f"dpo.reference={ref}", "train.objective=dpo", "train.lr=0.5",
+                         f"train.steps={steps}", "train.eval_every=0", f"run.dir={tmp / 'run'}", *extra]
+    r = train(load_config(keys), jax.devices()[:devices])
+    hist = [h for h in r.history if "loss" in h]
+    return (np.array([h["loss"] for h in hist]), np.array([h["grad_norm"] for h in hist]),
+            jax.tree.map(np.asarray, r.state["params"]), hist)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(synth):
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        return _train(synth, Path(tmp), ["mesh.data=1"], 1)
+
+
+LAYOUTS = {
+    "214_zero3": ["mesh.data=2", "mesh.model=4", "train.zero_stage=3"],
+    "214_zero3_online": ["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "dpo.reference_mode=online"],
+    "241_1f1b_m4": ["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=1f1b", "train.microbatches=4"],
+    "811_ring": ["mesh.data=8", "train.grad_sync=ring"],
+    "214_m2": ["mesh.data=2", "mesh.model=4", "train.microbatches=2"],
+    "214_m2_online": ["mesh.data=2", "mesh.model=4", "train.microbatches=2", "dpo.reference_mode=online"],
+}
+
+
+@pytest.mark.parametrize("layout", [x if x.startswith("214_zero3") else pytest.param(x, marks=pytest.mark.slow)
+                                    for x in LAYOUTS])
+def test_layout_equals_one_device(synth, tmp_path, layout):
+    """3 SGD steps: losses, grad norms and parameters within 1e-5 of one device; the reference precomputed (written
+    beside the data, read back by the next run) or online."""
+    ref = _one_device(synth)
+    got = _train(synth, tmp_path, LAYOUTS[layout], 8)
+    assert np.allclose(got[0], ref[0], rtol=1e-5) and np.allclose(got[1], ref[1], rtol=1e-5), (got[:2], ref[:2])
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(ref[2])):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+    assert all(0 <= h["rewards/accuracies"] <= 1 for h in got[3])
+    assert len(list(synth[0].parent.glob("pairs.bin.ref-*.f32"))) == 1  # one reference file: same hash every run
+
+
+@pytest.mark.slow  # 100 steps (~15 s)
+def test_it_learns_the_rule_on_held_out_pairs(synth, tmp_path):
+    """100 AdamW steps from the reference: held-out rewards/accuracies above 0.9."""
+    got = _train(synth, tmp_path, ["mesh.data=8", "train.optimizer=adamw", "train.grad_clip=1", "train.lr=1e-3",
+                                   "train.warmup_steps=10", "train.eval_every=100", "train.eval_batches=4",
+                                   f"model.init_from={synth[1]}"], 8, steps=100)
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [e for e in evals if "eval_rewards/accuracies" in e][-1]
+    print(f"step 100: eval_loss {last['eval_loss']:.4f}, eval_rewards/accuracies {last['eval_rewards/accuracies']:.3f}"
+          f" over {last['eval_pairs']} held-out pairs")
+    assert last["eval_rewards/accuracies"] > 0.9 and got[0][-1] < got[0][0]
+
+
+BAD = [
+    ({"prompt": "a", "chosen": "", "rejected": "b"}, r"'chosen' is empty"),
+    ({"prompt": "a", "chosen": " b", "rejected": " b"}, r"'chosen' and 'rejected' are the same answer"),
+    ({"prompt": "a", "chosen": " b"}, r"is a preference pair without 'rejected'"),
+    ({"chosen": " b", "rejected": " c"}, r"is a preference pair without 'prompt'"),
+    ({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": " c"}, r"must all be strings"),
+]
+
+
+@pytest.mark.parametrize("record,message", BAD)
+def test_a_bad_pair_is_one_line(tmp_path, capsys, record, message):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x", "chosen": " y", "rejected": " z"}) + "\n"
+                                      + json.dumps(record) + "\n")
+    assert _prepare(tmp_path / "p.jsonl", tmp_path / "p.bin") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "p.jsonl:2" in err and __import__("re").search(message, err), err
+    assert not (tmp_path / "p.bin").exists()
+
+
+def test_bad_setups_are_one_line(synth, tmp_path):
+    """A reference of another vocabulary, objective=dpo on data without pairs, no reference at all, DPO under context
+    parallelism."""
+    from trainer.config import load_config, validate
+    from trainer.data.batches import Batches, load_corpus
+    from trainer.run import reference
+    from trainer.state import make_setup
+    keys = TINY + [f"data.source={synth[0]}", "train.objective=dpo", "mesh.data=1"]
+    s = make_setup(load_config(keys + [f"dpo.reference={FIX / 'reference'}"]), jax.devices()[:1])
+    with pytest.raises(UserError, match=rf"^dpo.reference '{FIX / 'reference'}' does not fit this model: .*1025"):
+        reference.load(s, print)
+    s = make_setup(load_config(keys + [f"dpo.reference={synth[1]}", "data.source=synthetic"]), jax.devices()[:1])
+    with pytest.raises(UserError, match=r"^train.objective=dpo trains on preference pairs, and data.source 'synthetic'"):
+        reference.Reference(s, Batches(load_corpus("synthetic"), 0, 8, 64, 1032), slice(0, 8), None, print)
+    with pytest.raises(UserError, match=r"^train.objective=dpo needs a reference model"):
+        validate(load_config(keys), 1)
+    with pytest.raises(UserError, match=r"^train.objective=dpo sums each pair's log-probabilities along its row"):
+        validate(load_config(TINY + ["train.objective=dpo", "mesh.data=2", "mesh.context=4", "dpo.reference=x"]), 8)
+
+
+def test_the_planner_counts_the_online_reference():
+    """dpo.reference_mode=online holds the reference's parameters beside the policy's, in the same layout: the plan
+    adds exactly the parameters' bytes per device (2 x 4 and 8 x 1 layouts); precompute adds nothing."""
+    from trainer.config import load_config, model_config
+    from trainer.hardware import DEVICES
+    from trainer.plan.core import estimate, strategy_of
+    for mesh in (["mesh.data=2", "mesh.model=4", "train.zero_stage=3"], ["mesh.data=8"]):
+        plans = {}
+        for mode in ("precompute", "online"):
+            cfg = load_config(TINY + mesh + ["train.objective=dpo", "dpo.reference=x", f"dpo.reference_mode={mode}"])
+            plans[mode] = estimate(model_config(cfg), cfg.train, strategy_of(cfg, 8), DEVICES["h100-80g"], 1, "float32")
+        assert plans["precompute"].reference_bytes == 0 and plans["online"].reference_bytes > 0
+        assert plans["online"].reference_bytes == plans["online"].params_bytes == plans["precompute"].params_bytes
+        assert plans["online"].total_bytes - plans["precompute"].total_bytes == plans["online"].params_bytes
