@@ -82,6 +82,8 @@ def _one_step(data: Path, kind: str, variant: str) -> dict:
 def test_one_step_equals_trl(fixture_data, kind, variant):
     """loss, grad_norm and rewards/*, logps/* of one step at learning rate 0 = TRL's, relative 1e-5."""
     got, want = _one_step(fixture_data, kind, variant), REF[kind][variant]
+    worst = max(abs(got[k] - want[k]) / max(abs(want[k]), 1.0) for k in METRICS)
+    print(f"{kind} {variant}: largest difference from TRL, relative to max(|TRL's|, 1): {worst:.2g}")
     for k in METRICS:
         assert abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, got[k], want[k])
 
@@ -159,8 +161,11 @@ def test_layout_equals_one_device(synth, tmp_path, layout):
     ref = _one_device(synth)
     got = _train(synth, tmp_path, LAYOUTS[layout], 8)
     assert np.allclose(got[0], ref[0], rtol=1e-5) and np.allclose(got[1], ref[1], rtol=1e-5), (got[:2], ref[:2])
-    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(ref[2])):
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+    rel = [float(np.linalg.norm(a - b) / np.linalg.norm(b))
+           for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(ref[2]))]
+    print(f"{layout}: losses {np.max(np.abs(got[0] / ref[0] - 1)):.2g}, grad norms "
+          f"{np.max(np.abs(got[1] / ref[1] - 1)):.2g}, parameters {max(rel):.2g} (relative, against one device)")
+    assert max(rel) <= 1e-5
     assert all(0 <= h["rewards/accuracies"] <= 1 for h in got[3])
     assert len(list(synth[0].parent.glob("pairs.bin.ref-*.f32"))) == 1  # one reference file: same hash every run
 
@@ -218,7 +223,8 @@ def test_bad_setups_are_one_line(synth, tmp_path):
     s = make_setup(load_config(keys + [f"dpo.reference={FIX / 'reference'}"]), jax.devices()[:1])
     with pytest.raises(UserError, match=rf"^dpo.reference '{FIX / 'reference'}' does not fit this model: .*1025"):
         reference.load(s, print)
-    s = make_setup(load_config(keys + [f"dpo.reference={synth[1]}", "data.source=synthetic"]), jax.devices()[:1])
+    s = make_setup(load_config(keys + [f"dpo.reference={synth[1]}", "data.source=synthetic"]),
+                   jax.devices()[:1])
     with pytest.raises(UserError, match=r"^train.objective=dpo trains on preference pairs, and data.source 'synthetic'"):
         reference.Reference(s, Batches(load_corpus("synthetic"), 0, 8, 64, 1032), slice(0, 8), None, print)
     with pytest.raises(UserError, match=r"^train.objective=dpo needs a reference model"):

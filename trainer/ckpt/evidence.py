@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+from trainer.data.remote import is_url
+
 MISSING = (FileNotFoundError, NotADirectoryError)  # OSErrors that can be evidence (of a missing file)
 
 
@@ -63,7 +65,7 @@ def evidence(e: Exception, step_dir: Path, layout: Layout = CHECKPOINT) -> str |
 def damage(step_dir: Path, layout: Layout = CHECKPOINT) -> str | None:
     """A missing, empty, short or undecodable file of a checkpoint (or export) directory, found by
     reading its files (not by restoring it); None if every file the restore needs is there and whole."""
-    if "://" in str(step_dir):  # object storage: damage shows as a checksum mismatch or undecodable JSON only
+    if is_url(step_dir):  # object storage: damage shows as a checksum mismatch or undecodable JSON only
         return None
     d, meta, arrays = Path(step_dir), layout.meta, layout.arrays
     if not d.is_dir():  # gone altogether: a mount or a person, not damage of its bytes

@@ -121,16 +121,28 @@ def fields(p: Packing, rows, tokens: np.ndarray, mask: np.ndarray, T: int, ref: 
     value per token: preference pairs' reference log-probabilities) the field ref_logp holds each target's."""
     B = len(rows)
     out = {f: np.zeros((B, T), ALL_DTYPES[f]) for f in FIELDS + (("ref_logp",) if ref is not None else ())}
+    for i, k, seg, at, s, n in _pieces_of(p, rows):
+        out["tokens"][i, at:at + n] = tokens[s:s + n]
+        out["targets"][i, at:at + n] = tokens[s + 1:s + n + 1]  # the next token of its document
+        out["loss_weight"][i, at:at + n] = mask[s + 1:s + n + 1]
+        out["segment_ids"][i, at:at + n] = seg
+        out["positions"][i, at:at + n] = p.offset[k] + np.arange(n)
+        if ref is not None:
+            out["ref_logp"][i, at:at + n] = ref[s + 1:s + n + 1]
+    return out
+
+
+def _pieces_of(p: Packing, rows):
+    """(row's index in rows, piece, its segment (1, 2, ... in the row), its first slot in the row, its first token,
+    its slots) of each piece of rows (-1: a padding row, none)."""
     for i, r in enumerate(rows):
         at = 0
         for k in range(int(p.row_ptr[r]), int(p.row_ptr[r + 1])) if r >= 0 else ():
-            s, n = int(p.start[k]), int(p.length[k])
-            out["tokens"][i, at:at + n] = tokens[s:s + n]
-            out["targets"][i, at:at + n] = tokens[s + 1:s + n + 1]  # the next token of its document
-            out["loss_weight"][i, at:at + n] = mask[s + 1:s + n + 1]
-            out["segment_ids"][i, at:at + n] = k - int(p.row_ptr[r]) + 1
-            out["positions"][i, at:at + n] = p.offset[k] + np.arange(n)
-            if ref is not None:
-                out["ref_logp"][i, at:at + n] = ref[s + 1:s + n + 1]
-            at += n
-    return out
+            yield i, k, k - int(p.row_ptr[r]) + 1, at, int(p.start[k]), int(p.length[k])
+            at += int(p.length[k])
+
+
+def scatter(p: Packing, rows, values_BT: np.ndarray, out: np.ndarray):
+    """The inverse of `fields` for one value per slot: each target's value put at its token in `out`."""
+    for i, _, _, at, s, n in _pieces_of(p, rows):
+        out[s + 1:s + n + 1] = values_BT[i, at:at + n]

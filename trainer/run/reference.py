@@ -39,18 +39,10 @@ def logp_fn(s):
                    out_shardings=s.batch_sharding())
 
 
-def reference_path(cfg) -> str:
-    path = cfg.dpo.reference or cfg.model.init_from
-    if not path:
-        raise UserError("train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging "
-                        "Face folder) or model.init_from (the reference is then the model training starts from)")
-    return path
-
-
 def load(s, say) -> dict:
     """The reference's parameters in the run's parameter shardings; one line where it does not fit the policy."""
     from trainer.ckpt.params import init_params
-    path = reference_path(s.cfg)
+    path = s.cfg.dpo.reference or s.cfg.model.init_from  # one of them: the config's validation sees to it
     try:
         params = init_params(s, path)
     except UserError as e:
@@ -101,7 +93,7 @@ class Reference:
     def _precompute(self, params, batches, rows, to_global) -> np.ndarray:
         """Every pair's row, B at a time, through the reference; each target's log-probability at its token."""
         from jax.experimental import multihost_utils
-        from trainer.data.packing import fields
+        from trainer.data.packing import fields, scatter
         out, B, T = np.zeros(len(batches.c.whole), np.float32), batches.B, batches.T
         for p in (batches.packed, batches.packed_eval):
             for first in range(0, p.rows if p is not None else 0, B):
@@ -110,13 +102,7 @@ class Reference:
                 local = fields(p, rows_g[rows], batches.c.whole, batches.c.loss_mask, T)
                 with jax.set_mesh(self.s.mesh):
                     got = self.fn(params, to_global(local))
-                got = np.asarray(multihost_utils.process_allgather(got, tiled=True))
-                for i, r in enumerate(rows_g.tolist()):
-                    at = 0
-                    for k in range(int(p.row_ptr[r]), int(p.row_ptr[r + 1])) if r >= 0 else ():
-                        s0, n = int(p.start[k]), int(p.length[k])
-                        out[s0 + 1:s0 + n + 1] = got[i, at:at + n]
-                        at += n
+                scatter(p, rows_g, np.asarray(multihost_utils.process_allgather(got, tiled=True)), out)
         return out
 
     def add(self, batch: dict) -> dict:
