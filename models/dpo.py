@@ -56,9 +56,10 @@ def scales(batch) -> dict:
 
 
 def sums(d: Dpo, ce_BT, batch) -> tuple:
-    """(pair loss sum, chosen token loss sum, {metric: (sum, pairs)}) of a batch from its per-target token losses."""
+    """(pair loss sum, chosen token loss sum, {metric: (sum, pairs)}) of a batch from its per-target token losses,
+    each already weight x cross-entropy (models/loss.py head_token_losses): weighted once, as the reference's."""
     w = batch["loss_weight"].astype(jnp.float32)
-    pc, pr = _answers(batch, -ce_BT * w)
+    pc, pr = _answers(batch, -ce_BT)
     rc, rr = _answers(batch, batch["ref_logp"] * w)
     nc, nr = _answers(batch, w)
     valid = ((nc > 0) & (nr > 0)).astype(jnp.float32)
@@ -80,7 +81,7 @@ def sums(d: Dpo, ce_BT, batch) -> tuple:
              "rewards/accuracies": (rc_ > rr_).astype(jnp.float32), "logps/chosen": jax.lax.stop_gradient(pc),
              "logps/rejected": jax.lax.stop_gradient(pr)}
     metrics = {k: (jnp.sum(v * valid), n) for k, v in stats.items()}
-    return jnp.sum(per * valid), jnp.sum(ce_BT * w * (batch["segment_ids"] == 1)), metrics
+    return jnp.sum(per * valid), jnp.sum(jnp.where(batch["segment_ids"] == 1, ce_BT, 0.0)), metrics
 
 
 def zero_metrics() -> dict:

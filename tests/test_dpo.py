@@ -53,8 +53,9 @@ def test_pairs_are_tokenized_as_trl(fixture_data, kind):
             assert mask[a:b].tolist() == ([0] * len(t["prompt_ids"]) + [1] * len(t[answer]))[:n], (i, answer)
 
 
-def _one_step(data: Path, kind: str, variant: str) -> dict:
-    """The policy's loss, grad norm and metrics on every pair at once, the reference read from its folder."""
+def _fixture_step(data: Path, kind: str, variant: str, weight=None) -> tuple:
+    """(the step's metrics, the policy's and the reference's log-probability of every target, the batch): every pair
+    at once, the reference read from its folder; `weight` maps the batch's loss_weight to the one the step uses."""
     from models.loss import part_metrics
     from trainer.ckpt.params import init_params
     from trainer.ckpt.sources import resolve
@@ -70,11 +71,22 @@ def _one_step(data: Path, kind: str, variant: str) -> dict:
     s = make_setup(cfg, jax.devices()[:1])
     b = Batches(load_corpus(cfg.data.source), 0, n, s.model.seq_len, s.model.vocab_size, evaluates=False,
                 document_mask=True)
-    batch = jax.device_put(b.global_train(0), s.batch_sharding())  # every pair once
+    host = b.global_train(0)  # every pair once
+    if weight is not None:
+        host["loss_weight"] = weight(host["loss_weight"])
+    batch, policy, logp = jax.device_put(host, s.batch_sharding()), init_params(s, cfg.model.init_from), \
+        reference.logp_fn(s)
     with jax.set_mesh(s.mesh):
-        batch["ref_logp"] = reference.logp_fn(s)(reference.load(s, lambda _: None), batch)
-        parts, grads = jax.jit(functools.partial(loss_and_grads, s))(init_params(s, cfg.model.init_from), batch)
-    return {**{k: float(v) for k, v in part_metrics(parts).items()}, "grad_norm": float(optax.tree.norm(grads))}
+        pi = logp(policy, batch)
+        batch["ref_logp"] = logp(reference.load(s, lambda _: None), batch)
+        parts, grads = jax.jit(functools.partial(loss_and_grads, s))(policy, batch)
+    got = {**{k: float(v) for k, v in part_metrics(parts).items()}, "grad_norm": float(optax.tree.norm(grads))}
+    return got, np.asarray(pi), np.asarray(batch["ref_logp"]), jax.tree.map(np.asarray, host)
+
+
+def _one_step(data: Path, kind: str, variant: str) -> dict:
+    """The policy's loss, grad norm and metrics on every pair at once, the reference read from its folder."""
+    return _fixture_step(data, kind, variant)[0]
 
 
 @pytest.mark.parametrize("kind,variant", [("text", v) for v in VARIANTS] + [("chat", "sigmoid_sft")] + [
@@ -85,6 +97,34 @@ def test_one_step_equals_trl(fixture_data, kind, variant):
     worst = max(abs(got[k] - want[k]) / max(abs(want[k]), 1.0) for k in METRICS)
     print(f"{kind} {variant}: largest difference from TRL, relative to max(|TRL's|, 1): {worst:.2g}")
     for k in METRICS:
+        assert abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, got[k], want[k])
+
+
+def _by_hand(pi, ref, batch, sft_weight: float) -> dict:
+    """TRL's sigmoid DPO + sft by hand (numpy, float64): each answer's log-probabilities summed with the loss weight
+    (TRL's completion mask, here fractional), the pair loss a mean over pairs, the sft term the chosen answers' weighted
+    mean token loss."""
+    w, seg, beta = batch["loss_weight"].astype(np.float64), batch["segment_ids"], REF["beta"]
+    tot = lambda v, k: np.sum(np.where(seg == k, v * w, 0.0), axis=-1)  # noqa: E731
+    chosen, rejected = tot(pi, 1) - tot(ref, 1), tot(pi, 2) - tot(ref, 2)
+    pair = np.mean(np.logaddexp(0.0, -beta * (chosen - rejected)))  # -log sigmoid
+    sft = np.sum(tot(-pi, 1)) / np.sum(tot(1.0, 1))
+    return {"loss": pair + sft_weight * sft, "logps/chosen": np.mean(tot(pi, 1)),
+            "rewards/chosen": np.mean(beta * chosen), "rewards/margins": np.mean(beta * (chosen - rejected))}
+
+
+def test_a_fractional_loss_weight_counts_once(fixture_data):
+    """The answers' targets weighted 0.3 and 0.8 in turn: loss (sigmoid + sft 0.5), logps/chosen and rewards/* equal
+    TRL's formula by hand on the same per-token log-probabilities, each weighted once (not w^2); the hand formula
+    with the 0/1 mask gives TRL's own loss (the fixture), so it is TRL's."""
+    frac = lambda w: w * np.where(np.arange(w.shape[-1]) % 2, 0.3, 0.8).astype(np.float32)  # noqa: E731
+    got, pi, ref, batch = _fixture_step(fixture_data, "text", "sigmoid_sft", frac)
+    want = _by_hand(pi, ref, batch, 0.5)
+    trl = _by_hand(pi, ref, {**batch, "loss_weight": np.ceil(batch["loss_weight"])}, 0.5)
+    assert abs(trl["loss"] - REF["text"]["sigmoid_sft"]["loss"]) <= 1e-5 * REF["text"]["sigmoid_sft"]["loss"]
+    print(f"fractional weights: largest relative difference from the hand formula "
+          f"{max(abs(got[k] / want[k] - 1) for k in want):.2g}")
+    for k in want:
         assert abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, got[k], want[k])
 
 
