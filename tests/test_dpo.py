@@ -159,13 +159,16 @@ def synth(tmp_path_factory):
     return d / "pairs.bin", d / "reference"
 
 
+def _keys(synth, tmp: Path, extra: list[str], steps: int = 3) -> list[str]:
+    data, ref = synth
+    return TINY + SGD + [f"data.source={data}", f"dpo.reference={ref}", "train.objective=dpo", "train.lr=0.5",
+                         f"train.steps={steps}", "train.eval_every=0", f"run.dir={tmp / 'run'}", *extra]
+
+
 def _train(synth, tmp: Path, extra: list[str], devices: int, steps: int = 3):
     from trainer.config import load_config
     from trainer.run.loop import train
-    data, ref = synth
-    keys = TINY + SGD + [f"data.source={data}", f"dpo.reference={ref}", "train.objective=dpo", "train.lr=0.5",
-                         f"train.steps={steps}", "train.eval_every=0", f"run.dir={tmp / 'run'}", *extra]
-    r = train(load_config(keys), jax.devices()[:devices])
+    r = train(load_config(_keys(synth, tmp, extra, steps)), jax.devices()[:devices])
     hist = [h for h in r.history if "loss" in h]
     return (np.array([h["loss"] for h in hist]), np.array([h["grad_norm"] for h in hist]),
             jax.tree.map(np.asarray, r.state["params"]), hist)
@@ -182,8 +185,6 @@ LAYOUTS = {
     "214_zero3": ["mesh.data=2", "mesh.model=4", "train.zero_stage=3"],
     "214_zero3_online": ["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "dpo.reference_mode=online"],
     "241_1f1b_m4": ["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=1f1b", "train.microbatches=4"],
-    "241_1f1b_m4_online": ["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=1f1b", "train.microbatches=4",
-                           "dpo.reference_mode=online"],
     "241_gpipe_m4": ["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=gpipe", "train.microbatches=4"],
     "124_interleaved_v2": ["mesh.data=1", "mesh.stage=2", "mesh.model=4", "train.pipeline_schedule=interleaved_1f1b",
                            "train.microbatches=4", "train.pipeline_repeats=2"],
@@ -287,3 +288,44 @@ def test_the_planner_counts_the_online_reference():
         assert plans["precompute"].reference_bytes == 0 and plans["online"].reference_bytes > 0
         assert plans["online"].reference_bytes == plans["online"].params_bytes == plans["precompute"].params_bytes
         assert plans["online"].total_bytes - plans["precompute"].total_bytes == plans["online"].params_bytes
+
+
+def test_online_reference_under_a_pipeline_is_one_line(synth, tmp_path):
+    """Its forward would run outside the pipeline (every layer's weights across the stages on each step): refused in
+    one line before anything compiles or is written; precompute runs there (the layout tests)."""
+    with pytest.raises(UserError, match=r"^dpo.reference_mode=online runs the reference's forward outside the "
+                                        r"pipeline .* mesh.stage=4 .* set dpo.reference_mode=precompute"):
+        _train(synth, tmp_path, ["mesh.data=2", "mesh.stage=4", "train.microbatches=4", "dpo.reference_mode=online"],
+               8)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_check_holds_the_online_reference(synth, tmp_path, monkeypatch):
+    """dpo.reference_mode=online keeps the reference's parameters beside the step: the plan's margin on an
+    accelerator counts them whole (they are shapes, exact, not a tenth as an estimate), and a limit above the
+    compiled step alone but under it plus the parameters stops in one line that names the reference (the bytes
+    from the run's shardings equal the planner's)."""
+    import dataclasses
+
+    from trainer.config import load_config
+    from trainer.hardware import DEVICES
+    from trainer.plan.core import estimate, strategy_of
+    from trainer.plan.verify import Footprint, abstract_inputs
+    from trainer.run import memory_check
+    from trainer.state import make_setup
+    from trainer.step import jit_train_step
+    online = ["mesh.data=1", "dpo.reference_mode=online"]
+    s = make_setup(load_config(_keys(synth, tmp_path, online)), jax.devices()[:1])
+    plan = estimate(s.model, s.cfg.train, strategy_of(s.cfg, 1), DEVICES["h100-80g"], 1, "float32")
+    exact, ref = plan.params_bytes + plan.opt_state_bytes, plan.reference_bytes
+    assert ref == plan.params_bytes == memory_check.reference_bytes(s) > 0
+    rest = plan.total_bytes - exact - ref  # a tenth of it held on an accelerator (SLACK)
+    between = exact + (ref + rest) / memory_check.SLACK + ref / 2  # the reference as an estimate fits, whole not
+    limit = memory_check.Limit(dataclasses.replace(plan.device, hbm=between), "the test's limit", exact=False)
+    with pytest.raises(UserError, match=r"^the plan needs at least"):
+        memory_check.check_plan(plan, limit)
+    with jax.set_mesh(s.mesh):
+        fp = Footprint.of(jit_train_step(s).lower(*abstract_inputs(s)).compile())
+    monkeypatch.setenv(memory_check.TEST_LIMIT, str(fp.total_bytes + ref / 2))
+    with pytest.raises(UserError, match=r"^the compiled train step needs .* \+ DPO reference \(online\) "):
+        _train(synth, tmp_path, online, 1)

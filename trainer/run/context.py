@@ -34,9 +34,10 @@ from trainer.observe.metrics import MetricsWriter
 from trainer.optim import warn_if_no_decay
 from trainer.parallel.schedules import describe as describe_pipeline
 from trainer.plan.verify import Footprint, abstract_inputs
-from trainer.run import distributed
+from trainer.run import distributed, reference
 from trainer.run.reference import Reference
-from trainer.run.memory_check import check_compiled, check_fits, device_limit, is_out_of_memory, out_of_memory
+from trainer.run.memory_check import (check_compiled, check_fits, device_limit, is_out_of_memory, out_of_memory,
+                                      reference_bytes)
 from trainer.ckpt.sources import resolve
 from trainer.state import Setup, make_setup
 from trainer.step import jit_eval_step, jit_train_step, uses_manual_sync
@@ -140,6 +141,7 @@ class Run:
                 self.batches, restored = self._batches(), self.ckpt.restore()
                 self.nothing_left = restored is not None and restored[1] >= t.steps
             if not self.nothing_left:
+                reference.check(s)  # train.objective=dpo: a reference mode this layout does not run is one line
                 self.limit = device_limit(cfg)  # train.memory_check: what the plan and the compiled step must fit
                 check_fits(s, self.limit)  # the plan, before anything compiles
                 warn_if_no_decay(t)
@@ -201,7 +203,7 @@ class Run:
         state, batch = abstract_inputs(s)
         with jax.set_mesh(s.mesh):
             step = jit_train_step(s).lower(state, batch).compile()
-        check_compiled(Footprint.of(step), self.limit)
+        check_compiled(Footprint.of(step), self.limit, reference_bytes(s))  # DPO's online reference beside it
         self.eval_fn = jit_eval_step(s)
         return step
 

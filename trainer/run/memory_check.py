@@ -12,6 +12,7 @@ killer, which ends a process that touches more memory than the host has without 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax
@@ -124,19 +125,29 @@ def check_plan(plan, limit: Limit) -> None:
                     f"it with {REDUCE}, or set train.memory_check=false to compile anyway")
 
 
-def check_compiled(fp, limit: Limit | None) -> None:
-    """Stop with one line when the compiled step (its trainer.plan.verify.Footprint: XLA's memory analysis)
-    does not fit the device."""
-    if limit is None or fp.total_bytes <= limit.bytes:
+def reference_bytes(s) -> int:
+    """Bytes per device that DPO's online reference holds beside the step: the parameters again, in their shardings
+    (trainer/run/reference.py); 0 without one."""
+    if s.model.dpo is None or not s.model.dpo.online:
+        return 0
+    leaves = zip(jax.tree.leaves(s.shapes["params"]), jax.tree.leaves(s.shardings["params"]))
+    return sum(math.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize for a, sh in leaves)
+
+
+def check_compiled(fp, limit: Limit | None, held: int = 0) -> None:
+    """Stop with one line when the compiled step (its trainer.plan.verify.Footprint: XLA's memory analysis) and
+    the `held` bytes that stay in memory beside it (reference_bytes) do not fit the device."""
+    if limit is None or fp.total_bytes + held <= limit.bytes:
         return
     from trainer.plan.report import size
     terms = {"arguments": fp.argument_bytes, "temp": fp.temp_bytes,
-             "outputs not written into an argument": fp.output_bytes - fp.alias_bytes}
+             "outputs not written into an argument": fp.output_bytes - fp.alias_bytes, "DPO reference (online)": held}
     key = max(terms, key=terms.get)
-    raise UserError(f"the compiled train step needs {size(fp.total_bytes)} per device (XLA: arguments "
+    beside = f" + DPO reference (online) {size(held)}" if held else ""
+    raise UserError(f"the compiled train step needs {size(fp.total_bytes + held)} per device (XLA: arguments "
                     f"{size(fp.argument_bytes)} + temp {size(fp.temp_bytes)} + outputs {size(fp.output_bytes)} - "
-                    f"aliased {size(fp.alias_bytes)}; {key} the largest) but {limit.where} is {size(limit.bytes)}; "
-                    f"reduce it with {REDUCE}, or set train.memory_check=false to run anyway")
+                    f"aliased {size(fp.alias_bytes)}{beside}; {key} the largest) but {limit.where} is "
+                    f"{size(limit.bytes)}; reduce it with {REDUCE}, or set train.memory_check=false to run anyway")
 
 
 def is_out_of_memory(e: BaseException) -> bool:

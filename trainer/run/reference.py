@@ -39,6 +39,16 @@ def logp_fn(s):
                    out_shardings=s.batch_sharding())
 
 
+def check(s) -> None:
+    """One line, before anything compiles, for a reference this layout does not run: online under a pipeline."""
+    stage = s.mesh.shape["stage"]
+    if s.model.dpo is not None and s.model.dpo.online and stage > 1:
+        raise UserError(f"dpo.reference_mode=online runs the reference's forward outside the pipeline every step, and "
+                        f"under mesh.stage={stage} every layer's weights would cross the stages on each call (not "
+                        "supported); set dpo.reference_mode=precompute (one forward of every pair before training) or "
+                        "mesh.stage=1")
+
+
 def load(s, say) -> dict:
     """The reference's parameters in the run's parameter shardings; one line where it does not fit the policy."""
     from trainer.ckpt.params import init_params
