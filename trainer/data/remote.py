@@ -6,7 +6,9 @@ Token files and loss masks are never downloaded whole: `Remote` reads the byte r
 out to blocks of `BLOCK` bytes, through one `Blocks` cache per process: an LRU of blocks in this process's memory,
 at most `CACHE` bytes (nothing is written to local disk). Small files (the manifest, sidecars, document indexes) are
 read whole. A failed read is retried `TRIES` times with exponential backoff, then stops the run with one line naming
-the object.
+the object. An object's blocks are cached under its version (`version`: S3's ETag, GCS's generation) as read when it
+was opened; each fetch of blocks is followed by a look at the object's version, so an object rewritten while a run
+reads it stops the run with one line rather than mixing the bytes of two versions.
 """
 from __future__ import annotations
 
@@ -62,6 +64,27 @@ def _retried(what: str, fn):
             time.sleep(0.1 * 2 ** k)
 
 
+# The fields of fsspec's info() that name an object's version, in order of preference: a versioned bucket's version,
+# GCS's generation, the content's ETag or hash, then the time it was written (one-second resolution on S3)
+VERSIONS = ("VersionId", "generation", "ETag", "etag", "md5Hash", "LastModified", "updated", "mtime", "created")
+
+
+def version(info: dict) -> str:
+    """An object's version as its store's listing or info() gives it ('' where it gives none)."""
+    for k in VERSIONS:
+        if info.get(k) not in (None, "", "null"):
+            return f"{k}={info[k]}"
+    return ""
+
+
+def stat(url: str) -> tuple[int, str]:
+    """(size, version) of an object as the store has it now (not a cached listing)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    info = _retried(url, lambda: fs.info(path))
+    return int(info["size"]), version(info)
+
+
 def read_bytes(url: str) -> bytes:
     fs, path = filesystem(url)
     return _retried(url, lambda: fs.cat_file(path))
@@ -87,27 +110,29 @@ class Blocks:
         self._lru: collections.OrderedDict = collections.OrderedDict()
         self._held, self._lock = 0, threading.Lock()
 
-    def read(self, url: str, fs, path: str, size: int, start: int, stop: int) -> bytes:
-        """Bytes [start, stop) of the object, whole blocks fetched (one range request per run of missing ones)."""
-        b = self.block
+    def read(self, obj: "Remote", start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the object, whole blocks fetched (one range request per run of missing ones), each
+        fetch checked against the object's version (obj.check)."""
+        b, key = self.block, (obj.url, obj.version)
         first, last = start // b, (stop - 1) // b
         got, missing = {}, []
         with self._lock:
             for i in range(first, last + 1):
-                if (url, i) in self._lru:
-                    self._lru.move_to_end((url, i))
-                    got[i] = self._lru[(url, i)]
+                if key + (i,) in self._lru:
+                    self._lru.move_to_end(key + (i,))
+                    got[i] = self._lru[key + (i,)]
                 else:
                     missing.append(i)
         for run in _runs(missing):
-            lo, hi = run[0] * b, min((run[-1] + 1) * b, size)
-            data = _retried(url, lambda lo=lo, hi=hi: fs.cat_file(path, start=lo, end=hi))
+            lo, hi = run[0] * b, min((run[-1] + 1) * b, obj.size)
+            data = _retried(obj.url, lambda lo=lo, hi=hi: obj.fs.cat_file(obj.path, start=lo, end=hi))
+            obj.check()  # the bytes are of the version the cache holds, or the run stops here
             with self._lock:
                 self.fetched += len(data)
                 for i in run:
                     piece = data[(i - run[0]) * b:(i - run[0] + 1) * b]
                     got[i] = piece
-                    self._lru[(url, i)] = piece
+                    self._lru[key + (i,)] = piece
                     self._held += len(piece)
                 while self._held > self.capacity and self._lru:
                     self._held -= len(self._lru.popitem(last=False)[1])
@@ -132,12 +157,22 @@ class Remote:
     """A 1-D array of `dtype` in an object (from byte `offset`, `n` items): slices and integer-array indexing read
     only the ranges they touch (each contiguous run of indices one read), through BLOCKS."""
 
-    def __init__(self, url: str, dtype, n: int | None = None, offset: int = 0, blocks: Blocks | None = None):
+    def __init__(self, url: str, dtype, n: int | None = None, offset: int = 0, blocks: Blocks | None = None,
+                 seen: tuple[int, str] | None = None):
         self.url, self.dtype, self.offset = url, np.dtype(dtype), offset
         self.fs, self.path = filesystem(url)
-        self.size = _retried(url, lambda: self.fs.size(self.path))
+        self.size, self.version = seen or stat(url)  # (size, version) when opened; a slice keeps its array's
         self.n = (self.size - offset) // self.dtype.itemsize if n is None else n
         self.blocks = blocks or BLOCKS
+
+    def check(self):
+        """One line where the object is no longer the version this array was opened on."""
+        size, now = stat(self.url)
+        if now != self.version or size != self.size:
+            raise UserError(f"'{self.url}' changed while this run read it ({self.version or 'unversioned'}, "
+                            f"{self.size} bytes -> {now or 'unversioned'}, {size} bytes): its blocks would mix two "
+                            "versions; leave data a run reads as it is (write new data under a new path), then "
+                            "start the run again")
 
     def __len__(self) -> int:
         return self.n
@@ -150,7 +185,7 @@ class Remote:
         if b <= a:
             return np.zeros(0, self.dtype)
         k = self.dtype.itemsize
-        raw = self.blocks.read(self.url, self.fs, self.path, self.size, self.offset + a * k, self.offset + b * k)
+        raw = self.blocks.read(self, self.offset + a * k, self.offset + b * k)
         return np.frombuffer(raw, self.dtype)
 
     def __getitem__(self, idx):
@@ -158,7 +193,8 @@ class Remote:
             a, b, step = idx.indices(self.n)
             if step != 1:
                 raise IndexError("a strided slice of a remote array")
-            return Remote(self.url, self.dtype, max(b - a, 0), self.offset + a * self.dtype.itemsize, self.blocks)
+            return Remote(self.url, self.dtype, max(b - a, 0), self.offset + a * self.dtype.itemsize, self.blocks,
+                          (self.size, self.version))
         idx = np.asarray(idx, np.int64)
         flat = np.unique(idx)
         cuts = np.flatnonzero(np.diff(flat) != 1) + 1
@@ -231,10 +267,11 @@ def remote_shard(base: str, name: str, digest: str) -> dict | None:
 
 class Object:
     """An object in storage as prepare reads a source file: the pathlib.Path calls it makes (name, suffix, size,
-    open for reading, relative_to its source's root, ordering); picklable for the workers (the URL and size)."""
+    open for reading, relative_to its source's root, ordering); picklable for the workers (the URL, size and
+    version as listed)."""
 
-    def __init__(self, url: str, size: int):
-        self.url, self.size = url, size
+    def __init__(self, url: str, size: int, version: str = ""):
+        self.url, self.size, self.version = url, size, version
 
     def __str__(self) -> str:
         return self.url
@@ -280,6 +317,7 @@ def objects(url: str) -> tuple[str, list[Object]]:
     """(the root names are relative to, every object under a URL or the one it names, sorted); one line where there
     is none."""
     fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # what the store holds now, not this process's earlier listing
     try:
         found = _retried(url, lambda: fs.find(path, detail=True))
     except UserError:
@@ -287,7 +325,7 @@ def objects(url: str) -> tuple[str, list[Object]]:
     if not found:
         raise UserError(f"source '{url}' does not exist (no object under it); check the bucket and the path")
     proto = url.split("://", 1)[0]
-    files = sorted(Object(f"{proto}://{k}", int(v.get("size") or 0)) for k, v in found.items()
+    files = sorted(Object(f"{proto}://{k}", int(v.get("size") or 0), version(v)) for k, v in found.items()
                    if v.get("type", "file") == "file")
     one = len(files) == 1 and files[0].url == url.rstrip("/")  # a URL naming one object: its folder is the root
     return (files[0].url.rpartition("/")[0] if one else url.rstrip("/")), files
@@ -302,19 +340,29 @@ def cache_root():
 
 def mirror(url: str):
     """A local copy of every object under `url` (a model.init_from folder: its weights are read whole anyway), in
-    cache_root()/objects/<hash of the URL>/: an object already there with its size is not fetched again; each is
-    written under a temporary name and renamed. Returns the copy's folder."""
+    cache_root()/objects/<hash of the URL and of every object's name, size and version>/: a folder whose objects
+    changed (whatever their sizes) is copied afresh; an object already in the copy is not fetched again. Each object
+    is downloaded under a name of its own (two processes on one host copying the same folder never write one file)
+    and renamed. Returns the copy's folder."""
     import hashlib
+    import json
     import os
+    import tempfile
     root, files = objects(url)
-    here = cache_root() / "objects" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    listing = json.dumps([url.rstrip("/"), [(f.relative_to(root), f.size, f.version) for f in files]])
+    here = cache_root() / "objects" / hashlib.sha256(listing.encode()).hexdigest()[:16]
     for f in files:
         dst = here / f.relative_to(root)
         if dst.is_file() and dst.stat().st_size == f.size:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
+        handle, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".part")
+        os.close(handle)
         fs, path = filesystem(f.url)
-        _retried(f.url, lambda fs=fs, path=path, tmp=tmp: fs.get_file(path, str(tmp)))
-        os.replace(tmp, dst)
+        try:
+            _retried(f.url, lambda fs=fs, path=path, tmp=tmp: fs.get_file(path, tmp))
+            os.replace(tmp, dst)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return here
