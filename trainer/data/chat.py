@@ -4,8 +4,9 @@ A template renders in a sandboxed jinja2 environment made as transformers 5.x's 
 it (`trim_blocks`, `lstrip_blocks`, loop controls, `tojson` without ASCII escaping, `raise_exception`,
 `strftime_now`, `dict`, a `namespace` refusing underscore names, `{% generation %}` blocks), given the
 messages with their None-valued keys dropped, `tools` when the record has them, `add_generation_prompt`,
-and the tokenizer's named special tokens. `strftime_now` returns the date given (`--date`), never today's,
-so that a prepared file does not depend on the day it was made.
+the tokenizer's named special tokens, and the record's `chat_template_kwargs` over them (`variables_of`).
+`strftime_now` returns the date given (`--date`), never today's, so that a prepared file does not depend on the
+day it was made.
 
 The assistant's characters: with `{% generation %}` blocks, what the blocks rendered (transformers'
 `return_assistant_tokens_mask`). Without them, each assistant turn i is the text between the rendering of
@@ -135,16 +136,18 @@ class ChatTemplate:
         named = _named_roles(env.parse(self.text)) - set(ROLES)
         self.roles = (*ROLES, *sorted(named))  # the roles a message may have: the usual four, then the template's
 
-    def render(self, messages: list, tools=None, add_generation_prompt: bool = False,
+    def render(self, messages: list, variables: dict | None = None, add_generation_prompt: bool = False,
                spans: list | None = None) -> str:
-        """The conversation's text; `spans` (a list) receives the (start, end) of each generation block."""
+        """The conversation's text; `variables` are a record's (`variables_of`); `spans` (a list) receives the
+        (start, end) of each generation block."""
         import jinja2
         messages = [_message(m) for m in messages]
         parts: list[str] = []
         token = _spans.set((parts, spans if spans is not None else []))
+        given = {"tools": None, **self.specials, **(variables or {})}  # as transformers: kwargs over special tokens
         try:
-            for part in self._t.generate(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.specials):
+            for part in self._t.generate(messages=messages, documents=None, add_generation_prompt=add_generation_prompt,
+                                         **given):
                 parts.append(part)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise TemplateFailed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]) from None
@@ -152,18 +155,18 @@ class ChatTemplate:
             _spans.reset(token)
         return "".join(parts)
 
-    def assistant_spans(self, messages: list, tools=None) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: list, variables: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character spans of the assistant's turns in it)."""
         if self.blocks:
             spans: list = []
-            return self.render(messages, tools, spans=spans), spans
-        whole = self.render(messages, tools)
+            return self.render(messages, variables, spans=spans), spans
+        whole = self.render(messages, variables)
         spans = []
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and m.get("role") == "assistant"):
                 continue
-            prompt = self.render(messages[:i], tools, add_generation_prompt=True)
-            upto = self.render(messages[:i + 1], tools) if i + 1 < len(messages) else whole
+            prompt = self.render(messages[:i], variables, add_generation_prompt=True)
+            upto = self.render(messages[:i + 1], variables) if i + 1 < len(messages) else whole
             if not (whole.startswith(upto) and upto.startswith(prompt)):
                 raise PrefixMismatch(i)
             spans.append((len(prompt), len(upto.rstrip())))
@@ -180,6 +183,42 @@ class ChatTemplate:
         rest = text[at + len(_REPLY):].lstrip() if at >= 0 else ""
         found = [t for t in added if t and rest.startswith(t)]
         return added[max(found, key=len)] if found else None
+
+
+# apply_chat_template's own arguments (transformers 5.x) and the names it renders with: a chat_template_kwargs key
+# among them is no template variable (TRL hands the dict to apply_chat_template, where it sets the argument or clashes)
+NOT_VARIABLES = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                 "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def variables_of(rec: dict, where: str) -> dict:
+    """What a record gives its chat template beside the messages, as TRL 1.16 and transformers give it: `tools` (a
+    list of objects, or JSON text of one: Parquet keeps a schema's key order only as text) and each entry of
+    `chat_template_kwargs` as a variable."""
+    tools, kwargs = rec.get("tools"), rec.get("chat_template_kwargs", {})
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise UserError(f"{where}: 'tools' is a string but not JSON ({e}); fix the record") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UserError(f"{where}: 'tools' is a JSON {type(tools).__name__}; give a list of objects (the functions' "
+                        "JSON schemas), or JSON text of one")
+    if not isinstance(kwargs, dict):
+        raise UserError(f"{where}: 'chat_template_kwargs' is a JSON {type(kwargs).__name__}; give an object (the "
+                        "chat template's variables by name)")
+    if (clash := next((k for k in kwargs if k in NOT_VARIABLES), None)) is not None:
+        raise UserError(f"{where}: chat_template_kwargs.{clash} names an argument of apply_chat_template, not a "
+                        "variable of the chat template; remove it from chat_template_kwargs")
+    return {"tools": tools, **kwargs}
+
+
+def no_variables(rec: dict, where: str, what: str):
+    """One line where a record that no chat template renders (`what` it is) carries fields only a template reads."""
+    if (name := next((k for k in ("tools", "chat_template_kwargs") if rec.get(k) not in (None, [], {})), None)):
+        raise UserError(f"{where}: '{name}' is read by a chat template, and {what} is not rendered with one; make "
+                        "it a conversation (lists of messages), or remove the field")
 
 
 class PrefixMismatch(Exception):

@@ -7,7 +7,8 @@ turns as lists of messages), as TRL takes them:
   text            EOS appended to chosen and rejected (unless they end with it); prompt, prompt + chosen and
                   prompt + rejected encoded as tokenizer(text) encodes them (its post-processor's BOS included);
   conversational  prompt rendered with the chat template and the generation prompt, prompt + chosen and
-                  prompt + rejected rendered whole, each encoded without special tokens (the template holds them).
+                  prompt + rejected rendered whole, each given the record's `tools` and `chat_template_kwargs`
+                  (chat.variables_of) and encoded without special tokens (the template holds them).
 The completion starts where the prompt's ids and each whole sequence's ids first differ (the shorter of the two
 common prefixes); each sequence (prompt + completion) is cut to `max_length` tokens keeping its start, and a pair
 whose prompt alone reaches `max_length` is dropped and counted. The loss mask marks the completion's tokens.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainer.data.chat import TemplateFailed, no_variables, variables_of
 from trainer.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -53,16 +55,17 @@ def sequences(enc, where: str, rec: dict) -> tuple[list[int], list[int], list[in
     """(prompt ids, chosen ids, rejected ids) of a pair, as TRL's tokenize step gives them (before truncation)."""
     tok = enc.tok
     if isinstance(rec["prompt"], str):
+        no_variables(rec, where, "a text pair")
         eos = tok.id_to_token(enc.eot)
         ans = [a if a.endswith(eos) else a + eos for a in (rec["chosen"], rec["rejected"])]
         prompt = tok.encode(rec["prompt"]).ids
         whole = [tok.encode(rec["prompt"] + a).ids for a in ans]
     else:
         enc._needs_template(where)
-        from trainer.data.chat import TemplateFailed
+        given = variables_of(rec, where)
         try:
-            texts = [enc.template.render(rec["prompt"], add_generation_prompt=True)] + [
-                enc.template.render(rec["prompt"] + rec[f]) for f in ("chosen", "rejected")]
+            texts = [enc.template.render(rec["prompt"], given, add_generation_prompt=True)] + [
+                enc.template.render(rec["prompt"] + rec[f], given) for f in ("chosen", "rejected")]
         except TemplateFailed as e:
             raise UserError(f"{where}: the chat template {enc.template.source} cannot render it ({e}); fix the "
                             "record or give another template with --chat-template") from None

@@ -2,7 +2,8 @@
 
 A record is one of
   {"text": ...}                                   one document (--field NAME for another column)
-  {"messages": [{"role": ..., "content": ...}]}   one conversation, rendered with the chat template
+  {"messages": [{"role": ..., "content": ...}]}   one conversation, rendered with the chat template (and the
+                                                  record's `tools` and `chat_template_kwargs`: chat.variables_of)
   {"prompt": ..., "completion": ...}              one exchange: a user turn and an assistant turn
   {"prompt": ..., "chosen": ..., "rejected": ...} a preference pair (trainer/data/pairs.py): two documents
 Keys whose value is None are dropped first, at every depth (Parquet fills a column a record lacks with
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing
+from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing, no_variables, variables_of
 from trainer.data.remote import open_source
 from trainer.errors import UserError
 
@@ -188,8 +189,10 @@ class Encoder:
     def render(self, where: str, kind: str, rec: dict) -> tuple[str, list, bool]:
         """(text, the assistant's character spans, whether an end-of-text token follows)."""
         if kind == "text":
+            no_variables(rec, where, "a text record")
             return rec[self.field], [], True
         if kind == "exchange" and self.template is None:
+            no_variables(rec, where, "a prompt and completion without a chat template")
             p, c = rec["prompt"], rec["completion"]
             return p + c, [(len(p), len(p) + len(c))], True  # the end-of-text token after it is the completion's
         msgs = rec["messages"] if kind == "conversation" else [
@@ -197,14 +200,8 @@ class Encoder:
         self._needs_template(where)
         if kind == "conversation":
             self._check_roles(where, msgs)
-        tools = rec.get("tools")
-        if isinstance(tools, str):  # JSON text: how Parquet keeps a schema's key order (a struct column merges them)
-            try:
-                tools = json.loads(tools)
-            except ValueError as e:
-                raise UserError(f"{where}: 'tools' is a string but not JSON ({e}); fix the record") from None
         try:
-            text, spans = self.template.assistant_spans(msgs, tools)
+            text, spans = self.template.assistant_spans(msgs, variables_of(rec, where))
         except TemplateFailed as e:
             raise UserError(f"{where}: the chat template {self.template.source} cannot render it ({e}); fix the "
                             "record or give another template with --chat-template") from None
