@@ -83,3 +83,27 @@ def test_a_field_for_the_template_of_the_wrong_kind_is_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "r.jsonl:2" in err and re.search(message, err), err
     assert not list(tmp_path.glob("r.bin*"))
+
+
+@pytest.mark.parametrize("layout", ["file", "config"])
+def test_tools_where_transformers_picks_the_tool_use_template_is_one_line(tmp_path, capsys, layout):
+    """transformers renders a record with tools with the folder's `tool_use` template (get_chat_template), which
+    meshtrain does not: one line, unless --chat-template names the one to use."""
+    import shutil
+    folder, text = tmp_path / "tok", (FIX / "policy" / "chat_template.jinja").read_text()
+    folder.mkdir()
+    shutil.copy(FIX / "policy" / "tokenizer.json", folder)
+    conf = json.loads((FIX / "policy" / "tokenizer_config.json").read_text())
+    if layout == "file":
+        shutil.copy(FIX / "policy" / "chat_template.jinja", folder)
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(text)
+    else:
+        conf["chat_template"] = [{"name": "default", "template": text}, {"name": "tool_use", "template": text}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(conf))
+    prep = ["prepare", str(FIX / "pairs_tools.jsonl"), "--out", str(tmp_path / "p.bin"), "--tokenizer", str(folder),
+            "--no-progress", "--heldout", "0", "--max-length", "1024"]
+    assert main(prep) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pairs_tools.jsonl:1 has 'tools'" in err and "'tool_use'" in err, err
+    assert main([*prep, "--chat-template", str(FIX / "policy" / "chat_template.jinja")]) == 0

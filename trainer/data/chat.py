@@ -122,6 +122,7 @@ class ChatTemplate:
     text: str
     specials: dict  # the tokenizer's named special tokens: bos_token, eos_token, ...
     date: _dt.date
+    tool_use: str | None = None  # where the folder's `tool_use` template is: transformers' for a record with tools
 
     def __post_init__(self):
         import jinja2
@@ -154,6 +155,16 @@ class ChatTemplate:
         finally:
             _spans.reset(token)
         return "".join(parts)
+
+    def variables(self, rec: dict, where: str) -> dict:
+        """variables_of(rec); one line where the record has tools and transformers renders it with another template
+        (the tokenizer folder's `tool_use`, which its get_chat_template picks when tools are given)."""
+        given = variables_of(rec, where)
+        if self.tool_use and given["tools"] is not None:
+            raise UserError(f"{where} has 'tools', which transformers renders with the tokenizer's 'tool_use' chat "
+                            f"template ({self.tool_use}), not {self.source}; meshtrain renders every record with one "
+                            "template: give it with --chat-template FILE and prepare records without tools apart")
+        return given
 
     def assistant_spans(self, messages: list, variables: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation's text, the character spans of the assistant's turns in it)."""
@@ -295,12 +306,18 @@ def missing(messages: list, text: str) -> tuple[int, str] | None:
     return None
 
 
-def specials_of(tokenizer_dir: Path) -> dict:
-    """The tokenizer folder's named special tokens (tokenizer_config.json), as strings."""
+def _config(tokenizer_dir: Path) -> dict:
+    """The folder's tokenizer_config.json; {} where it has none or it is not JSON."""
     try:
         conf = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return {}
+    return conf if isinstance(conf, dict) else {}
+
+
+def specials_of(tokenizer_dir: Path) -> dict:
+    """The tokenizer folder's named special tokens (tokenizer_config.json), as strings."""
+    conf = _config(tokenizer_dir)
     out = {}
     for name in SPECIAL_NAMES:
         v = conf.get(name)
@@ -316,14 +333,23 @@ def template_text(tokenizer_dir: Path) -> tuple[str, str] | None:
     f = tokenizer_dir / "chat_template.jinja"
     if f.is_file():
         return str(f), f.read_text()
-    try:
-        conf = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    t = conf.get("chat_template")
+    t = _config(tokenizer_dir).get("chat_template")
     if isinstance(t, list):
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
     return (str(tokenizer_dir / "tokenizer_config.json"), t) if isinstance(t, str) and t else None
+
+
+def tool_use_of(tokenizer_dir: Path) -> str | None:
+    """Where a tokenizer folder's `tool_use` chat template is, as transformers 5.x loads it: additional_chat_templates/
+    tool_use.jinja, else (no template files, which replace the config's) tokenizer_config.json's named one."""
+    f = tokenizer_dir / "additional_chat_templates" / "tool_use.jinja"
+    if f.is_file():
+        return str(f)
+    if (tokenizer_dir / "chat_template.jinja").is_file() or any(f.parent.glob("*.jinja")):
+        return None
+    t = _config(tokenizer_dir).get("chat_template")
+    named = isinstance(t, list) and any(isinstance(x, dict) and x.get("name") == "tool_use" for x in t)
+    return f"{tokenizer_dir / 'tokenizer_config.json'}'s 'tool_use'" if named else None
 
 
 def parse_date(date: str | None) -> _dt.date:
@@ -348,4 +374,5 @@ def load_template(tokenizer_json: Path | None, override: str | None, date: _dt.d
         found = template_text(folder) if folder else None
     if found is None:
         return None
-    return ChatTemplate(found[0], found[1], specials_of(folder) if folder else {}, date)
+    return ChatTemplate(found[0], found[1], specials_of(folder) if folder else {}, date,
+                        tool_use_of(folder) if folder and not override else None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.data.chat import TemplateFailed, no_variables, variables_of
+from trainer.data.chat import TemplateFailed, no_variables
 from trainer.errors import UserError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -62,7 +62,7 @@ def sequences(enc, where: str, rec: dict) -> tuple[list[int], list[int], list[in
         whole = [tok.encode(rec["prompt"] + a).ids for a in ans]
     else:
         enc._needs_template(where)
-        given = variables_of(rec, where)
+        given = enc.template.variables(rec, where)
         try:
             texts = [enc.template.render(rec["prompt"], given, add_generation_prompt=True)] + [
                 enc.template.render(rec["prompt"] + rec[f], given) for f in ("chosen", "rejected")]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing, no_variables, variables_of
+from trainer.data.chat import ROLES, ChatTemplate, PrefixMismatch, TemplateFailed, missing, no_variables
 from trainer.data.remote import open_source
 from trainer.errors import UserError
 
@@ -201,7 +201,7 @@ class Encoder:
         if kind == "conversation":
             self._check_roles(where, msgs)
         try:
-            text, spans = self.template.assistant_spans(msgs, variables_of(rec, where))
+            text, spans = self.template.assistant_spans(msgs, self.template.variables(rec, where))
         except TemplateFailed as e:
             raise UserError(f"{where}: the chat template {self.template.source} cannot render it ({e}); fix the "
                             "record or give another template with --chat-template") from None
