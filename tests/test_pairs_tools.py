@@ -58,6 +58,21 @@ def test_conversations_with_template_kwargs_are_transformers(tmp_path):
     assert tok.decode(toks[first][mask[first] == 1].tolist(), skip_special_tokens=False) == "Snow.<|im_end|>"
 
 
+def test_parquet_conversations_with_template_kwargs_prepare_as_jsonl(tmp_path):
+    """A Parquet struct column of chat_template_kwargs gives each row every record's keys (None where a record lacks
+    one): the same ids and mask as JSONL (the second conversation has no enable_thinking)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    recs = [json.loads(line) for line in (FIX / "conversations_tools.jsonl").read_text().splitlines()]
+    rows = [{**r, "tools": r["tools"] if isinstance(r["tools"], str) else json.dumps(r["tools"])} for r in recs]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    assert pa.Table.from_pylist(rows).to_pylist()[1]["chat_template_kwargs"]["enable_thinking"] is None
+    for src in (FIX / "conversations_tools.jsonl", tmp_path / "c.parquet"):
+        assert _prepare(src, tmp_path / f"{src.suffix[1:]}.bin") == 0
+    (_, *a), (_, *b) = _read(tmp_path / "jsonl.bin"), _read(tmp_path / "parquet.bin")
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 CHAT = {"prompt": [{"role": "user", "content": "Hi."}], "chosen": [{"role": "assistant", "content": "Hello."}],
         "rejected": [{"role": "assistant", "content": "Go."}]}
 TEXT = {"prompt": "Hi.", "chosen": " Hello.", "rejected": " Go."}
