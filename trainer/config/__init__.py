@@ -21,6 +21,7 @@ from models.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range
 from trainer.config.sections import ALIASES, Config
+from trainer.config.widths import split_widths
 
 __all__ = ["Config", "all_keys", "compute_dtype", "keys_help", "keys_markdown", "load_config", "model_config",
            "replace", "step_range", "to_yaml", "validate"]
@@ -275,6 +276,10 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
          "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
          "or model.init_from (the reference is then the model training starts from)"),
+        (t.objective != "dpo" or t.sync == "every_step",
+         f"train.objective=dpo with train.sync={t.sync} is not supported: local SGD keeps a replica of the weights per "
+         "data rank, which neither the DPO reference's forward nor the pair evaluation reads; use "
+         "train.sync=every_step"),
         (t.objective != "dpo" or shape["context"] == 1,
          f"train.objective=dpo sums each pair's log-probabilities along its row, and mesh.context={shape['context']} "
          "splits the rows over context ranks (not supported with DPO yet); set mesh.context=1"),
@@ -361,9 +366,8 @@ def _model_checks(cfg: Config, mc: ModelConfig, model: int) -> list[tuple[bool, 
         (mc.n_heads % kv == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={kv}; pick n_kv_heads dividing n_heads"),
         *family(mc.family).checks(mc),
-        *[(v % model == 0, f"model.{name}={v} is not divisible by mesh.model={model}; pick a mesh.model that "
-           f"divides {v} or change model.{name}") for name, v in (("n_heads", mc.n_heads), ("d_ff", mc.d_ff),
-                                                                ("vocab_size", mc.vocab_size))],
+        *[(v % model == 0, f"{name} is not divisible by mesh.model={model}; pick a mesh.model that divides {v} or "
+           f"change {name.split('=')[0]}") for name, v in split_widths(mc)],
         # fewer kv heads than model ranks: each kv head is replicated over the ranks that share it
         (kv % model == 0 or model % kv == 0,
          f"model.n_kv_heads={kv} and mesh.model={model} must divide one another (kv heads are split over "

@@ -1,0 +1,32 @@
+"""The widths a model splits over the `model` mesh axis, as its family's parameters declare them (validation checks each
+against mesh.model)."""
+from __future__ import annotations
+
+from meshes import RULES
+from meshes.rules import SHARED_WHEN_SMALLER
+from models import ModelConfig, family
+
+# The keys that set the widths of each logical axis the rules split over `model`, most specific first: a width is
+# named by the first of them that holds it
+WIDTH_KEYS = {"heads": ("n_heads",), "mlp": ("expert_d_ff", "shared_expert_d_ff", "d_ff"), "vocab": ("vocab_size",)}
+
+
+def split_widths(mc: ModelConfig) -> list[tuple[str, int]]:
+    """('model.KEY=WIDTH', width) of every width the family's parameters split over `model` (their inventory's
+    dimensions whose logical axis the rules map to it), each once, heads first; kv heads apart (they may be
+    replicated). A dense MLP splits d_ff; an MoE each expert's expert_d_ff (and shared_expert_d_ff), not d_ff."""
+    found = {}
+    for where, p in _params(family(mc.family).inventory(mc)):
+        for axis, width in zip(p.axes, p.shape):
+            if RULES.get(axis) == "model" and axis not in SHARED_WHEN_SMALLER:
+                found.setdefault((axis, width), where)
+    order = list(WIDTH_KEYS)
+    return [(next((f"model.{k}={width}" for k in WIDTH_KEYS.get(axis, ()) if getattr(mc, k, None) == width),
+                  f"the {axis} width {width} of parameter {found[axis, width]}"), width)
+            for axis, width in sorted(found, key=lambda aw: order.index(aw[0]) if aw[0] in order else len(order))]
+
+
+def _params(tree: dict, path: str = ""):
+    """(dotted name, Param) of every parameter of an inventory."""
+    for k, v in tree.items():
+        yield from _params(v, f"{path}{k}.") if isinstance(v, dict) else [(path + k, v)]
