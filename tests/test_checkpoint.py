@@ -23,7 +23,7 @@ from conftest import TINY
 from trainer.ckpt import checkpoint as ckpt, store
 from trainer.ckpt.initial import initial_state
 from trainer.ckpt.params import load_params
-from trainer.cli import main
+from trainer.cli import STOPPED_EARLY, main
 from trainer.config import load_config, model_config
 from trainer.errors import CheckpointUnreadable, UserError
 from trainer.state import init_state, make_setup
@@ -117,8 +117,8 @@ def test_resume_is_bit_exact_after_sigterm(tmp_path, env, run_a):
     run = tmp_path / "b"
     p = start(run, env, "checkpoint.every=10")
     wait_for(lambda: 9 in logged_steps(run), p, "step 9")
-    p.send_signal(signal.SIGTERM)  # arrives during step 10 (or 11): that step finishes, is saved, exit 0
-    assert finish(p) == 0, log_of(run)
+    p.send_signal(signal.SIGTERM)  # arrives during step 10 (or 11): that step finishes, is saved, exit 75
+    assert finish(p) == STOPPED_EARLY, log_of(run)  # stopped before train.steps, resumable
     stopped = logged_steps(run)[-1]
     assert 9 <= stopped < 20 and store.list_steps(run)[-1] == stopped, (stopped, store.list_steps(run))
     assert finish(start(run, env, "checkpoint.every=10")) == 0, log_of(run)

@@ -14,8 +14,10 @@ Train a transformer on the (data, stage, model) mesh. Later YAML files and key=v
 pairs override earlier ones; `mesh.preset=NAME` loads meshes/presets/NAME.yaml first.
 With no arguments: the `small` model on the built-in corpus on all local devices.
 If run.dir holds checkpoints, training resumes from the newest complete one; SIGTERM or
-Ctrl-C stops after the current step and saves (a second Ctrl-C aborts).
+Ctrl-C stops after the current step and saves (a second Ctrl-C aborts), and the exit status is then 75:
+stopped before train.steps, the same command resumes (scripts/slurm/train.sbatch requeues the job on it).
 """
+STOPPED_EARLY = 75  # sysexits' EX_TEMPFAIL: a checkpoint was saved before train.steps; run the same command again
 KEYS_HEADER = "\nkeys: key, type = default, allowed values; under it the meaning (docs/config.md: the same table)\n"
 
 
@@ -49,10 +51,12 @@ def _train(args: list[str]) -> int:
         print(USAGE + KEYS_HEADER + keys_help())
         return 0
     cfg = load_config(args, base=launcher_defaults())  # every key's range checked before anything is touched
-    from trainer.run.distributed import initialize
+    from trainer.run.distributed import initialize, leave_stopped
     from trainer.run.loop import train
     initialize(cfg.dist)  # before jax touches a device
-    train(cfg)
+    if train(cfg).preempted:
+        leave_stopped()
+        return STOPPED_EARLY
     return 0
 
 

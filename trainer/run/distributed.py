@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import threading
 
 import jax
@@ -116,6 +117,15 @@ def initialize(d) -> bool:
     finally:
         joined.set()
     return True
+
+
+def leave_stopped():
+    """Before a stopped-early exit: SIGTERM ignored and jax.distributed's shutdown barrier passed, so that every
+    process is past its last write when the first exits non-zero; srun --kill-on-bad-exit then sends the others
+    SIGTERM, and they leave with the same status instead of a signal's, which srun would report as the step's."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
 
 
 def _watchdog(seconds: float, message: str) -> threading.Event:
