@@ -6,7 +6,10 @@ export, a run's checkpoint, a Hugging Face folder), and checked against the poli
   precompute  before training, every pair (train and held-out) once through a forward of the reference, B rows at
               a time on the run's mesh; the log-probabilities (one float32 per token) are written beside the data,
               `DATA.bin.ref-<hash>.f32` (the hash: of the reference's parameters, the data's sidecar and the compute
-              dtype), atomically, and read again by a run with the same hash; the reference is then dropped.
+              dtype), atomically, and read again by a run with the same hash; the reference is then dropped. The
+              processes decide together (the precompute is collective): they read their copies only where every
+              process holds one and all are the same bytes (sha256s gathered); else they compute once together and
+              each writes the result where its own folder lacks it or holds other bytes.
   online      the reference stays in memory (as many bytes as the parameters: the planner counts them) and each
               step's batch gets its log-probabilities from a forward of it first, without gradient.
 A pair's row is the same in both (its two sequences, nothing else), so both give the same log-probabilities.
@@ -61,6 +64,51 @@ def load(s, say) -> dict:
     return params
 
 
+def _read(path: Path, n: int) -> np.ndarray | None:
+    """The log-probabilities at `path`, None where it is missing or not n float32s."""
+    return np.fromfile(path, np.float32) if path.is_file() and path.stat().st_size == 4 * n else None
+
+
+def _digest(a: np.ndarray | None) -> bytes:
+    return hashlib.sha256(a.tobytes()).digest() if a is not None else bytes(32)
+
+
+def _same_everywhere(held: np.ndarray | None) -> bool:
+    """Whether every process holds a copy and all copies are the same bytes (their sha256s gathered): the one
+    decision every process takes together, since the precompute is collective."""
+    if jax.process_count() == 1:
+        return held is not None
+    from jax.experimental import multihost_utils
+    mine = np.frombuffer(bytes([held is not None]) + _digest(held), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    return bool(np.all(every[:, 0] == 1) and np.all(every == every[0]))
+
+
+def _write(path: Path, ref: np.ndarray, held: np.ndarray | None, say) -> None:
+    """`ref` written atomically where this process's copy is missing or differs: process 0 first, then each other
+    process whose folder still lacks it (a folder the processes share is written once)."""
+    first = jax.process_index() == 0
+    if first:
+        _write_one(path, ref, held, say)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("meshtrain: DPO reference log-probabilities written")
+        if not first:
+            _write_one(path, ref, _read(path, len(ref)), say)
+
+
+def _write_one(path: Path, ref: np.ndarray, held: np.ndarray | None, say) -> None:
+    if held is not None and _digest(held) == _digest(ref):
+        return
+    try:
+        tmp = path.with_name(path.name + f".tmp{jax.process_index()}-{os.getpid()}")
+        ref.tofile(tmp)
+        os.replace(tmp, path)
+        say(f"reference log-probabilities of {len(ref):,} tokens written to {path}")
+    except OSError as e:  # a read-only folder or a bucket: kept in memory for this run only
+        say(f"reference log-probabilities kept in memory: {path} could not be written ({e.strerror or e})")
+
+
 class Reference:
     """What a DPO run keeps of its reference: its log-probabilities per token (precompute) or its parameters and
     forward (online)."""
@@ -78,19 +126,15 @@ class Reference:
             return
         self.params = None
         path = Path(str(s.cfg.data.source) + f".ref-{self._hash(params)}.f32")
-        if path.is_file() and path.stat().st_size == 4 * len(batches.c.whole):
-            batches.ref = np.fromfile(path, np.float32)
+        held = _read(path, len(batches.c.whole))  # this process's copy; each process may have a folder of its own
+        if _same_everywhere(held):
+            batches.ref = held
             say(f"reference log-probabilities read from {path}")
             return
+        why = f"no copy at {path}" if held is None else f"another process's copy of {path} is missing or differs"
+        say(f"reference log-probabilities of every pair computed: {why}")
         batches.ref = self._precompute(params, batches, rows, to_global)
-        if jax.process_index() == 0:
-            try:
-                tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-                batches.ref.tofile(tmp)
-                os.replace(tmp, path)
-                say(f"reference log-probabilities of {len(batches.c.whole):,} tokens written to {path}")
-            except OSError as e:  # a read-only folder or a bucket: kept in memory for this run only
-                say(f"reference log-probabilities kept in memory: {path} could not be written ({e.strerror or e})")
+        _write(path, batches.ref, held, say)
 
     def _hash(self, params) -> str:
         from trainer.ckpt.store import checksums
