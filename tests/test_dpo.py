@@ -329,3 +329,22 @@ def test_the_memory_check_holds_the_online_reference(synth, tmp_path, monkeypatc
     monkeypatch.setenv(memory_check.TEST_LIMIT, str(fp.total_bytes + ref / 2))
     with pytest.raises(UserError, match=r"^the compiled train step needs .* \+ DPO reference \(online\) "):
         _train(synth, tmp_path, online, 1)
+
+
+@pytest.mark.slow  # ~12 s: moto's server answers every block of the precompute and the steps
+def test_pairs_in_object_storage_train_as_on_disk(synth, s3, tmp_path, monkeypatch):
+    """The prepared pairs uploaded to s3:// (moto): 3 SGD steps equal the local file's one-device run (losses, grad
+    norms, parameters), the reference's log-probabilities computed once and kept in $MESHTRAIN_CACHE/dpo/."""
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
+    data = synth[0]
+    for f in data.parent.glob(data.name + "*"):
+        if ".ref-" not in f.name:
+            s3.pipe_file(f"bkt/dpo/{f.name}", f.read_bytes())
+    ref = _one_device(synth)
+    got = _train((f"s3://bkt/dpo/{data.name}", synth[1]), tmp_path, ["mesh.data=1"], 1)
+    assert np.allclose(got[0], ref[0], rtol=1e-6) and np.allclose(got[1], ref[1], rtol=1e-6), (got[:2], ref[:2])
+    assert all(np.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(jax.tree.leaves(got[2]),
+                                                                           jax.tree.leaves(ref[2])))
+    (cached,) = (tmp_path / "cache" / "dpo" / "s3" / "bkt" / "dpo").glob(data.name + ".ref-*.f32")
+    (local,) = data.parent.glob(data.name + ".ref-*.f32")
+    assert cached.name == local.name and cached.read_bytes() == local.read_bytes()

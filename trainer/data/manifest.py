@@ -141,7 +141,7 @@ def load_bin(url: str, source: str) -> dict:
 
 
 def _load(where: Where, m: dict, source: str) -> dict:
-    trains, helds, t_masks, h_masks, t_docs, h_docs, tb, hb = [], [], [], [], [], [], 0, 0
+    trains, helds, t_masks, h_masks, t_docs, h_docs, tb, hb, pairs = [], [], [], [], [], [], 0, 0, []
     n_train = m["tokens"]["train"]
     at_t = at_h = 0
     for e in m["shards"]:
@@ -159,6 +159,7 @@ def _load(where: Where, m: dict, source: str) -> dict:
         h_docs.append(n_train + at_h + starts[(starts >= cut) & (starts < len(toks))] - cut)
         at_t, at_h = at_t + cut, at_h + len(toks) - cut
         tb, hb = tb + meta["bytes"]["train"], hb + meta["bytes"]["heldout"]
+        pairs.append(bool(meta.get("pairs")))  # preference pairs (trainer/data/pairs.py): a prepared .bin of them
     dtype = np.result_type(*[t.dtype for t in trains])
     whole = Concat(trains + helds, dtype)
     doc_starts = np.concatenate(t_docs + h_docs + [[len(whole)]]).astype(np.int64)
@@ -173,7 +174,7 @@ def _load(where: Where, m: dict, source: str) -> dict:
                 bytes_per_token=None if masks is not None else (hb / held_tokens if held_tokens else
                                                                 tb / max(n_train, 1)),
                 prepared=True, eot_id=m.get("eot_id"), loss_mask=masks, doc_starts=np.unique(doc_starts),
-                tokenizer_sha=m["tokenizer"]["sha256"])
+                tokenizer_sha=m["tokenizer"]["sha256"], pairs=all(pairs))
 
 
 def _shard_meta(where: Where, entry: dict, source: str) -> dict:

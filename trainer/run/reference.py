@@ -64,6 +64,14 @@ def load(s, say) -> dict:
     return params
 
 
+def stored_at(source, digest: str) -> Path:
+    """Where the log-probabilities of a reference (its hash) on data.source live: beside a .bin on disk; for one in
+    object storage, in this host's cache ($MESHTRAIN_CACHE/dpo/, the URL's path below it)."""
+    from trainer.data import remote
+    name = f"{source}.ref-{digest}.f32"
+    return remote.cache_root() / "dpo" / name.replace("://", "/", 1) if remote.is_url(source) else Path(name)
+
+
 def _read(path: Path, n: int) -> np.ndarray | None:
     """The log-probabilities at `path`, None where it is missing or not n float32s."""
     return np.fromfile(path, np.float32) if path.is_file() and path.stat().st_size == 4 * n else None
@@ -101,6 +109,7 @@ def _write_one(path: Path, ref: np.ndarray, held: np.ndarray | None, say) -> Non
     if held is not None and _digest(held) == _digest(ref):
         return
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a cache folder (data in object storage)
         tmp = path.with_name(path.name + f".tmp{jax.process_index()}-{os.getpid()}")
         ref.tofile(tmp)
         os.replace(tmp, path)
@@ -125,7 +134,7 @@ class Reference:
             self.params = params
             return
         self.params = None
-        path = Path(str(s.cfg.data.source) + f".ref-{self._hash(params)}.f32")
+        path = stored_at(s.cfg.data.source, self._hash(params))
         held = _read(path, len(batches.c.whole))  # this process's copy; each process may have a folder of its own
         if _same_everywhere(held):
             batches.ref = held
@@ -138,9 +147,11 @@ class Reference:
 
     def _hash(self, params) -> str:
         from trainer.ckpt.store import checksums
+        from trainer.data import remote
         from trainer.data.batches import sidecar_path
+        source = str(self.s.cfg.data.source)
         h = hashlib.sha256(json.dumps(checksums(params), sort_keys=True).encode())
-        h.update(sidecar_path(self.s.cfg.data.source).read_bytes())
+        h.update(remote.read_bytes(source + ".json") if remote.is_url(source) else sidecar_path(source).read_bytes())
         h.update(str(self.s.dtype).encode())
         return h.hexdigest()[:16]
 
