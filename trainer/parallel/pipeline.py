@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
 from models.spec import family
-from models.transformer import embed, head, layer_stack, scale_embedding
+from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules
 from trainer.parallel.circular import circular_blocks
 from trainer.parallel.microbatch import split_microbatches
@@ -56,20 +56,9 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
     return table, schedules.plan(table, repeats)
 
 
-def _embed(c, params, tokens_BT, dtype, constrain, split_vocab: bool):
-    """`embed`; with the vocabulary split over `model` as a one-hot product instead (2*V*D FLOPs
-    a token, forward and backward): XLA's SPMD partitioner aborts on the gather inside the
-    scan's conditional then (jax 0.10.2, CPU)."""
-    if not split_vocab:
-        return embed(c, params, tokens_BT, dtype, constrain)
-    onehot = jax.nn.one_hot(tokens_BT, params["embed"].shape[0], dtype=params["embed"].dtype)
-    x = jnp.einsum("btv,vd->btd", onehot, params["embed"]).astype(dtype)
-    return constrain(scale_embedding(c, x), ("batch", "seq", "embed"))
-
-
 def _cross_entropy(logits_BTV, targets_BT, weight_BT):
     """`cross_entropy` (a weighted sum) with the target logit picked by comparing with an iota
-    (models/loss.py), not gathered (as above); XLA fuses the compare into the sum, so no (B, T, V)
+    (models/loss.py), not gathered; XLA fuses the compare into the sum, so no (B, T, V)
     one-hot exists."""
     V = logits_BTV.shape[-1]
     return jnp.sum(token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
@@ -97,7 +86,6 @@ class Pipe:
     plan: schedules.Plan
     rows: dict  # the plan's per-(tick, stage) arrays (PLAN_ROWS), scanned over tick by tick
     constrain: Callable  # activation constraints, manual over `stage` and `data`
-    split_vocab: bool  # the vocabulary split over `model` (see _embed)
     dtype: Any  # the compute dtype
     placement: Any
     remat: str
@@ -116,7 +104,8 @@ class Pipe:
         # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
         remat = "sublayer" if c.remat == "sublayer" else "none"
         constrain = s.layout.constrainer(manual={"stage", *s.reduction.axes})
-        return cls(c, S, M, V, pl, rows, constrain, s.layout.split("vocab") > 1, s.dtype, s.placement, remat, fwd_pairs, [(b, a) for a, b in fwd_pairs], keep_logits)
+        return cls(c, S, M, V, pl, rows, constrain, s.dtype, s.placement, remat, fwd_pairs,
+                   [(b, a) for a, b in fwd_pairs], keep_logits)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -148,7 +137,7 @@ def stage_body(st: Stage, blocks, v, h, docs):
 def embed_microbatch(st: Stage, top, m):
     """Microbatch m's tokens embedded by `top`'s embedding."""
     pipe = st.pipe
-    return _embed(pipe.model, top, st.mbs["tokens"][m], pipe.dtype, pipe.constrain, pipe.split_vocab)
+    return embed(pipe.model, top, st.mbs["tokens"][m], pipe.dtype, pipe.constrain)
 
 
 def documents(st: Stage, m):
