@@ -204,8 +204,12 @@ def dpo_eval_sums(c: ModelConfig, params: dict, batch: dict, **kw) -> dict:
     """What an evaluation adds up over its batches: the pair loss sum and pairs, the chosen token loss sum and
     chosen tokens, each metric's sum (trainer/run/evaluator.py divides once)."""
     x, _ = hidden(c, params, batch, **kw)
-    ce = head_token_losses(c, params, x, batch["targets"], batch["loss_weight"].astype(jnp.float32),
-                           kw.get("constrain", _no_constrain))
+    return dpo_eval_head(c, params, x, batch, kw.get("constrain", _no_constrain))
+
+
+def dpo_eval_head(c: ModelConfig, params: dict, x_BTD, batch: dict, constrain: Constrain = _no_constrain) -> dict:
+    """`dpo_eval_sums` of a batch's final hidden states (a pipeline's last stage has them per microbatch)."""
+    ce = head_token_losses(c, params, x_BTD, batch["targets"], batch["loss_weight"].astype(jnp.float32), constrain)
     pair, sft, metrics = dpo.sums(c.dpo, ce, batch)
     pairs, chosen = dpo.counts(batch)
     return {"pair": pair, "pairs": pairs, "sft": sft, "chosen": chosen, **{k: v for k, (v, _) in metrics.items()}}

@@ -20,7 +20,8 @@ which also says how each leaf is reduced: a leaf the rules split over `data` nev
             the transpose of that all-gather is the gradient's reduce-scatter.
 A pipeline (every schedule runs on the table executor, trainer/parallel/pipeline.py) is manual over
 `stage` and `data` and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
-included, whatever grad_sync).
+included, whatever grad_sync); its eval step runs the same stages through GPipe's forwards alone
+(trainer/parallel/pipeline_eval.py), so no layer's weights cross `stage`.
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +
 dynamic-slice into a reduce-scatter, and the explicit form keeps the gradient sharded on
 every backend. So does gradient accumulation: the compiler's all-reduce stays inside the
@@ -39,7 +40,7 @@ from models.batch import counted
 from models.loss import dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
-from trainer.parallel import localsgd, pipeline, reduction
+from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
 from trainer.optim import schedule_count
 from trainer.parallel.microbatch import split_microbatches
 from trainer.state import Setup
@@ -177,6 +178,9 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
 def eval_step(s: Setup, params, batch):
     """(loss sum, counted tokens) of a batch: the evaluation sums both over its batches, then divides."""
     batch = s.in_context_order(batch)
+    if s.reduction.where == reduction.PIPELINE:  # through the stages' forward: no layer's weights leave its stage
+        sums = pipeline_eval.eval_sums(s, params, batch, scales(s.model, batch))
+        return sums if s.model.dpo is not None else (sums["loss"], counted(batch))
     kw = dict(dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement)
     if s.model.dpo is not None:  # preference pairs: the pair loss and each metric, summed (trainer/run/evaluator.py)
         return dpo_eval_sums(s.model, params, batch, **kw)

@@ -28,7 +28,8 @@ for the step, the price of a tick loop that runs any layer block at any tick.
 The pieces, outermost first: `loss_and_grads` (the shard_map over the decision's manual specs) -> `synced` (the
 data-parallel side, `DataSync`) -> `stage_grads` (one stage's blocks, `Stage`) -> `scan_ticks` -> `tick`: the forward branches
 (`idle`, `fwd`, `fwd_embed`), then `loss_step`, `bwd_step` and `bwd_embed_step`, each under `run_if`; all of them
-read the step's static facts from `Pipe` and run `stage_body`.
+read the step's static facts from `Pipe` and run `stage_body`. The eval step runs the same stages through the
+forward table alone (trainer/parallel/pipeline_eval.py).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _cross_entropy(logits_BTV, targets_BT, weight_BT):
     return jnp.sum(token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
 
 
-def _put(buf, i, x):
+def put(buf, i, x):
     """buf[i] = x in place, nothing where i == len(buf) (a scatter's mode="drop" is a while loop on CPU)."""
     j = jnp.minimum(i, buf.shape[0] - 1)
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(i < buf.shape[0], x, buf[j]), j, 0)
@@ -94,10 +95,10 @@ class Pipe:
     keep_logits: bool
 
     @classmethod
-    def of(cls, s, keep_logits: bool) -> Pipe:
+    def of(cls, s, keep_logits: bool, forward_only: bool = False) -> Pipe:
         c, t = s.model, s.cfg.train
         S, M, V = s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats
-        _, pl = table_plan(t.pipeline_schedule, S, M, V)
+        _, pl = table_plan(schedules.FORWARD if forward_only else t.pipeline_schedule, S, M, V)
         rows = {k: jnp.asarray(getattr(pl, k)) for k in PLAN_ROWS}
         fwd_pairs = [(j, j + 1) for j in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
         # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
@@ -123,7 +124,7 @@ class Stage:
     me: Any  # this stage's index on `stage`
 
 
-def _add(acc, d):
+def add_tree(acc, d):
     return jax.tree.map(jnp.add, acc, d)
 
 
@@ -151,15 +152,16 @@ def microbatch_loss(st: Stage, y, top, m):
     c, constrain = st.pipe.model, st.pipe.constrain
     if c.dpo is not None:
         return dpo_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.scale, constrain)
-    return token_loss(st, y, top, m), {}
+    return token_loss(st, y, top, m) * st.scale["loss"], {}
 
 
 def token_loss(st: Stage, y, top, m):
+    """The loss sum (loss_weight x token loss) of microbatch m from the last stage's output y."""
     c, constrain = st.pipe.model, st.pipe.constrain
     targets, weight = st.mbs["targets"][m], st.mbs["loss_weight"][m]
     if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-        return head_loss(c, top, y, targets, weight, constrain) * st.scale["loss"]
-    return _cross_entropy(head(c, top, y, constrain), targets, weight) * st.scale["loss"]
+        return head_loss(c, top, y, targets, weight, constrain)
+    return _cross_entropy(head(c, top, y, constrain), targets, weight)
 
 
 # The forward runs in a conditional (output only), one of these three branches. The steps that add to
@@ -185,10 +187,10 @@ def loss_step(st: Stage, ins, gbuf, dtop, loss, aux, *out):
     top, y, m, slot = ins
     (ls, stats), (dy, dt) = jax.value_and_grad(functools.partial(microbatch_loss, st), argnums=(0, 1),
                                                has_aux=True)(y, top, m)
-    gbuf = _put(gbuf, slot, dy.astype(y.dtype))
+    gbuf = put(gbuf, slot, dy.astype(y.dtype))
     if out:  # keep_logits: microbatch m's logits, filed in its row
-        out = (_put(out[0], m, head(st.pipe.model, top, y, st.pipe.constrain).astype(jnp.float32)),)
-    return gbuf, _add(dtop, dt), loss + ls, {**aux, **_add({k: aux[k] for k in stats}, stats)}, *out
+        out = (put(out[0], m, head(st.pipe.model, top, y, st.pipe.constrain).astype(jnp.float32)),)
+    return gbuf, add_tree(dtop, dt), loss + ls, {**aux, **add_tree({k: aux[k] for k in stats}, stats)}, *out
 
 
 def bwd_step(st: Stage, ins, dblk, dh):
@@ -196,7 +198,7 @@ def bwd_step(st: Stage, ins, dblk, dh):
     blk, h, g, v, *m = ins  # m: the microbatch, passed where its documents are read
     _, vjp = jax.vjp(lambda w, x: stage_body(st, (w, st.index), v, x, documents(st, *m) if m else None), blk, h)
     db, dh = vjp((g, st.aux_cot))
-    return _add(dblk, db), dh
+    return add_tree(dblk, db), dh
 
 
 def bwd_embed_step(st: Stage, ins, dblk, dtop):
@@ -205,7 +207,7 @@ def bwd_embed_step(st: Stage, ins, dblk, dtop):
     _, vjp = jax.vjp(lambda w, e: stage_body(st, (w, st.index), v, embed_microbatch(st, {**top, "embed": e}, m),
                                              documents(st, m)), blk, top["embed"])
     db, de = vjp((g, st.aux_cot))
-    return _add(dblk, db), {**dtop, "embed": dtop["embed"] + de}
+    return add_tree(dblk, db), {**dtop, "embed": dtop["embed"] + de}
 
 
 def run_if(st: Stage, pred, f, ins, *state):
@@ -221,15 +223,20 @@ def run_if(st: Stage, pred, f, ins, *state):
         return jax.lax.while_loop(lambda c: c[0] < pred.astype(jnp.int32), step, (jnp.int32(0), *state))[1:]
 
 
+def forward(st: Stage, r, h):
+    """(y, aux) of this tick's forward branch (r: the tick's row of the plan on this stage; h: its stored input)."""
+    branches = [functools.partial(f, st) for f in (idle, fwd, fwd_embed)]
+    return jax.lax.switch(jnp.asarray(FORWARD_BRANCH)[r["branch"]], branches, h, r["m"], r["v"])
+
+
 def tick(st: Stage, carry, row):
     """One tick of the table on this stage: its forward branch, loss step and backward steps, and the two hops."""
     xbuf, gbuf, dblk, dtop, loss, aux, *out = carry
     r = {k: a[st.me] for k, a in row.items()}
     br, m, v = r["branch"], r["m"], r["v"]
     h = xbuf[r["slot"]]
-    branches = [functools.partial(f, st) for f in (idle, fwd, fwd_embed)]
-    y, aux_y = jax.lax.switch(jnp.asarray(FORWARD_BRANCH)[br], branches, h, m, v)
-    aux = {**aux, **_add({k: aux[k] for k in aux_y}, aux_y)}  # the layers' aux; DPO's statistics: loss_step
+    y, aux_y = forward(st, r, h)
+    aux = {**aux, **add_tree({k: aux[k] for k in aux_y}, aux_y)}  # the layers' aux; DPO's statistics: loss_step
     gbuf, dtop, loss, aux, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
                                          gbuf, dtop, loss, aux, *out)
     # read after the loss step's write (never on a backward's tick), which then needs no copy
@@ -238,11 +245,11 @@ def tick(st: Stage, carry, row):
     # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
     # where a spare row to take them would cost a stage input (cotangent) of memory. The output
     # is sent before the backward, whose input cotangent then takes its buffer.
-    xbuf = _put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", st.pipe.fwd_pairs))
+    xbuf = put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", st.pipe.fwd_pairs))
     ins = (st.blocks, h, g, v) + ((m,) if st.pipe.model.documents else ())
     dblk, dh = run_if(st, br == schedules.BWD, bwd_step, ins, dblk, y)
     dblk, dtop = run_if(st, br == schedules.BWD_EMBED, bwd_embed_step, (st.blocks, st.top, g, m, v), dblk, dtop)
-    gbuf = _put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", st.pipe.bwd_pairs))
+    gbuf = put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", st.pipe.bwd_pairs))
     return (xbuf, gbuf, dblk, dtop, loss, aux, *out), None
 
 
@@ -269,9 +276,8 @@ def stage_blocks(layers, stages: int, repeats: int):
     return blocks, lambda d: vjp_blocks(d)[0]
 
 
-def stage_grads(pipe: Pipe, layers, top, mbs, scale):
-    """(parts, d top, d layers, *logits) of this data shard's rows: the schedule run on this stage, the parts,
-    the top gradient and the logits summed over `stage`."""
+def make_stage(pipe: Pipe, layers, top, mbs, scale):
+    """(Stage, back): this stage's view of the step, inside the shard_map, and `stage_blocks`' map back."""
     c, S, V = pipe.model, pipe.stages, pipe.repeats
     blocks, back = stage_blocks(layers, S, V)
     # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
@@ -280,7 +286,13 @@ def stage_grads(pipe: Pipe, layers, top, mbs, scale):
     index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
     aux0 = {k: v for k, v in zero_parts(c)["aux"].items() if k in family(c.family).aux}  # the layers' own
     aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
-    st = Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index("stage"))
+    return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index("stage")), back
+
+
+def stage_grads(pipe: Pipe, layers, top, mbs, scale):
+    """(parts, d top, d layers, *logits) of this data shard's rows: the schedule run on this stage, the parts,
+    the top gradient and the logits summed over `stage`."""
+    st, back = make_stage(pipe, layers, top, mbs, scale)
     loss, aux, dblk, dtop, out = scan_ticks(st)
     parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
     return parts, jax.lax.psum(dtop, "stage"), back(dblk), *(jax.lax.psum(o, "stage") for o in out)
@@ -298,19 +310,41 @@ class DataSync:
         return cls(s.reduction, s.reduction.reducer(s.cfg.train.grad_sync))
 
 
-def synced(pipe: Pipe, ds: DataSync, layers, top, mbs, scale):
-    """`stage_grads` on this data shard's rows; the data-parallel sync once, on the step's gradients (ZeRO-3
-    gathers the stage's weights before; a leaf the rules split over `data` is neither gathered nor reduced)."""
+def gathered(ds: DataSync, layers, top):
+    """(layers, top) as the stage computes with them: ZeRO-3 gathers the stage's weights over `data` (a leaf the
+    rules split over it stays split); below ZeRO-3 as they arrive."""
     d = ds.decision
-    if d.layout.zero_stage >= 3:
-        layers = ds.reducer.all_gather_tree(layers, d.dims["layers"], d.specs["layers"])
-        top = ds.reducer.all_gather_tree(top, *({n: tree[n] for n in top} for tree in (d.dims, d.specs)))
-    parts, dtop, dlayers, *out = stage_grads(pipe, layers, top, mbs, scale)
+    if d.layout.zero_stage < 3:
+        return layers, top
+    layers = ds.reducer.all_gather_tree(layers, d.dims["layers"], d.specs["layers"])
+    return layers, ds.reducer.all_gather_tree(top, *({n: tree[n] for n in top} for tree in (d.dims, d.specs)))
+
+
+def synced(pipe: Pipe, ds: DataSync, layers, top, mbs, scale):
+    """`stage_grads` on this data shard's rows, its weights `gathered`; the data-parallel sync once, on the step's
+    gradients (a leaf the rules split over `data` is not reduced)."""
+    d = ds.decision
+    parts, dtop, dlayers, *out = stage_grads(pipe, *gathered(ds, layers, top), mbs, scale)
     g = {**dtop, "layers": dlayers}
     if d.size > 1:
         g = d.once(ds.reducer, g)
     # sums over this shard's rows: the step's are their sum over the batch axes
     return jax.lax.psum(parts, d.axes), g, *out
+
+
+def over_stages(s, local, out_specs, batch):
+    """(local as a shard_map manual over `stage` and the batch axes: (layers, top, microbatches, scale) -> out,
+    the batch's microbatches, each field (M, B/M, ...) split as the batch's rows, the parameters other than the
+    layers' names)."""
+    mbs = split_microbatches(batch, s.cfg.train.microbatches)  # each field (M, B/M, T)
+    rows = P(None, *s.layout.batch_spec())  # (M, B/M, ...): each microbatch's rows split as the batch's
+    mbs = jax.lax.with_sharding_constraint(mbs, rows)
+    manual = {"stage", *s.reduction.axes}  # layers over `stage`; each rank's rows and ZeRO blocks over the batch axes
+    p_in = s.reduction.manual_specs("param", manual)
+    top = [k for k in p_in if k != "layers"]
+    fn = jax.shard_map(local, mesh=s.mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, rows, P()),
+                       out_specs=out_specs(manual, rows), axis_names=manual, check_vma=False)
+    return fn, mbs, top
 
 
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
@@ -319,18 +353,12 @@ def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
     over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
     aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
     (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
-    mbs = split_microbatches(batch, s.cfg.train.microbatches)  # each field (M, B/M, T)
-    mbs = jax.lax.with_sharding_constraint(mbs, P(None, *s.layout.batch_spec()))
-    top = {k: v for k, v in params.items() if k != "layers"}
     pipe, ds = Pipe.of(s, keep_logits), DataSync.of(s)
-    manual = {"stage", *s.reduction.axes}  # layers over `stage`; each rank's rows and ZeRO blocks over the batch axes
-    p_in, g_out = (s.reduction.manual_specs(kind, manual) for kind in ("param", "grad"))
-    rows = P(None, *s.layout.batch_spec())  # (M, B/M, ...): each microbatch's rows split as the batch's
-    fn = jax.shard_map(functools.partial(synced, pipe, ds), mesh=s.mesh,
-                       in_specs=(p_in["layers"], {n: p_in[n] for n in top}, rows, P()),
-                       out_specs=(P(), g_out) + ((rows,) if keep_logits else ()),
-                       axis_names=manual, check_vma=False)
-    parts, g, *out = fn(params["layers"], top, mbs, scale)
+
+    def outs(manual, rows):
+        return (P(), s.reduction.manual_specs("grad", manual)) + ((rows,) if keep_logits else ())
+    fn, mbs, top = over_stages(s, functools.partial(synced, pipe, ds), outs, batch)
+    parts, g, *out = fn(params["layers"], {k: params[k] for k in top}, mbs, scale)
     if not keep_logits:
         return parts, g
     logits = out[0].swapaxes(0, 1)  # (M, B/M, T, V) -> (B, T, V): row j*M + m was microbatch m's row j

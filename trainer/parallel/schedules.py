@@ -13,6 +13,7 @@ satisfies the data dependencies by construction and the tests check them indepen
                     stage inputs are live on a stage.
   interleaved_1f1b  Megatron's interleaved order over V repeats (stage s runs blocks s, s+S, ...):
                     forwards walk S microbatches through one repeat, then the next repeat.
+  forward           GPipe's forwards alone: the evaluation, whatever the training's schedule.
 
 `plan` turns a table into the per-(tick, stage) integer arrays the executor scans over
 (trainer/parallel/pipeline.py), with a buffer slot for every stored stage input and cotangent.
@@ -27,6 +28,10 @@ from typing import NamedTuple
 import numpy as np
 
 
+# GPipe's forwards alone (no backward): the evaluation's table (trainer/parallel/pipeline.py eval_sums)
+FORWARD = "forward"
+
+
 class Op(NamedTuple):
     kind: str  # 'F' or 'B'
     m: int  # microbatch
@@ -35,9 +40,9 @@ class Op(NamedTuple):
 
 def stage_order(schedule: str, S: int, M: int, V: int, s: int) -> list:
     """The ops stage s runs, in order."""
-    if schedule == "gpipe":
+    if schedule in ("gpipe", FORWARD):
         fwd = [Op("F", m, v) for v in range(V) for m in range(M)]
-        return fwd + [Op("B", m, v) for v in reversed(range(V)) for m in range(M)]
+        return fwd + ([Op("B", m, v) for v in reversed(range(V)) for m in range(M)] if schedule == "gpipe" else [])
     if schedule == "1f1b":
         assert V == 1, "1f1b runs one repeat; use interleaved_1f1b for V > 1"
         fwd = [Op("F", m) for m in range(M)]
@@ -150,13 +155,11 @@ def plan(table: list, V: int = 1) -> Plan:
     at = {(s, op): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
     acts, cots = [[] for _ in range(S)], [[] for _ in range(S)]
     for (s, op), t in at.items():
-        if op.kind != "B":
-            continue
-        fop = Op("F", op.m, op.v)
-        dep = _prev(fop, s, S, V)
-        if dep is not None:  # stage input received from the previous stage; read by F and by B
-            acts[s].append((at[dep], t, (op.m, op.v)))
-        cots[s].append((at[_prev(op, s, S, V)], t, (op.m, op.v)))
+        if op.kind == "B":
+            cots[s].append((at[_prev(op, s, S, V)], t, (op.m, op.v)))
+        elif (dep := _prev(op, s, S, V)) is not None:  # stage input received from the previous stage; read by F
+            # and by B (where the table has one)
+            acts[s].append((at[dep], at.get((s, Op("B", op.m, op.v)), t), (op.m, op.v)))
     act_slot, cot_slot, n_act, n_cot = [], [], 0, 0
     for s in range(S):
         a, na = _slots(acts[s])
@@ -174,7 +177,7 @@ def plan(table: list, V: int = 1) -> Plan:
         if op.kind == "F":
             arr["branch"][t, s] = FWD_EMBED if first else FWD_LOSS if last else FWD
             if last:
-                arr["loss_slot"][t, s] = cot_slot[s][key]
+                arr["loss_slot"][t, s] = cot_slot[s].get(key, n_cot)  # forward alone: no cotangent
             elif s < S - 1 or V > 1:  # the next stage receives it at the end of this tick
                 nxt = (s + 1) % S
                 arr["recv_act"][t, nxt] = act_slot[nxt][(op.m, op.v + (s == S - 1))]
