@@ -302,18 +302,16 @@ def test_online_reference_under_a_pipeline_is_one_line(synth, tmp_path):
 
 def test_the_memory_check_holds_the_online_reference(synth, tmp_path, monkeypatch):
     """dpo.reference_mode=online keeps the reference's parameters beside the step: the plan's margin on an
-    accelerator counts them whole (they are shapes, exact, not a tenth as an estimate), and a limit above the
-    compiled step alone but under it plus the parameters stops in one line that names the reference (the bytes
-    from the run's shardings equal the planner's)."""
+    accelerator counts them whole (they are shapes, exact, not a tenth as an estimate), and the run holds its
+    compiled step's figures plus them (the bytes from the run's shardings, equal to the planner's): a limit above
+    the step alone but under it plus the parameters stops in one line that names the reference."""
     import dataclasses
 
     from trainer.config import load_config
     from trainer.hardware import DEVICES
     from trainer.plan.core import estimate, strategy_of
-    from trainer.plan.verify import Footprint, abstract_inputs
-    from trainer.run import memory_check
+    from trainer.run import context, memory_check
     from trainer.state import make_setup
-    from trainer.step import jit_train_step
     online = ["mesh.data=1", "dpo.reference_mode=online"]
     s = make_setup(load_config(_keys(synth, tmp_path, online)), jax.devices()[:1])
     plan = estimate(s.model, s.cfg.train, strategy_of(s.cfg, 1), DEVICES["h100-80g"], 1, "float32")
@@ -321,14 +319,24 @@ def test_the_memory_check_holds_the_online_reference(synth, tmp_path, monkeypatc
     assert ref == plan.params_bytes == memory_check.reference_bytes(s) > 0
     rest = plan.total_bytes - exact - ref  # a tenth of it held on an accelerator (SLACK)
     between = exact + (ref + rest) / memory_check.SLACK + ref / 2  # the reference as an estimate fits, whole not
-    limit = memory_check.Limit(dataclasses.replace(plan.device, hbm=between), "the test's limit", exact=False)
+
+    def limit(b):
+        return memory_check.Limit(dataclasses.replace(plan.device, hbm=b), "the test's limit", exact=False)
     with pytest.raises(UserError, match=r"^the plan needs at least"):
-        memory_check.check_plan(plan, limit)
-    with jax.set_mesh(s.mesh):
-        fp = Footprint.of(jit_train_step(s).lower(*abstract_inputs(s)).compile())
-    monkeypatch.setenv(memory_check.TEST_LIMIT, str(fp.total_bytes + ref / 2))
-    with pytest.raises(UserError, match=r"^the compiled train step needs .* \+ DPO reference \(online\) "):
+        memory_check.check_plan(plan, limit(between))
+    seen = []
+
+    def held_by_the_run(fp, lim, held=0):  # what the run holds against its device, once compiled
+        seen.append((fp, held))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(context, "check_compiled", held_by_the_run)
+    with pytest.raises(KeyboardInterrupt):
         _train(synth, tmp_path, online, 1)
+    (fp, held), = seen
+    assert held == ref
+    memory_check.check_compiled(fp, limit(fp.total_bytes + ref / 2))  # the step alone fits
+    with pytest.raises(UserError, match=r"^the compiled train step needs .* \+ DPO reference \(online\) "):
+        memory_check.check_compiled(fp, limit(fp.total_bytes + ref / 2), held)
 
 
 @pytest.mark.slow  # ~12 s: moto's server answers every block of the precompute and the steps
