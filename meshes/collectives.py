@@ -26,8 +26,10 @@ from meshes.rules import keep
 
 
 # The pipeline's axis: where it is manual, code runs in the table executor's per-stage branches
-# (trainer/parallel/pipeline.py). A collective-permute's rendezvous there waits for every device of the program
-# (XLA:CPU's; a 2x4 mesh deadlocked), where a collective with replica groups waits for its group's only.
+# (trainer/parallel/pipeline.py). XLA:CPU's collective-permute there is wrong: its rendezvous waits for every device
+# of the program (jax 0.10.2: ring attention under (context 4, stage 2) 1F1B returns NaN losses; it used to deadlock
+# a 2x4 mesh), where a collective with replica groups waits for its group's only. On CPU alone the ring's step is
+# then `_pair_shift`; XLA:TPU and XLA:GPU run the collective-permute.
 BRANCHED = "stage"
 
 
@@ -42,6 +44,11 @@ def _pair_shift(x, axes, n: int):
     return jnp.where(jax.lax.axis_index(axes) % 2 == 1, first[0], second[0])
 
 
+def pairwise_ring(platform: str | None) -> bool:
+    """Whether a ring's step inside a pipeline is `_pair_shift` on devices of `platform` (BRANCHED): on CPU only."""
+    return (platform or jax.default_backend()) == "cpu"
+
+
 def _is_axes(x) -> bool:
     """A logical-axes tuple (one name or None per dimension), a leaf of in_axes / out_axes."""
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
@@ -50,8 +57,9 @@ def _is_axes(x) -> bool:
 class Collectives:
     """A run's collectives over logical axes: its rules and mesh, and which mesh axes are manual where traced."""
 
-    def __init__(self, rules, mesh):
-        self.rules, self.mesh = rules, mesh
+    def __init__(self, rules, mesh, platform: str | None = None):
+        # platform: the devices' the program is built for (None: the runtime's default), see BRANCHED
+        self.rules, self.mesh, self.platform = rules, mesh, platform
 
     # ---- where it runs
 
@@ -105,14 +113,14 @@ class Collectives:
 
     def shift(self, x, logical: str):
         """Each rank's block to the next rank (the last's to the first): one step around a ring. A collective-permute;
-        inside a pipeline (a manual `stage` of more than one), whose tick runs each stage's branch on that stage's
-        devices only, two all-gathers within pairs of neighbours instead (`_pair_shift`)."""
+        on CPU inside a pipeline (a manual `stage` of more than one), whose tick runs each stage's branch on that
+        stage's devices only, two all-gathers within pairs of neighbours instead (`_pair_shift`, BRANCHED)."""
         axes = self._over(logical)
         if axes is None:
             return x
         n = self.axis_size(logical)
         mesh, manual = self._context()
-        if BRANCHED in manual and mesh.shape[BRANCHED] > 1:
+        if BRANCHED in manual and mesh.shape[BRANCHED] > 1 and pairwise_ring(self.platform):
             return _pair_shift(x, axes, n)
         return jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
 

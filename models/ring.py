@@ -3,10 +3,10 @@ the ring of context ranks by `shift` (a ppermute), C - 1 times, and the rank's q
 passes, merged by an online softmax; a rank holds its own block and the one passing, never the row's K/V.
 
 Causality, windows and documents by the tokens' original positions (the blocks carry their keys' positions and
-documents with them). Its own backward (a custom VJP): the K/V blocks travel the ring again with their dK/dV
-accumulators, which come home with one more step; the forward keeps only the rank's q, k, v, output and log-sum-exp
-(autodiff through the ring would keep every block that passed). Gemma's soft-cap and score scale are applied per
-block. Letters as models/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
+documents with them). Its own backward (a custom VJP): the K/V blocks travel the ring again with their float32 dK/dV
+accumulators, which come home with one more step (in K's dtype); the forward keeps only the rank's q, k, v, output
+and log-sum-exp (autodiff through the ring would keep every block that passed). Gemma's soft-cap and score scale are
+applied per block. Letters as models/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
 """
 from __future__ import annotations
 
@@ -106,9 +106,11 @@ def _ring_bwd(coll, scale, window, softcap, res, do):
     if C > 1:
         (dq, block), _ = jax.lax.scan(step, (dq, block), None, length=C - 1)
     dq, block = grads(dq, block)
-    dk, dv = _shift(coll, block[4:]) if C > 1 else block[4:]  # the accumulators home: one more step
+    # the accumulators home: one more step, in k's dtype (the cast first: half the bytes in bfloat16, the same values)
+    dk, dv = block[4].astype(k.dtype), block[5].astype(v.dtype)
+    dk, dv = _shift(coll, (dk, dv)) if C > 1 else (dk, dv)
     zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zeros(pos), zeros(seg)
+    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

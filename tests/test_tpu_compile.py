@@ -99,6 +99,47 @@ def _pipeline_loops_are_counted(c):
         assert mine == pytest.approx(xla, rel=0.01), axis
 
 
+# (context 2 x stage 2 x model 2): ring attention inside a 1F1B pipeline, the vocabulary split over `model`; a model
+# of one 128-wide head per rank, one layer per stage
+RING_IN_PIPELINE = ["model.preset=small", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2",
+                    "model.d_ff=512", "model.vocab_size=1024", "model.seq_len=128", "model.n_layers=2",
+                    "train.batch_size=8", "train.dtype=bfloat16", "mesh.data=1", "mesh.stage=2", "mesh.context=2",
+                    "mesh.model=2", "train.pipeline_schedule=1f1b", "train.microbatches=2",
+                    "train.context_attention=ring"]
+
+
+def embedding_ops(text: str) -> set[str]:
+    """The HLO ops that the pipeline's embedding of a microbatch (trainer/parallel/pipeline.py embed_microbatch)
+    compiled to, forward and backward, from the stack frame of each op."""
+    from trainer.plan.hlo import _frame_functions
+    frames = _frame_functions(text)
+    ops = set()
+    for line in text.splitlines():
+        f = re.search(r"stack_frame_id=(\d+)", line)
+        op = re.search(r"=\s*\S+\s+([a-z][\w\-]*)\(", line)
+        if f and op and "embed_microbatch" in frames.get(int(f.group(1)), ()):
+            ops.add(op.group(1))
+    return ops
+
+
+def test_ring_in_a_pipeline_on_tpu_passes_blocks_and_gathers_the_embedding():
+    """XLA:TPU's program of the ring inside a pipeline has neither of XLA:CPU's workarounds: each step of the ring is
+    a collective-permute over `context` (the planner's bytes within 1%), no all-gather over `context` (on CPU: two
+    within pairs of neighbours, meshes/collectives.py BRANCHED), and stage 0 embeds a microbatch by a gather of its
+    vocabulary shard: no matmul (formerly a one-hot product, 2 x V x D FLOPs a token)."""
+    from trainer.config import load_config
+    from trainer.plan.aot import compile_for
+    c = compile_for(load_config(RING_IN_PIPELINE), TOPOLOGY)
+    m, p = c.measured, c.plan
+    assert m.platform == "tpu" and not [x for x in kernel_problems(m.text) if x.startswith("ran")]  # ring: its own
+    assert not [k for k in m.collectives if k[0] == "all-gather" and "context" in k[1] and m.collectives[k]]
+    ring = sum(t.bytes for t in p.transfers if t.axis == "context" and t.kind == "collective-permute")
+    assert ring > 0 and m.collectives[("collective-permute", ("context",))] == pytest.approx(ring, rel=0.01)
+    ops = embedding_ops(m.text)
+    assert "gather" in ops, ops
+    assert not ops & {"dot", "convolution"}, ops
+
+
 def test_a_condition_against_a_constant_is_a_trip_count():
     """_counted on hand-written HLO: `counter < 7` is 7 trips; a data-dependent bound is unknown."""
     from trainer.plan.hlo import _computations, _counted

@@ -115,7 +115,7 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     plan = None if context == 1 else ContextPlan(context, cfg.train.context_attention, tuple(
         int(i) for i in order(mc.seq_len, context, cfg.train.context_load_balance)))
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,
-                          Collectives(layout.rules, mesh), plan)
+                          Collectives(layout.rules, mesh, platform), plan)
     pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
     reduction = decide(layout, pshapes, logical, cfg.train.grad_sync, cfg.train.microbatches)
     tx, schedule = make_optimizer(cfg.train, decay)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from meshes.collectives import pairwise_ring
 from models import ModelConfig
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
@@ -35,11 +36,12 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
     else:
         out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data * st.context > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
-    out += _expert_transfers(mc, st, n, a) + _context_transfers(mc, st, ls, n, a, documents=mc.documents)
+    out += _expert_transfers(mc, st, n, a) + _context_transfers(mc, st, ls, n, a, platform, mc.documents)
     return [t for t in out if t.bytes > 0]
 
 
-def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documents: bool) -> list[Transfer]:
+def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
+                       documents: bool) -> list[Transfer]:
     """Context parallelism (models/context.py): each layer's attention traffic per microbatch (again where the
     layer is recomputed: remat, a pipeline's stage bodies), by strategy; the batch's reorder; leaves the rules split
     over `data` (experts) summed over `context` alone."""
@@ -55,7 +57,7 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, documen
     if st.context_attention == "all_to_all":
         out = _ulysses_transfers(mc, st, n, a, kv_heads, uses, forwards, documents, rows)
     elif st.context_attention == "ring":
-        out = _ring_transfers(mc, st, n, a, block, uses, forwards, documents)
+        out = _ring_transfers(mc, st, n, a, block, uses, forwards, documents, pairwise_ring(platform))
     else:
         out = _gather_transfers(mc, st, block, uses, forwards, documents, rows)
     if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
@@ -91,27 +93,29 @@ def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: in
 
 
 def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, forwards: int,
-                    documents: bool) -> list[Transfer]:
+                    documents: bool, pairwise: bool) -> list[Transfer]:
     """models/ring.py, per layer and microbatch: C - 1 steps around the ring, each passing the K and V block with
     its keys' positions (and documents); the backward passes them again with their float32 dK and dV accumulators,
-    which take one more step home."""
+    which take one more step home. pairwise: inside a pipeline on CPU (meshes/collectives.py pairwise_ring)."""
     steps = st.context - 1
     meta = 4 * mc.seq_len // st.context + (4 * n if documents else 0)  # the block's positions (and documents)
     kv = 2 * block + meta
-    home = 2 * block * 4 / a  # dK and dV, float32
-    if st.stage > 1:  # meshes/collectives.py _pair_shift: each step two all-gathers within pairs (one for C = 2),
-        # each receiving the partner's block; the stage body's forward runs again in its backward's vjp
+    acc = 2 * block * 4 / a  # dK and dV, float32, around the ring
+    home = 2 * block  # and home, in the compute dtype
+    if st.stage > 1 and pairwise:  # meshes/collectives.py _pair_shift: each step two all-gathers within pairs
+        # (one for C = 2), each receiving the partner's block; the stage body's forward runs again in its backward's
+        # vjp
         x = 1 if st.context == 2 else 2
         return [Transfer("context", "all-gather", "K and V blocks around the ring, pairwise (forward, again where "
                          "recomputed)", x * forwards * uses * steps * kv, x * forwards * uses * steps * (3 + documents)),
                 Transfer("context", "all-gather", "K, V and their float32 gradients around the ring, pairwise "
-                         "(backward)", x * uses * (steps * (kv + home) + home), x * uses * (steps * (5 + documents) + 2))]
-    # a recomputed forward (remat) passes the same blocks as the backward beside it: XLA sends them once (one op), so
-    # `forwards` adds nothing
+                         "(backward)", x * uses * (steps * (kv + acc) + home), x * uses * (steps * (5 + documents) + 2))]
+    # a recomputed forward (remat; a pipeline's backward tick) passes the same blocks as the backward beside it: XLA
+    # sends them once (one op), so `forwards` adds nothing
     return [Transfer("context", "collective-permute", "K and V blocks around the ring (forward)", uses * steps * kv,
                      uses * steps * (3 + documents)),
             Transfer("context", "collective-permute", "K, V and their float32 gradients around the ring (backward)",
-                     uses * (steps * (kv + home) + home), uses * (steps * (5 + documents) + 2))]
+                     uses * (steps * (kv + acc) + home), uses * (steps * (5 + documents) + 2))]
 
 
 def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, documents: bool,
