@@ -7,8 +7,9 @@
 # Each output line starts with "[i] ", the index of the process that wrote it. If a process
 # fails, the others get SIGTERM and, GRACE_S (default 10) seconds later, SIGKILL: a peer stuck
 # in a collective with a dead process never returns by itself. The exit status is the first
-# failure's (0 when all succeed). SIGTERM to the launcher is passed on (the processes save a
-# checkpoint and stop); Ctrl-C reaches them from the terminal directly.
+# failure's, else 75 when the run stopped early after saving (every process agrees on the step;
+# run the same command again to resume), else 0. SIGTERM to the launcher is passed on (the
+# processes save a checkpoint and stop); Ctrl-C reaches them from the terminal directly.
 # Environment: MESHTRAIN (default: meshtrain) is the command, PORT the coordinator port
 # (default: a free one), GRACE_S as above.
 set -uo pipefail
@@ -53,6 +54,8 @@ stop_all() {  # SIGTERM the processes still running, then SIGKILL after the grac
 trap 'for pid in "${pids[@]}"; do kill -TERM "$pid" 2> /dev/null; done' TERM
 trap ':' INT
 
+stopped_early=75  # trainer/cli.py STOPPED_EARLY: saved before train.steps, resumable; not a failure
+final=0
 alive=("${!pids[@]}")
 while ((${#alive[@]})); do
   still=()
@@ -63,7 +66,9 @@ while ((${#alive[@]})); do
     fi
     wait "${pids[i]}"
     rc=$?
-    if ((rc != 0)); then
+    if ((rc == stopped_early)); then
+      final=$rc
+    elif ((rc != 0)); then
       echo "launch_local: process $i exited with status $rc; stopping the other processes" >&2
       unset 'pids[i]'
       stop_all
@@ -74,4 +79,6 @@ while ((${#alive[@]})); do
   sleep 0.2
 done
 wait  # the log prefixers
-exit 0
+((final == 0)) || echo "launch_local: the run stopped early after saving a checkpoint; run the same command to resume" >&2
+exit "$final"
+

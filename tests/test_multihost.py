@@ -220,20 +220,22 @@ def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
 FAKE = """#!/usr/bin/env bash
 i=${@: -1}; i=${i#dist.process_id=}
 echo "args $*"
-trap 'echo "TERM $i"; [[ -n ${FAIL:-} && $i == 2 ]] || exit 0' TERM  # with FAIL, process 2 ignores it
+trap 'echo "TERM $i"; [[ -n ${FAIL:-} && $i == 2 ]] || exit ${TERM_RC:-0}' TERM  # with FAIL, process 2 ignores it
 if [[ $i == 1 && -n ${FAIL:-} ]]; then sleep 1; exit 3; fi
 for _ in $(seq 300); do sleep 0.1; done
 """
 
 
-@pytest.mark.parametrize("fail", [True, False])
-def test_launcher(tmp_path, fail):
+@pytest.mark.parametrize("fail,term_rc", [(True, 0), (False, 0), (False, 75)])
+def test_launcher(tmp_path, fail, term_rc):
     """With stand-in processes: prefixes and arguments; a failure stops the others (SIGKILL for one that
-    ignores SIGTERM, GRACE_S later) and sets the exit status; SIGTERM to the launcher reaches every process."""
+    ignores SIGTERM, GRACE_S later) and sets the exit status; SIGTERM to the launcher reaches every process;
+    processes that stop early after saving (status 75) are not a failure and the launcher exits 75."""
     fake = tmp_path / "fake.sh"
     fake.write_text(FAKE)
     fake.chmod(0o755)
-    env = dict(os.environ, MESHTRAIN=str(fake), GRACE_S="2", PORT="4321", **({"FAIL": "1"} if fail else {}))
+    env = dict(os.environ, MESHTRAIN=str(fake), GRACE_S="2", PORT="4321", TERM_RC=str(term_rc),
+               **({"FAIL": "1"} if fail else {}))
     t0 = time.time()
     p = launch(env, 3, 2, "train", "a=1")
     if not fail:
@@ -247,7 +249,8 @@ def test_launcher(tmp_path, fail):
     if fail:
         assert p.returncode == 3 and "launch_local: process 1 exited with status 3" in out
     else:
-        assert p.returncode == 0 and "[1] TERM 1" in out
+        assert p.returncode == term_rc and "[1] TERM 1" in out and "stopping the other" not in out, out
+        assert ("run the same command to resume" in out) == (term_rc == 75), out
 
 
 def test_peer_never_arrives(env):
