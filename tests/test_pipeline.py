@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import SGD, TINY, max_rel, run_steps, single_device
+from test_dpo import synth  # noqa: F401 (the fixture: prepared pairs and a reference)
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.ckpt.store import list_steps
 from trainer.config import load_config
@@ -351,3 +352,23 @@ def test_eval_runs_through_the_stages_and_equals_one_device():
             assert sum(b for *_, b in rest) <= 64, rest
     (got, n_got), (want, n_want) = out
     assert n_got == n_want > 0 and abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+
+@pytest.mark.slow  # two DPO runs on a prepared pair file
+def test_dpo_eval_runs_through_the_stages_and_equals_one_device(synth, tmp_path):
+    """train.objective=dpo on (2,4,1) 1F1B, evaluated after 3 SGD steps: eval_loss and each eval metric over the
+    held-out pairs equal one device's (1e-5); the pipeline's eval step sums the pairs' statistics on its last stage."""
+    from test_dpo import _keys
+    from trainer.run.loop import train
+    evals = []
+    for n, mesh in ((8, ["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=1f1b", "train.microbatches=4"]),
+                    (1, ["mesh.data=1"])):
+        keys = _keys(synth, tmp_path / str(n), mesh + ["train.eval_every=3", "train.eval_batches=2"])
+        r = train(load_config(keys), jax.devices()[:n])
+        evals.append([h for h in r.history if "eval_loss" in h][-1])
+    got, want = evals
+    names = [k for k in want if k.startswith("eval_") and k != "eval_pairs"]
+    assert got["eval_pairs"] == want["eval_pairs"] > 0 and "eval_rewards/accuracies" in names, want
+    for k in names:
+        assert abs(got[k] - want[k]) <= 1e-5 * max(abs(want[k]), 1e-3), (k, got[k], want[k])
