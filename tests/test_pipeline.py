@@ -33,6 +33,9 @@ LAYOUTS = [
     # the stage body (two layers) with each layer half recomputed in the backward tick
     ("1,4,1", SGD + ["mesh.data=1", "mesh.stage=4", "train.microbatches=4", "train.pipeline_schedule=1f1b",
                      "model.remat=sublayer"]),
+    # the vocabulary split over model 4: stage 0's embedding gathers its shard inside the tick's branch
+    ("1,2,4", SGD + ["mesh.data=1", "mesh.stage=2", "mesh.model=4", "train.zero_stage=3", "train.microbatches=2",
+                     "train.pipeline_repeats=2", "train.pipeline_schedule=interleaved_1f1b"]),
 ]
 
 
@@ -41,12 +44,12 @@ def _close(a, b):
 
 
 # behind -m slow (keeps the default run short): GPipe at S=2 and S=8, on (2,2,2) with ZeRO-1, ZeRO-3 over
-# (4,2,1), circular GPipe at S=4, 1F1B at M=4, M=8 and on (2,2,2), interleaved 1F1B on (1,2,1) (one executor
+# (4,2,1), circular GPipe at S=4, 1F1B at M=4, M=8 and on (2,2,2), interleaved 1F1B on (1,2,1) and (1,2,4) (one executor
 # runs every schedule); the default run keeps GPipe at S=4 and 1F1B with sub-layer remat
 # (tests/test_pipeline_sync.py: ZeRO-3 and ring sync over pipelines; tests/test_tiled_loss.py: (2,2,2);
 # tests/test_loss_mean.py: interleaved 1F1B on (2,2,2) with uneven loss weights;
 # test_circular_checkpoint_restores_onto_any_schedule: circular GPipe at V=2 and V=4 against data parallelism)
-SLOW = {0, 2, 3, 4, 5, 6, 7, 8, 9}
+SLOW = {0, 2, 3, 4, 5, 6, 7, 8, 9, 11}
 CASES = [pytest.param(n, ov, marks=[pytest.mark.slow] if i in SLOW else [],
                       id="-".join(o for o in ov if not o.startswith("train.grad_clip")))
          for i, (n, ov) in enumerate(LAYOUTS)]
