@@ -10,9 +10,11 @@ import pytest
 
 from trainer.errors import UserError
 
-# tiny runs: one layer, 16 tokens, 8 rows; dpo.reference is read by the run, never by lowering
+# tiny runs: one layer, 16 tokens, 8 rows; SGD and the plain kernels (those GPU and TPU runs compile; the layout is
+# what a lowering checks), which trace in about a fifth less time than AdamW and the CPU fast paths; dpo.reference is
+# read by a run, never by lowering
 BASE = ["model.preset=tiny", "model.n_layers=1", "model.seq_len=16", "train.batch_size=8", "mesh.data=-1",
-        "dpo.reference=/nowhere"]
+        "train.optimizer=sgd", "model.kernels=reference", "dpo.reference=/nowhere"]
 # the widths each family is given: an MoE splits each expert's (and the shared expert's) width over `model`, never
 # d_ff; widths that 8 does not divide make the refused pairs
 WIDTHS = {"mixtral": ["model.d_ff=100", "model.expert_d_ff=40"],  # d_ff unused: 8 accepted

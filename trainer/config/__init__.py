@@ -219,7 +219,7 @@ def model_config(cfg: Config) -> ModelConfig:
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
     name = m.family or "llama"
-    theirs = {k: sorted(f for f in FAMILIES if k in own_keys(f)) for f in FAMILIES for k in own_keys(f)}
+    theirs = _keys_of(tuple((f, spec.config) for f, spec in FAMILIES.items()))
     for k in sorted(set(theirs) - set(own_keys(name))):
         if over.get(k) is not None and over[k] is not False:
             raise UserError(f"model.{k} is a key of {', '.join(theirs[k])}, not of model.family='{name}'; drop it "
@@ -229,6 +229,13 @@ def model_config(cfg: Config) -> ModelConfig:
     pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight), d.reference_mode == "online") \
         if cfg.train.objective == "dpo" else None
     return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref)
+
+
+@functools.lru_cache(maxsize=8)
+def _keys_of(registered: tuple) -> dict[str, list[str]]:
+    """{family's own key: the families that declare it} of the registered families ((name, config class) pairs: the
+    key of the cache; model_config runs several times per setup)."""
+    return {k: sorted(f for f, _ in registered if k in own_keys(f)) for f, _ in registered for k in own_keys(f)}
 
 
 def compute_dtype(cfg: Config, platform: str) -> str:
