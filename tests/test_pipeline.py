@@ -322,12 +322,29 @@ def test_head_flops_once_per_step_not_once_per_stage(schedule):
     assert loss_ticks.tolist() == [0] * (S - 1) + [M]
 
 
+def embedding_ops(text: str) -> set[str]:
+    """The HLO ops that the pipeline's embedding of a microbatch (trainer/parallel/pipeline.py embed_microbatch)
+    compiled to, from the stack frame of each op."""
+    import re
+
+    from trainer.plan.hlo import _frame_functions
+    frames = _frame_functions(text)
+    ops = set()
+    for line in text.splitlines():
+        f = re.search(r"stack_frame_id=(\d+)", line)
+        op = re.search(r"=\s*\S+\s+([a-z][\w\-]*)\(", line)
+        if f and op and "embed_microbatch" in frames.get(int(f.group(1)), ()):
+            ops.add(op.group(1))
+    return ops
+
+
 def test_eval_runs_through_the_stages_and_equals_one_device():
     """The eval step on (2,2,2) 1F1B ZeRO-3: loss sum and counted tokens of a held-out batch equal one device's
     (1e-5), and in its compiled program nothing crosses `stage` but the forward's hops, counted by hand: each of the
     M + S - 1 ticks of GPipe's forwards, stages 0..S-2 send one microbatch's activations (B/(M x data) rows x T x D,
     float32; (S-1)/S of that on average over the devices), and the sums' scalars. The unpipelined eval it replaces
-    moved the stack's weights over `stage` (all-reduces of 297 kB, collective-permutes of 111 kB a device here)."""
+    moved the stack's weights over `stage` (all-reduces of 297 kB, collective-permutes of 111 kB a device here).
+    Stage 0 embeds by a gather of its vocabulary shard (no one-hot matmul)."""
     from conftest import corpus
     from meshes import devices_named
     from trainer.data.batches import Batches
@@ -353,6 +370,8 @@ def test_eval_runs_through_the_stages_and_equals_one_device():
             assert hops == (M + S - 1) * (B // (M * data)) * T * D * 4 * (S - 1) / S, hops
             rest = [(kind, axes, b) for kind, axes, b, _ in ops if "stage" in axes and kind != "collective-permute"]
             assert sum(b for *_, b in rest) <= 64, rest
+            emb = embedding_ops(text)  # the vocabulary split over model: stage 0 gathers its shard, no matmul
+            assert "gather" in emb and not emb & {"dot", "convolution"}, emb
     (got, n_got), (want, n_want) = out
     assert n_got == n_want > 0 and abs(got - want) <= 1e-5 * abs(want), (got, want)
 

@@ -108,25 +108,12 @@ RING_IN_PIPELINE = ["model.preset=small", "model.d_model=256", "model.n_heads=2"
                     "train.context_attention=ring"]
 
 
-def embedding_ops(text: str) -> set[str]:
-    """The HLO ops that the pipeline's embedding of a microbatch (trainer/parallel/pipeline.py embed_microbatch)
-    compiled to, forward and backward, from the stack frame of each op."""
-    from trainer.plan.hlo import _frame_functions
-    frames = _frame_functions(text)
-    ops = set()
-    for line in text.splitlines():
-        f = re.search(r"stack_frame_id=(\d+)", line)
-        op = re.search(r"=\s*\S+\s+([a-z][\w\-]*)\(", line)
-        if f and op and "embed_microbatch" in frames.get(int(f.group(1)), ()):
-            ops.add(op.group(1))
-    return ops
-
-
 def test_ring_in_a_pipeline_on_tpu_passes_blocks_and_gathers_the_embedding():
     """XLA:TPU's program of the ring inside a pipeline has neither of XLA:CPU's workarounds: each step of the ring is
     a collective-permute over `context` (the planner's bytes within 1%), no all-gather over `context` (on CPU: two
     within pairs of neighbours, meshes/collectives.py BRANCHED), and stage 0 embeds a microbatch by a gather of its
     vocabulary shard: no matmul (formerly a one-hot product, 2 x V x D FLOPs a token)."""
+    from test_pipeline import embedding_ops
     from trainer.config import load_config
     from trainer.plan.aot import compile_for
     c = compile_for(load_config(RING_IN_PIPELINE), TOPOLOGY)
