@@ -22,7 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
@@ -119,7 +118,7 @@ def moe_inventory(base):
             return inv
         D, X, F = c.d_model, c.n_experts, c.expert_d_ff or c.d_ff
         layers = {k: v for k, v in inv["layers"].items() if k not in ("w_gate", "w_up", "w_down")}
-        layers.update(router=Param((D, X), ("embed", None), "normal", False),
+        layers.update(router=Param((D, X), ("embed", None), "normal", False, as_stored=True),
                       expert_gate=Param((X, D, F), ("experts", "embed", "mlp"), "normal", True),
                       expert_up=Param((X, D, F), ("experts", "embed", "mlp"), "normal", True),
                       expert_down=Param((X, F, D), ("experts", "mlp", "embed"), "residual", True))
@@ -178,12 +177,13 @@ def slot_of(idx_BTK, valid_BT, X: int):
 
 
 def kept(idx_BTK, valid_BT, X: int, slots: int | None):
-    """Which choices take a slot (B, T, k) bool: every non-padding choice when dropless; with `slots` per expert
-    per row, the first ones in (choice rank, position) order (slot_of)."""
+    """(which choices take a slot (B, T, k) bool, each choice's slot (slot_of) or None): every non-padding choice
+    when dropless (`slots` None); with `slots` per expert per row, the first ones in (choice rank, position) order."""
     valid_BTK = jnp.broadcast_to(valid_BT[..., None], idx_BTK.shape)
     if slots is None:
-        return valid_BTK
-    return (slot_of(idx_BTK, valid_BT, X) < slots) & valid_BTK
+        return valid_BTK, None
+    slot_BTK = slot_of(idx_BTK, valid_BT, X)
+    return (slot_BTK < slots) & valid_BTK, slot_BTK
 
 
 def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT, collectives=LOCAL):
@@ -206,8 +206,8 @@ def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT, collec
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
     """x + the experts of norm(x) (and the shared expert, where there is one); aux: the router losses and the
-    dropped choices, each (sum, count) (the counts of the two losses given by layer 0 of the stack only, call.data
-    ["first"], so that the stack's are the rows and tokens: a mean over rows of the losses summed over layers)."""
+    dropped choices, each (sum, count), every MoE layer counting its rows, tokens and choices: the stack's losses
+    are means over its MoE layers and rows (tokens), as MaxText's (a dense layer counts nothing)."""
     if not c.sparse:
         y, _ = dense_half(c, p, x_BTD, call)
         z = jnp.zeros((), jnp.float32)
@@ -216,16 +216,17 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
     B, T, D = x_BTD.shape
     K = c.n_experts_per_token
     h_BTD = rms_norm(x_BTD, p["mlp_norm"].astype(x_BTD.dtype), c.norm_eps)
-    logits_BTX = jnp.einsum("btd,dx->btx", h_BTD, p["router"].astype(h_BTD.dtype),
-                            preferred_element_type=jnp.float32)
+    # the router's matmul from float32 inputs whatever the compute dtype (as MaxText and Megatron-LM): its weight in
+    # bfloat16 would round the gaps between logits that choose the experts (the weight is read as stored: as_stored)
+    logits_BTX = jnp.einsum("btd,dx->btx", h_BTD.astype(jnp.float32), p["router"].astype(jnp.float32))
     probs_BTX, idx_BTK, w_BTK = route(c, logits_BTX)
     valid_BT = jnp.ones((B, T), bool) if call.segments is None else call.segments != 0
     slots = None if call.decoding else capacity(c, T)
-    keep_BTK = kept(idx_BTK, valid_BT, c.n_experts, slots)
+    keep_BTK, slot_BTK = kept(idx_BTK, valid_BT, c.n_experts, slots)
     w_BTK = jnp.where(keep_BTK, w_BTK, 0.0)
     weights = tuple(p[k].astype(x_BTD.dtype) for k in ("expert_gate", "expert_up", "expert_down"))
     if slots is not None:  # each kept choice's slot, for the dispatch of expert parallelism
-        slots = (slot_of(idx_BTK, valid_BT, c.n_experts).reshape(B * T, K), slots, T)
+        slots = (slot_BTK.reshape(B * T, K), slots, T)
     y_ND = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
                        w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
                        collectives=call.collectives, slots=slots)
@@ -238,30 +239,23 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
         y_BTD = y_BTD + jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, s["shared_expert_gate"])) * shared_BTD
     balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT, call.collectives)
     v = valid_BT.astype(jnp.float32)
-    first = call.data["first"]
     # a row split over context ranks: counted once, by the rank of its first chunk, if any rank holds a token of it
     seq = call.collectives
     rows = jnp.sum((seq.psum(jnp.max(v, axis=1), "seq") > 0).astype(jnp.float32)) * (seq.axis_index("seq") == 0)
     tokens = jnp.sum(v)
-    aux = {"load_balance": (balance, rows * first), "z_loss": (z, tokens * first),
+    aux = {"load_balance": (balance, rows), "z_loss": (z, tokens),
            "moe/dropped": (jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)), tokens * K)}
     return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
 
 
-def layer_data(c: MoEConfig) -> dict:
-    """1.0 at the stack's first layer (which reports the losses' counts): float32, as a remat'd half may close
-    over floats only."""
-    return {"first": np.asarray([1.0] + [0.0] * (c.n_layers - 1), np.float32)}
-
-
 def aux_counts(c: MoEConfig, batch: dict) -> dict:
     """Each aux output's count over a batch: its rows with a token that is not padding, those tokens, and their
-    choices over every layer (padding: segment id 0 where the model keeps to documents)."""
+    choices, each over every MoE layer (padding: segment id 0 where the model keeps to documents)."""
     seg = batch["segment_ids"]
     v = (seg != 0).astype(jnp.float32) if c.documents else jnp.ones(seg.shape, jnp.float32)
-    tokens = jnp.sum(v)
-    return {"load_balance": jnp.sum(jnp.max(v, axis=1)), "z_loss": tokens,
-            "moe/dropped": tokens * c.n_experts_per_token * c.n_layers}
+    tokens, layers = jnp.sum(v), c.n_layers if c.sparse else 0  # every layer of a sparse stack is an MoE layer
+    return {"load_balance": jnp.sum(jnp.max(v, axis=1)) * layers, "z_loss": tokens * layers,
+            "moe/dropped": tokens * c.n_experts_per_token * layers}
 
 
 def aux_weights(c: MoEConfig) -> dict:
@@ -279,7 +273,7 @@ def checks(c: MoEConfig) -> list:
              f"model.n_experts > 1 (it is {X}); set n_experts or leave shared_expert_d_ff null")]
 
 
-SPEC = dict(config=MoEConfig, mlp=moe_half, layer_data=layer_data, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks)
+SPEC = dict(config=MoEConfig, mlp=moe_half, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks)
 MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, MIXTRAL_HF, **SPEC))
 QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, QWEN3_MOE_HF, **SPEC))
 QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, QWEN2_MOE_HF, **SPEC))

@@ -152,6 +152,14 @@ FIXTURES = {
                                                             shared_expert_intermediate_size=48, norm_topk_prob=False,
                                                             tie_word_embeddings=True, use_sliding_window=False),
                                  **MOE_SPEC),
+    # (last: each fixture's seed is 1234 + its place here) Mixtral of 4 layers with its own router_aux_loss_coef
+    # (0.02, the Hub's) and output_router_logits true: the reference adds the load-balancing loss of several layers
+    # and rows (aux_reference)
+    "mixtral_l4_aux_f32": dict(arch="mixtral", cfg=dict(**{**MOE, "output_router_logits": True}, num_hidden_layers=4,
+                                                        num_key_value_heads=2, intermediate_size=72,
+                                                        num_local_experts=4, router_aux_loss_coef=0.02,
+                                                        tie_word_embeddings=False, rms_norm_eps=1e-5),
+                               aux=True, **MOE_SPEC),
 }
 LLAMA_ONLY = ("attention_bias", "mlp_bias")
 NOT_GEMMA = ("hidden_act",)
@@ -221,6 +229,8 @@ def build(name: str, spec: dict, out: Path, seed: int):
         seqs = [tokens, torch.cat([prompt, torch.from_numpy(greedy)], 1),
                 torch.cat([long, torch.from_numpy(extra["long_greedy"]).long()], 1)]
         extra.update(moe_reference(ref, seqs, g, seed))
+    if spec.get("aux"):
+        extra.update(aux_reference(ref, g, seed))
     np.savez_compressed(d / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits,
                         prompt=prompt.numpy().astype(np.int32), greedy=greedy.astype(np.int32), **extra)
     files = sorted(p.name for p in d.iterdir())
@@ -260,6 +270,44 @@ def moe_reference(ref, seqs: list, g: torch.Generator, seed: int) -> dict:
     return dict(loss_tokens=batch.numpy().astype(np.int32), loss=np.float64(ce), aux_loss=np.float64(out.aux_loss),
                 aux_loss_rows=np.array(aux_rows), router_logits=router.numpy().astype(np.float32),
                 margin_prob=np.float64(margin_p), margin_logit=np.float64(margin_l), seed=np.int64(seed))
+
+
+def aux_reference(ref, g: torch.Generator, seed: int) -> dict:
+    """The several-layer fixture's additions to reference.npz, on (4, 25) windows `aux_windows` (each a meshtrain
+    window: 24 inputs, the next 24 their targets), transformers run on the inputs with output_router_logits and the
+    targets as `shift_labels`: the cross-entropy `aux_ce` and the model's pooled load-balancing loss `aux_pooled`
+    (load_balancing_loss_func over every layer's rows at once, as the model adds it) of the 4 rows and of row 0 alone
+    (`aux_ce_row0`, `aux_pooled_row0`); the router logits `aux_router_logits` (layers, rows, positions, experts);
+    load_balancing_loss_func on each layer's each row alone (`aux_per_row`, (layers, rows)); the gradient norm over
+    every parameter of cross-entropy + coef x the mean over layers and rows of those (meshtrain's objective: the
+    4 rows `aux_grad_norm`, row 0 `aux_grad_norm_row0`). Raises SmallMargin as moe_reference."""
+    E, k, coef = ref.num_experts, ref.num_experts_per_tok, ref.router_aux_loss_coef
+    balance = sys.modules[type(ref).__module__].load_balancing_loss_func
+    windows = torch.randint(0, ref.config.vocab_size, (4, 25), generator=g)
+    out, extra = {}, {}
+    for tag, rows in (("", windows), ("_row0", windows[:1])):
+        inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        ref.zero_grad()
+        o = ref(inputs, labels=targets, shift_labels=targets, output_router_logits=True)
+        ce = o.loss - coef * o.aux_loss  # transformers' objective: ce + coef x the pooled aux_loss
+        router = torch.stack(o.router_logits).view(len(o.router_logits), *inputs.shape, E)
+        per_row = torch.stack([torch.stack([balance((r,), E, k) for r in layer]) for layer in router])
+        (ce + coef * per_row.mean()).backward()
+        norm = torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in ref.parameters() if p.grad is not None))
+        out.update({f"aux_ce{tag}": np.float64(ce.detach()), f"aux_pooled{tag}": np.float64(o.aux_loss.detach()),
+                    f"aux_grad_norm{tag}": np.float64(norm)})
+        if not tag:
+            extra = dict(aux_router_logits=router.detach().numpy().astype(np.float32),
+                         aux_per_row=per_row.detach().numpy().astype(np.float64))
+    ref.zero_grad()
+    top = np.sort(extra["aux_router_logits"].reshape(-1, E), axis=-1)
+    margin = float((top[:, E - k] - top[:, E - k - 1]).min())
+    if margin <= MIN_MARGIN:
+        raise SmallMargin(f"seed {seed}: a top-{k} logit margin of {margin:.2e} on the aux windows")
+    print(f"aux windows: margin {margin:.2e}; ce {out['aux_ce']:.6f}, pooled {out['aux_pooled']:.6f}, mean per "
+          f"layer and row {extra['aux_per_row'].mean():.6f}, row 0 pooled {out['aux_pooled_row0']:.6f}, "
+          f"mean per layer {extra['aux_per_row'][:, 0].mean():.6f}")
+    return dict(aux_windows=windows.numpy().astype(np.int32), **out, **extra)
 
 
 def draw(name: str, spec: dict, out: Path, seed: int, tries: int = 50):

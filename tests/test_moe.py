@@ -95,7 +95,7 @@ def _layer_half(c, impl, monkeypatch):
     monkeypatch.setitem(experts.BY_PLATFORM, "cpu", impl)
 
     def run(p, x, seg):
-        call = layer_call(c, None, segments=seg, data={"first": 1.0})
+        call = layer_call(c, None, segments=seg)
         return moe.moe_half(c, p, x, call._replace(kernels=call.kernels._replace(silu=jax.nn.silu, platform="cpu")))
     return run
 
@@ -148,7 +148,7 @@ def test_layer_equals_a_per_expert_loop(router, capacity, monkeypatch):
 def test_decoding_drops_nothing():
     c = _config(capacity_factor=0.5)
     p, (x, _) = _weights(c, 10.0), _inputs(False)
-    call = layer_call(c, None, data={"first": 1.0})
+    call = layer_call(c, None)
     y, aux = jax.jit(lambda p, x: moe.moe_half(c, p, x, call._replace(decoding=True)))(p, x)
     idx, keep = choices(c, p, x, None, None)
     _close(y, jax.jit(lambda p, x: reference(c, p, x, idx, keep))(p, x))
@@ -179,15 +179,15 @@ def test_load_balancing_loss_equals_transformers_at_one_layer_and_sequence():
 
 
 def _stack_by_hand(c, params, x, seg, positions):
-    """The layers one at a time (the router's logits read at each MoE half's input): the rows' load-balancing
-    losses and the tokens' z-losses, in NumPy from those logits."""
+    """The layers one at a time (the router's logits read at each MoE half's input): the load-balancing loss's mean
+    over layers and rows and the z-loss's over layers and non-padding tokens, in NumPy from those logits."""
     from models.transformer import attention_half
     from models.layers import rope_for
     lb, z = 0.0, 0.0
     valid = np.ones((B, T), bool) if seg is None else np.asarray(seg) != 0
     for i in range(c.n_layers):
         p = jax.tree.map(lambda w: w[i], params["layers"])
-        call = layer_call(c, rope_for(c, T, positions), segments=seg, index=i, data={"first": float(i == 0)})
+        call = layer_call(c, rope_for(c, T, positions), segments=seg, index=i)
         x = attention_half(c, p, x, call)
         h = rms_norm(x, p["mlp_norm"], c.norm_eps)
         lg = np.asarray(jnp.einsum("btd,dx->btx", h, p["router"]), np.float64)
@@ -201,7 +201,7 @@ def _stack_by_hand(c, params, x, seg, positions):
         lse = np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
         z += (lse[valid] ** 2).sum()
         x, _ = moe.moe_half(c, p, x, call)
-    return lb / B, z / valid.sum()
+    return lb / (B * c.n_layers), z / (valid.sum() * c.n_layers)
 
 
 def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_adds_them_weighted():
@@ -222,10 +222,58 @@ def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_
     lb, z = _stack_by_hand(c, params, embed(c, params, tokens, jnp.float32), seg.astype(jnp.float32),
                            batch["positions"])
     assert abs(float(m["aux/load_balance"]) - lb) < 1e-5 * lb and abs(float(m["aux/z_loss"]) - z) < 1e-5 * z
-    assert float(parts["aux"]["load_balance"][1]) == B and float(parts["aux"]["z_loss"][1]) == 28
+    # every layer counts its rows and tokens: 3 layers x 2 rows, 3 x 28 non-padding tokens
+    assert float(parts["aux"]["load_balance"][1]) == 3 * B and float(parts["aux"]["z_loss"][1]) == 3 * 28
     assert float(m["moe/dropped"]) == 0 and float(scale["aux"]["moe/dropped"]) == 0
     want = float(parts["loss"]) + 0.5 * lb + 0.25 * z
     assert abs(float(value) - want) < 1e-5 * want
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it (jit, shard_map, custom_vjp, scan, ...)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_the_capacity_slots_are_computed_once_per_layer():
+    """With a capacity, the layer's program has one running count of each row's choices per expert (the slots,
+    (B, k T, X) int32 cumsum), which both the keep mask and the expert-parallel dispatch read."""
+    c = _config(capacity_factor=1.0)
+    p, (x, seg) = _weights(c), _inputs(padded=True)
+    call = layer_call(c, None, segments=seg)
+    jaxpr = jax.make_jaxpr(lambda p, x: moe.moe_half(c, p, x, call))(p, x).jaxpr
+    counts = [e for e in _eqns(jaxpr) if e.primitive.name == "cumsum" and e.invars[0].aval.shape == (B, K * T, X)]
+    assert len(counts) == 1, len(counts)
+
+
+def test_the_router_matmul_runs_from_float32_inputs_in_bfloat16():
+    """bfloat16 compute: the z-loss (logsumexp of the router's logits, squared, summed) equals float64's from the
+    bfloat16 hidden state and the float32 router weight (1e-6), not from the weight rounded to bfloat16 (which is
+    1e-3 off); under ZeRO-3 the router is gathered as stored (float32), not cast to the compute dtype first."""
+    from models.precision import compute_dtypes
+    from models.transformer import Transformer, params_of
+    import flax.nnx as nnx
+    c = _config()
+    p, (x, _) = _weights(c), _inputs(padded=False)
+    x = x.astype(jnp.bfloat16)
+    _, aux = jax.jit(lambda p, x: moe.moe_half(c, p, x, layer_call(c, None)))(p, x)
+    h = np.asarray(rms_norm(x, p["mlp_norm"].astype(jnp.bfloat16), c.norm_eps), np.float64)
+
+    def z_of(router):
+        lg = h @ np.asarray(router, np.float64)
+        m = lg.max(-1)
+        return float((np.square(m + np.log(np.exp(lg - m[..., None]).sum(-1)))).sum())
+    want, rounded = z_of(p["router"]), z_of(p["router"].astype(jnp.bfloat16))
+    assert abs(float(aux["z_loss"][0]) - want) < 1e-6 * want, (float(aux["z_loss"][0]), want)
+    assert abs(rounded - want) > 1e-4 * want  # the test can tell the two apart
+    full = dataclasses.replace(c, n_layers=2)
+    cast = compute_dtypes(full, params_of(Transformer(full, rngs=nnx.Rngs(0))), jnp.bfloat16)
+    assert cast["layers"]["router"] is None and cast["layers"]["expert_gate"] == jnp.bfloat16
 
 
 def test_z_loss_by_hand():
@@ -301,7 +349,7 @@ SLOW = {
 @functools.lru_cache(maxsize=None)
 def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: float = 1.0):
     """`steps` steps of TINY + base + overrides from the initial state, the router's weights x router_scale: (each
-    step's metrics, the parameters, whether the run split its experts over `data`)."""
+    step's metrics, the parameters, whether the run split its experts over `data`, the router's initial weights)."""
     from meshes import devices_named
     from trainer.config import load_config
     from trainer.data.batches import Batches
@@ -313,20 +361,21 @@ def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: fl
     state, metrics = init_state(s), []
     if router_scale != 1.0:
         state["params"]["layers"]["router"] = state["params"]["layers"]["router"] * router_scale
+    router = np.asarray(state["params"]["layers"]["router"])
     b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     with jax.set_mesh(s.mesh):
         step = jit_train_step(s).lower(*abstract_inputs(s)).compile()
         for i in range(steps):
             state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
             metrics.append({k: float(v) for k, v in m.items() if k in ("loss", "grad_norm") or "/" in k})
-    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"] == "data"
+    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"] == "data", router
 
 
 def same_as_one_device(model, layout, base: tuple = tuple(MOE), router_scale: float = 1.0, split: bool = False):
     """Loss, grad_norm, aux/..., moe/dropped (with a capacity: some dropped, the same fraction) and parameters of
     `layout` against one device's, 1e-5; `split`: whether the layout splits the experts over `data` (asserted)."""
-    want, want_p, _ = _train(tuple(model) + ONE, base=base, router_scale=router_scale)
-    got, got_p, was_split = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
+    want, want_p, _, _ = _train(tuple(model) + ONE, base=base, router_scale=router_scale)
+    got, got_p, was_split, _ = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
     assert was_split == split
     assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped"}
     for g, w in zip(got, want):

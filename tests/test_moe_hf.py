@@ -2,7 +2,9 @@
 (tests/fixtures/hf, made by scripts/make_hf_fixture.py): logits (1e-4) and greedy tokens (equal) on the 24
 reference tokens and on the 420-token prompt, on 1 device and ZeRO-3 (2,1,4); import then export bitwise; one lr-0
 step's loss against transformers' cross-entropy and its aux/load_balance against transformers'
-load_balancing_loss_func per layer and row; config features the families do not compute as one-line errors."""
+load_balancing_loss_func per layer and row, averaged; `meshtrain train` from a 4-layer Mixtral (mixtral_l4_aux_f32) with
+its own router_aux_loss_coef against transformers' objective and gradient, and the gap to transformers' pooled
+aux_loss that docs/models.md quotes; config features the families do not compute as one-line errors."""
 import json
 import shutil
 
@@ -71,31 +73,115 @@ def test_logits_and_greedy_tokens_match_transformers_on_both_prompts(name, layou
 def test_one_lr0_step_gives_transformers_loss_and_load_balancing(name, layout):
     """One SGD step at lr 0 on the fixture's (4, 24) loss batch, as transformers ran it (24 input positions: a 25th
     window token, its target weighted 0): its loss is transformers' cross-entropy (1e-5), its aux/load_balance the
-    mean over rows of transformers' load_balancing_loss_func summed over layers, each call on one layer's one row
+    mean over layers and rows of transformers' load_balancing_loss_func, each call on one layer's one row
     (aux_loss_rows, 1e-5); nothing dropped, and the parameters do not move."""
+    ref = np.load(FIX / name / "reference.npz")
+    tokens = ref["loss_tokens"]
+    weight = np.ones(tokens.shape, np.float32)
+    weight[:, -1] = 0  # the 24th position predicts the appended token: transformers' loss has 23 per row
+    m, moved = _lr0_step(name, layout, np.concatenate([tokens, tokens[:, :1]], axis=1), weight)
+    assert abs(float(m["loss"]) - float(ref["loss"])) < 1e-5 * float(ref["loss"]), (float(m["loss"]), ref["loss"])
+    want = float(ref["aux_loss_rows"].mean())  # (layers, rows): the mean over both
+    assert abs(float(m["aux/load_balance"]) - want) < 1e-5 * want, (float(m["aux/load_balance"]), want)
+    assert float(m["moe/dropped"]) == 0.0 and not moved
+
+
+def _lr0_step(name, layout, windows, weight, *over):
+    """One SGD step at lr 0 from the fixture imported into `layout` on `windows` (B, T+1) weighted by `weight`
+    (B, T): (its metrics, whether a parameter moved)."""
     from trainer import load_config, resolve
     from trainer.ckpt.initial import state_from_params
     from trainer.ckpt.params import init_params
     from trainer.state import make_setup
     from trainer.step import jit_train_step
-    ref = np.load(FIX / name / "reference.npz")
+    B, T = weight.shape
     cfg = resolve(load_config(TINY + SGD + LAYOUTS[layout] + [
-        "train.batch_size=4", "train.lr=0", f"model.init_from={FIX / name}", "model.seq_len=24"]))
+        f"train.batch_size={B}", "train.lr=0", f"model.init_from={FIX / name}", f"model.seq_len={T}", *over]))
     s = make_setup(cfg, jax.devices()[:int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))])
     state = state_from_params(s, init_params(s, cfg.model.init_from))
     before = jax.tree.map(np.asarray, state["params"])
-    tokens = ref["loss_tokens"]
-    weight = np.ones(tokens.shape, np.float32)
-    weight[:, -1] = 0  # the 24th position predicts the appended token: transformers' loss has 23 per row
-    batch = from_windows(np.concatenate([tokens, tokens[:, :1]], axis=1), weight)
     with jax.set_mesh(s.mesh):
-        state, m = jit_train_step(s)(state, jax.device_put(batch, s.batch_sharding()))
-    assert abs(float(m["loss"]) - float(ref["loss"])) < 1e-5 * float(ref["loss"]), (float(m["loss"]), ref["loss"])
-    want = float(ref["aux_loss_rows"].sum(axis=0).mean())  # (layers, rows): summed over layers, mean over rows
-    assert abs(float(m["aux/load_balance"]) - want) < 1e-5 * want, (float(m["aux/load_balance"]), want)
-    assert float(m["moe/dropped"]) == 0.0
-    for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, state["params"])), jax.tree.leaves(before)):
-        assert a.tobytes() == b.tobytes()
+        state, m = jit_train_step(s)(state, jax.device_put(from_windows(windows, weight), s.batch_sharding()))
+    after = jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
+    return m, any(a.tobytes() != b.tobytes() for a, b in zip(after, jax.tree.leaves(before)))
+
+
+AUX = "mixtral_l4_aux_f32"  # 4 layers, router_aux_loss_coef 0.02, transformers' objective on (4, 25) windows
+# meshtrain's aux/load_balance and transformers' pooled aux_loss on the fixture's row 0 and its 4 rows, as
+# docs/models.md quotes them (4 decimals)
+QUOTED = {"one row": (2.1192, 1.9993), "four rows": (2.2984, 2.0643)}
+
+
+def covariance_gap(router_LBTX, k: int) -> float:
+    """X x sum over experts of the covariance over (layer, row) groups of f_e (the group's fraction of top-k choices
+    of e) and P_e (its mean probability of e), from router logits in NumPy: the mean of the groups' X sum_e f_e P_e
+    less X sum_e mean(f_e) mean(P_e), transformers' pooled value."""
+    X = router_LBTX.shape[-1]
+    lg = router_LBTX.astype(np.float64).reshape(-1, router_LBTX.shape[-2], X)  # (groups, positions, experts)
+    p = np.exp(lg - lg.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    f = np.eye(X)[np.argsort(-lg, -1, kind="stable")[..., :k]].sum(axis=(1, 2)) / lg.shape[1]
+    P = p.mean(axis=1)
+    return float(X * ((f - f.mean(0)) * (P - P.mean(0))).mean(0).sum())
+
+
+def _quoted_in_docs(case: str, ours: float, pooled: float):
+    """The figures measured equal docs/models.md's (4 decimals), which quotes them."""
+    from pathlib import Path
+    assert (round(ours, 4), round(pooled, 4)) == QUOTED[case], (case, ours, pooled)
+    text = " ".join((Path(__file__).parents[1] / "docs" / "models.md").read_text().split())
+    want, have = QUOTED[case]
+    assert f"{case}: {want:.4f} against {have:.4f}" in text, case
+
+
+@pytest.mark.slow  # 19 s: the 8-device step's compile and the checkpoint at the end
+def test_train_from_a_several_layer_mixtral_adds_its_coefficient_times_the_mean_over_layers(tmp_path):
+    """`meshtrain train` from the 4-layer Mixtral with its own router_aux_loss_coef (config.json's 0.02), one lr-0
+    SGD step on the fixture's row 0 (a token file of that window and one token more: every window drawn is it;
+    nothing held out), on all 8 devices (a batch of 8 copies of that row: the row's means): loss + coef x
+    aux/load_balance, the objective, equals transformers' cross-entropy + coef x the mean over layers of
+    load_balancing_loss_func on each layer's router logits (1e-5), grad_norm the norm of transformers' gradient of
+    that objective (1e-5); aux/load_balance exceeds transformers' pooled aux_loss by covariance_gap (1e-5), by the
+    figure docs/models.md quotes."""
+    ref = np.load(FIX / AUX / "reference.npz")
+    coef = json.loads((FIX / AUX / "config.json").read_text())["router_aux_loss_coef"]
+    row = ref["aux_windows"][0]
+    data, run = tmp_path / "row0.bin", tmp_path / "run"
+    np.concatenate([row, row[:1]]).astype(np.uint16).tofile(data)
+    assert cli("train", *TINY, *SGD, "mesh.data=8", f"model.init_from={FIX / AUX}", "model.seq_len=24",
+               f"model.router_aux_loss={coef}", "train.batch_size=8", "train.expert_parallel=false",
+               "train.steps=1", "train.lr=0", f"data.source={data}", "data.bin_dtype=uint16",
+               "data.heldout_fraction=0", "train.eval_every=0", "run.log_every=1", f"run.dir={run}") == 0
+    (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    per_layer = ref["aux_per_row"][:, 0]  # transformers' function on each layer's logits of row 0
+    assert abs(m["aux/load_balance"] - per_layer.mean()) < 1e-5 * per_layer.mean(), (m, per_layer)
+    want = float(ref["aux_ce_row0"] + coef * per_layer.mean())
+    assert abs(m["loss"] + coef * m["aux/load_balance"] - want) < 1e-5 * want, (m, want)
+    assert abs(m["grad_norm"] / ref["aux_grad_norm_row0"] - 1) < 1e-5, (m["grad_norm"], ref["aux_grad_norm_row0"])
+    gap = covariance_gap(ref["aux_router_logits"][:, :1], 2)
+    assert abs(m["aux/load_balance"] - ref["aux_pooled_row0"] - gap) < 1e-5, (m, ref["aux_pooled_row0"], gap)
+    _quoted_in_docs("one row", m["aux/load_balance"], float(ref["aux_pooled_row0"]))
+
+
+def test_several_rows_average_over_layers_and_rows_as_transformers_per_row_and_layer():
+    """One lr-0 step on the 4-layer fixture's 4 windows on one device with its coefficient: loss is
+    transformers' cross-entropy, aux/load_balance the mean over layers and rows of load_balancing_loss_func on each
+    layer's one row, grad_norm the norm of transformers' gradient of ce + coef x that (each 1e-5); aux/load_balance
+    exceeds transformers' pooled aux_loss by covariance_gap over the (layer, row) groups (1e-5), by the figure
+    docs/models.md quotes."""
+    ref = np.load(FIX / AUX / "reference.npz")
+    coef = json.loads((FIX / AUX / "config.json").read_text())["router_aux_loss_coef"]
+    windows = ref["aux_windows"]
+    m, moved = _lr0_step(AUX, "1dev", windows, np.ones((4, 24), np.float32), f"model.router_aux_loss={coef}")
+    m = {k: float(v) for k, v in m.items()}
+    assert abs(m["loss"] - ref["aux_ce"]) < 1e-5 * ref["aux_ce"], (m, ref["aux_ce"])
+    want = ref["aux_per_row"].mean()
+    assert abs(m["aux/load_balance"] - want) < 1e-5 * want, (m, want)
+    assert abs(m["grad_norm"] / ref["aux_grad_norm"] - 1) < 1e-5, (m["grad_norm"], ref["aux_grad_norm"])
+    gap = covariance_gap(ref["aux_router_logits"], 2)
+    assert abs(m["aux/load_balance"] - ref["aux_pooled"] - gap) < 1e-5, (m, ref["aux_pooled"], gap)
+    _quoted_in_docs("four rows", m["aux/load_balance"], float(ref["aux_pooled"]))
+    assert not moved
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -32,7 +32,7 @@ def _problem(seed=0):
 
 def _keep(idx, slots):
     """Every choice dropless; with `slots` per expert per row of T tokens, those models/moe.py `kept` keeps."""
-    return np.asarray(moe.kept(idx.reshape(B, T, K), jnp.ones((B, T), bool), X, slots)).reshape(B * T, K)
+    return np.asarray(moe.kept(idx.reshape(B, T, K), jnp.ones((B, T), bool), X, slots)[0]).reshape(B * T, K)
 
 
 def loop(h, idx, keep, w, ws):
