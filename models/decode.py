@@ -47,10 +47,12 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     B, T = tokens_BT.shape
     rope, attend = (_ring if c.uniform_window else _linear)(c, (B, T), pos, cache["k"].shape[2], dtype)
     tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
+    # the weights the inventory reads as stored (an MoE's router: float32 whatever the compute dtype) stay so
+    stored = {k for k, v in inventory(c)["layers"].items() if v.as_stored}
 
     def body(x_BTD, xs):
         p, i, k_cache, v_cache = xs
-        p = jax.tree.map(lambda w: w.astype(dtype), p)
+        p = {k: w if k in stored else jax.tree.map(lambda a: a.astype(dtype), w) for k, w in p.items()}
         new = {}
 
         def attention(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):

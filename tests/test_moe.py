@@ -276,6 +276,34 @@ def test_the_router_matmul_runs_from_float32_inputs_in_bfloat16():
     assert cast["layers"]["router"] is None and cast["layers"]["expert_gate"] == jnp.bfloat16
 
 
+def test_decoding_in_bfloat16_routes_by_the_float32_router():
+    """A one-choice router whose expert 1 is expert 0's weights x (1 + 2^-16) (equal in bfloat16, asserted) and
+    experts 2 and 3 zero: the float32 router picks expert 1 where expert 0's logit is positive, the router rounded
+    to bfloat16 ties them (expert 0). bfloat16 decoding of 16 prompts (the last position's logits) equals the
+    training forward's in bfloat16 (within 0.005; measured 0.001), and the same decoding with the router rounded
+    first differs from it (more than 0.03 on some row; measured 0.059)."""
+    import flax.nnx as nnx
+    from models.decode import extend, init_cache
+    from models.transformer import Transformer, forward, params_of
+    c = _config(n_layers=1, seq_len=16, n_experts_per_token=1)
+    params = params_of(Transformer(c, rngs=nnx.Rngs(2)))
+    r = params["layers"]["router"]
+    r = r.at[..., 1].set(r[..., 0] * (1 + 2.0 ** -16)).at[..., 2:].set(0.0)
+    bf = r.astype(jnp.bfloat16)
+    assert bool((bf[..., 1] == bf[..., 0]).all()) and not bool((r[..., 1] == r[..., 0]).all())
+    params["layers"]["router"] = r
+    params["layers"]["expert_down"] = params["layers"]["expert_down"] * 30  # experts that differ in the logits
+    tokens = np.asarray(jax.random.randint(jax.random.key(5), (16, 12), 0, c.vocab_size))
+
+    @jax.jit
+    def last(p):
+        return extend(c, p, tokens, 0, init_cache(c, 16, 12, jnp.bfloat16), jnp.bfloat16)[0].astype(jnp.float32)
+    rounded = {**params, "layers": {**params["layers"], "router": bf.astype(jnp.float32)}}
+    want = jax.jit(lambda p: forward(c, p, tokens, dtype=jnp.bfloat16)[:, -1].astype(jnp.float32))(params)
+    got, old = float(jnp.abs(last(params) - want).max()), float(jnp.abs(last(rounded) - want).max())
+    assert got < 0.005 and old > 0.03, (got, old)
+
+
 def test_z_loss_by_hand():
     c = _config(n_experts_per_token=1)
     logits = jnp.asarray([[[0.0, math.log(3.0), -50.0, -50.0], [1.0, 1.0, 1.0, 1.0]]])  # lse: ln 4, 1 + ln 4
