@@ -43,10 +43,10 @@ class MoEConfig(ModelConfig):
     expert_d_ff: int | None = key(None, DIM, "MoE: each expert's hidden units; null: d_ff")
     capacity_factor: float = key(0.0, f">= -{FLOAT32} and <= {FLOAT32}", "MoE: slots per expert per row = "
                                  "ceil(T k / n_experts x this); <= 0: dropless")
-    router_aux_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the per-row load-balancing loss in "
-                                 "the objective (logged as aux/load_balance)")
-    router_z_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the router z-loss in the objective "
-                               "(logged as aux/z_loss)")
+    router_aux_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the load-balancing loss (per row and "
+                                 "MoE layer, averaged) in the objective (logged as aux/load_balance)")
+    router_z_loss: float = key(0.0, f">= 0 and <= {FLOAT32}", "MoE: weight of the router z-loss (averaged over "
+                               "tokens and MoE layers) in the objective (logged as aux/z_loss)")
     router: str = key("topk_softmax", ROUTERS, "MoE: topk_softmax (Mixtral) or softmax_topk (Qwen-MoE)")
     norm_topk_prob: bool = key(True, None, "MoE softmax_topk: the k probabilities divided by their sum")
     shared_expert_d_ff: int | None = key(None, DIM, "MoE: a shared expert of this width behind a sigmoid gate "
