@@ -111,6 +111,15 @@ def test_preemption_stops_after_the_step_a_signal_arrives_and_restores_the_handl
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_during_the_last_step_leaves_a_finished_run():
+    """The run reached train.steps: it is not 'stopped early' (exit 0, so that a scheduler does not requeue it)."""
+    run = _run()
+    pre = Preemption(run)
+    pre.request._handle(signal.SIGTERM, None)
+    assert pre.at_sync(run, run.cfg.train.steps) is None and not run.preempted
+    pre.on_exit(run, None)
+
+
 def test_report_writes_records_with_more_than_the_step_and_prints_metrics_lines():
     run = _run()
     rep = Report(run)

@@ -14,7 +14,7 @@ Train a transformer on the (data, stage, model) mesh. Later YAML files and key=v
 pairs override earlier ones; `mesh.preset=NAME` loads meshes/presets/NAME.yaml first.
 With no arguments: the `small` model on the built-in corpus on all local devices.
 If run.dir holds checkpoints, training resumes from the newest complete one; SIGTERM or
-Ctrl-C stops after the current step and saves (a second Ctrl-C aborts), and the exit status is then 75:
+Ctrl-C stops after a step every process agrees on and saves (a second Ctrl-C aborts), and the exit status is then 75:
 stopped before train.steps, the same command resumes (scripts/slurm/train.sbatch requeues the job on it).
 """
 STOPPED_EARLY = 75  # sysexits' EX_TEMPFAIL: a checkpoint was saved before train.steps; run the same command again

@@ -23,6 +23,11 @@ def any_process(flag: bool) -> bool:
     return bool(np.max(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
+# agreed() calls so far in this process: the counter jax's sync protocol compares across processes. jax's sync
+# manager lives as long as the process, so the counter does too (a second train() in one process goes on counting)
+_calls = 0
+
+
 def jax_notifier():
     """jax's preemption sync manager where this process joined a cluster with it (else None): it owns SIGTERM."""
     try:
@@ -38,7 +43,6 @@ class StopRequest:
 
     def __init__(self):
         self.signum = None
-        self.calls = 0  # agreed() calls so far: the counter jax's sync protocol compares across processes
         self.jax_owns_sigterm = jax_notifier() is not None
         self._saved = {}
 
@@ -74,10 +78,11 @@ class StopRequest:
         this is the step its protocol chose (a lock and a compare on the host, no collective); one process: a
         signal arrived; otherwise all processes agree by an all-gather, only where `can_sync` (a collective every
         step would stall the host's dispatch ahead of the devices)."""
-        self.calls += 1
+        global _calls
+        _calls += 1
         if self.jax_owns_sigterm:
             from jax.experimental import multihost_utils
-            return multihost_utils.reached_preemption_sync_point(self.calls)
+            return multihost_utils.reached_preemption_sync_point(_calls)
         if jax.process_count() == 1:
             return self.signum is not None
         return can_sync and any_process(self.signum is not None)
