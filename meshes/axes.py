@@ -79,11 +79,16 @@ class MeshShape:
         return AbstractMesh(self.sizes, self.names, axis_types=self.axis_types)
 
     def describe(self) -> str:
-        """'data=2 stage=1 model=4'."""
-        return " ".join(f"{n}={s}" for n, s in self.items())
+        """'data=2 stage=1 context=1 model=4'."""
+        return named(self.names, self.sizes)
 
     def __str__(self) -> str:
         return "x".join(map(str, self.sizes))
+
+
+def named(names: Sequence[str], sizes: Sequence[int]) -> str:
+    """Sizes by axis name, as every mesh message writes them: 'data=-1 stage=1 context=3 model=1'."""
+    return " ".join(f"{n}={s}" for n, s in zip(names, sizes))
 
 
 def mesh_shape(sizes: Mapping[str, int], axes: Sequence[Axis] = AXES) -> MeshShape:
@@ -110,11 +115,12 @@ def resolve(sizes: Mapping[str, int], n_devices: int, dcn: Mapping[str, int] | N
     if free:
         rest = math.prod(s for s in shape if s != -1)
         if n_devices % rest:
-            raise MeshError(f"mesh {tuple(shape)} cannot fill {n_devices} devices: {n_devices} is not "
-                            f"divisible by {rest}; choose axis sizes whose product divides {n_devices}")
+            raise MeshError(f"mesh {named(names, shape)} cannot fill {n_devices} devices: {n_devices} is not "
+                            f"divisible by {rest}, the product of the other axes; choose axis sizes whose product "
+                            f"divides {n_devices}")
         shape[free[0]] = n_devices // rest
     if math.prod(shape) != n_devices:
-        raise MeshError(f"mesh ({', '.join(names)})={tuple(shape)} has {math.prod(shape)} devices but "
+        raise MeshError(f"mesh {named(names, shape)} has {math.prod(shape)} devices but "
                         f"{n_devices} are available; make the product {n_devices} or set one axis to -1")
     split = tuple(int((dcn or {}).get(n, 1)) for n in names)
     for a, s, d in zip(axes, shape, split):

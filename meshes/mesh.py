@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from meshes.axes import AXES, MeshError, MeshShape, resolve
+from meshes.axes import AXES, MeshError, MeshShape, named, resolve
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -31,8 +31,8 @@ def build(shape: MeshShape, devices) -> Mesh:
         if granules != math.prod(dcn):
             kind = "processes" if by_process else "slices"
             split = " x ".join(f"mesh.dcn_{n}" for n, d in zip(names, dcn) if d > 1)
-            raise MeshError(f"dcn {tuple(dcn)} spans {math.prod(dcn)} hosts but the devices come from {granules} "
-                            f"{kind}; make {split} equal {granules}")
+            raise MeshError(f"the hosts split {named([f'dcn_{n}' for n in names], dcn)} spans {math.prod(dcn)} hosts "
+                            f"but the devices come from {granules} {kind}; make {split} equal {granules}")
         dev = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, process_is_granule=by_process)
         return Mesh(dev, names, axis_types=axis_types)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):

@@ -320,7 +320,8 @@ def test_single_process_needs_no_join():
 
 
 def test_dcn_needs_as_many_hosts():
-    with pytest.raises(UserError, match="spans 2 hosts but the devices come from 1 processes"):
+    with pytest.raises(UserError, match="^the hosts split dcn_data=2 dcn_stage=1 dcn_context=1 dcn_model=1 spans 2 "
+                       "hosts but the devices come from 1 processes"):
         make_setup(load_config(TINY + ["mesh.data=8", "mesh.dcn_data=2"]))
     with pytest.raises(UserError, match="mesh.dcn_data=3 does not divide mesh.data=8"):
         make_setup(load_config(TINY + ["mesh.data=8", "mesh.dcn_data=3"]))

@@ -90,7 +90,7 @@ class Checkpointer:
                          f"to train, nothing written; raise train.steps above {step} to continue")
             else:  # an axis the metadata lacks (saved before the axis existed) reads as 1
                 saved = recorded(meta["mesh"], s.mesh.axis_names)
-                self.log(f"resumed from {self.dir / str(step)} (saved on mesh {saved} "
+                self.log(f"resumed from {self.dir / str(step)} (saved on mesh {saved.describe()} "
                          f"ZeRO-{meta['zero_stage']}){_changes(meta['config'], s.cfg)}")
             return state, step
         if damaged:

@@ -218,7 +218,7 @@ def simulate(cfg: Config, out=print) -> list[dict]:
     mc, hw = model_config(cfg), hardware(cfg)
     h = local_h(cfg)
     rng = np.random.default_rng(cfg.sim.seed)
-    out(f"model {param_count(mc) / 1e9:.3g}B params | mesh ({', '.join(shape.names)})={shape.sizes} | "
+    out(f"model {param_count(mc) / 1e9:.3g}B params | mesh {shape.describe()} | "
         f"{cfg.sim.hardware}: "
         f"{hw.peak_bf16 / 1e12:.0f} TFLOP/s, {hw.node}/node, {hw.fast_bw / GB:.0f} | {hw.net_bw / GB:.3g} GB/s "
         f"in | between nodes | efficiency {cfg.sim.efficiency:.2f}, overlap {cfg.sim.overlap:.2f}, "
