@@ -400,14 +400,21 @@ def test_a_run_that_is_all_warmup_is_warned_at_start(steps, warned, tmp_path, mo
         assert "never decays" in err and "set train.warmup_steps below" in err, err
 
 
-@pytest.mark.parametrize("steps", [2, 30, 61, 62, 200])
-def test_the_warning_is_given_exactly_when_the_schedule_never_decays(steps, caplog):
+@pytest.mark.parametrize("steps,warmup,lr", [(2, 60, 1.5e-3), (30, 60, 1.5e-3), (61, 60, 1.5e-3), (62, 60, 1.5e-3),
+                                           (200, 60, 1.5e-3), (2, 1, 1.5e-3), (5, 4, 1.5e-3), (5, 5, 1.5e-3),
+                                           (30, 60, 0.0)])
+def test_the_warning_is_given_exactly_when_the_warmup_asked_for_fills_the_run(steps, warmup, lr, caplog):
+    """Warned exactly when the run's rates are not the warmup asked for (lr x k / warmup_steps at step k, by hand)
+    because the run ends first, and the last step's rate is the peak: never when the asked warmup fits in the run
+    (warmup_steps=1 of 2 steps: rates 0 then the peak), nor when the rate stays 0 (train.lr=0)."""
     from trainer.optim import make_optimizer, warn_if_no_decay
-    cfg = load_config([f"train.steps={steps}"])
-    _, schedule = make_optimizer(cfg.train, {})
-    decays = float(schedule(steps - 1)) < cfg.train.lr * (1 - 1e-6)
-    warn_if_no_decay(cfg.train)
-    assert decays == (steps > 61) and bool(caplog.records) == (not decays), (steps, caplog.records)
+    t = load_config([f"train.steps={steps}", f"train.warmup_steps={warmup}", f"train.lr={lr}"]).train
+    _, schedule = make_optimizer(t, {})
+    rates = [float(schedule(k)) for k in range(steps)]
+    cut = any(abs(r - lr * k / warmup) > 1e-9 for k, r in enumerate(rates[:warmup]))
+    never_decays = lr > 0 and rates[-1] >= lr * (1 - 1e-6)
+    warn_if_no_decay(t)
+    assert bool(caplog.records) == (cut and never_decays), (rates, caplog.records)
 
 
 def _default_text(value):

@@ -15,11 +15,14 @@ def warmup_of(t) -> int:
 
 
 def warn_if_no_decay(t) -> None:
-    """A warning at start when warmup fills the run: its learning rate rises to the peak and never decays."""
-    if t.steps > 1 and t.warmup_steps >= t.steps - 1:
-        log.warning(f"train.warmup_steps={t.warmup_steps} fills the run of train.steps={t.steps}: the learning rate "
-                    f"rises for {warmup_of(t)} steps to its peak train.lr={t.lr} and never decays; for a run that "
-                    f"decays set train.warmup_steps below {t.steps - 1}, e.g. train.warmup_steps={t.steps // 10}")
+    """A warning at start when the warmup asked for is longer than the run: the schedule cuts it to steps - 1, and
+    the rate rises to the peak at the last step and never decays. (A warmup of steps - 1 or fewer is as asked: not
+    warned, whatever the run's length; nor a rate that stays 0 or never decays anyway, min_lr_ratio=1.)"""
+    if t.steps > 1 and t.warmup_steps >= t.steps and t.lr > 0 and t.min_lr_ratio < 1:
+        log.warning(f"train.warmup_steps={t.warmup_steps} fills the run of train.steps={t.steps} (the schedule cuts "
+                    f"the warmup to {warmup_of(t)} steps): the learning rate rises to its peak train.lr={t.lr} at "
+                    f"the last step and never decays; for a run that decays set train.warmup_steps below "
+                    f"{t.steps - 1}, e.g. train.warmup_steps={t.steps // 10}")
 
 
 def make_optimizer(t, decay: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
