@@ -108,7 +108,7 @@ def test_threads_and_memory_do_not_grow_with_sources(tmp_path):
     (["A=0.5", "B=0.5"], ["10:web=0.3"], r"^data.mixture_schedule entry '10:web=0.3' names 'web', which is not a "
      r"source of data.mixture \(s00, s01\); use one of those names$"),
     (["A=0.5", "B=0.5"], ["10:s00=0", "20:s01=0"], r"^data.mixture_schedule leaves every weight 0 from step 20"),
-    (["A0.5"], [], r"^data.mixture entry '.*s00.bin0.5' is not SOURCE=WEIGHT; write e.g."),
+    (["A0.5"], [], r"^data.mixture entry '.*s00.bin0.5' is not \[NAME:\]SOURCE=WEIGHT; write e.g."),
 ])
 def test_bad_mixtures_are_one_line(tmp_path, entries, schedule, message):
     a, b = _bins(tmp_path, 2)
@@ -133,6 +133,58 @@ def test_sources_of_different_tokenizers_are_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^data.mixture mixes tokenizers: 'a' has tokenizer [0-9a-f]{12}, 'b' "
                        r"tokenizer [0-9a-f]{12}; prepare every source with one tokenizer"):
         _mixture([f"{tmp_path / 'a.bin'}=0.5", f"{tmp_path / 'b.bin'}=0.5"])
+
+
+
+def _same_names(tmp):
+    """Two sources prepared as the docs show (--out runs/X/data.bin): both named 'data' by their file name."""
+    out = []
+    for j, run in enumerate(("web", "code")):
+        (tmp / run).mkdir()
+        np.random.default_rng(j).integers(10 * j, 10 * j + 10, 20_000).astype(np.uint16).tofile(tmp / run / "data.bin")
+        out.append(str(tmp / run / "data.bin"))
+    return out
+
+
+def test_an_entry_names_its_source(tmp_path):
+    """'web:A=0.75' and 'code:B=0.25', both files data.bin: the names are what the schedule and the rows go by (code's
+    rows hold tokens 10-19, its file's), and the same files without names are one line naming the fix."""
+    a, b = _same_names(tmp_path)
+    m = _mixture([f"web:{a}=0.75", f"code:{b}=0.25"], ["3:code=0"])
+    assert m.names == ["web", "code"] and m.sources == [a, b]
+    src, batch = m.sources_of(1), m.global_train(1)
+    assert (src == 1).sum() == B // 4 and np.all((batch["tokens"][src == 1] >= 10) & (batch["tokens"][src == 1] < 20))
+    assert (m.sources_of(2) == 1).sum() == 0  # the 3rd step (index 2) on: code's weight 0
+    with pytest.raises(UserError, match=r"^data.mixture names two sources 'data' \(a source is named by its file or "
+                       r"folder name unless its entry names it\); name them apart: data.mixture=\[web:"):
+        _mixture([f"{a}=0.75", f"{b}=0.25"])
+    with pytest.raises(UserError, match=r"^data.mixture names two sources 'web'"):
+        _mixture([f"web:{a}=0.75", f"web:{b}=0.25"])
+
+
+@pytest.mark.parametrize("entry,parsed", [
+    ("s3://bkt/web/=0.5", ("web", "s3://bkt/web/", 0.5)),
+    ("web:s3://bkt/x.bin=0.5", ("web", "s3://bkt/x.bin", 0.5)),
+    ("gs://bkt/d/data.bin=1", ("data", "gs://bkt/d/data.bin", 1.0)),
+    ("code_v2:runs/b:c/data.bin=2", ("code_v2", "runs/b:c/data.bin", 2.0)),
+    ("runs/a/data.bin=0.3", ("data", "runs/a/data.bin", 0.3)),
+])
+def test_a_name_is_an_identifier_before_a_colon_that_no_url_has(entry, parsed):
+    from trainer.config.mixture import split_entry
+    assert split_entry(entry) == parsed
+
+
+def test_a_missing_source_names_the_mixture_entry(tmp_path):
+    (a,) = _bins(tmp_path, 1)
+    missing = tmp_path / "nope" / "data.bin"
+    with pytest.raises(UserError, match=f"^data.mixture entry 'web:{missing}=0.5' names source '{missing}', which "
+                       "does not exist; give an existing file or folder") as e:
+        _mixture([f"{a}=0.5", f"web:{missing}=0.5"])
+    assert "data.source" not in str(e.value)
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match=f"^data.mixture entry '{empty}=0.5': source '{empty}' is empty"):
+        _mixture([f"{a}=0.5", f"{empty}=0.5"])
 
 
 @pytest.mark.slow

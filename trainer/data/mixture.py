@@ -1,9 +1,10 @@
 """Weighted mixtures of sources (`data.mixture`, `data.mixture_schedule`): the batch of step s still a pure function
 of (seed, s).
 
-data.mixture lists SOURCE=WEIGHT entries (any data.source: a prepared .bin, a folder of shards, ...); a source is
-named by its file or folder name without suffix (eval_loss/NAME). data.mixture_schedule lists STEP:NAME=WEIGHT
-entries: from step STEP on, NAME's weight is WEIGHT (the others keep theirs).
+data.mixture lists [NAME:]SOURCE=WEIGHT entries (any data.source: a prepared .bin, a folder of shards, ...); a source
+is named by its entry's NAME, or else by its file or folder name without suffix (eval_loss/NAME).
+data.mixture_schedule lists STEP:NAME=WEIGHT entries: from step STEP on, NAME's weight is WEIGHT (the others keep
+theirs).
 
 Rows: step s's B rows go to the sources by systematic sampling, one uniform draw r of (seed, s) and row i at
 (i + r) / B on the weights' cumulative distribution: each source gets its weight's share of the rows, rounded up or
@@ -14,6 +15,7 @@ them, in the one loader thread of every run: threads and host memory do not grow
 """
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
 from trainer.data.batches import _TRAIN, Batches, load_corpus
 from trainer.data.feed import prefetched
+from trainer.data.remote import is_url
 from trainer.errors import UserError
 
 
@@ -33,7 +36,7 @@ class Mixture:
         self.sources, self.names, self.w0 = parse_entries(cfg_data.mixture)
         self.schedule = parse_schedule(cfg_data.mixture_schedule, self.names)
         check_schedule(self.w0, self.schedule)
-        corpora = [load_corpus(s, cfg_data.heldout_fraction, cfg_data.bin_dtype) for s in self.sources]
+        corpora = [_load(e, s, cfg_data) for e, s in zip(cfg_data.mixture, self.sources)]
         _same_tokenizer(corpora, self.names)
         for c, name in zip(corpora, self.names):
             if c.loss_mask is not None:
@@ -82,6 +85,18 @@ class Mixture:
 
     def iterate(self, start: int, stop: int, prefetch: int = 4, offset: int = 0):
         return prefetched(self.train, start, stop, prefetch, offset)
+
+
+def _load(entry: str, source: str, cfg_data):
+    """One source's corpus; its errors name the data.mixture entry (they say data.source of a source alone)."""
+    if not is_url(source) and source not in ("builtin", "synthetic") and not Path(source).exists():
+        raise UserError(f"data.mixture entry '{entry}' names source '{source}', which does not exist; give an "
+                        f"existing file or folder (meshtrain prepare ... --out {source})")
+    try:
+        return load_corpus(source, cfg_data.heldout_fraction, cfg_data.bin_dtype)
+    except UserError as e:
+        raise UserError(str(e).replace(f"data.source '{source}'", f"data.mixture entry '{entry}': source "
+                                       f"'{source}'")) from None
 
 
 def _same_tokenizer(corpora, names: list[str]):
