@@ -189,9 +189,9 @@ def test_a_missing_source_names_the_mixture_entry(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_mixture_run_resumes_on_the_same_batches(tmp_path):
-    """meshtrain train on a mixture with a weight change at step 7: metrics.jsonl has eval_loss/NAME per source and
-    their weighted mean; SIGKILL after the step-4 checkpoint, then the same command: every step's loss and gradient
-    norm equal the uninterrupted run's, bit for bit."""
+    """meshtrain train on a mixture with a weight change at step 7: metrics.jsonl has eval_loss/NAME per source (one
+    named by its entry, web) and their weighted mean; SIGKILL after the step-4 checkpoint, then the same command:
+    every step's loss and gradient norm equal the uninterrupted run's, bit for bit."""
     import signal
     import subprocess
     import sys
@@ -201,7 +201,7 @@ def test_a_killed_mixture_run_resumes_on_the_same_batches(tmp_path):
     a, b, c = _bins(tmp_path, 3)
     keys = TINY + ["model.vocab_size=300", "model.seq_len=16", "train.steps=12", "checkpoint.every=4",
                    "run.log_every=1", "train.eval_every=6", "train.eval_batches=1",
-                   f"data.mixture=[{a}=0.7,{b}=0.2,{c}=0.1]", "data.mixture_schedule=[7:s02=0.5]"]
+                   f"data.mixture=[web:{a}=0.7,{b}=0.2,{c}=0.1]", "data.mixture_schedule=[7:s02=0.5]"]
     cmd = [sys.executable, "-c", "import sys; from trainer.cli import main; sys.exit(main(sys.argv[1:]))", "train"]
 
     def lines(run):
@@ -224,8 +224,8 @@ def test_a_killed_mixture_run_resumes_on_the_same_batches(tmp_path):
     evals = [r for r in whole if "eval_loss" in r]
     assert [r["step"] for r in evals] == [6, 12]
     for r in evals:
-        assert {"eval_loss/s00", "eval_loss/s01", "eval_loss/s02"} <= set(r)
+        assert {"eval_loss/web", "eval_loss/s01", "eval_loss/s02"} <= set(r) and "eval_loss/s00" not in r
     w = {6: (0.7, 0.2, 0.1), 12: (0.7, 0.2, 0.5)}
     for r in evals:
-        mean = np.dot(w[r["step"]], [r[f"eval_loss/s0{j}"] for j in range(3)]) / sum(w[r["step"]])
+        mean = np.dot(w[r["step"]], [r[f"eval_loss/{n}"] for n in ("web", "s01", "s02")]) / sum(w[r["step"]])
         assert abs(r["eval_loss"] - mean) < 1e-6
