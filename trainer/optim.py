@@ -20,7 +20,7 @@ def warn_if_no_decay(t) -> None:
     warned, whatever the run's length; nor a rate that stays 0 or never decays anyway, min_lr_ratio=1.)"""
     if t.steps > 1 and t.warmup_steps >= t.steps and t.lr > 0 and t.min_lr_ratio < 1:
         log.warning(f"train.warmup_steps={t.warmup_steps} fills the run of train.steps={t.steps} (the schedule cuts "
-                    f"the warmup to {warmup_of(t)} steps): the learning rate rises to its peak train.lr={t.lr} at "
+                    f"the warmup to {warmup_of(t)} step{'s' * (warmup_of(t) > 1)}): the learning rate rises to its peak train.lr={t.lr} at "
                     f"the last step and never decays; for a run that decays set train.warmup_steps below "
                     f"{t.steps - 1}, e.g. train.warmup_steps={t.steps // 10}")
 
