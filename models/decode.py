@@ -138,9 +138,10 @@ def sample(logits_BV, key, temperature, top_k):
 @functools.lru_cache(maxsize=8)
 def _step_fn(c: ModelConfig, dtype):
     """extend + sample, jitted once per model (compiled for the prefill and the one-token shapes)."""
-    def step(params, tokens_BT, pos, cache, key, temperature, top_k):
+    def step(params, tokens_BT, pos, cache, key, temperature, top_k, n_ids):
         logits_BV, cache = extend(c, params, tokens_BT, pos, cache, dtype)
-        return sample(logits_BV, key, temperature, top_k), cache
+        known_V = jnp.arange(logits_BV.shape[-1]) < n_ids  # a padded vocabulary's last rows are no token's
+        return sample(jnp.where(known_V, logits_BV, -jnp.inf), key, temperature, top_k), cache
     return jax.jit(step, donate_argnums=3)
 
 
@@ -157,8 +158,10 @@ def fit_prompt(prompt_BT, context: int) -> np.ndarray:
 
 
 def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, dtype=jnp.float32, context: int | None = None) -> Iterator[np.ndarray]:
-    """Yield n new tokens (B,) one at a time: one prefill, then one cached step per token.
+             seed: int = 0, dtype=jnp.float32, context: int | None = None,
+             vocab: int | None = None) -> Iterator[np.ndarray]:
+    """Yield n new tokens (B,) one at a time: one prefill, then one cached step per token; ids from `vocab` on (the
+    rows a padded vocabulary adds, which no token uses) are never drawn.
 
     The cache holds the prompt and the new tokens, up to `context` positions (the model's context; default
     c.seq_len, the trained one). A prompt longer than that keeps its last context/2 tokens and the log says how
@@ -170,14 +173,14 @@ def generate(c: ModelConfig, params: dict, prompt_BT, n: int, *, temperature: fl
     B = tokens.shape[0]
     S = min(tokens.shape[1] + n, C)
     step = _step_fn(c, jnp.dtype(dtype))
-    temperature, top_k = jnp.float32(temperature), jnp.int32(top_k)
+    temperature, top_k, n_ids = jnp.float32(temperature), jnp.int32(top_k), jnp.int32(vocab or c.vocab_size)
     key = jax.random.key(seed)
     context_BT = tokens
     R = min(S, c.uniform_window) if c.uniform_window else S  # slots: a sliding window keeps only its own keys (a ring)
     cache, pos, nxt = init_cache(c, B, R, dtype), 0, context_BT
     for _ in range(n):
         key, sub = jax.random.split(key)
-        tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub, temperature, top_k)
+        tok_B, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, sub, temperature, top_k, n_ids)
         pos += nxt.shape[1]
         tok_B = np.asarray(tok_B)
         yield tok_B

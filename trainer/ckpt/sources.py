@@ -5,12 +5,17 @@ export) calls after the pure `load_config`: a Hugging Face `model.init_from` fol
 largest vocabulary)."""
 from __future__ import annotations
 
+import logging
+
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
 from trainer.config.mixture import parse_entries
+from trainer.config.widths import padded_vocab
 from trainer.data import remote
 from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of
 from trainer.data.manifest import Where, is_manifest, read_manifest
+
+log = logging.getLogger(__name__)
 
 
 def resolve(cfg: Config, tensors: bool = True) -> Config:
@@ -47,7 +52,7 @@ def _with_sidecar(cfg: Config) -> Config:
     if cfg.data.mixture:  # the sources share a tokenizer (checked as they load): the first's, the largest vocabulary
         metas = [m for src in parse_entries(cfg.data.mixture)[0] if (m := _meta(src))]
         model = {} if cfg.model.vocab_size is not None or not metas else {
-            "vocab_size": max(m["vocab_size"] for m in metas)}
+            "vocab_size": _vocab(cfg, max(m["vocab_size"] for m in metas))}
         return replace(cfg, data={"tokenizer": metas[0]["tokenizer"]} if metas else {}, model=model)
     meta = _meta(cfg.data.source)
     masked = bool(meta and meta["masked"])
@@ -56,5 +61,18 @@ def _with_sidecar(cfg: Config) -> Config:
     documents = {"document_mask": True} if masked else {}  # unset stays unset: false
     if not meta:
         return replace(cfg, data=documents)
-    model = {} if cfg.model.vocab_size is not None else {"vocab_size": meta["vocab_size"]}
+    model = {} if cfg.model.vocab_size is not None else {"vocab_size": _vocab(cfg, meta["vocab_size"])}
     return replace(cfg, data={"tokenizer": meta["tokenizer"], "bin_dtype": meta["dtype"], **documents}, model=model)
+
+
+def _vocab(cfg: Config, vocab: int) -> int:
+    """model.vocab_size for the data's vocabulary of `vocab` tokens: padded up to a multiple of mesh.model, which
+    splits the embedding and output rows, with a line saying so (mesh.model=-1: left as it is, validation names
+    the size to set)."""
+    ranks = cfg.mesh.model
+    if ranks <= 0 or vocab % ranks == 0:
+        return vocab
+    padded = padded_vocab(vocab, ranks)
+    log.warning(f"model.vocab_size={padded}: the data's vocabulary of {vocab} tokens padded up to a multiple of "
+                f"mesh.model={ranks} ({padded - vocab} rows no token uses; an explicit model.vocab_size overrides)")
+    return padded

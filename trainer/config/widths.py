@@ -26,6 +26,22 @@ def split_widths(mc: ModelConfig) -> list[tuple[str, int]]:
             for axis, width in sorted(found, key=lambda aw: order.index(aw[0]) if aw[0] in order else len(order))]
 
 
+def padded_vocab(vocab: int, model: int) -> int:
+    """A vocabulary of `vocab` tokens padded up to a multiple of mesh.model's `model` ranks (Megatron-LM's
+    --make-vocab-size-divisible-by): the rows past `vocab` are no token's, so the data never trains them as targets
+    and generation never samples them."""
+    return -(-vocab // model) * model
+
+
+def not_divisible(name: str, width: int, model: int, padded: bool) -> str:
+    """The line for a width (`name`: 'model.KEY=WIDTH') that mesh.model's `model` ranks do not divide; a vocabulary
+    that may grow (`padded`: not one a model.init_from holds) is named padded up to the next multiple."""
+    key = name.split("=")[0]
+    pad = (f", e.g. {key}={padded_vocab(width, model)} (padded up to a multiple of {model}: rows no token uses)"
+           if padded and key == "model.vocab_size" else "")
+    return f"{name} is not divisible by mesh.model={model}; pick a mesh.model that divides {width} or change {key}{pad}"
+
+
 def _params(tree: dict, path: str = ""):
     """(dotted name, Param) of every parameter of an inventory."""
     for k, v in tree.items():
