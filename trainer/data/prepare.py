@@ -42,6 +42,9 @@ class Doc:
     name: str  # source label + path inside it: what the split hashes and the input hash records
     path: Path
     size: int
+    start: int = 0  # a piece of a record file (trainer/data/shards.py): its bytes [start, stop), from line `line`
+    stop: int | None = None
+    line: int = 1
 
 
 def collect(sources: list[str], heldout: float) -> tuple[list[Doc], list[Doc], list[Doc]]:
@@ -106,11 +109,24 @@ def sha256_file(path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def sha256_doc(d: Doc) -> str:
+    """The SHA-256 of a document's bytes: its file's, or a piece's range of them."""
+    if d.stop is None:
+        return sha256_file(d.path)
+    h, left = hashlib.sha256(), d.stop - d.start
+    with remote.open_source(d.path) as f:
+        f.seek(d.start)
+        while left > 0 and (b := f.read(min(left, 1 << 24))):
+            h.update(b)
+            left -= len(b)
+    return h.hexdigest()
+
+
 def inputs_hash(train: list[Doc], held: list[Doc], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for part, docs in (("train", train), ("heldout", held)):
         for d in docs:
-            h.update(f"{part}\0{d.name}\0{d.size}\0{sha256_file(d.path)}\n".encode())
+            h.update(f"{part}\0{d.name}\0{d.size}\0{sha256_doc(d)}\n".encode())
     return h.hexdigest()
 
 
@@ -284,20 +300,25 @@ def _check_splits(job: _Job, kinds: Kinds, train: Split, held: Split, masked: bo
     """Refuse a split the loss mask counts nothing of (naming its first such record), or a held-out split that
     holds out none of the records."""
     n, heldout = kinds.total, job.heldout
+    piece = any(d.stop is not None for d in job.records)  # of a cut file, which shards.py checks whole
 
     def none(split: Split) -> str:  # every record of a split without a counted token is one without any
         return (f"its {split.docs:,} records have no assistant turn the template marks (the first: "
                 f"{split.first_uncounted}); add assistant turns, or use --loss-on all")
-    if masked and not train.counted:
+    if masked and not train.counted and not (piece and not train.docs):
         raise UserError("the loss mask counts no token of the training split: " + (
             none(train) if train.docs else
             f"--heldout {heldout} holds out all {n:,} records; use a smaller --heldout"))
-    if job.records and heldout > 0 and held.docs == 0:
-        raise UserError(f"--heldout {heldout} held out none of the {n:,} records (a record is held out by a hash "
-                        "of its content); use a larger --heldout, more records, or --heldout 0 to hold out none")
+    if job.records and heldout > 0 and held.docs == 0 and not piece:
+        raise none_held(heldout, f"the {n:,} records")
     if masked and held.docs and not held.counted:
         raise UserError(f"the loss mask counts no token of the held-out split ({held.docs:,} records), so eval would "
                         f"measure nothing: {none(held)}, or another --heldout")
+
+
+def none_held(heldout: float, what: str) -> UserError:
+    return UserError(f"--heldout {heldout} held out none of {what} (a record is held out by a hash of its content); "
+                     "use a larger --heldout, more records, or --heldout 0 to hold out none")
 
 
 def _append(dst: Path, src: Path):
