@@ -84,6 +84,13 @@ def sums(d: Dpo, ce_BT, batch) -> tuple:
     return jnp.sum(per * valid), jnp.sum(jnp.where(batch["segment_ids"] == 1, ce_BT, 0.0)), metrics
 
 
+def unit(d: Dpo) -> str:
+    """What the printed DPO loss measures: a mean over pairs (nats; ipo's squares a per-token log-ratio), plus the sft
+    term's nats per chosen token."""
+    per = "(nats/token)^2/pair" if d.loss == "ipo" else "nats/pair"
+    return per + (f" + {d.sft_weight:g} x nats/chosen token" if d.sft_weight else "")
+
+
 def zero_metrics() -> dict:
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
     return {k: (z(), z()) for k in METRICS}

@@ -196,11 +196,15 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", [x if x.startswith("214_zero3") else pytest.param(x, marks=pytest.mark.slow)
                                     for x in LAYOUTS])
-def test_layout_equals_one_device(synth, tmp_path, layout):
+def test_layout_equals_one_device(synth, tmp_path, layout, capsys):
     """3 SGD steps: losses, grad norms and parameters within 1e-5 of one device; the reference precomputed (written
-    beside the data, read back by the next run) or online."""
+    beside the data, read back by the next run) or online. The step lines print the loss in nats per pair."""
     ref = _one_device(synth)
+    capsys.readouterr()
     got = _train(synth, tmp_path, LAYOUTS[layout], 8)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
+    assert len(lines) == 3 and all(f"| loss {h['loss']:.3f} nats/pair | grad norm" in x for x, h in zip(lines, got[3])), \
+        lines
     assert np.allclose(got[0], ref[0], rtol=1e-5) and np.allclose(got[1], ref[1], rtol=1e-5), (got[:2], ref[:2])
     rel = [float(np.linalg.norm(a - b) / np.linalg.norm(b))
            for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(ref[2]))]
@@ -356,3 +360,98 @@ def test_pairs_in_object_storage_train_as_on_disk(synth, s3, tmp_path, monkeypat
     (cached,) = (tmp_path / "cache" / "dpo" / "s3" / "bkt" / "dpo").glob(data.name + ".ref-*.f32")
     (local,) = data.parent.glob(data.name + ".ref-*.f32")
     assert cached.name == local.name and cached.read_bytes() == local.read_bytes()
+
+
+def _tree(d: Path) -> list:
+    """Every file and folder under d with its size: what a refusal must leave as it was."""
+    return sorted((str(p.relative_to(d)), p.stat().st_size if p.is_file() else None) for p in d.rglob("*"))
+
+
+def _refused(args: list[str], capsys) -> str:
+    """The one line that `meshtrain ARGS` exits 2 with."""
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_missing_reference_is_named_by_its_key(synth, tmp_path, capsys):
+    """dpo.reference that does not exist is refused naming dpo.reference (it was reported as model.init_from, after
+    the step compiled); with dpo.reference unset, model.init_from named as the reference. Nothing is written."""
+    keys = ["train", *TINY, f"data.source={synth[0]}", "train.objective=dpo", "mesh.data=8", "train.steps=1",
+            f"run.dir={tmp_path / 'run'}"]
+    before = _tree(synth[0].parent)
+    err = _refused([*keys, f"dpo.reference={tmp_path / 'nope'}"], capsys)
+    assert err.startswith(f"meshtrain: error: dpo.reference '{tmp_path / 'nope'}' does not exist; give the frozen "
+                          "reference"), err
+    err = _refused([*keys, f"model.init_from={tmp_path / 'nope'}"], capsys)
+    assert f"model.init_from '{tmp_path / 'nope'}' (the reference: dpo.reference is unset) does not exist" in err, err
+    assert not (tmp_path / "run").exists() and _tree(synth[0].parent) == before
+
+
+def test_a_reference_of_another_architecture_names_what_differs(synth, tmp_path, capsys):
+    """A Hugging Face reference of 2 layers (its config.json's facts) against a 4-layer policy was 'incomplete' (it
+    lacks layers 2 and 3); a run of 4 layers against a 2-layer policy named model.init_from and told to change the
+    policy. Both: one line, before anything compiles, naming each fact that differs (reference vs policy)."""
+    keys = ["train", *TINY, f"data.source={synth[0]}", "train.objective=dpo", "mesh.data=8", "train.steps=1",
+            f"run.dir={tmp_path / 'run'}"]
+    hc = json.loads((FIX / "reference" / "config.json").read_text())
+    err = _refused([*keys, "model.vocab_size=1025", f"dpo.reference={FIX / 'reference'}"], capsys)
+    assert f"dpo.reference '{FIX / 'reference'}' is a model of another architecture than this run's" in err, err
+    for fact in (f"n_layers {hc['num_hidden_layers']} vs 4", f"n_heads {hc['num_attention_heads']} vs 8",
+                 f"head_dim {hc['head_dim']} vs 8", f"norm_eps {hc['rms_norm_eps']} vs 1e-05"):
+        assert fact in err, (fact, err)
+    assert "incomplete" not in err and "vocab_size" not in err and "d_model" not in err
+    err = _refused([*keys, "model.n_layers=2", f"dpo.reference={synth[1]}"], capsys)
+    assert "(reference vs policy: n_layers 4 vs 2)" in err and "model.init_from" in err.split(";")[1], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_keeps_its_reference_or_says_it_changed(synth, tmp_path, capsys, caplog):
+    """A DPO run trained against reference A (a copy of the synthetic reference's checkpoint, its saved config made a
+    DPO run's against A, as a run would save it): resumed with dpo.reference dropped (model.init_from B would become
+    the reference) it is refused in one line naming A and B, nothing touched (it switched silently and logged
+    'dpo.reference A -> None'); resumed with dpo.reference=B it warns that the objective changes at the resumed
+    step; with dpo.reference=A it says nothing."""
+    import shutil
+
+    from trainer.config import load_config
+    from trainer.run import reference
+    from trainer.state import make_setup
+    a, b, run = synth[1], tmp_path / "other", tmp_path / "run"
+    shutil.copytree(a, b)
+    shutil.copytree(a, run)
+    (meta,) = run.glob("checkpoints/*/meta/metadata")
+    saved = json.loads(meta.read_text())
+    saved["config"]["train"]["objective"], saved["config"]["dpo"]["reference"] = "dpo", str(a)
+    meta.write_text(json.dumps(saved))
+    step = saved["step"]
+    base = [*TINY, f"data.source={synth[0]}", "train.objective=dpo", "mesh.data=1", f"run.dir={run}"]
+    before = _tree(tmp_path)
+    err = _refused(["train", *base, "mesh.data=8", "train.steps=4", f"model.init_from={b}"], capsys)
+    assert f"run.dir {run} was trained to step {step} against the DPO reference '{a}'" in err, err
+    assert f"model.init_from '{b}' the reference" in err and f"set dpo.reference={a} to resume as trained" in err, err
+    assert _tree(tmp_path) == before
+    caplog.clear()
+    for ref in (a, b):
+        reference.check(make_setup(load_config([*base, "train.steps=4", f"model.init_from={b}", f"dpo.reference={ref}"]),
+                                   jax.devices()[:1]))
+    got = [r.getMessage() for r in caplog.records if "dpo.reference" in r.getMessage()]
+    assert len(got) == 1 and got[0].startswith(f"dpo.reference changed on resume: the steps to {step} were trained "
+                                               f"against '{a}', and from step {step + 1} the reference is '{b}': the "
+                                               "DPO objective changes there"), got
+
+
+def test_the_dpo_loss_is_printed_in_nats_per_pair():
+    """The last line's held-out loss: nats per pair for DPO (its sft term named), nats/token and bits/byte for the
+    token loss."""
+    from types import SimpleNamespace as NS
+
+    from models.dpo import Dpo
+    from trainer.run.loop import _eval_words
+
+    def words(dpo):
+        return _eval_words(NS(eval_loss=0.5, batches=NS(c=NS(bytes_per_token=2.0)), s=NS(model=NS(dpo=dpo))))
+    assert words(Dpo()) == ", eval DPO loss 0.5000 nats/pair"
+    assert words(Dpo(sft_weight=0.5)) == ", eval DPO loss 0.5000 nats/pair + 0.5 x nats/chosen token"
+    assert words(None) == f", eval loss 0.5000 nats/token ({0.5 / np.log(2) / 2.0:.4f} bits/byte)"

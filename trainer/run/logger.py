@@ -8,7 +8,7 @@ import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from models import flops_per_token, hardware_flops_per_token
-from models.dpo import METRICS as DPO_METRICS
+from models.dpo import METRICS as DPO_METRICS, unit
 from trainer.observe.metrics import device_peak, peak_devices
 from trainer.run.plugin import Plugin
 
@@ -67,6 +67,7 @@ class Report(Plugin):
                                  TextColumn("{task.fields[info]}"), console=run.console, disable=not run.cfg.run.progress)
         self.progress.start()
         self.task = self.progress.add_task("train", total=t.steps, completed=run.start, info="")
+        self.unit = f" {unit(run.s.model.dpo)}" if run.s.model.dpo is not None else ""  # the token loss's: none
 
     def at_sync(self, run, step: int):
         rec = run.record
@@ -76,7 +77,7 @@ class Report(Plugin):
         run.history.append(dict(rec))
         if "loss" in rec:
             mfu = rec["mfu"]
-            info = (f"loss {rec['loss']:.3f} | grad norm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
+            info = (f"loss {rec['loss']:.3f}{self.unit} | grad norm {rec['grad_norm']:.3f} | lr {rec['lr']:.2e} | "
                     f"{rec['tokens_per_sec']:,.0f} tok/s | MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"
                     + (f" | eval {rec['eval_loss']:.3f}" if "eval_loss" in rec else ""))
             self.progress.update(self.task, completed=step, info=info)

@@ -12,6 +12,7 @@ import time
 import jax
 from rich.console import Console
 
+from models.dpo import unit
 from trainer.config import Config
 from trainer.data.batches import bits_per_byte
 from trainer.observe.goodput import summary
@@ -103,10 +104,18 @@ def _exit(run: Run, ps: list, error: BaseException | None) -> BaseException | No
 
 
 def _goodbye(run: Run):
-    total, bpt, loss = time.perf_counter() - run.t0, run.batches.c.bytes_per_token, run.eval_loss
+    total = time.perf_counter() - run.t0
     if run.preempted:
         run.console.print(f"stopped after step {run.done}; checkpoint saved, rerun the same command to resume")
-    run.console.print(f"done: {run.done - run.start} steps in {total:.1f}s"
-                      + (f", eval loss {loss:.4f} nats/token" if loss is not None else "")
-                      + (f" ({bits_per_byte(loss, bpt):.4f} bits/byte)" if loss is not None and bpt else ""))
+    run.console.print(f"done: {run.done - run.start} steps in {total:.1f}s{_eval_words(run)}")
     run.console.print(summary(run.goodput_record))
+
+
+def _eval_words(run: Run) -> str:
+    """', eval loss L nats/token (B bits/byte)', or the held-out pairs' DPO loss in its own unit (models/dpo.py)."""
+    loss, bpt, dpo = run.eval_loss, run.batches.c.bytes_per_token, run.s.model.dpo
+    if loss is None:
+        return ""
+    if dpo is not None:
+        return f", eval DPO loss {loss:.4f} {unit(dpo)}"
+    return f", eval loss {loss:.4f} nats/token" + (f" ({bits_per_byte(loss, bpt):.4f} bits/byte)" if bpt else "")

@@ -2,7 +2,9 @@
 as the batch field ref_logp).
 
 dpo.reference (default: model.init_from) is read into the run's parameter shardings like model.init_from (an
-export, a run's checkpoint, a Hugging Face folder), and checked against the policy's shapes and vocabulary.
+export, a run's checkpoint, a Hugging Face folder). Before anything compiles it is checked (`check`): it exists, it is
+the policy's architecture (its saved config or config.json), and on a resume it is the reference the checkpoints were
+trained against (dropping dpo.reference is refused; naming another one warns that the objective changes there).
   precompute  before training, every pair (train and held-out) once through a forward of the reference, B rows at
               a time on the run's mesh; the log-probabilities (one float32 per token) are written beside the data,
               `DATA.bin.ref-<hash>.f32` (the hash: of the reference's parameters, the data's sidecar and the compute
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -27,6 +30,8 @@ import numpy as np
 
 from models.loss import head_token_losses, hidden
 from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def logp_fn(s):
@@ -42,25 +47,150 @@ def logp_fn(s):
                    out_shardings=s.batch_sharding())
 
 
+def named(cfg) -> tuple[str | None, str]:
+    """(the reference's path, how lines name it): dpo.reference, else model.init_from (the model training starts
+    from)."""
+    if cfg.dpo.reference:
+        return cfg.dpo.reference, f"dpo.reference '{cfg.dpo.reference}'"
+    return cfg.model.init_from, f"model.init_from '{cfg.model.init_from}' (the reference: dpo.reference is unset)"
+
+
 def check(s) -> None:
-    """One line, before anything compiles, for a reference this layout does not run: online under a pipeline."""
+    """One line, before anything compiles, for a reference this run cannot use: one that is missing or none of the
+    kinds, of another architecture than the policy, another than its checkpoints were trained against (a resume),
+    or online under a pipeline."""
+    if s.model.dpo is None:
+        return
     stage = s.mesh.shape["stage"]
-    if s.model.dpo is not None and s.model.dpo.online and stage > 1:
+    if s.model.dpo.online and stage > 1:
         raise UserError(f"dpo.reference_mode=online runs the reference's forward outside the pipeline every step, and "
                         f"under mesh.stage={stage} every layer's weights would cross the stages on each call (not "
                         "supported); set dpo.reference_mode=precompute (one forward of every pair before training) or "
                         "mesh.stage=1")
+    path, key = named(s.cfg)
+    if path is None:  # the config's validation refuses it first
+        return
+    _same_architecture(s.model, path, key, _kind(path, key), s.cfg.model.init_from)
+    _same_as_trained(s)
+
+
+def _kind(path: str, key: str) -> str:
+    """What the reference is (export, run, hf); one line where it is missing or none of those."""
+    from trainer.ckpt.objects import path_of
+    from trainer.ckpt.store import kind_of, list_steps
+    kind = kind_of(path)
+    if kind == "run" and list_steps(path):
+        return kind
+    if kind in ("export", "hf"):
+        return kind
+    what = ("is a run.dir without a complete checkpoint" if kind == "run" else
+            "does not exist" if not path_of(path).exists() else "is none of the models a reference can be")
+    raise UserError(f"{key} {what}; give the frozen reference of train.objective=dpo as an export (meshtrain export "
+                    "--out), a run.dir with checkpoints or a Hugging Face model folder (config.json), of this model's "
+                    "architecture")
+
+
+# How the run computes, not what the model is: the reference's forward runs with the policy's settings of these
+RUN_TIME = frozenset({"seq_len", "remat", "scan_layers", "attention", "attention_block", "kernels", "loss_chunk",
+                      "init_std", "documents", "dpo", "capacity_factor", "router_aux_loss", "router_z_loss"})
+
+
+def _model_of(path: str, kind: str):
+    """The model the reference describes (its saved config, or its config.json's keys); None where that cannot be
+    read without its weights (damage is reported as the weights are read)."""
+    import dataclasses
+
+    from trainer.ckpt.objects import path_of
+    from trainer.ckpt.store import EXPORT_META, CorruptCheckpoint, config_of, list_steps, read_meta
+    from trainer.config import load_config, model_config, replace
+    from trainer.data import remote
+    try:
+        if kind == "export":
+            return model_config(config_of(json.loads((path_of(path) / EXPORT_META).read_text())))
+        if kind == "run":
+            return model_config(config_of(read_meta(path, list_steps(path)[-1])))
+    except (OSError, ValueError, KeyError, CorruptCheckpoint):
+        return None
+    if remote.is_url(path):  # an HF folder in object storage: its tensors are checked as they are read
+        return None
+    from trainer.ckpt.hf import model_keys, read_config
+    keys = {k: v for k, (v, _) in model_keys(read_config(path), Path(path) / "config.json").items()}
+    base = load_config()
+    return model_config(replace(base, model={k: v for k, v in keys.items()
+                                             if k in {f.name for f in dataclasses.fields(base.model)}}))
+
+
+def _same_architecture(mc, path: str, key: str, kind: str, init_from) -> None:
+    """One line naming each model fact (family, widths, depth, vocabulary, RoPE, norm) where the reference differs
+    from the policy: DPO compares their log-probabilities of the same tokens, and the reference's forward runs with
+    the policy's model. The policy's own model.init_from is checked as the policy starts."""
+    if path == init_from:
+        return
+    try:
+        ref = _model_of(path, kind)
+    except UserError as e:
+        raise UserError(f"{key}: {e}") from None
+    if ref is None:
+        return
+    facts = lambda m: {k: v for k, v in vars(m).items() if k not in RUN_TIME}  # noqa: E731
+    theirs, mine = facts(ref), facts(mc)
+    diff = [f"{k} {theirs.get(k)} vs {mine.get(k)}" for k in {**theirs, **mine} if theirs.get(k) != mine.get(k)]
+    if diff:
+        raise UserError(f"{key} is a model of another architecture than this run's (reference vs policy: "
+                        f"{', '.join(diff)}); DPO compares the two models' log-probabilities of the same tokens, so "
+                        "give a reference of the policy's architecture (usually the model training starts from, "
+                        "model.init_from)")
+
+
+def _same_as_trained(s) -> None:
+    """On a resume of a DPO run, the reference its checkpoints were trained against: dropping dpo.reference (the
+    default, model.init_from, then another) is one line; naming another one explicitly changes the objective from
+    the resumed step on, with a warning that says so."""
+    from trainer.ckpt.store import CorruptCheckpoint, list_steps, read_meta
+    try:
+        steps = list_steps(s.cfg.run.dir)
+        saved = read_meta(s.cfg.run.dir, steps[-1])["config"] if steps else None
+    except (UserError, CorruptCheckpoint, OSError, ValueError):
+        return  # the restore reports it (or takes an older checkpoint)
+    if not saved or saved.get("train", {}).get("objective") != "dpo":
+        return
+    was = saved.get("dpo", {}).get("reference") or saved.get("model", {}).get("init_from")
+    now = named(s.cfg)[0]
+    if was is None or _same_path(was, now):
+        return
+    step = steps[-1]
+    if not s.cfg.dpo.reference:
+        raise UserError(f"run.dir {s.cfg.run.dir} was trained to step {step} against the DPO reference '{was}', and "
+                        f"this config leaves dpo.reference unset, which would make model.init_from '{now}' the "
+                        "reference from here and change the objective mid-run; set dpo.reference="
+                        f"{was} to resume as trained, or dpo.reference={now} to change the reference knowingly")
+    log.warning(f"dpo.reference changed on resume: the steps to {step} were trained against '{was}', and from step "
+                f"{step + 1} the reference is '{now}': the DPO objective changes there (its loss and rewards are "
+                "measured against the new reference)")
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    """Whether two paths name one reference (as written, or one local folder)."""
+    if b is None:
+        return False
+    if a == b or os.path.normpath(a) == os.path.normpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # a URL, or a path that is gone
+        return False
 
 
 def load(s, say) -> dict:
     """The reference's parameters in the run's parameter shardings; one line where it does not fit the policy."""
     from trainer.ckpt.params import init_params
-    path = s.cfg.dpo.reference or s.cfg.model.init_from  # one of them: the config's validation sees to it
+    path, key = named(s.cfg)  # one of them: the config's validation sees to it
     try:
         params = init_params(s, path)
     except UserError as e:
-        raise UserError(f"dpo.reference '{path}' does not fit this model: {e}") from None
-    say(f"reference model from {path} ({s.cfg.dpo.reference_mode})")
+        raise UserError(f"{key} does not fit this model: {e}") from None
+    say(f"reference model from {path} ({'dpo.reference' if s.cfg.dpo.reference else 'model.init_from'}, "
+        f"{s.cfg.dpo.reference_mode})")
     return params
 
 
