@@ -35,7 +35,8 @@ STEP = f">= 1 and <= {INT64}"  # a number of steps
 EVERY = f">= 0 and <= {INT64}"  # steps between events (0: none)
 NON_NEGATIVE = f">= 0 and <= {FLOAT32}"  # a float a step computes with
 STEPS = Form("A:B (1 <= A <= B), or '' (none)", step_range)
-MIXTURE = Form("SOURCE=WEIGHT entries, weights >= 0 and not all 0", lambda v, k: parse_entries(v, k))
+MIXTURE = Form("[NAME:]SOURCE=WEIGHT entries, weights >= 0 and not all 0, names unique",
+               lambda v, k: parse_entries(v, k))
 MIXTURE_SCHEDULE = Form("STEP:NAME=WEIGHT entries", lambda v, k: parse_schedule(v, None, k))
 STEP_OR_STEPS = Form("STEP or A:B, or '' (none)", lambda v, k: step_range(v, k, single=True))
 
@@ -140,7 +141,8 @@ class DataSection:
     document_mask: Optional[bool] = setting(None, None, "attention inside each document, positions per document; "
                                             "null: true where the data has a loss mask")
     mixture: List[str] = setting([], MIXTURE, "sources mixed by weight instead of data.source, each row of a step "
-                                 "drawn from one (docs/data.md); eval_loss/NAME per source")
+                                 "drawn from one (docs/data.md); NAME (default: the file or folder name) in "
+                                 "eval_loss/NAME and data.mixture_schedule")
     mixture_schedule: List[str] = setting([], MIXTURE_SCHEDULE, "weight changes: from step STEP on, source NAME's "
                                           "weight is WEIGHT")
 
