@@ -137,6 +137,9 @@ class DataSection:
                                       "source has no held-out part")
     bin_dtype: str = setting("uint16", BIN_DTYPES, "a token .bin's element type (a prepared .bin's sidecar sets it)")
     tokenizer: Optional[str] = setting(None, None, "tokenizer.json of a .bin's tokens; filled from its sidecar")
+    tokenizer_check: bool = setting(True, None, "stop, before anything compiles, when the data's tokenizer is not "
+                                    "model.init_from's (another vocabulary, or bytes for a model with a tokenizer); "
+                                    "false: train on it anyway")
     # unset: false, or true where the data has a loss mask (conversations), which only trains with it
     document_mask: Optional[bool] = setting(None, None, "attention inside each document, positions per document; "
                                             "null: true where the data has a loss mask")

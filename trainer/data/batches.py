@@ -28,7 +28,6 @@ import math
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +36,7 @@ from models.batch import from_windows
 from trainer.errors import UserError
 from trainer.config.sections import BIN_DTYPES
 from trainer.data.feed import prefetched
-from trainer.data.manifest import Concat, is_manifest, load_url
-from trainer.data.manifest import load as load_manifest
+from trainer.data.manifest import Concat, is_manifest, load_url, load as load_manifest
 from trainer.data.pairs import packed_pairs
 from trainer.data.remote import is_url
 
@@ -46,7 +44,7 @@ _TRAIN, _EVAL = 0x7A1, 0xE7A
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass
 class Corpus:
     train: np.ndarray  # 1-D token array (uint8/uint16/uint32 or memmap)
     heldout: np.ndarray
@@ -62,7 +60,6 @@ class Corpus:
     eot_id: int | None = None  # a prepared .bin's end-of-text token: older ones have no index
     loss_mask: np.ndarray | None = None  # a prepared .bin's loss mask (uint8 per token: 1 = a counted target)
     doc_starts: np.ndarray | None = None  # a manifest's documents, its shards' indexes in `whole`'s order
-    tokenizer_sha: str | None = None  # a prepared source's tokenizer.json hash (a mixture's sources share one)
     pairs: bool = False  # preference pairs: documents 2i and 2i + 1 (trainer/data/pairs.py)
 
     def documents(self) -> np.ndarray | None:
@@ -114,6 +111,13 @@ def needs_documents(source: str) -> UserError:
     """A loss mask trains on whole documents: data.document_mask=false contradicts it."""
     return UserError(f"data.source '{source}' has a loss mask (conversations), which trains on whole documents and "
                      "needs data.document_mask=true; drop data.document_mask=false or set it true")
+
+
+def no_documents(source: str) -> UserError:
+    kind = "synthetic data" if source == "synthetic" else f"data.source '{source}'"
+    return UserError(f"data.document_mask=true needs documents, and {kind} has none (a single text file, a bare .bin "
+                     "and synthetic are one stream); use a folder, builtin or a file from meshtrain prepare, or set "
+                     "data.document_mask=false")
 
 
 def read_sidecar(bin_path) -> dict | None:
@@ -202,8 +206,7 @@ def _load(source: str, heldout_fraction: float, bin_dtype: str) -> Corpus:
         return _check(Corpus(toks[:cut], toks[cut:], int(meta["vocab_size"]), whole=toks,
                              bytes_per_token=None if mask is not None else bpt,  # counted bytes unknown
                              prepared=True, index=path.parent / index["path"] if index else None,
-                             eot_id=meta.get("eot_id"), loss_mask=mask, pairs=bool(meta.get("pairs")),
-                             tokenizer_sha=meta.get("tokenizer", {}).get("sha256")), source)
+                             eot_id=meta.get("eot_id"), loss_mask=mask, pairs=bool(meta.get("pairs"))), source)
     if path.suffix == ".bin":
         if bin_dtype not in BIN_DTYPES:
             raise UserError(f"data.bin_dtype='{bin_dtype}' is unknown; use {' or '.join(BIN_DTYPES)}")
@@ -302,10 +305,7 @@ class Batches:
         if document_mask:
             self.starts = corpus.documents()
             if self.starts is None:
-                kind = "synthetic data" if corpus.synthetic else f"data.source '{corpus.source}'"
-                raise UserError(f"data.document_mask=true needs documents, and {kind} has none (a single text "
-                                "file, a bare .bin and synthetic are one stream); use a folder, builtin or a file "
-                                "from meshtrain prepare, or set data.document_mask=false")
+                raise no_documents("synthetic" if corpus.synthetic else corpus.source)
 
     def _pack(self, corpus: Corpus, document_mask: bool, evaluates: bool):
         from trainer.data.packing import pack

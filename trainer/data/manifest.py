@@ -174,7 +174,7 @@ def _load(where: Where, m: dict, source: str) -> dict:
                 bytes_per_token=None if masks is not None else (hb / held_tokens if held_tokens else
                                                                 tb / max(n_train, 1)),
                 prepared=True, eot_id=m.get("eot_id"), loss_mask=masks, doc_starts=np.unique(doc_starts),
-                tokenizer_sha=m["tokenizer"]["sha256"], pairs=all(pairs))
+                pairs=all(pairs))
 
 
 def _shard_meta(where: Where, entry: dict, source: str) -> dict:

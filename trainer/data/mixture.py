@@ -22,6 +22,7 @@ import numpy as np
 
 from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
 from trainer.data.batches import _TRAIN, Batches, load_corpus
+from trainer.data.checks import data_tokenizer, same_tokenizer
 from trainer.data.feed import prefetched
 from trainer.data.remote import is_url
 from trainer.errors import UserError
@@ -37,7 +38,7 @@ class Mixture:
         self.schedule = parse_schedule(cfg_data.mixture_schedule, self.names)
         check_schedule(self.w0, self.schedule)
         corpora = [_load(e, s, cfg_data) for e, s in zip(cfg_data.mixture, self.sources)]
-        _same_tokenizer(corpora, self.names)
+        same_tokenizer(self.names, [data_tokenizer(s) for s in self.sources])  # as train and plan check first
         for c, name in zip(corpora, self.names):
             if c.loss_mask is not None:
                 raise UserError(f"data.mixture source '{name}' has a loss mask (conversations), which a mixture does "
@@ -97,13 +98,3 @@ def _load(entry: str, source: str, cfg_data):
     except UserError as e:
         raise UserError(str(e).replace(f"data.source '{source}'", f"data.mixture entry '{entry}': source "
                                        f"'{source}'")) from None
-
-
-def _same_tokenizer(corpora, names: list[str]):
-    seen = [(n, c.tokenizer_sha) for n, c in zip(names, corpora)]
-    first = seen[0]
-    for n, sha in seen[1:]:
-        if sha != first[1]:
-            what = lambda s: f"tokenizer {s[:12]}" if s else "no tokenizer (bytes or a bare .bin)"  # noqa: E731
-            raise UserError(f"data.mixture mixes tokenizers: '{first[0]}' has {what(first[1])}, '{n}' {what(sha)}; "
-                            "prepare every source with one tokenizer (meshtrain prepare --tokenizer FILE)")
