@@ -173,6 +173,10 @@ def _prepare(args: list[str]) -> int:
     p.add_argument("--shard-mb", type=float, default=256.0, help="with --out FOLDER: input megabytes of text files "
                    "per shard (a record file is a shard of its own; default: 256)")
     ns = p.parse_args(args)
+    from trainer.config.paths import check
+    for src in ns.sources:
+        check(src, "SOURCE")
+    check(ns.out, "--out")
     common = dict(show_progress=not ns.no_progress, field=ns.field, chat_template=ns.chat_template, date=ns.date,
                   loss_on=ns.loss_on, require_counted=ns.require_counted)
     if ns.out.endswith(".bin"):

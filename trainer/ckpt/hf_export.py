@@ -14,6 +14,9 @@ from trainer.ckpt import safetensors as st
 from models.spec import leaf_shape, leading
 from trainer.ckpt.hf import (INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, model_keys, origin_of,
                              text_config)
+from trainer.config.paths import check
+from trainer.data import remote
+from trainer.data.sidecars import data_sidecar, local_tokenizer, read_beside
 from trainer.errors import UserError
 
 
@@ -78,33 +81,33 @@ def _plan(mc, dtype: np.dtype, max_bytes: int):
 
 
 def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a checkpoint's parameters (newest by default) to `out` as an HF folder."""
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path | str:
+    """Write a checkpoint's parameters (newest by default) to `out` (a new folder, or a URL) as an HF folder; a
+    failure (a tokenizer that cannot be read, ...) writes nothing."""
     from trainer.ckpt.params import load_params_at
+    from trainer.ckpt.tools import _unused_out, staged
     from trainer.config import model_config
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} exists and is not empty; choose a new directory")
-    params, cfg, step = load_params_at(run_dir, step)  # split over the local devices, never whole on one
+    _unused_out(str(out))  # before the parameters are read
+    params, cfg, step = load_params_at(check(run_dir, "--run"), step)  # split over the local devices, never whole on one
     mc = model_config(cfg)
-    write_hf(params, mc, out, dtype, max_shard_bytes, f"run '{run_dir}'", step)
-    origin = origin_of(cfg, run_dir)
-    if origin is not None and jax.process_index() == 0:  # started from an HF folder: what it said of the model
-        _keep(origin, out)
-    if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
-        turn = _write_chat_template(cfg.data.source, out)
-        _write_tokenizer(cfg.data.tokenizer, out, mc, turn)
-    return out
+    with staged(out, last=("config.json",)) as stage:
+        write_hf(params, mc, stage, dtype, max_shard_bytes, f"run '{run_dir}'", step)
+        origin = origin_of(cfg, run_dir)
+        if origin is not None and jax.process_index() == 0:  # started from an HF folder: what it said of the model
+            _keep(origin, stage)
+        if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
+            turn = _write_chat_template(cfg.data.source, stage)
+            _write_tokenizer(cfg.data.tokenizer, stage, mc, turn)
+    return out if remote.is_url(str(out)) else Path(out)
 
 
 def _write_chat_template(source: str, out: Path) -> str | None:
     """The chat template the run's conversations were rendered with, as chat_template.jinja (which transformers
     reads before tokenizer_config.json's): the export chats as its training data did. Returns its text."""
-    from trainer.data.batches import read_sidecar
-    meta = read_sidecar(source) if source.endswith(".bin") else None
+    meta = data_sidecar(source)
     if not (meta and meta.get("chat_template")):
         return None
-    shutil.copyfile(Path(source).parent / meta["chat_template"]["path"], out / "chat_template.jinja")
+    (out / "chat_template.jinja").write_text(read_beside(source, meta["chat_template"]["path"]))
     return (out / "chat_template.jinja").read_text()
 
 
@@ -133,7 +136,7 @@ def _write_tokenizer(path: str, out: Path, mc, template: str | None = None):
     token the chat template writes after an assistant's reply (so that transformers' generate stops there too)."""
     from trainer.data.chat import ChatTemplate, DEFAULT_DATE, parse_date, specials_of
     from trainer.data.prepare import load_tokenizer
-    tok, src, eot = load_tokenizer(path)
+    tok, src, eot = load_tokenizer(local_tokenizer(path))  # a bucket's copied first
     eos = [eot]
     if template is not None:
         added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}

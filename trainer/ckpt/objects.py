@@ -36,9 +36,12 @@ def path_of(path):
 
 
 def absolute(path):
-    """path_of(path), a local one made absolute (epath makes a URL 'cwd/s3:/...')."""
+    """path_of(path), a local one made absolute (epath makes a URL 'cwd/s3:/...'); a URL's arrays readable by Orbax."""
     p = path_of(path)
-    return p if remote.is_url(path) else p.absolute()
+    if remote.is_url(path):
+        install()
+        return p
+    return p.absolute()
 
 
 def manager_options(path) -> dict:

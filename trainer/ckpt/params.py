@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 
 from models import abstract_model
 from trainer.ckpt.evidence import EXPORT, evidence, short as _short
-from trainer.ckpt.objects import path_of
+from trainer.ckpt.objects import absolute, path_of
 from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_dict, config_of,
                                 kind_of, leaf_names, list_steps, manager, meta_of, read_meta, restore, verify)
 from trainer.config import Config, model_config
@@ -98,7 +98,7 @@ def _load_export(path: Path, shardings, target=None, target_cfg: Config | None =
                      init_fix(meta["config"], target_cfg, path))
     item = _params_target(meta["leaves"], param_shardings(cfg, shardings))
     try:
-        params = ocp.StandardCheckpointer().restore((path / "params").absolute(), item)
+        params = ocp.StandardCheckpointer().restore(absolute(path / "params"), item)  # a URL stays one
         verify({"params": params}, meta["leaves"])
     except Exception as e:  # noqa: BLE001 - classified: damage, or a failure to report as it is
         raise _export_failed(path, e) from None

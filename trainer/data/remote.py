@@ -13,23 +13,20 @@ reads it stops the run with one line rather than mixing the bytes of two version
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 import time
 
 import numpy as np
 
+from trainer.config.paths import is_url  # noqa: F401 - the one rule of what a URL is (a mistyped one: check())
 from trainer.errors import UserError
 
 BLOCK = 1 << 12  # bytes per cached block: a window of 8,192 uint16 tokens (16 KiB) is fetched as 5 or 6 of them
 CACHE = 256 << 20  # bytes of blocks kept per process
 TRIES = 5
 EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
-
-
-def is_url(path) -> bool:
-    s = str(path)
-    return "://" in s and not s.startswith("file://")
 
 
 def join(url: str, name: str) -> str:
@@ -41,13 +38,39 @@ def filesystem(url: str):
     import fsspec
     scheme = url.split("://", 1)[0]
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url)
     except ImportError:
         pkg, extra = EXTRAS.get(scheme, (f"the fsspec backend for {scheme}://", scheme))
         raise UserError(f"'{url}': {scheme}:// paths need {pkg}, which is not installed; pip install "
                         f"'meshtrain[{extra}]' (or pip install {pkg})") from None
     except ValueError as e:
         raise UserError(f"'{url}' is not a URL fsspec knows ({e}); give s3://BUCKET/PATH or gs://BUCKET/PATH") from None
+    if scheme == "s3" and not (getattr(fs, "anon", False) or getattr(fs, "key", None)):
+        _check_credentials(url)
+    return fs, path
+
+
+# where botocore finds credentials (https://docs.aws.amazon.com/cli/latest/userguide/cli-configure-envvars.html)
+CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                   "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_EC2_METADATA_DISABLED")
+
+
+def _check_credentials(url: str):
+    """One line naming what is missing where botocore's chain (the variables, ~/.aws, the instance's role) finds no
+    credentials: else every later request ends in NoCredentialsError, or an existence check says 'no bucket'."""
+    import os
+    if not _credentials_found(tuple(os.environ.get(k) for k in CREDENTIAL_VARS), os.path.expanduser("~")):
+        unset = " and ".join(k for k in CREDENTIAL_VARS[:2] if not os.environ.get(k)) or "no variable"
+        raise UserError(f"'{url}': no AWS credentials found ({unset} unset, and no AWS_PROFILE, ~/.aws/credentials "
+                        "or instance role gives any); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with "
+                        "AWS_ENDPOINT_URL for a store other than AWS S3)")
+
+
+@functools.lru_cache(maxsize=8)
+def _credentials_found(env: tuple, home: str) -> bool:  # keyed by what the chain reads: asked once per setting
+    import botocore.session
+    return botocore.session.get_session().get_credentials() is not None
 
 
 def _retried(what: str, fn):
@@ -338,17 +361,18 @@ def cache_root():
     return Path(os.environ.get("MESHTRAIN_CACHE") or Path.home() / ".cache" / "meshtrain")
 
 
-def mirror(url: str):
+def mirror(url: str, only: tuple[str, ...] | None = None):
     """A local copy of every object under `url` (a model.init_from folder: its weights are read whole anyway), in
     cache_root()/objects/<hash of the URL and of every object's name, size and version>/: a folder whose objects
     changed (whatever their sizes) is copied afresh; an object already in the copy is not fetched again. Each object
     is downloaded under a name of its own (two processes on one host copying the same folder never write one file)
-    and renamed. Returns the copy's folder."""
+    and renamed. `only`: just the objects of these names under the folder. Returns the copy's folder."""
     import hashlib
     import json
     import os
     import tempfile
     root, files = objects(url)
+    files = [f for f in files if only is None or f.relative_to(root) in only]
     listing = json.dumps([url.rstrip("/"), [(f.relative_to(root), f.size, f.version) for f in files]])
     here = cache_root() / "objects" / hashlib.sha256(listing.encode()).hexdigest()[:16]
     for f in files:
@@ -366,3 +390,4 @@ def mirror(url: str):
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return here
+

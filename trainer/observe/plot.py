@@ -5,19 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainer.config.paths import check
+from trainer.data import remote
 from trainer.errors import UserError
 
 PANELS = (("loss", "train loss (nats/token)"), ("eval_loss", "eval loss (nats/token)"),
           ("eval_bpb", "eval bits/byte"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))
 
 
-def read_metrics(run_dir) -> list[dict]:
-    """A run's metrics.jsonl records merged per step (later lines win), in step order."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+def _metrics_text(run_dir) -> str:
+    check(str(run_dir), "RUN_DIR")
+    url = remote.is_url(str(run_dir))
+    path = remote.join(str(run_dir), "metrics.jsonl") if url else Path(run_dir) / "metrics.jsonl"
+    if not (remote.exists(path) if url else path.is_file()):
         raise UserError(f"'{run_dir}' has no metrics.jsonl; give the run.dir of a run that has logged steps")
+    return remote.read_bytes(path).decode() if url else path.read_text()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run's metrics.jsonl records (a run.dir on disk or in a bucket) merged per step (later lines win), in step
+    order."""
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
+    for line in _metrics_text(run_dir).splitlines():
         try:
             rec = json.loads(line)
         except ValueError:  # a line cut short by a crash
@@ -42,6 +51,7 @@ def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
         raise UserError("meshtrain plot needs matplotlib; install it: pip install matplotlib") from None
     if not run_dirs:
         raise UserError("give at least one RUN_DIR: meshtrain plot RUN_DIR [RUN_DIR...] --out FILE.png")
+    check(out, "--out")
     runs = [(str(d), read_metrics(d)) for d in run_dirs]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7), sharex=True)
     axes.flat[-1].set_visible(False)  # five panels
@@ -64,9 +74,20 @@ def plot_runs(run_dirs: list[str], out: str) -> dict[str, int]:
     axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=100)
+        _save(fig, out)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot write the plot to '{out}' ({e}); give a writable --out path ending in .png") from None
     finally:
         plt.close(fig)
     return shown
+
+
+def _save(fig, out: str):
+    """The figure written to `out`: a file, or an object (one PUT of the image drawn in memory)."""
+    if not remote.is_url(out):
+        fig.savefig(out, dpi=100)
+        return
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=100, format=Path(out).suffix[1:] or "png")
+    remote.write_bytes(out, buf.getvalue())
