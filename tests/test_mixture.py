@@ -187,6 +187,33 @@ def test_a_missing_source_names_the_mixture_entry(tmp_path):
         _mixture([f"{a}=0.5", f"{empty}=0.5"])
 
 
+def test_a_mixture_without_brackets_is_its_comma_list(tmp_path):
+    """data.mixture=A=0.5,B=0.5 (no brackets: what a shell user types) is the list [A=0.5,B=0.5], on the command
+    line and in a YAML file; a list key without a form of its entries (run.plugins) says the form in one line."""
+    from trainer.config import load_config
+    a, b = _bins(tmp_path, 2)
+    cfg = load_config([f"data.mixture=web:{a}=0.5, {b}=0.5", "data.mixture_schedule=3:web=0"])
+    assert cfg.data.mixture == [f"web:{a}=0.5", f"{b}=0.5"] and cfg.data.mixture_schedule == ["3:web=0"]
+    with pytest.raises(UserError, match=r"^config key 'run.plugins' \(command line\) is a list: write "
+                       r"run.plugins=\[A,B\] \(brackets, quoted in a shell\)$"):
+        load_config(["run.plugins=m:C"])
+    (tmp_path / "c.yaml").write_text(f"data:\n  mixture: {a}=0.5,{b}=0.5\n")
+    assert load_config([str(tmp_path / "c.yaml")]).data.mixture == [f"{a}=0.5", f"{b}=0.5"]
+
+
+def test_a_data_source_beside_a_mixture_is_said_to_be_ignored(tmp_path, caplog):
+    """data.source set beside data.mixture: one warning line saying data.source is not read (train and plan both
+    validate); data.source left at its default, none."""
+    from trainer.config import load_config, validate
+    a, b = _bins(tmp_path, 2)
+    for source, said in ((None, False), (a, True)):
+        caplog.clear()
+        keys = [f"data.mixture=[{a}=0.5,{b}=0.5]"] + ([f"data.source={source}"] if source else [])
+        validate(load_config(keys), 8)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == ([f"data.source='{a}' is ignored: data.mixture names this run's sources; drop data.source, "
+                           "or drop data.mixture to train on that source alone"] if said else []), warned
+
 @pytest.mark.slow
 def test_a_killed_mixture_run_resumes_on_the_same_batches(tmp_path):
     """meshtrain train on a mixture with a weight change at step 7: metrics.jsonl has eval_loss/NAME per source (one

@@ -19,7 +19,8 @@ from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
 from models.dpo import Dpo
 from trainer.errors import UserError
-from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range
+from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
+from trainer.config.mixture import ignored_source
 from trainer.config.sections import ALIASES, Config
 from trainer.config.widths import split_widths
 
@@ -113,6 +114,9 @@ def _merge(base, other, where: str, section: str | None):
     except ValidationError as e:
         name = f"{prefix}{e.full_key}"
         kind = next((s.type_text for s in specs(Config) if s.key == re.sub(r"\[.*", "", name)), "its type")
+        if kind.startswith("list") and "is not a ListConfig" in str(e):  # one value where a list goes
+            raise UserError(f"config key '{name}' ({where}) is a list: write {name}=[A,B] (brackets, quoted in a "
+                            "shell)") from None
         raise UserError(f"config key '{name}' ({where}): {str(e).splitlines()[0]}; give a value of type {kind}") \
             from None
     except OmegaConfBaseException as e:
@@ -194,6 +198,7 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
             raise UserError(f"mesh.preset={preset}: {e}") from None
     for node, where in layers:
         _unknown(node, where)
+        text_lists(node, Config)
     cfg = _built(layers)
     check_ranges(cfg)  # every key against its allowed values, before anything is touched
     return cfg
@@ -295,6 +300,8 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         if not ok:
             raise UserError(msg)
     expert_parallel(cfg, data)
+    if ignored := ignored_source(cfg.data):
+        _warn_once(ignored)
     if stage > 1 and cfg.model.remat not in PIPELINE_REMATS:
         _warn_once(f"model.remat={cfg.model.remat} does nothing under a pipeline (mesh.stage={stage}): each stage "
                    f"recomputes its layers whole for its backward anyway; set model.remat to "

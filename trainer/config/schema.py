@@ -93,6 +93,20 @@ def specs(root) -> tuple[Spec, ...]:
     return tuple(out)
 
 
+def text_lists(node, root) -> None:
+    """A list-of-text key whose entries have a form (a Form checks each) given as one text, without brackets
+    (`data.mixture=a=0.7,b=0.3`, or a YAML line's plain text), in place: the list of its comma-separated entries, as
+    [a=0.7,b=0.3] gives."""
+    from omegaconf import OmegaConf
+    given = OmegaConf.to_container(node, resolve=False) or {}
+    for s in specs(root):
+        section, _, name = s.key.partition(".")
+        value = given.get(section, {}).get(name) if isinstance(given.get(section), dict) else None
+        if isinstance(s.allowed, Form) and typing.get_args(s.type) == (str,) and isinstance(value, str) \
+                and not value.startswith("${"):
+            node[section][name] = [e.strip() for e in value.split(",") if e.strip()]
+
+
 def _number(text: str) -> int | float:
     """'7' -> 7, '2**31-1' -> 2147483647 (ints exact: 2**63 is not <= float(2**63-1)), '3.4e38' -> 3.4e38."""
     if m := re.fullmatch(r"2\*\*(\d+)(-1)?", text):
