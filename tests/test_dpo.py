@@ -407,6 +407,22 @@ def test_a_reference_of_another_architecture_names_what_differs(synth, tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_max_length_that_drops_every_pair_says_so(tmp_path, capsys):
+    """Every prompt at least --max-length long: the line blames --max-length (it blamed '--heldout 0.0') and gives the
+    length that keeps every pair and the one that keeps the shortest prompt's; each does (TRL's shortest kept prompt
+    has 9 tokens, the fixture's longest is the pair dropped at max_length 48)."""
+    shortest = min(len(t["prompt_ids"]) for t in REF["text"]["tokens"])
+    err = _refused(["prepare", str(FIX / "pairs_text.jsonl"), "--out", str(tmp_path / "p.bin"), "--tokenizer",
+                    str(FIX / "policy"), "--no-progress", "--heldout", "0", "--max-length", "4"], capsys)
+    assert "all 5 preference pairs were dropped: each one's prompt alone reaches --max-length" in err, err
+    assert "--heldout" not in err and f"({shortest + 1} keeps the shortest)" in err, err
+    keeps_all = int(err.split("give --max-length ")[1].split()[0])
+    assert not list(tmp_path.iterdir())
+    for n, dropped in ((keeps_all, 0), (keeps_all - 1, 1), (shortest + 1, 4)):
+        assert _prepare(FIX / "pairs_text.jsonl", tmp_path / f"{n}.bin", "--heldout", "0", "--max-length", str(n)) == 0
+        assert json.loads((tmp_path / f"{n}.bin.json").read_text())["pairs"]["dropped"] == dropped, n
+
+
 def test_a_resume_keeps_its_reference_or_says_it_changed(synth, tmp_path, capsys, caplog):
     """A DPO run trained against reference A (a copy of the synthetic reference's checkpoint, its saved config made a
     DPO run's against A, as a run would save it): resumed with dpo.reference dropped (model.init_from B would become

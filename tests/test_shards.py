@@ -27,7 +27,7 @@ def _sources(tmp: Path, files: int = 40, words: int = 400) -> Path:
         where = src / "sub" if i % 3 == 0 else src
         (where / f"f{i:03d}.txt").write_text(" ".join(f"w{w}" for w in rng.integers(0, 300, words + 37 * i)) + "\n")
     (src / "records.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "z" * (i % 50)}) + "\n"
-                                               for i in range(200)))
+                                               for i in range(300)))
     return src
 
 
@@ -53,6 +53,9 @@ def test_one_worker_two_workers_and_ray_write_the_same_bytes(tmp_path, capsys):
     one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
     manifest = json.loads(one["manifest.json"])
     assert len(manifest["shards"]) >= 4 and manifest["shards"][-1]["loss_mask"] is False
+    texts, inputs = sum(p.stat().st_size for p in src.rglob("*.txt")), [e["input_bytes"] for e in manifest["shards"]]
+    records = inputs[int(np.searchsorted(np.cumsum(inputs), texts)) + 1:]  # the shards after the text files'
+    assert len(records) >= 2 and sum(records) == (src / "records.jsonl").stat().st_size  # the JSONL file cut
     assert sum(s["tokens"]["total"] for s in manifest["shards"]) == manifest["tokens"]["total"] > 0
     assert one == two
     port = _free_port()
@@ -109,6 +112,58 @@ def test_workers_need_a_folder_and_ray_is_one_line(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshtrain: error: --ray needs Ray, which is not installed; pip "), err
     assert not (tmp_path / "r").exists()
+
+
+def _documents(folder: Path) -> dict[str, list[bytes]]:
+    """Each split's documents (token bytes), shard after shard, as the shards' document indexes cut them."""
+    out = {"train": [], "heldout": []}
+    for e in json.loads((folder / "manifest.json").read_text())["shards"]:
+        meta = json.loads((folder / (e["path"] + ".json")).read_text())
+        toks = np.fromfile(folder / e["path"], meta["dtype"])
+        starts = np.fromfile(folder / meta["document_index"]["path"], np.uint64).astype(np.int64)
+        docs = [toks[a:b].tobytes() for a, b in zip(starts[:-1], starts[1:])]
+        out["train"] += docs[:meta["documents"]["train"]]
+        out["heldout"] += docs[meta["documents"]["train"]:]
+    return out
+
+
+def test_a_large_jsonl_file_is_cut_at_line_ends_into_the_same_documents(tmp_path, capsys):
+    """One JSONL file of 60 KB with --shard-mb 0.01: several shards that hold, split by split and in order, the
+    documents of the file prepared as one shard (a piece need not hold out a record, the file must: one line, no
+    manifest); a bad line in a later piece is named by its line in the file; a small file with --workers 2 is one
+    shard, said in one line."""
+    src = tmp_path / "r.jsonl"
+    lines = [json.dumps({"text": f"record {i} " + "z" * (i % 97)}) + "\n" for i in range(900)]
+    src.write_text("".join(lines))
+    common = [str(src), "--train-tokenizer", "300", "--no-progress", "--heldout", "0.05", "--workers", "1"]
+    assert main(["prepare", *common, "--out", str(tmp_path / "whole"), "--shard-mb", "1"]) == 0
+    assert main(["prepare", *common, "--out", str(tmp_path / "cut"), "--shard-mb", "0.01"]) == 0
+    whole, cut = _documents(tmp_path / "whole"), _documents(tmp_path / "cut")
+    shards = json.loads((tmp_path / "cut" / "manifest.json").read_text())["shards"]
+    assert len(shards) >= 5 and min(e["documents"]["heldout"] for e in shards) == 0
+    assert len(whole["train"]) + len(whole["heldout"]) == 900 and len(whole["heldout"]) > 20
+    assert cut == whole
+    capsys.readouterr()
+    assert main(["prepare", *common, "--heldout", "0.0001", "--out", str(tmp_path / "none"), "--shard-mb",
+                 "0.01"]) != 0
+    assert capsys.readouterr().err == (f"meshtrain: error: --heldout 0.0001 held out none of the records of {src} (a "
+                                       "record is held out by a hash of its content); use a larger --heldout, more "
+                                       "records, or --heldout 0 to hold out none\n")
+    assert not (tmp_path / "none" / "manifest.json").exists()
+    lines[700] = "{not json\n"
+    src.write_text("".join(lines))
+    capsys.readouterr()
+    given = [str(src), "--tokenizer", str(tmp_path / "whole" / "tokenizer.json"), "--no-progress", "--workers", "1"]
+    assert main(["prepare", *given, "--out", str(tmp_path / "bad"), "--shard-mb", "0.01"]) != 0
+    assert capsys.readouterr().err.startswith(f"meshtrain: error: {src}:701 is not JSON")
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(lines[:50]))
+    assert main(["prepare", str(small), "--out", str(tmp_path / "small"), "--train-tokenizer", "300", "--no-progress",
+                 "--workers", "2"]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("--workers 2")]
+    assert said == ["--workers 2: 1 shard to write, so 1 worker idle; shards hold --shard-mb 256 of text files or of a "
+                    "JSONL file on local disk (a Parquet file or an object in storage is one shard): a smaller "
+                    "--shard-mb makes more"], said
 
 
 # ----------------------------------------------------------------------------- training on a manifest

@@ -74,15 +74,23 @@ def sequences(enc, where: str, rec: dict) -> tuple[list[int], list[int], list[in
     return prompt[:n], whole[0][n:], whole[1][n:]
 
 
+class Dropped(list):
+    """No documents: a pair whose prompt alone (`prompt` tokens) reaches --max-length, dropped as TRL drops it."""
+
+    def __init__(self, prompt: int):
+        super().__init__()
+        self.prompt = prompt
+
+
 def encode_pair(enc, where: str, rec: dict) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[(ids, mask) of prompt + chosen, of prompt + rejected], each cut to enc.max_length keeping its start; [] where
-    the prompt alone reaches it (dropped, as TRL drops it)."""
+    """[(ids, mask) of prompt + chosen, of prompt + rejected], each cut to enc.max_length keeping its start; none
+    (Dropped) where the prompt alone reaches it."""
     if enc.max_length is None:
         raise UserError(f"{where} is a preference pair: pairs are prepared into one .bin (--out FILE.bin), not into "
                         "a folder of shards; give --out FILE.bin")
     prompt, chosen, rejected = sequences(enc, where, rec)
     if len(prompt) >= enc.max_length:
-        return []
+        return Dropped(len(prompt))
     out = []
     for ans in (chosen, rejected):
         ids = np.asarray(prompt + ans, np.int64)[:enc.max_length]
@@ -124,10 +132,17 @@ def packed_pairs(corpus, starts: np.ndarray, cut: int, T: int, evaluates: bool):
 
 
 def check_kinds(kinds):
-    """One line where a prepare mixes pairs with other records (a pair's rows are laid out otherwise)."""
+    """One line where a prepare mixes pairs with other records (a pair's rows are laid out otherwise), or dropped
+    every pair (each one's prompt alone reaches --max-length), naming the length that keeps them."""
     if kinds.pairs and kinds.pairs != kinds.total:
         raise UserError(f"the sources mix {kinds.pairs} preference pairs with {kinds.total - kinds.pairs} other "
                         "records; prepare pairs (for train.objective=dpo) into a .bin of their own")
+    if kinds.pairs and kinds.dropped_pairs == kinds.pairs:
+        lo, hi = kinds.dropped_prompts
+        raise UserError(f"all {kinds.pairs:,} preference pairs were dropped: each one's prompt alone reaches "
+                        f"--max-length (the prompts have {lo:,} to {hi:,} tokens, and a pair keeps its first "
+                        f"--max-length tokens of prompt + answer); give --max-length {hi + 1} or more to keep every "
+                        f"pair ({lo + 1} keeps the shortest), more to keep their answers whole")
 
 
 def summary(kinds, meta: dict, max_length: int) -> str:

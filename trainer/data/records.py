@@ -51,22 +51,26 @@ def held_out(record_key: bytes, frac: float) -> bool:
     return zlib.crc32(record_key) % 10_000 < frac * 10_000
 
 
-def read(path: Path):
-    """(where, record, bytes read so far) for each record of a JSONL or Parquet file, a few at a time."""
+def read(path: Path, start: int = 0, stop: int | None = None, first_line: int = 1):
+    """(where, record, bytes read so far) for each record of a JSONL or Parquet file, a few at a time; of a JSONL
+    file's bytes [start, stop) only (whole lines, the first of them line `first_line`) where stop is given."""
     if path.suffix == ".parquet":
         yield from _parquet(path)
         return
     with open_source(path) as f:  # a file, or an object in storage
-        at = 0
-        for n, line in enumerate(f, 1):
+        f.seek(start)
+        at, end = 0, None if stop is None else stop - start
+        for n, line in enumerate(f, first_line):
             at += len(line)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"{path}:{n} is not JSON ({getattr(e, 'msg', e)}); fix or remove that line") from None
-            yield f"{path}:{n}", rec, at
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    raise UserError(f"{path}:{n} is not JSON ({getattr(e, 'msg', e)}); fix or remove that "
+                                    "line") from None
+                yield f"{path}:{n}", rec, at
+            if end is not None and at >= end:
+                return
 
 
 def _parquet(path: Path):
@@ -91,12 +95,19 @@ class Kinds:
     exchanges: int = 0
     pairs: int = 0
     dropped_pairs: int = 0  # pairs whose prompt alone reaches --max-length (TRL drops them)
+    dropped_prompts: tuple = (0, 0)  # the shortest and the longest of their prompts, in tokens
     uncounted: int = 0
     first_uncounted: str = ""
 
     def add(self, kind: str):
         name = {"text": "text", "conversation": "conversations", "exchange": "exchanges", "pair": "pairs"}[kind]
         setattr(self, name, getattr(self, name) + 1)
+
+    def drop_pair(self, prompt: int):
+        """A pair dropped: its prompt alone (`prompt` tokens) reaches --max-length."""
+        lo, hi = self.dropped_prompts
+        self.dropped_prompts = (min(lo, prompt) if self.dropped_pairs else prompt, max(hi, prompt))
+        self.dropped_pairs += 1
 
     def add_uncounted(self, where: str):
         self.uncounted += 1

@@ -3,7 +3,8 @@ formats: tokens, document index, loss mask, sidecar), and DIR/manifest.json nami
 
 Shards are cut from the documents in the order `collect` lists them (sources as given, files sorted; the training
 files, then the held-out ones): text files fill a shard until it holds --shard-mb of input, a record file (JSONL,
-Parquet) is a shard of its own. The rule knows nothing of the workers, and a shard's bytes depend only on its
+Parquet) is a shard of its own, and a JSONL file on local disk of more than --shard-mb is cut at line ends into
+pieces of about --shard-mb, each a shard (so the workers share it). The rule knows nothing of the workers, and a shard's bytes depend only on its
 documents and the tokenizer, so 1 worker, N workers and a Ray cluster write the same bytes (no timings in a shard's
 sidecar or the manifest). A tokenizer is trained once, before sharding, on every training document. Each shard is
 written under temporary names and renamed into place (prepare's own `_finish`), and skipped when it is up to date: a
@@ -31,7 +32,7 @@ from trainer.data.batches import sidecar_path
 from trainer.data.chat import load_template, parse_date
 from trainer.data.manifest import MANIFEST, Where
 from trainer.data.prepare import (VERSION, Doc, _check_args, _given, _Job, _trained, _up_to_date, _write, collect,
-                                  inputs_hash, sha256_file)
+                                  inputs_hash, none_held, sha256_file)
 from trainer.data.records import Encoder
 from trainer.errors import UserError
 
@@ -57,7 +58,8 @@ class Unit:
 
 def units(train: list[Doc], held: list[Doc], records: list[Doc], shard_bytes: int) -> list[Unit]:
     """The shards' documents: the training text files, then the held-out ones, in collect's order (one shard holds
-    what one .bin would, in its order), cut when a shard reaches shard_bytes of input; then each record file alone."""
+    what one .bin would, in its order), cut when a shard reaches shard_bytes of input; then each record file alone,
+    or each of its pieces (`pieces`)."""
     split = {id(d) for d in train}
     out, cur, size = [], [], 0
     for d in train + held:
@@ -70,7 +72,51 @@ def units(train: list[Doc], held: list[Doc], records: list[Doc], shard_bytes: in
         out.append(cur)
     made = [Unit(i, tuple(d for d in ds if id(d) in split), tuple(d for d in ds if id(d) not in split), ())
             for i, ds in enumerate(out)]
-    return made + [Unit(len(made) + i, (), (), (r,)) for i, r in enumerate(records)]
+    cut = [p for r in records for p in pieces(r, shard_bytes)]
+    return made + [Unit(len(made) + i, (), (), (r,)) for i, r in enumerate(cut)]
+
+
+def pieces(doc: Doc, shard_bytes: int) -> list[Doc]:
+    """A JSONL file on local disk of more than shard_bytes as pieces of about shard_bytes, each ending at a line's
+    end (a record is never cut) and knowing the line it starts at (error messages name the file's own lines); any
+    other record file whole."""
+    if doc.size <= shard_bytes or doc.path.suffix != ".jsonl" or not isinstance(doc.path, Path):
+        return [doc]
+    cuts, lines = [0], [1]
+    with open(doc.path, "rb") as f:
+        while cuts[-1] + shard_bytes < doc.size:
+            f.seek(cuts[-1] + shard_bytes - 1)
+            f.readline()  # to the end of the line that byte is in
+            if (end := f.tell()) >= doc.size:
+                break
+            lines.append(lines[-1] + _newlines(f, cuts[-1], end))
+            cuts.append(end)
+    if len(cuts) == 1:
+        return [doc]
+    ends = cuts[1:] + [doc.size]
+    return [Doc(f"{doc.name}@{a}", doc.path, b - a, a, b, n) for a, b, n in zip(cuts, ends, lines)]
+
+
+def _check_cut(plan: list[Unit], entries: list[dict], heldout: float):
+    """A file cut into pieces holds out some of its records as a whole (one piece alone need not; a whole record
+    file's shard checks its own), before the manifest names any shard."""
+    held: dict[str, int] = {}
+    for u, e in zip(plan, entries):
+        for d in u.records:
+            if d.stop is not None:
+                held[str(d.path)] = held.get(str(d.path), 0) + e["documents"]["heldout"]
+    if heldout > 0 and (none := [p for p, n in held.items() if n == 0]):
+        raise none_held(heldout, f"the records of {none[0]}")
+
+
+def _newlines(f, start: int, stop: int) -> int:
+    """The line ends in the bytes [start, stop) of f (leaving f at stop)."""
+    f.seek(start)
+    n, left = 0, stop - start
+    while left > 0 and (b := f.read(min(left, 1 << 24))):
+        n += b.count(b"\n")
+        left -= len(b)
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +188,11 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     ray_module = _ray() if ray else None
     train, held, records = collect(sources, heldout)
     plan = units(train, held, records, int(shard_mb * 2**20))
+    if workers and workers > len(plan):
+        log(f"--workers {workers}: {len(plan)} shard{'s' * (len(plan) > 1)} to write, so {workers - len(plan)} "
+            f"worker{'s' * (workers - len(plan) > 1)} idle; shards hold --shard-mb {shard_mb:g} of text files or of "
+            "a JSONL file on local disk (a Parquet file or an object in storage is one shard): a smaller --shard-mb "
+            "makes more")
     settings = {"version": VERSION, "sources": sources, "heldout": heldout, "train_vocab": train_vocab,
                 "tokenizer_sha256": tokenizer and sha256_file(_given(tokenizer).path), "shard_mb": shard_mb,
                 "field": field, "loss_on": loss_on, "date": parse_date(date).isoformat(),
@@ -172,6 +223,7 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     n = workers or os.cpu_count() or 1
     t1 = time.perf_counter()
     entries = _run(plan, s, n, ray_module, ray, show_progress)
+    _check_cut(plan, entries, heldout)
     took = time.perf_counter() - t1
     manifest = _manifest(entries, tk, digest, sources, heldout, folder)
     if upload:
@@ -249,7 +301,7 @@ def _run(plan: list[Unit], s: Settings, n: int, ray_module, address: str | None,
                             rate=f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
         if ray_module is not None:
             _on_ray(ray_module, address, plan, s, done)
-        elif n == 1:
+        elif min(n, len(plan)) == 1:  # one shard: no process to spawn
             for i, u in enumerate(plan):
                 done(i, run_unit(u, s))
         else:

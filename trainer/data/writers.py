@@ -123,7 +123,7 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
         nonlocal batch, nbytes
         for (split, n, (where, kind, _)), docs in zip(batch, enc.encode([b for _, _, b in batch])):
             if kind == "pair" and not docs:  # its prompt alone reaches --max-length: dropped, counted
-                kinds.dropped_pairs += 1
+                kinds.drop_pair(docs.prompt)
                 continue
             for ids, mask in docs if kind == "pair" else [docs]:  # a pair: two documents, chosen then rejected
                 if not mask.any():
@@ -134,7 +134,7 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
         bar.advance(0)
         batch, nbytes = [], 0
 
-    for where, rec, at in read(doc.path):
+    for where, rec, at in read(doc.path, doc.start, doc.stop, doc.line):
         kind = kind_of(rec := normalised(rec), where, enc.field)
         kinds.add(kind)
         k = key(rec)
