@@ -446,3 +446,20 @@ def test_generate_equals_the_training_forwards_greedy_tokens(capacity):
     got = np.stack(list(generate(c, params, tokens, n)), axis=1)
     assert (got == want[:, P:]).all(), (got, want[:, P:])
 
+
+
+@pytest.mark.parametrize("keys,said,held", [([], "experts 8 over data=4 (2 per data rank)", 2),
+                                            (["train.expert_parallel=false"], "experts 8 replicated over data=4", 8)])
+def test_the_train_banner_says_how_the_experts_are_split(keys, said, held):
+    """Issue 65 item 11: the banner did not say that the experts are split over `data`. It says what the state's
+    shardings hold: each expert weight's experts per device (8 / 4 = 2 when split, all 8 when not)."""
+    from trainer.config import load_config
+    from trainer.run.context import describe
+    from trainer.state import make_setup
+    s = make_setup(load_config(TINY + ["model.family=mixtral", "model.n_experts=8", "mesh.data=4", "mesh.model=2",
+                                       *keys]))
+    axes = jax.tree.leaves(s.logical, is_leaf=lambda v: isinstance(v, tuple))
+    per_device = {sh.shard_shape(x.shape)[ax.index("experts")] for x, ax, sh in
+                  zip(jax.tree.leaves(s.param_shapes), axes, jax.tree.leaves(s.shardings["params"])) if "experts" in ax}
+    assert per_device == {held} and said in describe(s), (per_device, describe(s))
+    assert "experts" not in describe(make_setup(load_config(TINY + ["mesh.data=4", "mesh.model=2"])))  # dense

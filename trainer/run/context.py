@@ -104,11 +104,22 @@ def describe(s: Setup) -> str:
         sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
     return (f"model {param_count(mc) / 1e6:.2f}M params (d={mc.d_model} L={mc.n_layers} H={mc.n_heads} "
             f"KV={mc.n_kv_heads} F={mc.d_ff} V={mc.vocab_size} T={mc.seq_len}, remat={mc.remat}) | "
-            f"mesh {' '.join(f'{a}={n}' for a, n in s.mesh.shape.items())} | "
+            f"mesh {' '.join(f'{a}={n}' for a, n in s.mesh.shape.items())} | {_experts(s)}"
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
             f"{t.microbatches} microbatch(es)"
             + (f" | {describe_pipeline(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
                if s.mesh.shape["stage"] > 1 else ""))
+
+
+def _experts(s: Setup) -> str:
+    """'experts 8 over data=4 (2 per data rank) | ' for an MoE (its experts split over `data` by the run's rules,
+    train.expert_parallel), 'experts 8 replicated over data=4 | ' where they are not; '' for a dense model."""
+    if not getattr(s.model, "sparse", False):
+        return ""
+    n, data = s.model.n_experts, s.mesh.shape["data"]
+    if s.layout.rules["experts"] == "data":
+        return f"experts {n} over data={data} ({n // data} per data rank) | "
+    return f"experts {n} replicated over data={data} | "
 
 
 class Run:
