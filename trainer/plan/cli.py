@@ -46,7 +46,7 @@ def _n_devices(cfg, ns) -> int:
     from trainer.config.sections import SIZE
     named = devices_named(cfg.mesh)
     if ns.devices is not None or named is not None:
-        sizes = " x ".join(str(getattr(cfg.mesh, a.name)) for a in AXES)
+        sizes = " x ".join(f"{a.name}={getattr(cfg.mesh, a.name)}" for a in AXES)
         n, given = (ns.devices, f"--devices {ns.devices}") if ns.devices is not None else \
             (named, f"the mesh's {sizes} = {named} devices")
         if not in_range(n, SIZE):
