@@ -63,7 +63,9 @@ def main(args: list[str]) -> int:
         raise UserError(f"unknown option '{bad[0]}' for meshtrain plan; see `meshtrain plan --help`")
     from trainer.config import compute_dtype, load_config, model_config
     from trainer.ckpt.sources import resolve
+    from trainer.data.checks import check_data
     cfg = resolve(load_config(rest))
+    check_data(cfg)  # what the data decides, as `meshtrain train` says it (trainer/data/checks.py)
     modes = [f for f, on in (("--verify", ns.verify), ("--search", ns.search), ("--compile-for", ns.compile_for),
                              ("--lower", ns.lower)) if on]
     if len(modes) > 1:

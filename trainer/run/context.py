@@ -27,6 +27,7 @@ from trainer.ckpt.store import kind_of
 from trainer.config import Config, to_yaml
 from trainer.data import remote
 from trainer.data.batches import Batches, load_corpus
+from trainer.data.checks import check_data
 from trainer.data.feed import Feed
 from trainer.errors import UserError
 from trainer.observe.goodput import Goodput
@@ -133,6 +134,7 @@ class Run:
         # shapes only: an HF init_from folder's config.json, a .bin's sidecar (tokenizer, dtype, vocab); its weights,
         # the tokens and the checkpoints are read once the step has compiled and fits (train.memory_check)
         cfg = self.cfg = resolve(cfg, tensors=False)
+        check_data(cfg)  # what the data decides (its tokenizer against the model's, pairs, documents): one line
         self.dir = check_run_dir(cfg.run.dir)  # nothing is written before begin()
         # a URL's checkpoints go there, its other files to a local folder uploaded after each save and at the end
         self.files = RunFiles(cfg.run.dir) if remote.is_url(cfg.run.dir) else None
