@@ -18,9 +18,10 @@ from pathlib import Path
 from trainer.config import model_config
 from trainer.config.mixture import parse_entries
 from trainer.data import remote
-from trainer.data.batches import load_corpus, no_documents, read_sidecar, tokenizer_of
+from trainer.data.batches import load_corpus, no_documents
 from trainer.data.manifest import Where, is_manifest, read_manifest
 from trainer.data.pairs import packed_pairs
+from trainer.data.sidecars import beside, data_sidecar
 from trainer.errors import UserError
 
 BYTES = "bytes"  # the data's tokens are its bytes (builtin, text files, unprepared records)
@@ -57,15 +58,12 @@ def tokenizer_at(file: str, arg: str | None = None) -> Tokenizer:
 
 def _prepared(source: str) -> dict | None:
     """What a prepared source says of itself (its sidecar or manifest); None for any other source."""
-    url = remote.is_url(source)
     if source.endswith(".bin"):
-        if url and not remote.exists(source + ".json"):
-            return None
-        meta = remote.read_json(source + ".json") if url else read_sidecar(source)
+        meta = data_sidecar(source)
         if not meta:
             return None
-        tok = remote.join(source.rpartition("/")[0], meta["tokenizer"]["path"]) if url else tokenizer_of(source, meta)
-        return {"tokenizer": tok, "pairs": bool(meta.get("pairs")), "sources": meta.get("sources") or [],
+        return {"tokenizer": beside(source, meta["tokenizer"]["path"]), "pairs": bool(meta.get("pairs")),
+                "sources": meta.get("sources") or [],
                 "documents": bool(meta.get("document_index")) or meta.get("eot_id") is not None}
     if not is_manifest(source):
         return None

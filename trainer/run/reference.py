@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loss import head_token_losses, hidden
+from trainer.data.checks import no_pairs
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -255,9 +256,7 @@ class Reference:
     def __init__(self, s, batches, rows, to_global, say):
         self.s, self.mode = s, s.cfg.dpo.reference_mode
         if not batches.c.pairs:
-            raise UserError(f"train.objective=dpo trains on preference pairs, and data.source '{s.cfg.data.source}' "
-                            "has none; prepare {prompt, chosen, rejected} records with meshtrain prepare, or set "
-                            "train.objective=lm")
+            raise no_pairs(s.cfg.data.source)  # trainer/data/checks.py says it first, before anything compiles
         self.fn = logp_fn(s)
         params = load(s, say)
         if self.mode == "online":
