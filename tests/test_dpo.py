@@ -423,6 +423,19 @@ def test_a_max_length_that_drops_every_pair_says_so(tmp_path, capsys):
         assert json.loads((tmp_path / f"{n}.bin.json").read_text())["pairs"]["dropped"] == dropped, n
 
 
+def test_dpo_keys_under_the_token_loss_are_one_warning(caplog):
+    """dpo.* keys set while train.objective=lm are ignored: one warning naming them; none under dpo or when unset."""
+    from trainer.config import load_config, validate
+
+    def warned(keys):
+        caplog.clear()
+        validate(load_config(TINY + keys), 1)
+        return [r.getMessage() for r in caplog.records if "dpo." in r.getMessage()]
+    got = warned(["dpo.beta=0.25", "dpo.loss=ipo"])
+    assert len(got) == 1 and got[0].startswith("dpo.beta=0.25, dpo.loss=ipo ignored: train.objective=lm"), got
+    assert warned(["train.objective=dpo", "dpo.beta=0.25", "dpo.reference=x"]) == [] and warned([]) == []
+
+
 def test_a_resume_keeps_its_reference_or_says_it_changed(synth, tmp_path, capsys, caplog):
     """A DPO run trained against reference A (a copy of the synthetic reference's checkpoint, its saved config made a
     DPO run's against A, as a run would save it): resumed with dpo.reference dropped (model.init_from B would become

@@ -20,6 +20,7 @@ from models.config import own_keys
 from models.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
+from trainer.config.dpo import ignored_dpo
 from trainer.config.mixture import ignored_source
 from trainer.config.sections import ALIASES, Config
 from trainer.config.widths import split_widths
@@ -301,6 +302,8 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
             raise UserError(msg)
     expert_parallel(cfg, data)
     if ignored := ignored_source(cfg.data):
+        _warn_once(ignored)
+    if ignored := ignored_dpo(cfg):
         _warn_once(ignored)
     if stage > 1 and cfg.model.remat not in PIPELINE_REMATS:
         _warn_once(f"model.remat={cfg.model.remat} does nothing under a pipeline (mesh.stage={stage}): each stage "
