@@ -10,7 +10,6 @@ tokenizer.json written again with other formatting is the same tokenizer, one to
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -38,12 +37,19 @@ class Tokenizer:
         return f"{self.file}, {self.size} tokens" if self.size else self.file
 
 
-@functools.lru_cache(maxsize=16)
+_VOCABULARIES: dict[str, tuple[str, int]] = {}  # a tokenizer.json's sha256 -> its vocabulary's, its size
+
+
 def _vocabulary(text: str) -> tuple[str, int]:
+    """(sha256 of the vocabulary, its size) of a tokenizer.json's text (a large one parses in a few tenths of a
+    second: each file once per process)."""
     from tokenizers import Tokenizer as HF
-    vocab = HF.from_str(text).get_vocab(with_added_tokens=True)
-    items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest(), len(vocab)
+    file = hashlib.sha256(text.encode()).hexdigest()
+    if file not in _VOCABULARIES:
+        vocab = HF.from_str(text).get_vocab(with_added_tokens=True)
+        items = sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))
+        _VOCABULARIES[file] = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest(), len(vocab)
+    return _VOCABULARIES[file]
 
 
 def tokenizer_at(file: str, arg: str | None = None) -> Tokenizer:
