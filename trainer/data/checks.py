@@ -206,9 +206,9 @@ def check_pairs(cfg):
 def check_data(cfg):
     """Every check of a run's data that can refuse it before anything compiles (see the module's docstring)."""
     d = cfg.data
-    names, sources = ([*parse_entries(d.mixture)[1]], [*parse_entries(d.mixture)[0]]) if d.mixture else \
-        ([d.source], [d.source])
-    toks = [data_tokenizer(s) for s in sources]
+    sources, names, _ = parse_entries(d.mixture) if d.mixture else ([d.source], [d.source], None)
+    compared = d.mixture or (d.tokenizer_check and cfg.model.init_from)  # a tokenizer is read only to compare it
+    toks = [data_tokenizer(s) for s in sources] if compared else []
     if d.mixture:
         same_tokenizer(names, toks)
     if d.tokenizer_check and cfg.model.init_from:
