@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.paths import check
+from trainer.data import remote
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ class Completion:
 
 
 def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int, chat: bool, system, stops):
-    if not Path(run_dir).is_dir():
+    check(run_dir, "--run")
+    if not remote.is_url(run_dir) and not Path(run_dir).is_dir():  # a URL: load_params says what it lacks
         raise UserError(f"--run '{run_dir}' is not a directory; give the run.dir of a trained run")
     if n_tokens < 1:
         raise UserError(f"--tokens {n_tokens} must be at least 1")
@@ -179,15 +182,15 @@ class _Tokens:
     """The run's tokenizer (data.tokenizer), its eos, its added tokens and the run's chat template."""
 
     def __init__(self, cfg, chat: bool):
-        from trainer.data.batches import read_sidecar
         from trainer.data.prepare import load_tokenizer
-        path = cfg.data.tokenizer
+        from trainer.data.sidecars import data_sidecar, local_tokenizer
+        path = local_tokenizer(cfg.data.tokenizer)  # data in a bucket: its tokenizer copied here
         if not Path(path).exists():
             raise UserError(f"the run's tokenizer '{path}' (data.tokenizer) is missing; put the file back "
                             "there (the run's config.yaml names it)")
         self.tok, file, self.eot = load_tokenizer(path)
         self.added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
-        meta = read_sidecar(cfg.data.source) if cfg.data.source.endswith(".bin") else None
+        meta = data_sidecar(cfg.data.source)
         self.start = self._document_start(cfg.data.source, meta)
         self.template = _template(meta, cfg.data.source, file.parent, chat)
 
@@ -198,7 +201,7 @@ class _Tokens:
         from trainer.data.records import text_specials
         if meta is not None:
             return list(meta.get("text_specials", {}).get("before", []))
-        if source.endswith(".bin") and not Path(source).exists():
+        if source.endswith(".bin") and not remote.is_url(source) and not Path(source).exists():
             log.warning("generate: the run's data %s is gone, so how its documents start is not known; a plain "
                         "prompt starts as the tokenizer's tokenizer(prompt) does", source)
         return text_specials(self.tok, self.eot)[0]
@@ -242,15 +245,17 @@ def _template(meta: dict | None, source: str, folder: Path, chat: bool):
     `source` names it), else the tokenizer folder's; None without one. A template that does not parse is an error
     for --chat, and for plain generation only a warning (it then gives no end-of-turn token)."""
     from trainer.data.chat import ChatTemplate, specials_of, template_text
+    from trainer.data.sidecars import beside, read_beside
     kept = meta and meta.get("chat_template")
     found = None
     if kept:
-        f = Path(source).parent / kept["path"]
+        f = beside(source, kept["path"])
         try:
-            found = (str(f), f.read_text())
-        except OSError as e:
-            raise UserError(f"the chat template of the run's data, {f}, cannot be read ({e.strerror}); put it "
-                            "back (meshtrain prepare wrote it beside the .bin)") from None
+            found = (f, read_beside(source, kept["path"]))
+        except (OSError, UserError) as e:
+            raise UserError(f"the chat template of the run's data, {f}, cannot be read "
+                            f"({getattr(e, 'strerror', None) or e}); put it back (meshtrain prepare wrote it beside "
+                            "the .bin)") from None
     found = found or template_text(folder)
     if found is None:
         return None
