@@ -33,8 +33,8 @@ def _jit_forward(c):
     return jax.jit(functools.partial(forward, c))
 
 
-def _greedy_recompute(c, params, prompt_BT, n):
-    """Greedy decoding by running the whole window through `forward` for every token.
+def _greedy_recompute(c, params, prompt_BT, n, vocab=None):
+    """Greedy decoding by running the whole window through `forward` for every token (over the first `vocab` ids).
 
     The window is right-padded to seq_len (one compile): the model is causal, so the logits at
     the window's last real token do not see the padding.
@@ -47,7 +47,7 @@ def _greedy_recompute(c, params, prompt_BT, n):
         window = seq[:, start:]
         padded = np.pad(window, ((0, 0), (0, c.seq_len - window.shape[1])))
         logits_BV = fwd(params, jnp.asarray(padded))[:, window.shape[1] - 1]
-        tok = np.asarray(jnp.argmax(logits_BV, axis=-1), np.int32)
+        tok = np.asarray(jnp.argmax(logits_BV[:, :vocab], axis=-1), np.int32)
         out.append(tok)
         seq = np.concatenate([seq, tok[:, None]], axis=1)
     return np.stack(out, axis=1)
@@ -285,3 +285,51 @@ def test_generate_chat_and_stop_bad_input(args, msg, capsys):
     assert main(["generate", "--tokens", "1"] + args) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshtrain: error: ") and msg in err and err.count("\n") == 1, err
+
+
+def _padded_fixture(ref, tmp_path) -> Path:
+    """The fixture's 1025 rows padded to 1032 (a vocabulary padded up to a multiple of mesh.model), each new row 100 x
+    the row of the token transformers' greedy decoding of chat0 picks first: drawn from, they would win."""
+    from trainer.ckpt.safetensors import read_header, write
+    padded = tmp_path / "padded"
+    shutil.copytree(FIX, padded)
+    config = json.loads((FIX / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": 1032}))
+    tensors = {k: np.array(t.array()) for k, t in read_header(FIX / "model.safetensors").items()}
+    embed = tensors["model.embed_tokens.weight"]
+    top = embed[ref["chat0"]["new_ids"][:1]]
+    tensors["model.embed_tokens.weight"] = np.concatenate([embed, np.repeat(100 * top, 7, 0)])
+    write(padded / "model.safetensors", [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+    return padded
+
+
+def test_ids_past_the_tokenizers_are_never_drawn(model, ref, tmp_path, monkeypatch):
+    """Issue 65 item 11: a vocabulary padded past the tokenizer's (rows no token uses) must not be drawn from.
+    decode.generate with vocab=200 of the model's 256: greedy equals recomputation whose logits past 200 are dropped
+    by hand (and without the limit greedy draws from them); sampling stays below 200. `meshtrain generate` limits
+    a model of 1032 rows to its tokenizer's 1025 ids."""
+    import models.decode
+    from trainer.run.generate import completion
+    c, params = model
+    prompt = _tokens(2, 8)
+    free = np.stack(list(generate(c, params, prompt, 20)), axis=1)
+    limited = np.stack(list(generate(c, params, prompt, 20, vocab=200)), axis=1)
+    drawn = np.stack(list(generate(c, params, prompt, 20, temperature=1.0, seed=3, vocab=200)), axis=1)
+    assert (free >= 200).any() and drawn.max() < 200, (free, drawn)
+    np.testing.assert_array_equal(limited, _greedy_recompute(c, params, prompt, 20, vocab=200))
+    limits = []
+
+    def step(p, toks, pos, cache, key, temperature, top_k, n_ids):  # what the step is given; no compile
+        limits.append(int(n_ids))
+        return jnp.full((1,), EOT), cache
+    monkeypatch.setattr(models.decode, "_step_fn", lambda c, dtype: step)
+    completion(str(_padded_fixture(ref, tmp_path)), "Hello", 1, temperature=0.0, out=io.StringIO())
+    assert limits == [1025]
+
+
+@pytest.mark.slow
+def test_a_padded_vocabulary_generates_what_the_unpadded_model_does(ref, tmp_path):
+    """Issue 65 item 11: a vocabulary padded up to a multiple of mesh.model (rows no token uses) must not be drawn
+    from. The fixture's 1025 rows padded to 1032, each new row 100 x the row of the token transformers' greedy
+    decoding picks first (so that, drawn from, they would win): greedy decoding still gives transformers' tokens."""
+    assert _ours(_padded_fixture(ref, tmp_path), ref["chat0"]).ids == ref["chat0"]["new_ids"]

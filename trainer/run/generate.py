@@ -90,7 +90,7 @@ def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature:
     if not chat:
         out.write(prompt)
     tokens = (int(t[0]) for t in generate(mc, params, kept, n_tokens, temperature=temperature, top_k=top_k,
-                                          seed=seed, context=context))
+                                          seed=seed, context=context, vocab=codec.vocab))
     new, text, stopped = _stream(tokens, codec.decoder(), stop_ids, stop_texts, out)
     out.write("\n")
     out.flush()
@@ -158,6 +158,7 @@ def _model_eos(origin: Path | None) -> set[int]:
 
 class _Bytes:
     """A byte-level run: a token is a byte; no chat template, no end-of-text token."""
+    vocab = 256  # the ids it decodes: generation draws no other (a vocabulary wider than bytes pads)
 
     def encode(self, prompt: str) -> list[int]:
         return list(prompt.encode("utf-8")) or [ord("\n")]  # an empty prompt starts a new line
@@ -232,9 +233,14 @@ class _Tokens:
     def token(self, text: str) -> int | None:
         return self.added.get(text)
 
+    @property
+    def vocab(self) -> int:
+        """The ids it decodes: generation draws no other (a model.vocab_size padded past it has rows no token's)."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
     def decoder(self):
         from tokenizers.decoders import DecodeStream
-        stream, vocab = DecodeStream(skip_special_tokens=False), self.tok.get_vocab_size(with_added_tokens=True)
+        stream, vocab = DecodeStream(skip_special_tokens=False), self.vocab
         # DecodeStream holds back ids that end inside a UTF-8 character until it is whole; ids the model has
         # but the tokenizer lacks (a wider model.vocab_size) show as U+FFFD
         return (lambda t: (stream.step(self.tok, t) or "") if t < vocab else "\ufffd"), lambda: ""
