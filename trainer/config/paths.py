@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 
+from trainer.config.mixture import split_entry
 from trainer.errors import UserError
 
 SCHEMES = ("s3", "gs")  # object storage read and written by meshtrain (trainer/data/remote.py, trainer/ckpt/objects.py)
 _STORAGE = r"s3|s3a|s3n|gs|gcs"  # what a user may mean by one of SCHEMES
 _URL = re.compile(r"(s3|gs)://[^/\s]")
+_STORAGE_NAME = re.compile(rf"(?i:{_STORAGE})")
 _LOOKS = re.compile(rf"[A-Za-z][A-Za-z0-9+.-]+:/|(?i:{_STORAGE})\s*(:|//)")
 # the config keys that name a path (checked as load_config reads a YAML file or the command line)
 CONFIG_KEYS = ("run.dir", "data.source", "model.init_from", "dpo.reference")
@@ -53,3 +55,8 @@ def check_layer(node, where: str):
         value = OmegaConf.select(node, key, default=None)
         if isinstance(value, str):
             check(value, key, where)
+    mixture = OmegaConf.select(node, "data.mixture", default=None)
+    for entry in mixture if OmegaConf.is_list(mixture) else ():
+        name, source, _ = split_entry(str(entry))
+        # a NAME is never a storage scheme: s3:/b/x=1 is a mistyped URL, not the source /b/x named s3
+        check(str(entry).rpartition("=")[0] if _STORAGE_NAME.fullmatch(name) else source, "data.mixture entry", where)
