@@ -189,3 +189,45 @@ def test_an_out_of_memory_error_from_xla_is_one_line(tmp_path, capsys):
     assert err[0].startswith("meshtrain: error: out of memory while running the train steps (reported at step ") \
         and "Out of memory allocating" in err[0], err[0]
     assert not list((run / "checkpoints").glob("[0-9]*")), "a state that ran out of memory was saved"
+
+
+class _Compiled(Exception):
+    """Raised where the run would compile its step: its start-up is over."""
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> tuple[Path, int, int]:
+    """Data prepared with a trained tokenizer whose vocabulary 8 does not divide: (its .bin, the vocabulary, the
+    next multiple of 8 by hand)."""
+    import json
+    import math
+    d = tmp_path_factory.mktemp("bpe")
+    (d / "words.txt").write_text(" ".join(f"w{i % 97}x{i % 13}" for i in range(4000)))
+    assert main(["prepare", str(d / "words.txt"), "--train-tokenizer", "301", "--out", str(d / "bpe.bin")]) == 0
+    vocab = json.loads((d / "bpe.bin.json").read_text())["vocab_size"]
+    assert vocab % 8, f"the trained vocabulary ({vocab}) must not divide by 8 for these tests"
+    return d / "bpe.bin", vocab, math.ceil(vocab / 8) * 8
+
+
+def test_a_trained_vocabulary_is_padded_to_a_multiple_of_mesh_model(bpe, tmp_path, monkeypatch, capsys):
+    """Issue 65 item 11: a vocabulary from `prepare --train-tokenizer` that mesh.model does not divide was refused
+    (pad it by hand). Now model.vocab_size is the next multiple of mesh.model, said in one line, and the embedding's
+    rows are split that way."""
+    from trainer.run.context import Run
+    data, vocab, padded = bpe
+    started = []
+
+    def compiled(self):
+        started.append(self.s)
+        raise _Compiled
+    monkeypatch.setattr(Run, "_compile", compiled)
+    capsys.readouterr()
+    with pytest.raises(_Compiled):
+        main(["train", *BASE, "mesh.data=1", "mesh.model=8", f"data.source={data}", f"run.dir={tmp_path / 'run'}"])
+    said = capsys.readouterr().err.splitlines()
+    (s,) = started
+    embed = s.shardings["params"]["embed"].shard_shape(s.param_shapes["embed"].shape)
+    assert s.model.vocab_size == padded and s.param_shapes["embed"].shape[0] == padded and embed[0] == padded // 8
+    assert said[0] == (f"meshtrain: warning: model.vocab_size={padded}: the data's vocabulary of {vocab} tokens padded "
+                       f"up to a multiple of mesh.model=8 ({padded - vocab} rows no token uses; an explicit "
+                       "model.vocab_size overrides)"), said
