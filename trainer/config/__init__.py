@@ -22,6 +22,7 @@ from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
 from trainer.config.dpo import ignored_dpo
 from trainer.config.mixture import ignored_source
+from trainer.config.paths import check_layer
 from trainer.config.sections import ALIASES, Config
 from trainer.config.widths import split_widths
 
@@ -200,6 +201,7 @@ def load_config(args: list[str] = (), base: dict | None = None) -> Config:
     for node, where in layers:
         _unknown(node, where)
         text_lists(node, Config)
+        check_layer(node, where)
     cfg = _built(layers)
     check_ranges(cfg)  # every key against its allowed values, before anything is touched
     return cfg
