@@ -231,3 +231,13 @@ def test_a_trained_vocabulary_is_padded_to_a_multiple_of_mesh_model(bpe, tmp_pat
     assert said[0] == (f"meshtrain: warning: model.vocab_size={padded}: the data's vocabulary of {vocab} tokens padded "
                        f"up to a multiple of mesh.model=8 ({padded - vocab} rows no token uses; an explicit "
                        "model.vocab_size overrides)"), said
+
+
+def test_an_explicit_vocabulary_that_mesh_model_does_not_divide_names_the_padded_size(bpe, files, capsys):
+    """An explicit model.vocab_size is used as given: one mesh.model does not divide is refused, the fix naming the
+    padded size (the next multiple of mesh.model)."""
+    data, vocab, padded = bpe
+    _check(["train", *BASE, "run.dir={RUN}", "mesh.data=1", "mesh.model=8", f"data.source={data}",
+            f"model.vocab_size={vocab}"],
+           f"model.vocab_size={vocab} is not divisible by mesh.model=8; pick a mesh.model that divides {vocab} or "
+           f"change model.vocab_size, e.g. model.vocab_size={padded}", files, capsys)

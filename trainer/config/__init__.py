@@ -24,7 +24,7 @@ from trainer.config.dpo import ignored_dpo
 from trainer.config.mixture import ignored_source
 from trainer.config.paths import check_layer
 from trainer.config.sections import ALIASES, Config
-from trainer.config.widths import split_widths
+from trainer.config.widths import not_divisible, split_widths
 
 __all__ = ["Config", "all_keys", "compute_dtype", "keys_help", "keys_markdown", "load_config", "model_config",
            "replace", "step_range", "to_yaml", "validate"]
@@ -385,8 +385,7 @@ def _model_checks(cfg: Config, mc: ModelConfig, model: int) -> list[tuple[bool, 
         (mc.n_heads % kv == 0,
          f"model.n_heads={mc.n_heads} is not divisible by model.n_kv_heads={kv}; pick n_kv_heads dividing n_heads"),
         *family(mc.family).checks(mc),
-        *[(v % model == 0, f"{name} is not divisible by mesh.model={model}; pick a mesh.model that divides {v} or "
-           f"change {name.split('=')[0]}") for name, v in split_widths(mc)],
+        *[(v % model == 0, not_divisible(name, v, model, not cfg.model.init_from)) for name, v in split_widths(mc)],
         # fewer kv heads than model ranks: each kv head is replicated over the ranks that share it
         (kv % model == 0 or model % kv == 0,
          f"model.n_kv_heads={kv} and mesh.model={model} must divide one another (kv heads are split over "
