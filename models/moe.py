@@ -71,6 +71,14 @@ class MoEConfig(ModelConfig):
                     f"n_experts / mesh.data experts)")
         return None
 
+    def experts_line(self, data: int, split: bool) -> str:
+        """The train banner's words for the experts' layout over `data` data ranks ('' for a dense MLP)."""
+        if not self.sparse:
+            return ""
+        if split:
+            return f"experts {self.n_experts} over data={data} ({self.n_experts // data} per data rank) | "
+        return f"experts {self.n_experts} replicated over data={data} | "
+
     def expert_collectives(self, tokens: int, ranks: int, a: int) -> list[tuple[str, str, float, bool, bool]]:
         """One MoE layer's forward collectives over `data` under expert parallelism (grouped_mlp), for `tokens` tokens
         per rank on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the

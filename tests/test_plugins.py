@@ -54,7 +54,8 @@ def _run(*overrides, start=0):
     uploads = []  # a run.dir URL's files uploaded after each save (trainer/ckpt/objects.py)
     return types.SimpleNamespace(uploads=uploads, upload=lambda: uploads.append(1), cfg=cfg, start=start, done=start, state={"params": "P"}, metrics=None, host=None,
                                  record={}, history=[], offset=0,
-                                 s=types.SimpleNamespace(model=types.SimpleNamespace(dpo=None)),  # not DPO ckpt=_Ckpt(cfg.checkpoint.every), writer=_Writer(),
+                                 ckpt=_Ckpt(cfg.checkpoint.every), writer=_Writer(),
+                                 s=types.SimpleNamespace(model=types.SimpleNamespace(dpo=None)),  # not DPO
                                  console=Console(file=io.StringIO(), width=200), preempted=False,
                                  goodput=types.SimpleNamespace(record=lambda: {"goodput": 0.5}),
                                  logging=lambda step: step % cfg.run.log_every == 0 or step == cfg.train.steps)

@@ -115,12 +115,8 @@ def describe(s: Setup) -> str:
 def _experts(s: Setup) -> str:
     """'experts 8 over data=4 (2 per data rank) | ' for an MoE (its experts split over `data` by the run's rules,
     train.expert_parallel), 'experts 8 replicated over data=4 | ' where they are not; '' for a dense model."""
-    if not getattr(s.model, "sparse", False):
-        return ""
-    n, data = s.model.n_experts, s.mesh.shape["data"]
-    if s.layout.rules["experts"] == "data":
-        return f"experts {n} over data={data} ({n // data} per data rank) | "
-    return f"experts {n} replicated over data={data} | "
+    line = getattr(s.model, "experts_line", None)
+    return line(s.mesh.shape["data"], s.layout.rules["experts"] == "data") if line else ""
 
 
 class Run:
