@@ -1,16 +1,16 @@
 """Collectives over logical axes, for model code (models/spec.py `LayerCall.collectives`; the trainer builds one
 from its layout and passes it in through `Placement`).
 
-Each collective names a logical axis (`experts`, `mlp`, ...) and runs over the ranks of the mesh axes the rules map
-it to that are manual where it is traced: inside the explicit step's shard_map (manual over `data`), a pipeline's
-(`stage`, `data`) or a `region`. A mesh axis the compiler partitions (automatic) or of size 1 counts as one rank:
-arrays are whole along it and the compiler does its sums, so there the axis's size is 1, its index 0 and every
-collective the identity (the local form models/spec.py gives decoding and the planner). Model code thus writes each
-rank's part once, and it is right on every layout.
+Each collective names a logical axis (`experts`, `mlp`, ...) and runs over the ranks of the mesh axes the rules map it
+to that are manual where it is traced: inside the explicit step's shard_map (manual over the batch axes, `data` x
+`context`), a pipeline's (`stage` and the batch axes) or a `region`. A mesh axis the compiler partitions (automatic)
+or of size 1 counts as one rank: arrays are whole along it and the compiler does its sums, so there the axis's size is
+1, its index 0 and every collective the identity (the local form models/spec.py gives decoding and the planner). Model
+code thus writes each rank's part once, and it is right on every layout.
 
 `region(fn, in_axes, out_axes, over)` runs fn on each rank's blocks in a shard_map manual over the mesh axes of the
 logical axes `over`, nested in whatever is manual already (the compiler path: a nested shard_map; the explicit
-step: none needed for `data`). over=None is fully manual: every mesh axis, for a kernel the compiler cannot
+step: none needed for the batch axes). over=None is fully manual: every mesh axis, for a kernel the compiler cannot
 partition (a Pallas/Mosaic grouped matmul); the tensor-parallel sums over `model` are then fn's own
 (`psum(x, "mlp")`), which elsewhere are the identity.
 """

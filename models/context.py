@@ -4,7 +4,9 @@ logical axis `seq` to it), each device holding T/C tokens of each of its rows.
 Everything but attention works token by token (embeddings, norms, MLPs, the loss) and needs nothing here.
 Attention needs the keys of the whole row: `all_gather` gathers each layer's K and V (and the keys' positions and
 documents) over `context` and attends the rank's own queries to them, causality and documents by position
-(models/attention.py `positions`), not by index. Its transpose reduce-scatters dK and dV back.
+(models/attention.py `positions`), not by index. Its transpose reduce-scatters dK and dV back. `all_to_all`
+trades the sequence split for a split of the heads for attention (Ulysses) and back; `ring` passes each rank's K/V
+block around the ring of context ranks and never holds the row's K/V (models/ring.py).
 
 Causal load balancing (`order`): with the row split in C contiguous chunks, rank C-1's queries see every key and
 rank 0's only its own; the trainer reorders each row once, at the step's start, so that rank i holds the chunks i and

@@ -2,10 +2,11 @@
 kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/experts.py.
 
 XLA cannot partition a Mosaic kernel, so it runs in a region manual over every mesh axis (meshes/collectives.py,
-over=None; models/experts.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual over `data` already) and every pipeline schedule (manual
-over `stage` and `data`) alike: each rank holds its tokens (split over `data` with the batch) and its slice of every
-expert's hidden units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own
-psum over `mlp` (the identity where `model` is one rank), taken after the combine (N x D, not N x k x D).
+over=None; models/experts.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual
+over the batch axes, `data` x `context`, already) and every pipeline schedule (manual over `stage` and the batch axes)
+alike: each rank holds its tokens (split over the batch axes with the batch) and its slice of every expert's hidden
+units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own psum over `mlp`
+(the identity where `model` is one rank), taken after the combine (N x D, not N x k x D).
 
 Each rank sorts its N x k choices by expert, a dropped one after the last expert, pads the rows to whole tiles and
 runs gate, up and down as grouped matmuls whose groups are the X experts plus one more, the dropped choices and the

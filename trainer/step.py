@@ -12,14 +12,14 @@ Gradients come from the path the gradient decision names (s.reduction.where, tra
 which also says how each leaf is reduced: a leaf the rules split over `data` never is):
   compiler  (grad_sync=auto, ZeRO 0/1, one microbatch): plain jit; XLA inserts the gradient all-reduce.
   manual    (grad_sync=psum|ring|ring_bf16, ZeRO 2/3, or microbatches > 1): the loss and gradients run in a
-            shard_map that is manual over the batch's mesh axes, `data` (tensor parallelism over `model` stays
-            with the compiler). Each device differentiates its own rows; the reduction is
+            shard_map that is manual over the batch's mesh axes, `data` x `context` (tensor parallelism over
+            `model` stays with the compiler). Each device differentiates its own rows; the reduction is
             explicit: reduce-scatter for ZeRO 2/3 (once per microbatch, so the accumulated
             gradient stays sharded), all-reduce once per step for ZeRO 0/1. ZeRO-3 weights
             arrive sharded and are all-gathered one layer at a time inside the layer scan;
             the transpose of that all-gather is the gradient's reduce-scatter.
-A pipeline (every schedule runs on the table executor, trainer/parallel/pipeline.py) is manual over
-`stage` and `data` and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
+A pipeline (every schedule runs on the table executor, trainer/parallel/pipeline.py) is manual over `stage` and the
+batch axes (`data` x `context`) and syncs with the same reducers once per step, after its tick loop (ZeRO 2/3
 included, whatever grad_sync); its eval step runs the same stages through GPipe's forwards alone
 (trainer/parallel/pipeline_eval.py), so no layer's weights cross `stage`.
 ZeRO 2/3 always take the manual path: XLA:CPU has no pass that turns all-reduce +

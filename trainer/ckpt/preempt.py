@@ -53,7 +53,8 @@ class StopRequest:
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
             # os.write and os._exit are safe inside a handler; a partial checkpoint is never
-            # visible because Orbax only renames a save into place once it is complete.
+            # visible: Orbax renames a save into place once it is complete on disk, and in object storage
+            # writes its commit file last (trainer/ckpt/objects.py).
             os.write(2, b"\nmeshtrain: second interrupt, aborting without saving\n")
             os._exit(130)
         self.signum = signum

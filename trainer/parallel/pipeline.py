@@ -16,8 +16,8 @@ field is split into microbatches alike (trainer/parallel/microbatch.py).
 Layer gradients accumulate per stage, in the stored (L/S, ...) layout (circular blocks map back
 through the vjp of `circular_blocks`).
 
-The shard_map is manual over `stage` and the batch axes (`data`; tensor parallelism over `model` stays with the
-compiler): each data shard accumulates the gradients of its own rows over all ticks, and the data-parallel sync
+The shard_map is manual over `stage` and the batch axes (`data` x `context`; tensor parallelism over `model` stays
+with the compiler): each data shard accumulates the gradients of its own rows over all ticks, and the data-parallel sync
 (the run's gradient decision, trainer/parallel/reduction.py, with train.grad_sync's reducer) runs once per step
 after the scan: an all-reduce for ZeRO 0/1, a reduce-scatter that keeps the gradient sharded for ZeRO 2/3, nothing
 for a leaf the rules split over `data` (each rank holds and trains its own slice). ZeRO-3
@@ -86,7 +86,7 @@ class Pipe:
     repeats: int  # V
     plan: schedules.Plan
     rows: dict  # the plan's per-(tick, stage) arrays (PLAN_ROWS), scanned over tick by tick
-    constrain: Callable  # activation constraints, manual over `stage` and `data`
+    constrain: Callable  # activation constraints, manual over `stage` and the batch axes
     dtype: Any  # the compute dtype
     placement: Any
     remat: str

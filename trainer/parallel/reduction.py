@@ -1,8 +1,9 @@
 """How each gradient is reduced, decided once from the layout: the step (trainer/step.py), the pipeline executor,
 local SGD and the planner's traffic (trainer/plan/comm.py) read it.
 
-Gradients are summed over the mesh axes the batch is split over (`Layout.batch_axes`: `data`; later `data` x
-`context`), since each rank differentiates its own rows. Per leaf (`LeafReduction`), over those axes:
+Gradients are summed over the mesh axes the batch is split over (`Layout.batch_axes`: `data`, and `context` where
+the rules split sequences), since each rank differentiates its own rows (its own tokens of them under `context`).
+Per leaf (`LeafReduction`), over those axes:
   none            the rules split the leaf over them (e.g. experts="data"): each rank's slice has a gradient of its
                   own, already summed over every rank's tokens (they reached it by all_to_all and came back);
                   reducing it would add different experts' gradients together
