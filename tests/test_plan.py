@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -709,3 +710,17 @@ def test_a_gemma_stack_plans_its_activations_as_xla_does(remat):
     temp = measure(cfg, grads=False).temp_bytes
     pred = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
     assert abs(pred / temp - 1) < 0.35, (pred, temp)
+
+
+def test_why_names_the_part_that_is_slower_and_a_tie_as_a_tie(monkeypatch):
+    """Two layouts of the same step time, part for part, are a tie (the old line named whichever part the
+    process's string hashing put first); a slower one names its largest excess."""
+    from trainer.plan import search
+    times = {"fast": {"compute": 1.0, "data comm": 0.5, "model comm": 0.5},
+             "slow": {"compute": 1.0, "data comm": 0.9, "model comm": 0.6}}
+    monkeypatch.setattr(search, "parts", lambda p: times[p.name])
+    plan = lambda name: types.SimpleNamespace(name=name, step_s=sum(times[name].values()),  # noqa: E731
+                                              device=types.SimpleNamespace(hbm=2e9), total_bytes=1e9)
+    assert search.why(plan("fast"), plan("fast"), 1) == ("+0.0% vs #1, no part slower: compute 50%, data comm 25%, "
+                                                          "model comm 25%; 1.0 GB free")
+    assert search.why(plan("slow"), plan("fast"), 1).startswith("+25.0% vs #1, mostly data comm: ")

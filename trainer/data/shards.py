@@ -178,21 +178,11 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
                                   chat_template, date, loss_on, require_counted, workers, ray, shard_mb, upload=out)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--out '{out}' is a file; give a folder for shards (or a .bin for one token file)")
-    if workers is not None and workers < 1:
-        raise UserError(f"--workers {workers} must be at least 1")
-    if shard_mb <= 0:
-        raise UserError(f"--shard-mb {shard_mb} must be positive; e.g. 256")
+    folder = _folder_args(out, workers, shard_mb)
     ray_module = _ray() if ray else None
     train, held, records = collect(sources, heldout)
     plan = units(train, held, records, int(shard_mb * 2**20))
-    if workers and workers > len(plan):
-        log(f"--workers {workers}: {len(plan)} shard{'s' * (len(plan) > 1)} to write, so {workers - len(plan)} "
-            f"worker{'s' * (workers - len(plan) > 1)} idle; shards hold --shard-mb {shard_mb:g} of text files or of "
-            "a JSONL file on local disk (a Parquet file or an object in storage is one shard): a smaller --shard-mb "
-            "makes more")
+    _idle_workers(workers, len(plan), shard_mb, log)
     settings = {"version": VERSION, "sources": sources, "heldout": heldout, "train_vocab": train_vocab,
                 "tokenizer_sha256": tokenizer and sha256_file(_given(tokenizer).path), "shard_mb": shard_mb,
                 "field": field, "loss_on": loss_on, "date": parse_date(date).isoformat(),
@@ -211,11 +201,7 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     tok_path = Path(tokenizer) if tokenizer else _train_once(folder, sources, heldout, train_vocab, train, held,
                                                             records, field, chat_template, date, loss_on, log)
     if upload:  # the bucket's copy is the one its manifest names
-        tok_path = Path(shutil.copy(_given(str(tok_path)).path, folder / "tokenizer.json")) \
-            if tok_path.resolve() != (folder / "tokenizer.json").resolve() else tok_path
-        there = remote.join(upload, "tokenizer.json")
-        if remote.size(there) is None or hashlib.sha256(remote.read_bytes(there)).hexdigest() != sha256_file(tok_path):
-            remote.put(tok_path, there)
+        tok_path = _tokenizer_to_bucket(tok_path, folder, upload)
     tk = _given(str(tok_path))
     hashed = {**settings, "tokenizer_sha256": sha256_file(tk.path)}
     s = Settings(str(folder), tuple(sources), str(tk.path), heldout, field, chat_template, date, loss_on,
@@ -226,21 +212,62 @@ def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vo
     _check_cut(plan, entries, heldout)
     took = time.perf_counter() - t1
     manifest = _manifest(entries, tk, digest, sources, heldout, folder)
+    _write_manifest(manifest, folder, upload)
+    n = min(n, len(plan))
+    where = f"on the Ray cluster at {ray}" if ray else f"with {n} worker{'s' * (n > 1)}"
+    log(f"wrote {remote.join(upload, MANIFEST) if upload else folder / MANIFEST}: {_counts(manifest, entries)} "
+        f"{where} in {took:.1f}s ({manifest['tokens']['total'] / max(took, 1e-9):,.0f} tokens/s; "
+        f"{time.perf_counter() - t0:.1f}s in all)")
+    return {**manifest, "seconds": round(took, 3)}
+
+
+def _counts(manifest: dict, entries: list) -> str:
+    """'4 shards, 1,234 tokens (1,100 train, 134 held-out) from 12 documents' of a written manifest."""
+    t, docs = manifest["tokens"], sum(sum(e["documents"].values()) for e in entries)
+    return (f"{len(entries)} shards, {t['total']:,} tokens ({t['train']:,} train, {t['heldout']:,} held-out) from "
+            f"{docs:,} documents")
+
+
+def _folder_args(out: str, workers: int | None, shard_mb: float) -> Path:
+    """The shards' folder, once --out, --workers and --shard-mb are checked (one line each)."""
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out '{out}' is a file; give a folder for shards (or a .bin for one token file)")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers {workers} must be at least 1")
+    if shard_mb <= 0:
+        raise UserError(f"--shard-mb {shard_mb} must be positive; e.g. 256")
+    return folder
+
+
+def _idle_workers(workers: int | None, shards: int, shard_mb: float, log) -> None:
+    """One line where --workers asks for more workers than there are shards to write."""
+    if workers and workers > shards:
+        log(f"--workers {workers}: {shards} shard{'s' * (shards > 1)} to write, so {workers - shards} "
+            f"worker{'s' * (workers - shards > 1)} idle; shards hold --shard-mb {shard_mb:g} of text files or of "
+            "a JSONL file on local disk (a Parquet file or an object in storage is one shard): a smaller --shard-mb "
+            "makes more")
+
+
+def _tokenizer_to_bucket(tok_path: Path, folder: Path, upload: str) -> Path:
+    """The tokenizer copied into the staging folder and uploaded beside the shards (unless the bucket holds it
+    already, byte for byte); its staged path."""
+    if tok_path.resolve() != (folder / "tokenizer.json").resolve():
+        tok_path = Path(shutil.copy(_given(str(tok_path)).path, folder / "tokenizer.json"))
+    there = remote.join(upload, "tokenizer.json")
+    if remote.size(there) is None or hashlib.sha256(remote.read_bytes(there)).hexdigest() != sha256_file(tok_path):
+        remote.put(tok_path, there)
+    return tok_path
+
+
+def _write_manifest(manifest: dict, folder: Path, upload: str | None) -> None:
+    """The manifest, last: to the bucket, or atomically into the folder (a temporary file renamed)."""
     if upload:
         remote.write_bytes(remote.join(upload, MANIFEST), (json.dumps(manifest, indent=1) + "\n").encode())
     else:
         tmp = folder / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, folder / MANIFEST)
-    total = manifest["tokens"]["total"]
-    n = min(n, len(plan))
-    where = f"on the Ray cluster at {ray}" if ray else f"with {n} worker{'s' * (n > 1)}"
-    docs = sum(sum(e["documents"].values()) for e in entries)
-    log(f"wrote {remote.join(upload, MANIFEST) if upload else folder / MANIFEST}: {len(entries)} shards, "
-        f"{total:,} tokens ({manifest['tokens']['train']:,} train, {manifest['tokens']['heldout']:,} held-out) from "
-        f"{docs:,} documents {where} in {took:.1f}s ({total / max(took, 1e-9):,.0f} tokens/s; "
-        f"{time.perf_counter() - t0:.1f}s in all)")
-    return {**manifest, "seconds": round(took, 3)}
 
 
 def _ray():

@@ -271,7 +271,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     The hops run on idle ticks too (zeros): one microbatch each way per tick, whatever the table
     says. Without a wrap (V = 1) the chain has S-1 senders, so a device sends (S-1)/S of that.
     """
-    k, S, tp, m, V, zero = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats, st.zero
+    k, S, tp, m, V = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats
     ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
@@ -287,31 +287,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         out.append(Transfer("stage", "collective-permute", "layer weights to their circular blocks (and gradients back)",
                             2 * moved * stored, 2 * len(groups)))
     if k > 1:
-        ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
-        wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
-        share = sum(x.bytes for x in reduced)  # the stage's layers and the top, at the compute spec
-        zeroed = sum(x.bytes for x in reduced if x.zero)
-        # as in _data_transfers: psum_scatter and all_gather see model-split leaves whole (gathered
-        # over `model` first); the ring and every all-reduce move the device's own slice
-        psum, agm = st.grad_sync in ("auto", "psum"), bus_factor("all-gather", tp)
-        whole = sum(x.bytes * (x.model_split if psum else 1) for x in reduced if x.zero)
-        over_model = sum(x.bytes * x.model_split for x in reduced if psum and x.zero and x.model_split > 1)
-        if zero >= 2:
-            out += [Transfer(st.batch_axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
-                             ag * whole * wire, 1),
-                    Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
-                             agm * over_model, 1),
-                    Transfer(st.batch_axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
-        else:
-            out.append(Transfer(st.batch_axes, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
-                                ar * share * wire, 1))
-        if zero >= 3:
-            out += [Transfer(st.batch_axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
-                             ag * whole, 1),
-                    Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
-        elif zero:
-            out.append(Transfer(st.batch_axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
-        out.append(Transfer(st.batch_axes, "all-reduce", "loss averaged over data", ar * 4, 1))
+        out += _table_data_sync(st, reduced, k)
     if tp > 1:  # the branch a stage runs each tick: per microbatch and repeat one forward and one backward
         ar = bus_factor("all-reduce", tp)
         # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)
@@ -324,4 +300,36 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         # head's input gradient; averaged over the stages
         out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss (first and last stage)",
                             m * ar * (3 * act + 3 * n * 4) / S, 5 * m / S))
+    return out
+
+
+def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int) -> list[Transfer]:
+    """The table executor's sync over the batch axes (k ranks), once per step after the tick loop: the stage's
+    share of the gradients (`reduced`: the leaves reduced over `data`) and, under ZeRO, its parameters."""
+    tp, zero, out = st.model, st.zero, []
+    ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
+    wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
+    share = sum(x.bytes for x in reduced)  # the stage's layers and the top, at the compute spec
+    zeroed = sum(x.bytes for x in reduced if x.zero)
+    # as in _data_transfers: psum_scatter and all_gather see model-split leaves whole (gathered
+    # over `model` first); the ring and every all-reduce move the device's own slice
+    psum, agm = st.grad_sync in ("auto", "psum"), bus_factor("all-gather", tp)
+    whole = sum(x.bytes * (x.model_split if psum else 1) for x in reduced if x.zero)
+    over_model = sum(x.bytes * x.model_split for x in reduced if psum and x.zero and x.model_split > 1)
+    if zero >= 2:
+        out += [Transfer(st.batch_axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
+                         ag * whole * wire, 1),
+                Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                         agm * over_model, 1),
+                Transfer(st.batch_axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
+    else:
+        out.append(Transfer(st.batch_axes, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+                            ar * share * wire, 1))
+    if zero >= 3:
+        out += [Transfer(st.batch_axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
+                         ag * whole, 1),
+                Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
+    elif zero:
+        out.append(Transfer(st.batch_axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+    out.append(Transfer(st.batch_axes, "all-reduce", "loss averaged over data", ar * 4, 1))
     return out

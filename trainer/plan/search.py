@@ -102,6 +102,8 @@ def why(p: Plan, best: Plan, rank: int) -> str:
         lead = "fastest"
     else:
         theirs = parts(best)
-        worst = max(set(mine) | set(theirs), key=lambda k: mine.get(k, 0) - theirs.get(k, 0))
-        lead = f"+{100 * (p.step_s / best.step_s - 1):.1f}% vs #1, mostly {worst}"
+        gaps = {k: mine.get(k, 0) - theirs.get(k, 0) for k in sorted(set(mine) | set(theirs))}  # sorted: no tie
+        worst = max(gaps, key=gaps.get)  # is broken by the process's string hashing
+        lead = f"+{100 * (p.step_s / best.step_s - 1):.1f}% vs #1, " + (f"mostly {worst}" if gaps[worst] > 0 else
+                                                                          "no part slower")
     return f"{lead}: {share}; {free:.1f} GB free"
