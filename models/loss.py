@@ -95,30 +95,11 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
     per_token: each token's weight x cross-entropy (N,) instead of their sum (DPO sums them per answer); the
     backward is the same with a cotangent per token.
     """
-    N, D = x_ND.shape
-    C = -(-N // n)
+    C = -(-x_ND.shape[0] // n)
     nb = vocab_blocks(w.shape[0] if w_axes == "vd" else w.shape[1], C)
-    v_axis = 1 if w_axes == "vd" else 2
 
     def forward(x_ND, w, targets_N, mask_N):
-        pad = C * n - N
-        if pad:
-            x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
-            targets_N, mask_N = jnp.pad(targets_N, (0, pad)), jnp.pad(mask_N, (0, pad))
-        # (n, C, D) is a free reshape; each chunk is a strided slice of it, not of a transposed copy
-        x_nCD = constrain(x_ND.reshape(n, C, D), ("batch", None, "embed"))
-        t_nC, m_nC = targets_N.reshape(n, C), mask_N.reshape(n, C)
-
-        def chunk(total, c):
-            x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
-            logits = softcap(_logits(x_nD, w, w_axes, constrain), cap)
-            logz = jax.nn.logsumexp(logits, axis=-1)
-            ce = (logz - _target_logits(logits, t_n, 1, 0)) * m_n
-            return total + jnp.sum(ce), (logz, ce)
-
-        total, (logz_Cn, ce_Cn) = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
-        value = ce_Cn.T.reshape(C * n)[:N] if per_token else total
-        return value, logz_Cn.T.reshape(C * n)[:N]
+        return _chunked_forward(x_ND, w, w_axes, targets_N, mask_N, n, C, constrain, cap, per_token)
 
     @jax.custom_vjp
     def loss(x_ND, w, targets_N, weight_N):
@@ -129,31 +110,63 @@ def tiled_cross_entropy(x_ND, w, w_axes: str, targets_N, weight_N, n: int, const
         return value, (x_ND, w, targets_N, weight_N, logz_N)
 
     def bwd(res, g):
-        x_ND, w, targets_N, weight_N, logz_N = res
-        shape = (w.shape[0] // nb, nb, D) if w_axes == "vd" else (D, w.shape[1] // nb, nb)
-        w_r = w.reshape(shape)
-
-        def block(carry, b):
-            dx_ND, dw = carry
-            w_b = jax.lax.dynamic_index_in_dim(w_r, b, v_axis, keepdims=False)
-            logits = softcap(_logits(x_ND, w_b, w_axes, constrain), cap)
-            # d loss / d logits = (softmax - one-hot) g weight; vocabulary entry i*nb + b in this block
-            hit = _target_logits(None, targets_N, nb, b, logits.shape)
-            d = (jnp.exp(logits - logz_N[:, None]) - hit) * (g * weight_N)[:, None]
-            if cap is not None:  # through cap * tanh(z / cap): d/dz = 1 - (capped / cap)^2
-                d = d * (1.0 - jnp.square(logits / cap))
-            d = d.astype(x_ND.dtype)
-            dx_ND = dx_ND + jnp.einsum(f"nv,{w_axes}->nd", d, w_b.astype(x_ND.dtype),
-                                       preferred_element_type=jnp.float32)
-            dw_b = jnp.einsum(f"nv,nd->{w_axes}", d, x_ND, preferred_element_type=jnp.float32).astype(w.dtype)
-            return (dx_ND, jax.lax.dynamic_update_index_in_dim(dw, dw_b, b, v_axis)), None
-
-        zeros = (jnp.zeros((N, D), jnp.float32), jnp.zeros(shape, w.dtype))
-        (dx_ND, dw), _ = jax.lax.scan(block, zeros, jnp.arange(nb))
-        return dx_ND.astype(x_ND.dtype), dw.reshape(w.shape), None, None
+        return _blockwise_backward(res, g, w_axes, nb, constrain, cap)
 
     loss.defvjp(fwd, bwd)
     return loss(x_ND, w, targets_N, weight_N.astype(jnp.float32))
+
+
+def _chunked_forward(x_ND, w, w_axes, targets_N, mask_N, n, C, constrain, cap, per_token):
+    """tiled_cross_entropy's forward, C chunks of n tokens (token c + k*C in chunk c): (its value, each
+    token's logsumexp (N,))."""
+    N, D = x_ND.shape
+    pad = C * n - N
+    if pad:
+        x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+        targets_N, mask_N = jnp.pad(targets_N, (0, pad)), jnp.pad(mask_N, (0, pad))
+    # (n, C, D) is a free reshape; each chunk is a strided slice of it, not of a transposed copy
+    x_nCD = constrain(x_ND.reshape(n, C, D), ("batch", None, "embed"))
+    t_nC, m_nC = targets_N.reshape(n, C), mask_N.reshape(n, C)
+
+    def chunk(total, c):
+        x_nD, t_n, m_n = (jax.lax.dynamic_index_in_dim(a, c, 1, keepdims=False) for a in (x_nCD, t_nC, m_nC))
+        logits = softcap(_logits(x_nD, w, w_axes, constrain), cap)
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        ce = (logz - _target_logits(logits, t_n, 1, 0)) * m_n
+        return total + jnp.sum(ce), (logz, ce)
+
+    total, (logz_Cn, ce_Cn) = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), jnp.arange(C))
+    value = ce_Cn.T.reshape(C * n)[:N] if per_token else total
+    return value, logz_Cn.T.reshape(C * n)[:N]
+
+
+def _blockwise_backward(res, g, w_axes, nb, constrain, cap):
+    """tiled_cross_entropy's backward from the forward's residuals and the cotangent g: the logits recomputed
+    in nb vocabulary blocks (block b holds entries b, b+nb, ...), each block's weight gradient written in place."""
+    x_ND, w, targets_N, weight_N, logz_N = res
+    N, D = x_ND.shape
+    v_axis = 1 if w_axes == "vd" else 2
+    shape = (w.shape[0] // nb, nb, D) if w_axes == "vd" else (D, w.shape[1] // nb, nb)
+    w_r = w.reshape(shape)
+
+    def block(carry, b):
+        dx_ND, dw = carry
+        w_b = jax.lax.dynamic_index_in_dim(w_r, b, v_axis, keepdims=False)
+        logits = softcap(_logits(x_ND, w_b, w_axes, constrain), cap)
+        # d loss / d logits = (softmax - one-hot) g weight; vocabulary entry i*nb + b in this block
+        hit = _target_logits(None, targets_N, nb, b, logits.shape)
+        d = (jnp.exp(logits - logz_N[:, None]) - hit) * (g * weight_N)[:, None]
+        if cap is not None:  # through cap * tanh(z / cap): d/dz = 1 - (capped / cap)^2
+            d = d * (1.0 - jnp.square(logits / cap))
+        d = d.astype(x_ND.dtype)
+        dx_ND = dx_ND + jnp.einsum(f"nv,{w_axes}->nd", d, w_b.astype(x_ND.dtype),
+                                   preferred_element_type=jnp.float32)
+        dw_b = jnp.einsum(f"nv,nd->{w_axes}", d, x_ND, preferred_element_type=jnp.float32).astype(w.dtype)
+        return (dx_ND, jax.lax.dynamic_update_index_in_dim(dw, dw_b, b, v_axis)), None
+
+    zeros = (jnp.zeros((N, D), jnp.float32), jnp.zeros(shape, w.dtype))
+    (dx_ND, dw), _ = jax.lax.scan(block, zeros, jnp.arange(nb))
+    return dx_ND.astype(x_ND.dtype), dw.reshape(w.shape), None, None
 
 
 def cross_entropy(logits_BTV, targets_BT, weight_BT=None):

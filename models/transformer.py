@@ -248,13 +248,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     # differentiable, as jax.closure_convert and the sub-layer remat's branches need
     segments = None if segments is None else segments.astype(jnp.float32)
     kernels = kernels_for(c, placement.platform)
-    attention = kernels.attention
-    if placement.context is not None:  # the trainer's strategy, on each token's original position
-        B, T = x_BTD.shape[:2]
-        pos_T = placement.context.positions(placement.collectives, T)
-        positions = jnp.broadcast_to(pos_T.astype(jnp.int32), (B, T)) if positions is None else positions
-        attention = placement.context.attention(attention, placement.collectives, pos_T)
-    rope = rope_for(c, x_BTD.shape[1], positions)
+    attention, rope = _attention_and_rope(c, kernels, placement, x_BTD, positions)
 
     L = jax.tree.leaves(layers)[0].shape[0]
     # auto: unroll short stacks without remat. With remat the loop stays: unrolled, XLA has been
@@ -275,25 +269,51 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
         # pass (remat undone); inside one it cannot, and the barrier only costs.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)
-    add = lambda acc, a: jax.tree.map(jnp.add, acc, a)  # noqa: E731
     if scan:
-        aux0 = {k: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)) for k in spec.aux}
+        return _scanned(body, layers, index, x_BTD, spec.aux)
+    return _unrolled(body, layers, index, x_BTD, L)
 
-        def step(carry, pi):
-            x, aux = body(carry[0], pi)
-            return (x, add(carry[1], aux)), None
 
-        return jax.lax.scan(step, (x_BTD, aux0), (layers, index))[0]
-    # Unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop:
-    # residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
-    # lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
-    # full-size gradients summed together).
+def _attention_and_rope(c: ModelConfig, kernels: Kernels, placement: Placement, x_BTD, positions):
+    """The attention the stack's layers run and their RoPE: under context parallelism (placement.context) the
+    trainer's strategy, by each token's original position unless `positions` are given; else the kernels'
+    attention, RoPE by `positions` (None: by index)."""
+    attention = kernels.attention
+    if placement.context is not None:  # the trainer's strategy, on each token's original position
+        B, T = x_BTD.shape[:2]
+        pos_T = placement.context.positions(placement.collectives, T)
+        positions = jnp.broadcast_to(pos_T.astype(jnp.int32), (B, T)) if positions is None else positions
+        attention = placement.context.attention(attention, placement.collectives, pos_T)
+    return attention, rope_for(c, x_BTD.shape[1], positions)
+
+
+def _add_aux(acc, aux):
+    """Two layers' auxiliary outputs ({name: (sum, count)}) added."""
+    return jax.tree.map(jnp.add, acc, aux)
+
+
+def _scanned(body, layers, index, x_BTD, aux_names):
+    """The stack as one lax.scan of `body` (one compiled layer): (x_BTD, the layers' aux outputs summed)."""
+    aux0 = {k: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)) for k in aux_names}
+
+    def step(carry, pi):
+        x, aux = body(carry[0], pi)
+        return (x, _add_aux(carry[1], aux)), None
+
+    return jax.lax.scan(step, (x_BTD, aux0), (layers, index))[0]
+
+
+def _unrolled(body, layers, index, x_BTD, L: int):
+    """The stack unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop:
+    residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
+    lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
+    full-size gradients summed together)."""
     leaves, tree = jax.tree.flatten(layers)
     parts = [jax.lax.split(w, [1] * L) for w in leaves]
     total = None
     for i in range(L):
         x_BTD, aux = body(x_BTD, (tree.unflatten([ps[i][0] for ps in parts]), index[i]))
-        total = aux if total is None else add(total, aux)
+        total = aux if total is None else _add_aux(total, aux)
     return x_BTD, total
 
 
