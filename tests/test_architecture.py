@@ -169,6 +169,29 @@ def test_no_file_over_400_lines(pkg):
     assert not long, long
 
 
+def long_functions(root: Path, pkg: str, most: int = 60) -> dict[str, int]:
+    """Every function (or method) in `pkg` longer than `most` lines, from its def to its last line."""
+    out = {}
+    for f in sorted((root / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= most:
+                out[f"{f.relative_to(root)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_function_over_60_lines(pkg):
+    assert long_functions(ROOT, pkg) == {}
+
+
+def test_the_60_line_check_sees_a_long_function(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    lines = lambda n, indent: "".join(f"{indent}x{i} = {i}\n" for i in range(n))  # noqa: E731
+    (tmp_path / "pkg" / "m.py").write_text(f"def short():\n{lines(59, '    ')}\n\nclass C:\n    def long(self):\n"
+                                           f"{lines(60, '        ')}")
+    assert long_functions(tmp_path, "pkg") == {"pkg/m.py:64 long": 61}  # 60 lines and its def; `short` has 60
+
+
 def _code(path: Path) -> str:
     """A file's code without its strings and comments (where prose may quote a formula)."""
     text = path.read_text()
