@@ -2,14 +2,14 @@
 counting."""
 from models.config import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.counts import flops_per_token, hardware_flops_per_token, matmul_param_count, param_count
-from models.loss import loss_fn, loss_sum
+from models.objectives.loss import loss_fn, loss_sum
 from models.layers import Placement
 from models.precision import compute_dtypes
 from models.spec import FAMILIES, ModelSpec, Param, family, register
-from models.gemma import GEMMA2, GEMMA3  # registers the gemma2 and gemma3 families
-from models.mistral import MISTRAL  # registers the mistral family
-from models.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE  # registers the mixtral, qwen3_moe and qwen2_moe families
-from models.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
+from models.families.gemma import GEMMA2, GEMMA3  # registers the gemma2 and gemma3 families
+from models.families.mistral import MISTRAL  # registers the mistral family
+from models.families.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE  # registers the mixtral, qwen3_moe and qwen2_moe families
+from models.families.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
 from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
                                 weight_decay_of)
 

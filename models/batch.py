@@ -19,7 +19,7 @@ import numpy as np
 FIELDS = ("tokens", "targets", "loss_weight", "segment_ids", "positions")
 DTYPES = {"tokens": np.int32, "targets": np.int32, "loss_weight": np.float32, "segment_ids": np.int32,
           "positions": np.int32}
-# train.objective=dpo adds ref_logp: the frozen reference's log-probability of each target (models/dpo.py)
+# train.objective=dpo adds ref_logp: the frozen reference's log-probability of each target (models/objectives/dpo.py)
 DPO_FIELDS = FIELDS + ("ref_logp",)
 ALL_DTYPES = {**DTYPES, "ref_logp": np.float32}
 

@@ -67,21 +67,21 @@ class ModelConfig:
     scan_layers: bool | None = key(None, None, "layers as one lax.scan; null: unroll up to 8 layers without remat, "
                                    "else scan")
     # auto = cuDNN's (bf16) or XLA's on GPU, manual on CPU and TPU
-    attention: str = key("auto", ATTENTION_IMPLS, "the attention implementation (models/attention.py)", null=False)
+    attention: str = key("auto", ATTENTION_IMPLS, "the attention implementation (models/kernels/attention.py)", null=False)
     # each query block attends to the keys up to its last position (skips most of the masked half)
     attention_block: int | None = key(None, f">= 0 and <= {INT32}", "manual attention's causal query block; 0: no "
-                                      "blocking; null: the platform's (models/attention.py BLOCK)")
-    # the plain math of models/transformer.py or models/fast_cpu.py's XLA:CPU fast paths; auto = fast on CPU
-    kernels: str = key("auto", KERNELS, "plain math or XLA:CPU fast paths (models/fast_cpu.py); equal results",
+                                      "blocking; null: the platform's (models/kernels/attention.py BLOCK)")
+    # the plain math of models/transformer.py or models/kernels/fast_cpu.py's XLA:CPU fast paths; auto = fast on CPU
+    kernels: str = key("auto", KERNELS, "plain math or XLA:CPU fast paths (models/kernels/fast_cpu.py); equal results",
                        null=False)
     # the float32 logits are never whole; null: tile only when they would exceed 256 MB
-    loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk (models/loss.py); 0: "
+    loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk (models/objectives/loss.py); 0: "
                                  "whole logits; null: auto")
     init_std: float = 0.02
     # data.document_mask: attention stays inside each token's document (the batch's segment_ids) and RoPE takes each
     # token's position in it (positions); False: one document per row, positions 0..T-1
     documents: bool = False
-    # train.objective=dpo: the preference loss and its settings (models/dpo.py Dpo); None: the token loss
+    # train.objective=dpo: the preference loss and its settings (models/objectives/dpo.py Dpo); None: the token loss
     dpo: Any = None
 
     def __post_init__(self):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.attention import masked_attention
+from models.kernels.attention import masked_attention
 from models.layers import kernels_for, rope_for
 from models.spec import LOCAL, LayerCall, family
 from models.transformer import _identity, _no_constrain, embed, head, inventory

@@ -1,5 +1,5 @@
 """Reusable layer pieces, as pure functions: RMSNorm, RoPE (per-token positions too), projections, the swappable
-kernels (the plain reference or models/fast_cpu.py's XLA:CPU fast paths, and the attention), the remat policies and
+kernels (the plain reference or models/kernels/fast_cpu.py's XLA:CPU fast paths, and the attention), the remat policies and
 the mesh facts a program is built for (`Placement`).
 
 Dimension letters as in models/transformer.py. Families (models/spec.py) build their layers from these.
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models import fast_cpu
-from models.attention import attention, block_for
+from models.kernels import fast_cpu
+from models.kernels.attention import attention, block_for
 from models.config import ModelConfig
 from models.spec import LOCAL, family
 
@@ -30,7 +30,7 @@ class Placement(NamedTuple):
     platform: str | None = None
     kv_repeat: int = 1
     collectives: Any = LOCAL
-    # context parallelism (models/context.py ContextPlan: each row's tokens split over `context`, the attention
+    # context parallelism (models/context_parallel/gather.py ContextPlan: each row's tokens split over `context`, the attention
     # strategy that attends a chunk, the tokens' original positions); None: whole rows, index causality
     context: Any = None
 
@@ -100,13 +100,13 @@ def project(x_BTD, weights):
 
 
 class Kernels(NamedTuple):
-    """The layer's swappable pieces: the plain ones above or models/fast_cpu.py's, and the attention."""
+    """The layer's swappable pieces: the plain ones above or models/kernels/fast_cpu.py's, and the attention."""
     name: str  # "reference" or "fast"
     project: Callable  # (x (B, T, D), weights (D, ...) of the same shape) -> [x @ w]
     silu: Callable
     rope: Callable  # apply_rope's signature
     attention: Callable  # (q (B, T, H, E), k, v (B, T, K, E), segments (B, T) or None) -> causal attention
-    platform: str = "cpu"  # the platform they are for (an MoE layer picks its grouped matmul by it, models/moe.py)
+    platform: str = "cpu"  # the platform they are for (an MoE layer picks its grouped matmul by it, models/families/moe.py)
 
 
 def kernels_for(c: ModelConfig, platform: str | None = None) -> Kernels:

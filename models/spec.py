@@ -202,7 +202,7 @@ class ModelSpec:
     checks: Callable = no_checks
     # the two halves of models/transformer.py's `layer`, None: Llama's. attention: (c, p, x_BTD, call) -> x_BTD
     # (x + attention(norm(x)), the norms the family's); mlp: (c, p, x_BTD, call) -> (x_BTD, aux) (x + MLP(norm(x)):
-    # dense SwiGLU, Gemma's GeGLU with its norms, models/moe.py's experts)
+    # dense SwiGLU, Gemma's GeGLU with its norms, models/families/moe.py's experts)
     attention: Callable | None = None
     mlp: Callable | None = None
     # (c) -> {aux name: weight}: each aux output's weight in the objective (absent: 1). Weight 0: a statistic,

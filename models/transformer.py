@@ -12,7 +12,7 @@ run by one `lax.scan` (one compiled layer). The model never names a mesh axis: i
 `constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
 
 The Llama layer is built of models/layers.py's pieces: the plain reference (einsum projections with autodiff,
-jax.nn.silu, rotate-half RoPE, jax.nn attention) or, by `kernels_for`, models/fast_cpu.py's equal but faster forms
+jax.nn.silu, rotate-half RoPE, jax.nn attention) or, by `kernels_for`, models/kernels/fast_cpu.py's equal but faster forms
 on XLA:CPU (model.kernels: auto | reference | fast).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
-from models.llama_hf import LLAMA_HF
+from models.hf.llama import LLAMA_HF
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, family, register
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
@@ -238,7 +238,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
     slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs, the kv heads' repeat, the
-    collectives its layers get and, under context parallelism (placement.context, models/context.py), the
+    collectives its layers get and, under context parallelism (placement.context, models/context_parallel/gather.py), the
     attention strategy the trainer chose, which attends this chunk of each row by the tokens' original positions
     (RoPE too); without, whole rows by index.
     """

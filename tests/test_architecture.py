@@ -243,7 +243,7 @@ def _string_literals(path: Path) -> set[str]:
 def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter():
     """The Llama inventory (models.inventory) is the one list of parameter names: each name is a string literal in
     the family's module and in its Hugging Face adapter, and elsewhere only in another family's that extends the
-    inventory (models/gemma.py, models/moe.py), nowhere else in the code (tests aside): not in the trainer's checkpoint, export or
+    inventory (models/families/gemma.py, models/families/moe.py), nowhere else in the code (tests aside): not in the trainer's checkpoint, export or
     planner code. Names that are also logical axes (embed, layers) are exempt."""
     from models import from_preset, inventory
     inv = inventory(from_preset("tiny", tie_embeddings=False))
@@ -253,9 +253,9 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
     literals = {str(f.relative_to(ROOT)): _string_literals(f) for f in files}
     for name in sorted(names):
         where = sorted(f for f, lits in literals.items() if name in lits)
-        others = [f for f in where if f not in ("models/llama_hf.py", "models/transformer.py")]
-        assert {"models/llama_hf.py", "models/transformer.py"} <= set(where), (name, where)
-        assert set(others) <= {"models/gemma.py", "models/gemma_hf.py", "models/moe.py"}, (name, where)
+        others = [f for f in where if f not in ("models/hf/llama.py", "models/transformer.py")]
+        assert {"models/hf/llama.py", "models/transformer.py"} <= set(where), (name, where)
+        assert set(others) <= {"models/families/gemma.py", "models/hf/gemma.py", "models/families/moe.py"}, (name, where)
 
 
 def private_model_imports(root: Path = ROOT) -> list[str]:
@@ -280,7 +280,7 @@ def test_no_private_name_of_models_is_used_outside_it(tmp_path):
     (tmp_path / "models").mkdir()
     for pkg in PACKAGES[::2] + ("scripts", "tests"):
         (tmp_path / pkg).mkdir(exist_ok=True)
-    (tmp_path / "trainer" / "x.py").write_text("from models.loss import _hidden\nimport models\nmodels.loss._y\n")
+    (tmp_path / "trainer" / "x.py").write_text("from models.objectives.loss import _hidden\nimport models\nmodels.loss._y\n")
     assert private_model_imports(tmp_path) == ["trainer/x.py:1 _hidden", "trainer/x.py:3 models.loss._y"]
 
 

@@ -1,4 +1,4 @@
-"""Context parallelism (mesh.context: each row's tokens split over a fourth mesh axis; models/context.py): the
+"""Context parallelism (mesh.context: each row's tokens split over a fourth mesh axis; models/context_parallel/gather.py): the
 all-gather attention over 4 devices against attention written out here on whole rows (output and q, k, v
 gradients), balanced and not, with documents across the chunks; training against one device on asymmetric meshes
 (SGD, no clipping; loss, grad_norm, parameters, 1e-5); one-line refusals."""
@@ -42,8 +42,8 @@ def test_context_attention_equals_attention_on_whole_rows(strategy, impl, balanc
     `context` in the program), all_to_all sends each rank's chunk of every head group to its rank (2 kv heads
     repeated to 4 for 4 ranks)."""
     from meshes import RULES, Collectives, build_mesh
-    from models.attention import attention
-    from models.context import ContextPlan, order
+    from models.kernels.attention import attention
+    from models.context_parallel.gather import ContextPlan, order
     mesh = build_mesh(jax.devices()[:4], data=1, context=4)
     rules = RULES.replace(seq="context")
     coll = Collectives(rules, mesh)

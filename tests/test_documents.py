@@ -39,7 +39,7 @@ def _alone_losses(vocab: int):
     from flax import nnx
     from models import from_preset
     from models.batch import from_windows
-    from models.loss import loss_fn
+    from models.objectives.loss import loss_fn
     from models.transformer import Transformer, params_of
     w, b = _row(vocab)
     c = from_preset("tiny", kernels="reference")
@@ -112,7 +112,7 @@ def test_without_the_mask_documents_see_each_other():
 
 
 def test_fast_attention_backward_with_segments_equals_the_reference():
-    from models.attention import attention
+    from models.kernels.attention import attention
     rng = np.random.default_rng(0)
     B, H, K, E = 2, 4, 2, 16
     q, k, v = (jnp.asarray(rng.normal(size=(B, 64, n, E)), jnp.float32) for n in (H, K, K))

@@ -126,7 +126,7 @@ def _compiled(overrides):
 def _expert_shapes(m, plan) -> set[tuple]:
     """The expert weights' shapes as a device may hold them: all experts or a data rank's, whole or split over
     `model`, with or without the layers axis; no other leaf has any of them (checked)."""
-    from models.moe import MoEConfig
+    from models.families.moe import MoEConfig
     c = plan.model
     assert isinstance(c, MoEConfig)
     k, tp, F = m.mesh_shape["data"], m.mesh_shape["model"], c.expert_d_ff

@@ -14,7 +14,7 @@ from flax import nnx
 from conftest import SGD, TINY, corpus, max_rel, run_steps, single_device
 
 from models import ModelSpec, Param, Transformer, abstract_model, family, from_preset, params_of, register
-from models import llama_hf
+from models.hf import llama as llama_hf
 from models.layers import rms_norm
 from models.spec import HFAdapter, Leaf
 from models.transformer import attention_half, llama_inventory
@@ -152,7 +152,7 @@ def reference_objective(c, params, batch):
     """The objective by hand, outside the layer stack, the step and every layout: the layers one by one in a
     Python loop (index and weight given directly), the token loss mean and the aux mean taken here, once."""
     from models.layers import rope_tables
-    from models.loss import cross_entropy
+    from models.objectives.loss import cross_entropy
     from models.transformer import head, layer_call
     x = params["embed"][batch["tokens"]]
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)

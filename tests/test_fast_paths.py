@@ -1,4 +1,4 @@
-"""The XLA:CPU fast paths (models/fast_cpu.py) equal the plain reference (models/transformer.py,
+"""The XLA:CPU fast paths (models/kernels/fast_cpu.py) equal the plain reference (models/transformer.py,
 jax.nn attention), forward and gradients, in float32 within TOL = 1e-6.
 
 Measure: `max_rel`, the normwise relative difference ||a - b|| / ||b|| per tensor, where values
@@ -16,11 +16,12 @@ import pytest
 from flax import nnx
 
 from conftest import TINY, corpus, max_rel
-from models import Transformer, fast_cpu, forward, from_preset, params_of
+from models import Transformer, forward, from_preset, params_of
+from models.kernels import fast_cpu
 from models import layers as Ly
 from models import transformer as T
 from models.batch import from_windows
-from models.loss import loss_fn
+from models.objectives.loss import loss_fn
 from models.decode import extend, init_cache
 
 TOL = 1e-6
@@ -110,7 +111,7 @@ def test_manual_attention_equals_jax_attention(heads, block):
 @pytest.mark.parametrize("documents, window", [(False, None), (True, None), (False, 20), (True, 12)],
                          ids=["causal", "documents", "window", "documents-window"])
 def test_long_rows_run_as_loops_equal_to_jax_attention(monkeypatch, heads, documents, window):
-    """From LOOPS_FROM tokens on, the whole-row kernel is models/flash_cpu.py's loops (here from 32 tokens, tiles
+    """From LOOPS_FROM tokens on, the whole-row kernel is models/kernels/flash_cpu.py's loops (here from 32 tokens, tiles
     of 16): forward and gradients equal jax.nn's attention with the mask written out, causal, documents crossing
     tiles, a window shorter than a tile's reach."""
     monkeypatch.setattr(fast_cpu, "LOOPS_FROM", 32)
@@ -138,7 +139,7 @@ def _tiny(**kw):
 def test_kernels_chosen_by_platform_and_config(monkeypatch):
     """auto: fast paths and the manual attention on CPU, plain math elsewhere (cuDNN attention for
     GPU bfloat16); `reference` forces the plain path, XLA's attention included, on CPU."""
-    import models.attention as A
+    import models.kernels.attention as A
     calls = []
     monkeypatch.setattr(A, "causal_attention", lambda *a: calls.append("manual") or a[0])
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **k:

@@ -217,7 +217,7 @@ def test_a_gemma_key_for_another_family_is_one_line(tmp_path, capsys):
 def test_each_kind_runs_its_own_kernel_and_soft_caps_take_the_masked_path():
     """In a scanned mixed stack (the window traced) Gemma 3's layers run the fused kernels, the windowed one among
     them (lax.switch on the layer's window), never the masked path; Gemma 2's soft-capped scores take the masked
-    path. Read from the lowered program's scopes (models/attention.py names each path's ops)."""
+    path. Read from the lowered program's scopes (models/kernels/attention.py names each path's ops)."""
     from models import abstract_model, from_preset, loss_fn
     from models.batch import abstract
     base = dict(window=16, seq_len=64, n_layers=4, local_layers=(True, False) * 2, scan_layers=True,

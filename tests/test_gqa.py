@@ -110,7 +110,7 @@ def _qkv(dtype):
     ("cpu", jnp.bfloat16, "manual"), ("gpu", jnp.bfloat16, "cudnn"), ("gpu", jnp.float32, "xla")])
 def test_auto_attention_per_platform(platform, dtype, expect, monkeypatch):
     """`auto` runs the manual (blockwise) kernel on CPU and TPU, cuDNN's on GPU for bfloat16, else XLA's."""
-    import models.attention as A
+    import models.kernels.attention as A
     calls = []
     monkeypatch.setattr(A, "causal_attention", lambda *a: calls.append("manual") or a[0])
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **k:
@@ -122,13 +122,13 @@ def test_auto_attention_per_platform(platform, dtype, expect, monkeypatch):
 
 def test_cudnn_fallback_logs_why_once(caplog):
     """On a machine without cuDNN, GPU `auto` falls back to XLA's attention and warns once with the reason."""
-    import models.attention as A
+    import models.kernels.attention as A
     A.reset_warnings()
     q, k, v = _qkv(jnp.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="models.attention"):
+    with caplog.at_level(logging.WARNING, logger="models.kernels.attention"):
         out = [A.attention(q, k, v, "auto", platform="gpu") for _ in range(2)]
     ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     assert all(np.array_equal(np.asarray(o, np.float32), np.asarray(ref, np.float32)) for o in out)
-    warned = [r for r in caplog.records if r.name == "models.attention"]
+    warned = [r for r in caplog.records if r.name == "models.kernels.attention"]
     assert len(warned) == 1 and "using XLA's" in warned[0].getMessage(), warned
     assert re.search(r"\((\w+Error): .+\)", warned[0].getMessage()), warned[0].getMessage()  # the reason

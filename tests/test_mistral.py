@@ -41,7 +41,7 @@ def masked_softmax_attention(q, k, v, window, segments=None):
 def test_window_attention_equals_its_definition_and_the_gradients_agree(impl, block, docs):
     """T = 64, window 20 (not a multiple of the 16-query blocks, so a block's first keys are partly seen); the
     gradients of every implementation agree with XLA's (1e-6 relative)."""
-    from models.attention import attention
+    from models.kernels.attention import attention
     key = jax.random.split(jax.random.PRNGKey(0), 4)
     B, T, H, K, E, W = 2, 64, 4, 2, 8, 20
     q, k, v = (jax.random.normal(kk, (B, T, n, E)) for kk, n in zip(key, (H, K, K)))

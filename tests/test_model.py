@@ -8,7 +8,7 @@ from flax import nnx
 from conftest import TINY, corpus, max_rel
 from models import PRESETS, Transformer, from_preset, param_count, params_of
 from models.batch import from_windows
-from models.loss import loss_fn
+from models.objectives.loss import loss_fn
 from models.transformer import embed, head, layer_stack
 from trainer.config import load_config
 from trainer.data.batches import Batches
@@ -129,7 +129,7 @@ def test_fast_paths_match_the_reference_layer(kv_heads):
 
 @pytest.mark.slow  # tests/test_fast_paths.py checks the blocked attention at the default run's shapes
 def test_blocked_attention_matches_jax_attention_with_odd_shapes():
-    from models.attention import causal_attention
+    from models.kernels.attention import causal_attention
     ks = jax.random.split(jax.random.key(1), 4)
     B, T, H, K, E = 2, 48, 6, 3, 16
     q = jax.random.normal(ks[0], (B, T, H, E))

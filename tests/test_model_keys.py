@@ -1,5 +1,5 @@
 """Each `model.*` key is declared once: a field of models/config.py's ModelConfig (the keys every family shares), of a
-family's own config (models/gemma.py's Gemma2Config and Gemma3Config), or one of the two keys the trainer alone reads
+family's own config (models/families/gemma.py's Gemma2Config and Gemma3Config), or one of the two keys the trainer alone reads
 (trainer/config/model_section.py, which writes the config section from the others' declarations). A family's own field is
 read only in its family's modules: the shared layers take its value as an argument or through the family's hooks. The
 mesh facts (platform, kv heads' repeat) reach the model as arguments, and nothing but a family subclasses its config.
@@ -126,18 +126,18 @@ def test_the_check_sees_a_key_declared_twice(tmp_path, target, added):
 
 
 def test_a_family_field_is_read_only_in_its_family_modules(tmp_path):
-    """Gemma's fields are read in models/gemma.py and its adapter models/gemma_hf.py only; the shared embedding,
+    """Gemma's fields are read in models/families/gemma.py and its adapter models/hf/gemma.py only; the shared embedding,
     norm, head, loss, RoPE, FLOP count and KV cache take them as arguments or through the family's hooks. A read
-    added to models/loss.py is seen."""
+    added to models/objectives/loss.py is seen."""
     allowed = owners()
-    assert allowed["final_softcap"] == {"models/gemma.py", "models/gemma_hf.py"}
+    assert allowed["final_softcap"] == {"models/families/gemma.py", "models/hf/gemma.py"}
     assert family_reads(ROOT, allowed) == []
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "models" / "loss.py", "a") as f:
+    with open(tmp_path / "models" / "objectives" / "loss.py", "a") as f:
         f.write("\n\ndef _capped(c):\n    return c.final_softcap, getattr(c, 'local_layers')\n")
     assert [b.split(":", 1)[0] + " " + b.split()[-1] for b in family_reads(tmp_path, allowed)] == \
-        ["models/loss.py final_softcap", "models/loss.py local_layers"]
+        ["models/objectives/loss.py final_softcap", "models/objectives/loss.py local_layers"]
 
 
 def _subclasses(cls):

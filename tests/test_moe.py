@@ -1,4 +1,4 @@
-"""The MoE MLP (models/moe.py): the layer against a per-expert Python loop written here, forward and gradients, for
+"""The MoE MLP (models/families/moe.py): the layer against a per-expert Python loop written here, forward and gradients, for
 each router, dropless and with capacity, on every formulation of the experts' matmuls; the load-balancing loss
 against a NumPy port of transformers' load_balancing_loss_func and a hand computation over rows and layers; the
 z-loss by hand; both losses move the router; the one-line errors; layouts against one device."""
@@ -13,7 +13,8 @@ import pytest
 from conftest import SGD, TINY, corpus
 
 from models import from_preset
-from models import experts, moe
+from models.kernels import experts
+from models.families import moe
 from models.layers import rms_norm
 from models.transformer import layer_call
 
@@ -205,7 +206,7 @@ def _stack_by_hand(c, params, x, seg, positions):
 
 
 def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_adds_them_weighted():
-    from models.loss import objective, part_metrics, scales
+    from models.objectives.loss import objective, part_metrics, scales
     from models.transformer import Transformer, params_of
     import flax.nnx as nnx
     c = dataclasses.replace(_config(router_aux_loss=0.5, router_z_loss=0.25), n_layers=3, documents=True)

@@ -1,4 +1,4 @@
-"""The MoE MLP (models/moe.py) where the dense MLP goes, beyond tests/test_moe.py's layouts: local SGD and DiLoCo
+"""The MoE MLP (models/families/moe.py) where the dense MLP goes, beyond tests/test_moe.py's layouts: local SGD and DiLoCo
 against replicas run apart on one device each and synced by hand; documents with padding, remat policies, bfloat16
 compute and a checkpoint restored onto another mesh and schedule, each against one device (SGD, no clipping; loss,
 grad_norm, aux/... and parameters). Every batch has padding (segment 0) that leaves the data ranks different token

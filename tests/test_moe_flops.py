@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from models import abstract_model, from_preset, loss_fn
-from models import experts
+from models.kernels import experts
 from models.batch import abstract
 from models.counts import active_param_count, flops_per_token, hardware_flops_per_token, matmul_param_count
 from models.counts import param_count

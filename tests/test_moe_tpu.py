@@ -1,4 +1,4 @@
-"""The TPU's expert MLP (models/moe_tpu.py, megablox's grouped matmul in a region manual over every mesh axis).
+"""The TPU's expert MLP (models/kernels/moe_tpu.py, megablox's grouped matmul in a region manual over every mesh axis).
 
 On CPU the kernel runs in Pallas's interpreter: forward and gradients against a per-expert loop written here, dropless
 and with capacity, on one device and fully manual on (2,1,4) (the down projection's psum over `model` its own), and an
@@ -16,7 +16,9 @@ import pytest
 from conftest import SGD, run_steps
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import experts, moe
+from models.kernels import experts
+
+from models.families import moe
 
 B, T, D, X, K, F = 4, 24, 128, 4, 2, 256  # 96 tokens, 192 choices: two row tiles of 128, 64 rows of padding
 
@@ -31,7 +33,7 @@ def _problem(seed=0):
 
 
 def _keep(idx, slots):
-    """Every choice dropless; with `slots` per expert per row of T tokens, those models/moe.py `kept` keeps."""
+    """Every choice dropless; with `slots` per expert per row of T tokens, those models/families/moe.py `kept` keeps."""
     return np.asarray(moe.kept(idx.reshape(B, T, K), jnp.ones((B, T), bool), X, slots)[0]).reshape(B * T, K)
 
 
@@ -104,7 +106,7 @@ def test_megablox_fully_manual_on_2x1x4_equals_the_loop():
 
 @pytest.mark.slow
 def test_an_moe_step_with_megablox_on_2x1x4_zero3_equals_one_device(monkeypatch):
-    """The hook: models/moe.py runs megablox where BY_PLATFORM says (here CPU, interpreted); two SGD steps of a
+    """The hook: models/families/moe.py runs megablox where BY_PLATFORM says (here CPU, interpreted); two SGD steps of a
     2-layer MoE with a capacity on (2,1,4) ZeRO-3 (the region inside the compiler's step): loss, grad norm and
     parameters within 1e-5 of one device's."""
     monkeypatch.setitem(experts.BY_PLATFORM, "cpu", "megablox")

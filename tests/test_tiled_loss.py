@@ -1,4 +1,4 @@
-"""The vocabulary-tiled cross-entropy (model.loss_chunk, models/loss.py) equals the whole-logits loss."""
+"""The vocabulary-tiled cross-entropy (model.loss_chunk, models/objectives/loss.py) equals the whole-logits loss."""
 import dataclasses
 import sys
 from pathlib import Path
@@ -12,7 +12,7 @@ from flax import nnx
 from conftest import SGD, max_rel, run_steps, single_device
 from models.config import from_preset
 from models.batch import from_windows
-from models.loss import chunk_tokens, loss_fn
+from models.objectives.loss import chunk_tokens, loss_fn
 from models.spec import FAMILIES, Ends, ModelSpec, register
 from models.transformer import Transformer, forward, layer, llama_inventory, params_of
 

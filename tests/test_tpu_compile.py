@@ -44,7 +44,7 @@ def _scopes(text: str) -> set[str]:
 
 def kernel_problems(text: str) -> list[str]:
     """What in a compiled program is not the accelerator path: CPU fast paths, or an attention other than the
-    blockwise one `auto` picks for TPU (XLA's keeps float32 (T, T) scores: models/attention.py select)."""
+    blockwise one `auto` picks for TPU (XLA's keeps float32 (T, T) scores: models/kernels/attention.py select)."""
     scopes = _scopes(text)
     wrong = sorted(s for s in scopes if s in ("kernels_fast", "attention_xla"))
     missing = sorted({"kernels_reference", "attention_manual"} - scopes)
@@ -74,7 +74,7 @@ def test_tpu_program_runs_tpu_kernels_and_the_planner_holds_its_state(name):
         assert gathers and set(gathers) == {"bf16"}, gathers
         mine = sum(t.bytes for t in p.transfers if t.axis == "data" and t.kind == "all-gather")
         assert mine == pytest.approx(m.collectives[("all-gather", ("data",))], rel=0.01)
-    if "tiled" in name:  # the loss in tiles (models/loss.py), named in the program's stack frame table
+    if "tiled" in name:  # the loss in tiles (models/objectives/loss.py), named in the program's stack frame table
         assert '"tiled_cross_entropy' in m.text
     if "1f1b" in name:
         _pipeline_loops_are_counted(c)

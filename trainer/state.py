@@ -13,7 +13,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from meshes import RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
-from models.context import ContextPlan, order
+from models.context_parallel.gather import ContextPlan, order
 from trainer import guard
 from trainer.parallel import localsgd
 from trainer.parallel.reduction import Decision, decide
@@ -52,7 +52,7 @@ class Setup:
 
     def in_context_order(self, batch: dict) -> dict:
         """The batch as the model runs it: under context parallelism with load balancing, each row's tokens
-        reordered (models/context.py `order`; the loss is a sum over tokens, RoPE and masks take the original
+        reordered (models/context_parallel/gather.py `order`; the loss is a sum over tokens, RoPE and masks take the original
         positions); otherwise as it is."""
         plan = self.placement.context
         if plan is None or list(plan.order) == list(range(len(plan.order))):

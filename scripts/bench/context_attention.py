@@ -1,10 +1,10 @@
-"""What attending by position costs on CPU: models/fast_cpu.py's causal attention, forward and backward, one process,
+"""What attending by position costs on CPU: models/kernels/fast_cpu.py's causal attention, forward and backward, one process,
 the runs alternating:
 
   python scripts/bench/context_attention.py [--seq 2048] [--heads 12] [--head-dim 64] [--rounds 5] [--steps 3]
 
   whole row     the whole-row kernel (index causality: each query block skips the key blocks after it): from
-                fast_cpu.LOOPS_FROM tokens on as loops over tiles (models/flash_cpu.py), shorter rows unrolled
+                fast_cpu.LOOPS_FROM tokens on as loops over tiles (models/kernels/flash_cpu.py), shorter rows unrolled
   unrolled      the unrolled form at any length (query blocks of 128, each against the keys it sees), for the
                 choice of LOOPS_FROM; with --loops the same for the loops form ("loops")
   by position   the same row through the context kernel (positions traced: every block takes every key, the
@@ -39,8 +39,8 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from models.context import order
-    from models.fast_cpu import causal_attention
+    from models.context_parallel.gather import order
+    from models.kernels.fast_cpu import causal_attention
     T, H, E = a.seq, a.heads, a.head_dim
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (1, T, H, E), jnp.float32) for kk in keys)
@@ -51,8 +51,8 @@ def main():
         return lambda: jax.block_until_ready([grad(*args) for _ in range(a.steps)])
 
     runs = {"whole row": timed(lambda q, k, v: causal_attention(q, k, v, 128), q, k, v)}
-    from models import fast_cpu as F
-    from models.flash_cpu import TILE, flash
+    from models.kernels import fast_cpu as F
+    from models.kernels.flash_cpu import TILE, flash
     whole = lambda kernel, block: lambda q, k, v: F._ungroup(kernel(  # noqa: E731
         F._group(q, k.shape[2]), F._kv(k), F._kv(v), E ** -0.5, block, None, None))
     runs["unrolled"] = timed(whole(F._attention, 128), q, k, v)

@@ -1,4 +1,4 @@
-"""The MoE MLP's dropless formulations (models/moe.py FORMULATIONS) against the dense SwiGLU MLP of the same active
+"""The MoE MLP's dropless formulations (models/families/moe.py FORMULATIONS) against the dense SwiGLU MLP of the same active
 width, one MLP block forward and backward, in one process:
 
   python scripts/bench/moe_formulations.py [--tokens 1024] [--d 256] [--width 1024] [--k 2] [--experts 4,8]
@@ -7,7 +7,7 @@ width, one MLP block forward and backward, in one process:
 Each expert is a SwiGLU of `width`; the dense MLP has k x width hidden units (the FLOPs of a token's k experts).
 The router is a random one (uniform load on average). Every function is jitted and run in alternating rounds of
 --steps calls (the machine the same for all at each moment); the median over rounds of each one's time per call is
-printed with its ratio to the dense MLP's. models/moe.py's BY_PLATFORM names the one chosen on each platform.
+printed with its ratio to the dense MLP's. models/families/moe.py's BY_PLATFORM names the one chosen on each platform.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def main():
     import trainer.platforms  # noqa: F401  (before jax: with libtpu installed and no chip, no TPU runtime)
     import jax
     import jax.numpy as jnp
-    from models.fast_cpu import silu
-    from models.experts import FORMULATIONS
+    from models.kernels.fast_cpu import silu
+    from models.kernels.experts import FORMULATIONS
     N, D, F, K = a.tokens, a.d, a.width, a.k
     keys = jax.random.split(jax.random.key(0), 8)
     h = jax.random.normal(keys[0], (N, D))

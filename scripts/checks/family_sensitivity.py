@@ -9,7 +9,7 @@ import conftest  # noqa: F401,E402  (8 devices)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import models.gemma as gemma  # noqa: E402
+import models.families.gemma as gemma  # noqa: E402
 import models.transformer as transformer  # noqa: E402
 from models.transformer import forward, inventory  # noqa: E402
 from hf_check import FIX, loaded  # noqa: E402

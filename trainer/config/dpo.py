@@ -1,4 +1,4 @@
-"""What the config says of train.objective=dpo's own keys beside the others (the objective itself: models/dpo.py)."""
+"""What the config says of train.objective=dpo's own keys beside the others (the objective itself: models/objectives/dpo.py)."""
 from __future__ import annotations
 
 import dataclasses

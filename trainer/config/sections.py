@@ -15,13 +15,13 @@ GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
-CONTEXT_ATTENTION = ("all_gather", "all_to_all", "ring")  # train.context_attention (models/context.py STRATEGIES)
+CONTEXT_ATTENTION = ("all_gather", "all_to_all", "ring")  # train.context_attention (models/context_parallel/gather.py STRATEGIES)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (tables: trainer/parallel/schedules.py)
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable (trainer/ckpt/checkpoint.py)
 BIN_DTYPES = ("uint16", "uint32")
 OBJECTIVES = ("lm", "dpo")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")  # models/dpo.py LOSSES
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")  # models/objectives/dpo.py LOSSES
 REFERENCE_MODES = ("precompute", "online")
 # dist.cluster: auto, none, or one of jax.distributed's cluster_detection_method names; trainer/run/distributed.py
 # takes its names from here (detect() returns one of them)
@@ -152,7 +152,7 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class DpoSection:
-    """train.objective=dpo: Direct Preference Optimization and its variants, as TRL 1.16 defines them (models/dpo.py)."""
+    """train.objective=dpo: Direct Preference Optimization and its variants, as TRL 1.16 defines them (models/objectives/dpo.py)."""
     beta: float = setting(0.1, f"> 0 and <= {FLOAT32}", "how far the policy may move from the reference (IPO: tau)")
     loss: str = setting("sigmoid", DPO_LOSSES, "sigmoid (DPO), ipo, hinge (SLiC) or robust (label noise)")
     label_smoothing: float = setting(0.0, ">= 0 and < 0.5", "robust: the assumed share of flipped labels")

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from models.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
+from models.objectives.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
 from models.spec import family
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules
@@ -59,7 +59,7 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
 
 def _cross_entropy(logits_BTV, targets_BT, weight_BT):
     """`cross_entropy` (a weighted sum) with the target logit picked by comparing with an iota
-    (models/loss.py), not gathered; XLA fuses the compare into the sum, so no (B, T, V)
+    (models/objectives/loss.py), not gathered; XLA fuses the compare into the sum, so no (B, T, V)
     one-hot exists."""
     V = logits_BTV.shape[-1]
     return jnp.sum(token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
@@ -117,7 +117,7 @@ class Stage:
     index: Any  # (V, L/(S*V)): each of those layers' index in the whole stack
     top: dict  # the parameters other than the layers (embedding, final norm, head)
     mbs: dict  # this data shard's microbatches, each field (M, B/M, T)
-    scale: dict  # the objective's scales (models/loss.py)
+    scale: dict  # the objective's scales (models/objectives/loss.py)
     aux0: dict  # the aux sums, zero
     # each aux sum's cotangent: its scale (known before the backward, as the token loss's); counts get none
     aux_cot: dict
@@ -148,7 +148,7 @@ def documents(st: Stage, m):
 
 def microbatch_loss(st: Stage, y, top, m):
     """(scale["loss"] x the loss sum of microbatch m from the last stage's output y, its statistics: DPO's metrics'
-    (sum, pairs), models/dpo.py; none for the token loss)."""
+    (sum, pairs), models/objectives/dpo.py; none for the token loss)."""
     c, constrain = st.pipe.model, st.pipe.constrain
     if c.dpo is not None:
         return dpo_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.scale, constrain)
@@ -348,7 +348,7 @@ def over_stages(s, local, out_specs, batch):
 
 
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
-    """(parts, gradient) of the objective (models/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
+    """(parts, gradient) of the objective (models/objectives/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
     x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
     over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
     aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the

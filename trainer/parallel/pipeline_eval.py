@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.loss import dpo_eval_head
+from models.objectives.loss import dpo_eval_head
 from trainer.parallel import schedules
 from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_microbatch, forward, gathered,
                                        make_stage, over_stages, put, run_if, token_loss)
@@ -18,7 +18,7 @@ from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_mi
 
 def microbatch_sums(st: Stage, y, top, m) -> dict:
     """What an evaluation adds up of microbatch m from the last stage's output y: its loss sum (DPO: the sums of
-    models/loss.py `dpo_eval_head`)."""
+    models/objectives/loss.py `dpo_eval_head`)."""
     c = st.pipe.model
     if c.dpo is not None:
         return dpo_eval_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.pipe.constrain)

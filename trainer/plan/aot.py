@@ -198,7 +198,7 @@ def _lowered_axes(line: str, mesh_shape: dict) -> tuple[str, ...]:
 
 
 class _Fallbacks(logging.Handler):
-    """Catches models/attention.py's one line saying cuDNN's attention was refused."""
+    """Catches models/kernels/attention.py's one line saying cuDNN's attention was refused."""
     def __init__(self):
         super().__init__(logging.WARNING)
         self.reason = None
@@ -209,7 +209,7 @@ class _Fallbacks(logging.Handler):
             self.reason = msg.split("(", 1)[-1].rsplit(")", 1)[0]
 
     def __enter__(self):
-        from models import attention
+        from models.kernels import attention
         attention.reset_warnings()  # said once per process: say it again for this lowering
         log = logging.getLogger(attention.__name__)
         self._propagate, log.propagate = log.propagate, False  # the report says it instead
@@ -217,7 +217,7 @@ class _Fallbacks(logging.Handler):
         return self
 
     def __exit__(self, *exc):
-        from models import attention
+        from models.kernels import attention
         log = logging.getLogger(attention.__name__)
         log.removeHandler(self)
         log.propagate = self._propagate

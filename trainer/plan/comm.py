@@ -42,7 +42,7 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
 
 def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
                        documents: bool) -> list[Transfer]:
-    """Context parallelism (models/context.py): each layer's attention traffic per microbatch (again where the
+    """Context parallelism (models/context_parallel/gather.py): each layer's attention traffic per microbatch (again where the
     layer is recomputed: remat, a pipeline's stage bodies), by strategy; the batch's reorder; leaves the rules split
     over `data` (experts) summed over `context` alone."""
     C = st.context
@@ -74,7 +74,7 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platfor
 
 def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: int, forwards: int, documents: bool,
                        rows: int) -> list[Transfer]:
-    """models/context.py all_to_all, per layer and microbatch: q, k and v (kv heads repeated where their count
+    """models/context_parallel/gather.py all_to_all, per layer and microbatch: q, k and v (kv heads repeated where their count
     does not split over the ranks) sent to their head group's rank and the output back; the transposes in the
     backward; the documents gathered, where there are any, once per microbatch."""
     C = st.context
@@ -94,7 +94,7 @@ def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: in
 
 def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, forwards: int,
                     documents: bool, pairwise: bool) -> list[Transfer]:
-    """models/ring.py, per layer and microbatch: C - 1 steps around the ring, each passing the K and V block with
+    """models/context_parallel/ring.py, per layer and microbatch: C - 1 steps around the ring, each passing the K and V block with
     its keys' positions (and documents); the backward passes them again with their float32 dK and dV accumulators,
     which take one more step home. pairwise: inside a pipeline on CPU (meshes/collectives.py pairwise_ring)."""
     steps = st.context - 1
@@ -120,7 +120,7 @@ def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, f
 
 def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, documents: bool,
                       rows: int) -> list[Transfer]:
-    """models/context.py all_gather: each layer's K and V gathered, dK and dV reduce-scattered back, the tokens'
+    """models/context_parallel/gather.py all_gather: each layer's K and V gathered, dK and dV reduce-scattered back, the tokens'
     positions (and documents) gathered once per microbatch."""
     C, m = st.context, st.microbatches
     ag = bus_factor("all-gather", C)
@@ -137,7 +137,7 @@ TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "al
 
 
 def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
-    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (models/moe.py
+    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (models/families/moe.py
     expert_collectives), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
     a collective is no dot, so `dots` recomputes it too; every pipeline stage body), those whose results the
     backward reads; the differentiable ones' transposes in the backward."""

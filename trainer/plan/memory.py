@@ -122,9 +122,9 @@ def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_
     whole model's program does (fused_qkv: written at its shapes, while one device's q and k may be alike); with
     repeated kv heads, the attention sees only this device's slice of them (what the sharding constraint after the
     repeat leaves it). cuDNN's fused attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as
-    the blockwise attention of models/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
-    from models.attention import block_for, select
-    from models.fast_cpu import causal_attention
+    the blockwise attention of models/kernels/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
+    from models.kernels.attention import block_for, select
+    from models.kernels.fast_cpu import causal_attention
     from models.layers import kernels_for
     kn = kernels_for(c, platform)
     if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
@@ -175,7 +175,7 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
     """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
     each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
     one rank sees them (_OneContextRank: the gathered K/V as large as the row's)."""
-    from models.loss import cross_entropy
+    from models.objectives.loss import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import head, inventory, layer_call
@@ -198,7 +198,7 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
     def fn(x, weights, half=half):
         call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
         if context[0] > 1:  # as models/transformer.py layer_stack runs it: per-token positions, the trainer's strategy
-            from models.context import ContextPlan
+            from models.context_parallel.gather import ContextPlan
             coll, pos = _OneContextRank(context[0]), jax.numpy.arange(T, dtype=jax.numpy.float32)
             plan = ContextPlan(context[0], context[1], tuple(range(mc.seq_len)))
             call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
@@ -259,11 +259,11 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: i
     manual over `data`) this device's.
 
     Whole logits: the residuals hold the (N, V) float32 logits and the backward adds their gradient.
-    Tiled (model.loss_chunk, models/loss.py): each token's logsumexp instead of its logits; the
+    Tiled (model.loss_chunk, models/objectives/loss.py): each token's logsumexp instead of its logits; the
     backward holds one vocabulary block's logits, softmax and gradient (N, V/blocks), the float32
     input gradient and the head weight's gradient as the blocks fill it in.
     """
-    from models.loss import chunk_tokens, vocab_blocks
+    from models.objectives.loss import chunk_tokens, vocab_blocks
     N, D = rows * mc.seq_len // st.context, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
@@ -292,7 +292,7 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     of the stacked weights (under ZeRO-3, the gathered layer counted in buffer_bytes), the tile scan's gradient
     accumulators and the layer's gradient before it is written into the stack's. A dense layer's weights are a few
     percent of its activations; an MoE's experts are n_experts times a dense MLP's. And the dispatch's two
-    cotangents, one row per choice (on CPU padded to whole tiles per expert, models/experts.py): the experts' output's
+    cotangents, one row per choice (on CPU padded to whole tiles per expert, models/kernels/experts.py): the experts' output's
     and their input's."""
     if not getattr(mc, "sparse", False):
         return 0.0

@@ -8,7 +8,7 @@ from models import ModelConfig
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
-CONTEXT_STRATEGIES = ("all_gather", "all_to_all", "ring")  # models/context.py STRATEGIES, each where it can run
+CONTEXT_STRATEGIES = ("all_gather", "all_to_all", "ring")  # models/context_parallel/gather.py STRATEGIES, each where it can run
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
 REMATS = ("none", "dots", "full")

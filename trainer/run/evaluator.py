@@ -41,7 +41,7 @@ class Eval(Plugin):
         per = lambda k, n: tot[k] / tot[n] if tot[n] > 0 else 0.0  # noqa: E731
         run.eval_loss = per("pair", "pairs") + run.cfg.dpo.sft_weight * per("sft", "chosen")
         run.record.update({"step": step, "eval_loss": run.eval_loss, "eval_pairs": int(tot["pairs"])})
-        from models.dpo import METRICS
+        from models.objectives.dpo import METRICS
         run.record.update({f"eval_{k}": per(k, "pairs") for k in METRICS})
 
     def _mean(self, run, batch_of) -> tuple[float, float]:

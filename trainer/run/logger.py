@@ -8,7 +8,7 @@ import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from models import flops_per_token, hardware_flops_per_token
-from models.dpo import METRICS as DPO_METRICS, unit
+from models.objectives.dpo import METRICS as DPO_METRICS, unit
 from trainer.observe.metrics import device_peak, peak_devices
 from trainer.run.plugin import Plugin
 
@@ -54,7 +54,7 @@ class StepMetrics(Plugin):
                            "skipped": int(m["skipped"]), "bad_streak": int(m["bad_streak"]),
                            # a family's auxiliary outputs (models/spec.py), each its mean over the step
                            **{k: float(v) for k, v in m.items() if k.startswith("aux/")},
-                           **{k: float(m[k]) for k in DPO_METRICS if k in m},  # train.objective=dpo (models/dpo.py)
+                           **{k: float(m[k]) for k in DPO_METRICS if k in m},  # train.objective=dpo (models/objectives/dpo.py)
                            **({"data_offset": run.offset} if run.offset else {})})
 
 

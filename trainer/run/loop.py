@@ -12,7 +12,7 @@ import time
 import jax
 from rich.console import Console
 
-from models.dpo import unit
+from models.objectives.dpo import unit
 from trainer.config import Config
 from trainer.data.batches import bits_per_byte
 from trainer.observe.goodput import summary
@@ -112,7 +112,7 @@ def _goodbye(run: Run):
 
 
 def _eval_words(run: Run) -> str:
-    """', eval loss L nats/token (B bits/byte)', or the held-out pairs' DPO loss in its own unit (models/dpo.py)."""
+    """', eval loss L nats/token (B bits/byte)', or the held-out pairs' DPO loss in its own unit (models/objectives/dpo.py)."""
     loss, bpt, dpo = run.eval_loss, run.batches.c.bytes_per_token, run.s.model.dpo
     if loss is None:
         return ""

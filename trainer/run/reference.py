@@ -1,4 +1,4 @@
-"""The frozen reference of train.objective=dpo: its log-probability of every answer token (models/dpo.py reads them
+"""The frozen reference of train.objective=dpo: its log-probability of every answer token (models/objectives/dpo.py reads them
 as the batch field ref_logp).
 
 dpo.reference (default: model.init_from) is read into the run's parameter shardings like model.init_from (an
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.loss import head_token_losses, hidden
+from models.objectives.loss import head_token_losses, hidden
 from trainer.data.checks import no_pairs
 from trainer.errors import UserError
 

@@ -1,8 +1,8 @@
 """The TPU's expert MLP: megablox's grouped matmul (jax.experimental.pallas.ops.tpu.megablox `gmm`, a Pallas/Mosaic
-kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/experts.py.
+kernel with its own VJP, `tgmm` for the weights' gradients), the `megablox` formulation of models/kernels/experts.py.
 
 XLA cannot partition a Mosaic kernel, so it runs in a region manual over every mesh axis (meshes/collectives.py,
-over=None; models/experts.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual
+over=None; models/kernels/experts.py's grouped_mlp runs every formulation so), in the plain step, the explicit one (manual
 over the batch axes, `data` x `context`, already) and every pipeline schedule (manual over `stage` and the batch axes)
 alike: each rank holds its tokens (split over the batch axes with the batch) and its slice of every expert's hidden
 units (`mlp` over `model`); the down projection's partial sums over the slices are the region's own psum over `mlp`
@@ -37,7 +37,7 @@ def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
 
 
 def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, interpret: bool = False):
-    """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/experts.py's
+    """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/kernels/experts.py's
     grouped_mlp runs it in its region and adds the partial sums over `mlp`)."""
     gate, up, down = weights
     (N, _), K, X = h_ND.shape, idx_NK.shape[1], gate.shape[0]

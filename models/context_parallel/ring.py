@@ -1,4 +1,4 @@
-"""Ring attention over `context` (train.context_attention=ring; models/context.py): each rank's K/V block travels
+"""Ring attention over `context` (train.context_attention=ring; models/context_parallel/gather.py): each rank's K/V block travels
 the ring of context ranks by `shift` (a ppermute), C - 1 times, and the rank's queries attend to each block as it
 passes, merged by an online softmax; a rank holds its own block and the one passing, never the row's K/V.
 
@@ -6,7 +6,7 @@ Causality, windows and documents by the tokens' original positions (the blocks c
 documents with them). Its own backward (a custom VJP): the K/V blocks travel the ring again with their float32 dK/dV
 accumulators, which come home with one more step (in K's dtype); the forward keeps only the rank's q, k, v, output
 and log-sum-exp (autodiff through the ring would keep every block that passed). Gemma's soft-cap and score scale are
-applied per block. Letters as models/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
+applied per block. Letters as models/kernels/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.fast_cpu import _group, _kv, _ungroup
+from models.kernels.fast_cpu import _group, _kv, _ungroup
 
 Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
 

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.qwen_hf import QWEN2_HF, QWEN3_HF
+from models.hf.qwen import QWEN2_HF, QWEN3_HF
 from models.spec import ModelSpec, Param, register
 from models.transformer import layer, llama_inventory
 

@@ -13,7 +13,7 @@ over all logits, then the k largest probabilities, divided by their sum where mo
 Qwen2-MoE). Capacity (model.capacity_factor > 0): each row of the batch has C = ceil(T k / X x factor) slots per
 expert, filled in (choice rank, position) order; a padding token takes none, a dropped choice contributes nothing
 (its token keeps the residual), decoding drops nothing. The experts' matmuls and their dispatch under expert
-parallelism: models/experts.py.
+parallelism: models/kernels/experts.py.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
-from models.moe_hf import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
-from models.experts import BY_PLATFORM, TILE, grouped_mlp, padded_tiles
-from models.qwen import qwen2_inventory, qwen3_inventory
+from models.hf.moe import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
+from models.kernels.experts import BY_PLATFORM, TILE, grouped_mlp, padded_tiles
+from models.families.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, mlp_half as dense_half
 

@@ -4,7 +4,7 @@ attention with its local window, the CPU fast path skipping the key blocks outsi
 (a ring of the window's length). This module is the family and its Hugging Face adapter."""
 from __future__ import annotations
 
-from models import llama_hf
+from models.hf import llama as llama_hf
 from models.spec import HFAdapter, ModelSpec, register
 from models.transformer import layer, llama_inventory
 

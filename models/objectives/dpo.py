@@ -57,7 +57,7 @@ def scales(batch) -> dict:
 
 def sums(d: Dpo, ce_BT, batch) -> tuple:
     """(pair loss sum, chosen token loss sum, {metric: (sum, pairs)}) of a batch from its per-target token losses,
-    each already weight x cross-entropy (models/loss.py head_token_losses): weighted once, as the reference's."""
+    each already weight x cross-entropy (models/objectives/loss.py head_token_losses): weighted once, as the reference's."""
     w = batch["loss_weight"].astype(jnp.float32)
     pc, pr = _answers(batch, -ce_BT)
     rc, rr = _answers(batch, batch["ref_logp"] * w)

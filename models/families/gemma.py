@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import GLOBAL
+from models.kernels.attention import GLOBAL
 from models.config import POSITIVE, ModelConfig, key
-from models.gemma_hf import GEMMA2_HF, GEMMA3_HF
+from models.hf.gemma import GEMMA2_HF, GEMMA3_HF
 from models.layers import rms_norm, rope_tables
 from models.spec import Ends, LayerCall, ModelSpec, Param, register
 from models.transformer import layer, llama_inventory, qkv, repeat_kv
@@ -89,7 +89,7 @@ def attention_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
         rope = tuple(jnp.where(local, lo, gl) for gl, lo in zip(rope[:2], rope[2:]))
     q_BTHE, k_BTKE, v_BTKE = repeat_kv(call, *qkv(c, p, x_BTD, rope, constrain, kernels=kn,
                                                   plus_one=c.norm_plus_one))
-    # the layer's window, traced (GLOBAL: every causal key); the kernels run each kind's own (models/attention.py)
+    # the layer's window, traced (GLOBAL: every causal key); the kernels run each kind's own (models/kernels/attention.py)
     window = jnp.where(local, c.window or GLOBAL, GLOBAL)
     o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments, window=window,
                             softcap=c.attn_softcap, scale=(c.query_scale or c.head_dim) ** -0.5,

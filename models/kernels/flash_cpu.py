@@ -1,4 +1,4 @@
-"""The whole-row causal attention of models/fast_cpu.py for long rows, as loops (FlashAttention's order).
+"""The whole-row causal attention of models/kernels/fast_cpu.py for long rows, as loops (FlashAttention's order).
 
 Unrolled over its query blocks (fast_cpu's `_attention`), XLA:CPU gives every block's scores buffers of their own
 (T^2 / 2 floats per head and array: at T=8192 with 12 heads, 6 GB more than these loops) and runs slower. Here a loop

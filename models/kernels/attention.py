@@ -3,7 +3,7 @@
 All take q (B, T, H, E) and k, v (B, T, K, E) with H a multiple of K and return (B, T, H, E).
 The plain reference is jax.nn.dot_product_attention(q, k, v, is_causal=True) ("xla"). The
 "manual" kernel, with a hand-written FlashAttention-style backward tuned for XLA:CPU, is
-models/fast_cpu.py's `causal_attention`, one of the CPU fast paths.
+models/kernels/fast_cpu.py's `causal_attention`, one of the CPU fast paths.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from models.fast_cpu import causal_attention
+from models.kernels.fast_cpu import causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ GLOBAL = 2 ** 30  # a traced window that means every causal key (a mixed stack's
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
               cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None,
               windows: tuple | None = None, positions=None):
-    """Causal attention by implementation: "manual" (models/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
+    """Causal attention by implementation: "manual" (models/kernels/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
     with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
     positions before each query (itself included) only. `scale`: the scores' (default head_dim ** -0.5);
     `softcap`: scores soft-capped (the masked path); a traced `window` (a mixed stack's, GLOBAL for every key)
     that takes one of the static `windows` (None: every key) runs that window's own kernel, picked at run time.
     `positions` = (the queries' (Tq,), the keys' (S,), float32): causality and windows by those positions, not by
-    index (a chunk of a sequence against keys gathered from elsewhere: context parallelism, models/context.py);
+    index (a chunk of a sequence against keys gathered from elsewhere: context parallelism, models/context_parallel/gather.py);
     segments then a pair (the queries' (B, Tq), the keys' (B, S)). Without, whole sequences as they were."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.

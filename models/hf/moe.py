@@ -1,12 +1,14 @@
 """Hugging Face adapters of the Mixture-of-Experts families (`MixtralForCausalLM`, `Qwen3MoeForCausalLM`,
 `Qwen2MoeForCausalLM`), both directions: Llama's, Qwen3's and Qwen2's attention tensors and config fields
-(models/llama_hf.py, models/qwen_hf.py), the router, and one tensor per expert of each layer as `save_pretrained`
+(models/hf/llama.py, models/hf/qwen.py), the router, and one tensor per expert of each layer as `save_pretrained`
 writes them, stacked into meshtrain's (layers, experts, ...) parameters (`Leaf.lead`) and read slice by slice.
 A config feature the families do not compute (dense layers in the stack, router jitter, ...) is a ValueError
 naming the field."""
 from __future__ import annotations
 
-from models import llama_hf, qwen_hf
+from models.hf import llama as llama_hf
+
+from models.hf import qwen as qwen_hf
 from models.spec import HFAdapter, Leaf
 
 # meshtrain's expert parameter -> (Mixtral's tensor, Qwen-MoE's); the HF (out, in) tensor is the transpose

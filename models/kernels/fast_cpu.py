@@ -8,7 +8,7 @@ and gradients in float32); each is here because XLA:CPU runs the plain form meas
   silu               x * sigmoid(x) through tanh
   apply_rope         rotate-half without splitting and concatenating the halves
   causal_attention   attention with a hand-written, FlashAttention-style backward (below); from LOOPS_FROM
-                     tokens on as loops over tiles (models/flash_cpu.py)
+                     tokens on as loops over tiles (models/kernels/flash_cpu.py)
 
 causal_attention(q, k, v) equals jax.nn.dot_product_attention(q, k, v, is_causal=True) for
 q (B, T, H, E) and k, v (B, T, K, E) with H a multiple of K. What differs is what is kept for the
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.flash_cpu import LOOPS_FROM, TILE, flash, with_backward
+from models.kernels.flash_cpu import LOOPS_FROM, TILE, flash, with_backward
 
 # ----------------------------------------------------------------------------- projections
 

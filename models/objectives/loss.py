@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models import dpo
+from models.objectives import dpo
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
 from models.layers import Placement
@@ -207,7 +207,7 @@ def head_token_losses(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT
 
 def dpo_head(c: ModelConfig, params: dict, x_BTD, batch: dict, scale: dict, constrain: Constrain = _no_constrain):
     """(DPO's value: pair loss / pairs + sft_weight x chosen token loss / chosen tokens, its metrics' (sum, pairs))
-    of a batch's final hidden states (models/dpo.py)."""
+    of a batch's final hidden states (models/objectives/dpo.py)."""
     ce = head_token_losses(c, params, x_BTD, batch["targets"], batch["loss_weight"].astype(jnp.float32), constrain)
     pair, sft, metrics = dpo.sums(c.dpo, ce, batch)
     return pair * scale["pairs"] + c.dpo.sft_weight * sft * scale["chosen"], metrics

@@ -1,9 +1,9 @@
 """Hugging Face adapters of the Qwen families (`Qwen2ForCausalLM`, `Qwen3ForCausalLM`): Llama's tensor names and
-config fields (models/llama_hf.py) plus each family's own, both directions. A config feature the families do
+config fields (models/hf/llama.py) plus each family's own, both directions. A config feature the families do
 not compute (a sliding window, biases on Qwen3's projections) is a ValueError naming the field."""
 from __future__ import annotations
 
-from models import llama_hf
+from models.hf import llama as llama_hf
 from models.spec import HFAdapter, Leaf
 
 

@@ -6,7 +6,7 @@ or the older `rope_theta`, `rope_local_base_freq`, `rope_scaling`, `sliding_wind
 families do not compute is a ValueError naming the field."""
 from __future__ import annotations
 
-from models import llama_hf
+from models.hf import llama as llama_hf
 from models.spec import HFAdapter, HFWrapper, Leaf
 
 KINDS = {"sliding_attention": True, "full_attention": False}

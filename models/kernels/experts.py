@@ -1,6 +1,6 @@
-"""The experts' matmuls of the MoE MLP (models/moe.py) and their dispatch under expert parallelism.
+"""The experts' matmuls of the MoE MLP (models/families/moe.py) and their dispatch under expert parallelism.
 
-Letters as in models/moe.py: N tokens, k choices per token, M = N*k choices, X experts, F each expert's width.
+Letters as in models/families/moe.py: N tokens, k choices per token, M = N*k choices, X experts, F each expert's width.
 FORMULATIONS, one per platform (BY_PLATFORM, measured by scripts/bench/moe_formulations.py); `grouped_mlp` runs the
 platform's in a region manual over every axis, each data rank its own tokens; where the run's rules split the
 experts over `data` (expert parallelism) the tokens reach their experts' ranks by all-gather and reduce-scatter
@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.moe_tpu import megablox
+from models.kernels.moe_tpu import megablox
 from models.spec import LOCAL
 
 
@@ -144,7 +144,7 @@ _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
                 "tiles": tiles, "tile_scan": tile_scan, "megablox": megablox}
 # the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md);
-# `megablox`: the TPU's Pallas kernel (models/moe_tpu.py), in Pallas's interpreter off TPU
+# `megablox`: the TPU's Pallas kernel (models/kernels/moe_tpu.py), in Pallas's interpreter off TPU
 BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "megablox"}
 TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
 IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,

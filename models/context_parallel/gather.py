@@ -4,9 +4,9 @@ logical axis `seq` to it), each device holding T/C tokens of each of its rows.
 Everything but attention works token by token (embeddings, norms, MLPs, the loss) and needs nothing here.
 Attention needs the keys of the whole row: `all_gather` gathers each layer's K and V (and the keys' positions and
 documents) over `context` and attends the rank's own queries to them, causality and documents by position
-(models/attention.py `positions`), not by index. Its transpose reduce-scatters dK and dV back. `all_to_all`
+(models/kernels/attention.py `positions`), not by index. Its transpose reduce-scatters dK and dV back. `all_to_all`
 trades the sequence split for a split of the heads for attention (Ulysses) and back; `ring` passes each rank's K/V
-block around the ring of context ranks and never holds the row's K/V (models/ring.py).
+block around the ring of context ranks and never holds the row's K/V (models/context_parallel/ring.py).
 
 Causal load balancing (`order`): with the row split in C contiguous chunks, rank C-1's queries see every key and
 rank 0's only its own; the trainer reorders each row once, at the step's start, so that rank i holds the chunks i and
@@ -50,13 +50,13 @@ class ContextPlan(NamedTuple):
         return jax.lax.dynamic_slice_in_dim(full, collectives.axis_index("seq") * T, T)
 
     def attention(self, kernel, collectives, positions_T):
-        """The attention strategy (LayerCall.attention) for this plan, `kernel` (models/attention.py `attention`
+        """The attention strategy (LayerCall.attention) for this plan, `kernel` (models/kernels/attention.py `attention`
         with the model's options) inside: all_gather (each rank's queries against the gathered keys, by position)
         or all_to_all (whole rows of a group of heads on each rank, by index)."""
         if self.strategy == "all_to_all":
             return all_to_all(kernel, collectives, np.asarray(self.order, np.int64))
         if self.strategy == "ring":
-            from models.ring import ring
+            from models.context_parallel.ring import ring
             return ring(kernel, collectives, positions_T)
         return all_gather(kernel, collectives, positions_T)
 
