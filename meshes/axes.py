@@ -1,5 +1,10 @@
 """The mesh axes, in mesh order, and a mesh's shape (its sizes by name): the one place that lists the axes.
 
+Each axis's name is a constant here, DATA, STAGE, CONTEXT and MODEL, and AXES is built from them: code that names a
+mesh axis (a PartitionSpec's entry, a collective's axis, a rules entry, a mesh's size by name, a planner transfer's
+axis) imports the constant. A literal "data", "stage", "context" or "model" in such a place outside this file fails
+tests/test_axes.py (its rules list the places).
+
 Every other module asks here: a run's sizes by name (`MeshShape`, from the mesh.* keys: `shape_of`), its abstract
 mesh and axis types, the hosts each axis is split over (DCN), the shape a checkpoint recorded (`recorded`: an axis
 it lacks reads as 1) and the shapes n devices can take (`shapes`, the layout search). Adding an axis is an entry in
@@ -33,17 +38,19 @@ class Axis:
         return f"dcn_{self.name}"
 
 
+# The axes' names, imported wherever code names a mesh axis (meshes/rules.py maps the logical axes to them).
+DATA, STAGE, CONTEXT, MODEL = "data", "stage", "context", "model"
 # Mesh order: the last axis is innermost, on neighbouring devices (`model` all-reduces in every layer: the fastest
 # links); the first takes what the others leave (-1).
 AXES = (
-    Axis("data", "devices the batch (and ZeRO's state) is split over; -1: the devices left", -1,
+    Axis(DATA, "devices the batch (and ZeRO's state) is split over; -1: the devices left", -1,
          "hosts/slices `data` is split over (hybrid mesh: `model` stays inside a host)"),
-    Axis("stage", "pipeline stages, each holding n_layers / stage layers", dcn="hosts/slices `stage` is split over"),
+    Axis(STAGE, "pipeline stages, each holding n_layers / stage layers", dcn="hosts/slices `stage` is split over"),
     # inside `stage`, outside `model`: it all-gathers each layer's K/V (GQA: fewer bytes than `model`'s two
     # all-reduces of the activations per layer), so it takes the links next to model's
-    Axis("context", "ranks each sequence is split over (context parallelism): seq_len / context tokens of every "
+    Axis(CONTEXT, "ranks each sequence is split over (context parallelism): seq_len / context tokens of every "
          "row per device", dcn="hosts/slices `context` is split over"),
-    Axis("model", "tensor-parallel ranks splitting heads, MLP units and vocabulary"),
+    Axis(MODEL, "tensor-parallel ranks splitting heads, MLP units and vocabulary"),
 )
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from meshes.axes import STAGE
 from meshes.rules import keep
 
 
@@ -30,7 +31,7 @@ from meshes.rules import keep
 # of the program (jax 0.10.2: ring attention under (context 4, stage 2) 1F1B returns NaN losses; it used to deadlock
 # a 2x4 mesh), where a collective with replica groups waits for its group's only. On CPU alone the ring's step is
 # then `_pair_shift`; XLA:TPU and XLA:GPU run the collective-permute.
-BRANCHED = "stage"
+BRANCHED = STAGE
 
 
 def _pair_shift(x, axes, n: int):

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshes.axes import CONTEXT, DATA, MODEL, STAGE
+
 
 class Rules(Mapping):
     """A run's logical -> mesh table, read-only: each logical axis to a mesh axis, a tuple of them, or None
@@ -88,22 +90,18 @@ def _drop(entry, axes: set[str]):
     return None if entry in axes else entry
 
 
-# The mesh axis ZeRO shards training state over: the batch's (gradients are summed over it); with context
-# parallelism (a run's rules map `seq` to CONTEXT) over both: a context rank is data-parallel for the weights.
-DATA = "data"
-CONTEXT = "context"
 # The base table: logical axis -> mesh axis (None = replicated). Activations and parameters share it;
 # parameters add the ZeRO/FSDP rule (`data` on one more dimension) on top.
 RULES = Rules({
     "batch": DATA,
     "seq": None,
     "embed": None,
-    "heads": "model",
-    "kv_heads": "model",
+    "heads": MODEL,
+    "kv_heads": MODEL,
     "head_dim": None,
-    "mlp": "model",
-    "vocab": "model",
-    "layers": "stage",
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "layers": STAGE,
     "experts": None,  # an MoE layer's experts: whole on every device (split over `data` by a run's rules)
 })
 # Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the
@@ -198,7 +196,8 @@ class Layout:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """The mesh axes ZeRO shards state over: `data`, and `context` where the rules split sequences over it."""
+        """The mesh axes ZeRO shards state over: the batch's, `data` (gradients are summed over it), and `context`
+        where the rules split sequences over it (a context rank is data-parallel for the weights)."""
         return (DATA,) + ((CONTEXT,) if CONTEXT in mesh_axes(self.rules.spec(("seq",))) else ())
 
     def batch_spec(self) -> P:

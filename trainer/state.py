@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshes import RULES, Collectives, Layout, MeshError, Rules, build
+from meshes import CONTEXT, DATA, MODEL, RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
 from models.context_parallel.gather import ContextPlan, order
@@ -72,8 +72,8 @@ def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1) -> 
     """The run's logical->mesh rules on `data` data ranks and `context` context ranks: the base table
     (meshes/rules.py) and the entries its config adds (an MoE's experts over `data`: train.expert_parallel; each
     sequence's tokens over `context`: context parallelism)."""
-    rules = RULES.replace(experts="data") if expert_parallel(cfg, data, quiet) else RULES
-    return rules.replace(seq="context") if context > 1 else rules
+    rules = RULES.replace(experts=DATA) if expert_parallel(cfg, data, quiet) else RULES
+    return rules.replace(seq=CONTEXT) if context > 1 else rules
 
 
 def rules_by_data(cfg: Config):
@@ -85,7 +85,7 @@ def rules_by_data(cfg: Config):
             split = expert_parallel(cfg, data, quiet=True)
         except UserError:
             return []
-        return [RULES.replace(experts="data"), RULES] if split and cfg.train.expert_parallel is None else \
+        return [RULES.replace(experts=DATA), RULES] if split and cfg.train.expert_parallel is None else \
             [rules_for(cfg, data, quiet=True)]
     return rules
 
@@ -105,13 +105,13 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     """The setup on a mesh (a Mesh, or an AbstractMesh to lower for devices this host lacks) whose
     devices are of `platform` ("cpu", "gpu", "tpu"): the model's kernels and compute dtype are that
     platform's."""
-    model = mesh.shape["model"]
+    model = mesh.shape[MODEL]
     mc = model_config(cfg)
     layout = Layout(mesh, cfg.train.zero_stage,
-                    rules_for(cfg, mesh.shape["data"], context=mesh.shape.get("context", 1)) if rules is None else rules)
+                    rules_for(cfg, mesh.shape[DATA], context=mesh.shape.get(CONTEXT, 1)) if rules is None else rules)
     # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
     # rank repeats the one its query heads need; the collectives over the layout's logical axes
-    context = mesh.shape.get("context", 1)
+    context = mesh.shape.get(CONTEXT, 1)
     plan = None if context == 1 else ContextPlan(context, cfg.train.context_attention, tuple(
         int(i) for i in order(mc.seq_len, context, cfg.train.context_load_balance)))
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,

@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import orbax.checkpoint as ocp
 
-from meshes import recorded
+from meshes import DATA, recorded
 from trainer.ckpt.objects import path_of
 from trainer.ckpt.store import (FORMAT, SUBDIR, abstract, check_shapes, choose, config_dict, describe_leaves,
                                 manager, meta_of, restore, verify)
@@ -138,9 +138,9 @@ def _same_replicas(meta: dict, s, where: Path):
     if saved != now:
         raise UserError(f"checkpoint {where} was saved with train.sync={saved} and this run has train.sync={now}, "
                         f"whose train state is laid out otherwise (replicas); resume with train.sync={saved}, {start}")
-    n = recorded(meta["mesh"], s.mesh.axis_names)["data"]
-    if now != "every_step" and n != s.mesh.shape["data"]:
-        raise UserError(f"checkpoint {where} holds {n} {now} replicas and this run has {s.mesh.shape['data']} "
+    n = recorded(meta["mesh"], s.mesh.axis_names)[DATA]
+    if now != "every_step" and n != s.mesh.shape[DATA]:
+        raise UserError(f"checkpoint {where} holds {n} {now} replicas and this run has {s.mesh.shape[DATA]} "
                         f"(mesh.data); resume with mesh.data={n}, {start} (one set: "
                         + ("the replicas' average)" if now == "local_sgd" else "the synced outer parameters)"))
 

@@ -33,11 +33,10 @@ def param_shardings(cfg: Config, shardings=None, devices=None):
         return jax.tree.map(lambda _: shardings, shapes)
     if shardings is not None:
         return shardings
-    from meshes import Layout, build_mesh
-    from meshes import RULES
+    from meshes import DATA, RULES, Layout, build_mesh
     from trainer.state import rules_by_data
     mesh = build_mesh(devices=devices)
-    return Layout(mesh, 3, (rules_by_data(cfg)(mesh.shape["data"]) or [RULES])[0]).tree("param", shapes, logical)
+    return Layout(mesh, 3, (rules_by_data(cfg)(mesh.shape[DATA]) or [RULES])[0]).tree("param", shapes, logical)
 
 
 def one_set(meta: dict) -> tuple[str, dict]:

@@ -2,7 +2,7 @@
 against mesh.model)."""
 from __future__ import annotations
 
-from meshes import RULES
+from meshes import MODEL, RULES
 from meshes.rules import SHARED_WHEN_SMALLER
 from models import ModelConfig, family
 
@@ -18,7 +18,7 @@ def split_widths(mc: ModelConfig) -> list[tuple[str, int]]:
     found = {}
     for where, p in _params(family(mc.family).inventory(mc)):
         for axis, width in zip(p.axes, p.shape):
-            if RULES.get(axis) == "model" and axis not in SHARED_WHEN_SMALLER:
+            if RULES.get(axis) == MODEL and axis not in SHARED_WHEN_SMALLER:
                 found.setdefault((axis, width), where)
     order = list(WIDTH_KEYS)
     return [(next((f"model.{k}={width}" for k in WIDTH_KEYS.get(axis, ()) if getattr(mc, k, None) == width),

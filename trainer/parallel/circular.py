@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshes import STAGE
+
 
 def circular_moves(stages: int, repeats: int) -> dict:
     """{(shift, j): [(src, dst, src_row, dst_row), ...]}: the block moves from the stored placement
@@ -38,7 +40,7 @@ def circular_moves(stages: int, repeats: int) -> dict:
 
 def _move_blocks(w, stages: int, groups: dict):
     """Rows of w (V, ...) moved between stages as `groups` says, one ppermute per group."""
-    V, s = w.shape[0], jax.lax.axis_index("stage")
+    V, s = w.shape[0], jax.lax.axis_index(STAGE)
     # a spare row V takes the write of a stage that receives nothing in a group: `out` is never read
     # (reading it made XLA keep copies: 3.5 slices of scratch instead of 2 for S=4, V=2)
     out = jnp.zeros((V + 1,) + w.shape[1:], w.dtype)
@@ -48,7 +50,7 @@ def _move_blocks(w, stages: int, groups: dict):
             src_row[src], dst_row[dst] = r_src, r_dst
         blk = jax.lax.dynamic_index_in_dim(w, jnp.array(src_row)[s], 0, keepdims=False)
         if k:
-            blk = jax.lax.ppermute(blk, "stage", [(src, dst) for src, dst, _, _ in moves])
+            blk = jax.lax.ppermute(blk, STAGE, [(src, dst) for src, dst, _, _ in moves])
         out = jax.lax.dynamic_update_index_in_dim(out, blk, jnp.array(dst_row)[s], 0)
     return out[:V]
 

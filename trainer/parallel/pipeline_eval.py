@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshes import STAGE
 from models.objectives.loss import dpo_eval_head
 from trainer.parallel import schedules
 from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_microbatch, forward, gathered,
@@ -37,7 +38,7 @@ def eval_tick(st: Stage, carry, row):
     r = {k: a[st.me] for k, a in row.items()}
     y, _ = forward(st, r, xbuf[r["slot"]])
     sums, = run_if(st, r["branch"] == schedules.FWD_LOSS, eval_loss_step, (st.top, y, r["m"]), sums)
-    return (put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", st.pipe.fwd_pairs)), sums), None
+    return (put(xbuf, r["recv_act"], jax.lax.ppermute(y, STAGE, st.pipe.fwd_pairs)), sums), None
 
 
 def scan_eval(st: Stage) -> dict:
@@ -54,7 +55,7 @@ def evaluated(pipe: Pipe, ds: DataSync, layers, top, mbs, scale) -> dict:
     """The evaluation sums of the step's whole batch: this data shard's rows through the forward table, summed over
     `stage` (the last stage's) and the batch axes."""
     st, _ = make_stage(pipe, *gathered(ds, layers, top), mbs, scale)
-    return jax.lax.psum(scan_eval(st), ("stage", *ds.decision.axes))
+    return jax.lax.psum(scan_eval(st), (STAGE, *ds.decision.axes))
 
 
 def eval_sums(s, params, batch, scale) -> dict:
