@@ -148,7 +148,7 @@ def test_every_number_has_a_ceiling_within_its_type():
 def test_huge_legal_values_plan_and_simulate_in_one_line_or_run(capsys):
     """The values that hung or raised in the planner and the simulator: a batch whose loss tiles into more vocabulary
     blocks than a loop could count, the most a simulation may draw, a pipeline table past its size."""
-    from trainer.plan.cli import main as plan
+    from trainer.plan.command import main as plan
     from trainer.plan.simulate import simulate
     with _deadline(20, "plan train.batch_size=2147483640"):
         assert plan(["model.preset=tiny", "train.batch_size=2147483640", "mesh.data=8"]) == 2  # does not fit

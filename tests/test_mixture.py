@@ -170,7 +170,7 @@ def test_an_entry_names_its_source(tmp_path):
     ("runs/a/data.bin=0.3", ("data", "runs/a/data.bin", 0.3)),
 ])
 def test_a_name_is_an_identifier_before_a_colon_that_no_url_has(entry, parsed):
-    from trainer.config.mixture import split_entry
+    from trainer.config.mixture_entries import split_entry
     assert split_entry(entry) == parsed
 
 

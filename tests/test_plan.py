@@ -197,7 +197,7 @@ def test_plan_help_and_docs_name_every_device():
     """`meshtrain plan --help` and docs/plan.md name every device of the table (tpu-v6e was missing), the docs with
     its figures."""
     from trainer.hardware import ALIASES, DEVICES
-    from trainer.plan.cli import DESCRIPTION
+    from trainer.plan.command import DESCRIPTION
     docs = DOCS.read_text(encoding="utf-8")
     key_row = next(line for line in docs.splitlines() if line.startswith("| `plan.device` |"))
     help_names = set(re.findall(r"[\w-]+", DESCRIPTION.split("plan.device", 1)[1].split(")", 1)[0]))
@@ -318,7 +318,7 @@ def test_plan_simulate_and_mfu_read_the_one_device_table(monkeypatch):
 
     from trainer.observe import metrics
     from trainer import hardware as devices
-    from trainer.plan.cli import _local_device
+    from trainer.plan.command import _local_device
     from trainer.plan.simulate import hardware
     row = dataclasses.replace(devices.DEVICES["h100-80g"], peak_bf16=123e12, fast_bw=7e9)
     monkeypatch.setitem(devices.DEVICES, "h100-80g", row)

@@ -8,6 +8,7 @@ import io
 import signal
 import time
 import types
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +18,13 @@ from rich.console import Console
 from trainer.config import load_config
 from trainer.run.checkpointing import Checkpointing
 from trainer.run.evaluator import Eval
-from trainer.run.goodput import GoodputRecord
+from trainer.run.goodput_record import GoodputRecord
 from trainer.run.logger import Report
 from trainer.run.plugin import Plugin, Stop, extra
 from trainer.run.preemption import Preemption
 from trainer.run.watchdog import EXIT_CODE, StepWatchdog
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Ckpt:
@@ -170,6 +173,14 @@ def test_extra_plugins_are_named_module_class_and_a_bad_name_is_one_line():
         extra(types.SimpleNamespace(), ["nowhere:Thing"])
 
 
+def test_a_plugin_module_written_against_moved_module_names_still_loads(monkeypatch):
+    """tests/plugins/old_names.py imports trainer.run.goodput and trainer.run.guard, as 6e003ec named them; and
+    run.plugins may name a plug-in by its old module."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    mine, old = extra(types.SimpleNamespace(), ["old_names:LastWords", "trainer.run.goodput:GoodputRecord"])
+    assert isinstance(mine, GoodputRecord) and type(old) is GoodputRecord and mine.limit == 3
+
+
 def test_profiler_traces_inside_each_step_and_stops_at_the_end(monkeypatch):
     from trainer.run import profiler as P
     calls = []
@@ -235,7 +246,7 @@ def test_step_metrics_fetch_on_log_steps_and_time_steps_from_the_last_sync(tiny_
 
 
 def test_guard_returns_the_rollback_the_loop_applies(tiny_run):
-    from trainer.run.guard import Guard
+    from trainer.run.on_nan import Guard
     from trainer.run.plugin import Rollback
     s, state = tiny_run
     run = _run("run.log_every=2")

@@ -139,7 +139,7 @@ def test_cli_prints_library_warnings_through_logging(tmp_path, capsys, caplog):
             "(train.on_nan=skip)")
     assert code == 0 and [ln for ln in err.splitlines() if "warning" in ln] == [f"meshtrain: warning: {want}"], err
     logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("trainer")]
-    assert logged == [("trainer.run.guard", "WARNING", want)], logged
+    assert logged == [("trainer.run.on_nan", "WARNING", want)], logged
 
 
 class _Audit:

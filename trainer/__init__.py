@@ -1,9 +1,13 @@
 """meshtrain's Python API: `load_config` (pure), `resolve` (what a config points at) and `train(cfg)`.
 
 The names load on first use, so that importing one layer of the package (trainer.errors, trainer.config,
-...) does not import the layers above it (the loop, checkpoints, the planner).
+...) does not import the layers above it (the loop, checkpoints, the planner). A module that moved still
+imports by its old name (MOVED), so a user's `run.plugins` module written against it loads.
 """
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from trainer.platforms import avoid_absent_tpu
 
@@ -12,6 +16,25 @@ avoid_absent_tpu()  # libtpu installed, no TPU chip: jax starts without a TPU ru
 _API = {"Config": "trainer.config", "load_config": "trainer.config", "replace": "trainer.config",
         "UserError": "trainer.errors", "resolve": "trainer.ckpt.sources", "train": "trainer.run.loop"}
 __all__ = sorted(_API)
+MOVED = {"trainer.run.guard": "trainer.run.on_nan", "trainer.run.goodput": "trainer.run.goodput_record",
+         "trainer.plan.cli": "trainer.plan.command"}  # old name: the module's name now
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a MOVED module's old name as the module itself (one module object under both names)."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+
+    def create_module(self, spec):
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _Moved) for f in sys.meta_path):
+    sys.meta_path.append(_Moved())
 
 
 def __getattr__(name):

@@ -193,7 +193,7 @@ def _prepare(args: list[str]) -> int:
 
 
 def _plan(args: list[str]) -> int:
-    from trainer.plan.cli import main as plan
+    from trainer.plan.command import main as plan
     return plan(args)
 
 

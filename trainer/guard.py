@@ -10,7 +10,7 @@ checkpoint saves):
   skipped  bad steps so far        streak  consecutive bad steps
   trip     the step at which a streak reached max_bad_steps (0: none since the last rollback)
   window, seen   the spike guard's ring buffer of accepted losses and how many it has seen
-On a trip the host (trainer/run/guard.py) applies train.on_nan: skip warns and goes on; stop exits
+On a trip the host (trainer/run/on_nan.py) applies train.on_nan: skip warns and goes on; stop exits
 (TrainingStopped, naming the step); rollback restores the newest checkpoint c and adds (trip - c) to the offset, so
 step c+1 trains on the batch after the bad streak. The offset is saved in the state, so a resume
 replays exactly what an uninterrupted run does, rollbacks included; a checkpoint's meta records the

@@ -9,7 +9,7 @@ import logging
 
 from trainer.ckpt.hf import with_hf_shapes
 from trainer.config import Config, replace
-from trainer.config.mixture import parse_entries
+from trainer.config.mixture_entries import parse_entries
 from trainer.config.widths import padded_vocab
 from trainer.data import remote
 from trainer.data.batches import needs_documents, read_sidecar, tokenizer_of

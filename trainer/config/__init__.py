@@ -21,7 +21,7 @@ from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
 from trainer.config.dpo import ignored_dpo
-from trainer.config.mixture import ignored_source
+from trainer.config.mixture_entries import ignored_source
 from trainer.config.paths import check_layer
 from trainer.config.sections import ALIASES, Config
 from trainer.config.widths import not_divisible, split_widths

@@ -1,5 +1,5 @@
-"""data.mixture's and data.mixture_schedule's entries and which source each row of a step draws from, parsed and
-checked here, where the config's schema checks them too (the batches: trainer/data/mixture.py)."""
+"""data.mixture's and data.mixture_schedule's entries, parsed and checked here, where the config's schema checks them
+too (which source each row of a step draws from, and the batches: trainer/data/mixture.py)."""
 from __future__ import annotations
 
 import re
@@ -8,9 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from trainer.errors import UserError
-
-_MIX = 0x313
-
 
 # NAME:SOURCE=WEIGHT: a NAME is a plain identifier before the first ':', which a URL's '://' never is
 _NAMED = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*):(?!//)(.+)")
@@ -79,27 +76,11 @@ def parse_schedule(entries, names: list[str] | None, key: str = "data.mixture_sc
     return sorted(out, key=lambda x: x[0])
 
 
-def weights_at(w0: np.ndarray, schedule: list[tuple[int, int, float]], step: int) -> np.ndarray:
-    """The weights a step draws with (step is 0-based, a schedule's STEP counts from 1 as train.steps does: the
-    change takes effect at the STEP-th step, step index STEP - 1)."""
-    w = w0.copy()
-    for at, j, weight in schedule:
-        if at - 1 <= step:
-            w[j] = weight
-    return w
-
-
 def check_schedule(w0: np.ndarray, schedule):
+    """data.mixture_schedule's changes leave a positive weight at every step."""
     w = w0.copy()
     for at, j, weight in schedule:
         w[j] = weight
         if not w.sum() > 0:
             raise UserError(f"data.mixture_schedule leaves every weight 0 from step {at}; keep one source's weight "
                             "positive")
-
-
-def assignment(seed: int, step: int, B: int, w: np.ndarray) -> np.ndarray:
-    """The source of each of the B rows of a step: systematic sampling on the weights."""
-    r = np.random.default_rng([seed, step, _MIX]).random()
-    cum = np.cumsum(w) / w.sum()
-    return np.minimum(np.searchsorted(cum, (np.arange(B) + r) / B, side="right"), len(w) - 1)

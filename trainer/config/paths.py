@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from trainer.config.mixture import split_entry
+from trainer.config.mixture_entries import split_entry
 from trainer.errors import UserError
 
 SCHEMES = ("s3", "gs")  # object storage read and written by meshtrain (trainer/data/remote.py, trainer/ckpt/objects.py)

@@ -9,7 +9,7 @@ from meshes import AXES, Axis
 from trainer.hardware import ALIASES as DEVICE_ALIASES, DEVICES
 from trainer.config.model_section import ModelSection
 from trainer.config.schema import FLOAT32, INT32, INT64, POSITIVE, Form, setting, step_range
-from trainer.config.mixture import parse_entries, parse_schedule
+from trainer.config.mixture_entries import parse_entries, parse_schedule
 
 GRAD_SYNC = ("auto", "psum", "ring", "ring_bf16")
 SYNC_MODES = ("every_step", "local_sgd", "diloco")

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from trainer.config import model_config
-from trainer.config.mixture import parse_entries
+from trainer.config.mixture_entries import parse_entries
 from trainer.data import remote
 from trainer.data.batches import load_corpus, no_documents
 from trainer.data.manifest import Where, is_manifest, read_manifest

@@ -20,12 +20,31 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from trainer.config.mixture import assignment, check_schedule, parse_entries, parse_schedule, weights_at
+from trainer.config.mixture_entries import check_schedule, parse_entries, parse_schedule
 from trainer.data.batches import _TRAIN, Batches, load_corpus
 from trainer.data.checks import data_tokenizer, same_tokenizer
 from trainer.data.feed import prefetched
 from trainer.data.remote import is_url
 from trainer.errors import UserError
+
+_MIX = 0x313  # the words of a step's row assignment: (seed, step, _MIX)
+
+
+def weights_at(w0: np.ndarray, schedule: list[tuple[int, int, float]], step: int) -> np.ndarray:
+    """The weights a step draws with (step is 0-based, a schedule's STEP counts from 1 as train.steps does: the
+    change takes effect at the STEP-th step, step index STEP - 1)."""
+    w = w0.copy()
+    for at, j, weight in schedule:
+        if at - 1 <= step:
+            w[j] = weight
+    return w
+
+
+def assignment(seed: int, step: int, B: int, w: np.ndarray) -> np.ndarray:
+    """The source of each of the B rows of a step: systematic sampling on the weights."""
+    r = np.random.default_rng([seed, step, _MIX]).random()
+    cum = np.cumsum(w) / w.sum()
+    return np.minimum(np.searchsorted(cum, (np.arange(B) + r) / B, side="right"), len(w) - 1)
 
 
 class Mixture:

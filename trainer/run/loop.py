@@ -19,8 +19,8 @@ from trainer.observe.goodput import summary
 from trainer.run.checkpointing import Checkpointing
 from trainer.run.context import Result, Run, describe  # noqa: F401 - describe: the start-up line, for callers
 from trainer.run.evaluator import Eval
-from trainer.run.goodput import GoodputRecord
-from trainer.run.guard import Guard
+from trainer.run.goodput_record import GoodputRecord
+from trainer.run.on_nan import Guard
 from trainer.run.logger import Report, StepMetrics
 from trainer.run.memory_check import is_out_of_memory, out_of_memory
 from trainer.run.plugin import Rollback, Stop, extra
