@@ -1,6 +1,7 @@
 """What `meshtrain plan` prints: the plan as text or JSON, XLA's figures beside it, the search's ranking."""
 from __future__ import annotations
 
+from meshes import DATA
 from models import param_count
 from trainer.plan.core import Plan
 from trainer.plan.schedule_cost import cost
@@ -165,7 +166,7 @@ def search_text(ranked, best_n: int, why) -> str:
     if not fit:
         return ""
     p0 = fit[0]
-    ep = any(p.strategy.rules["experts"] == "data" for p in fit)  # an EP column (expert parallelism) where tried
+    ep = any(p.strategy.rules["experts"] == DATA for p in fit)  # an EP column (expert parallelism) where tried
     cp = any(p.strategy.context > 1 for p in fit[:best_n])  # the context attention's column where a row has context
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
@@ -178,7 +179,7 @@ def search_text(ranked, best_n: int, why) -> str:
         rows.append(f"  {i + 1:>2}" + "".join(f" {n:>5}" for n in st.mesh.sizes)
                     + f" {st.zero:>4} {st.microbatches:>4} {st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} "
                     f"{100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}"
-                    + ((" on" if st.rules["experts"] == "data" else " off") if ep else "")
+                    + ((" on" if st.rules["experts"] == DATA else " off") if ep else "")
                     + ((f" {st.context_attention}" if st.context > 1 else " -") if cp else ""))
         rows.append(f"       {why(p, p0, i)}")
     if any(p.strategy.stage > 1 for p in fit[:best_n]):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshes import MeshShape, devices_named
+from meshes import DATA, MODEL, STAGE, MeshShape, devices_named
 from models import ModelConfig, flops_per_token, hardware_flops_per_token, param_count
 from trainer.config import Config, model_config, validate
 from trainer.parallel.collective_costs import bus_factor, ring_seconds
@@ -47,7 +47,7 @@ DRAWS = 2 ** 25  # straggler factors drawn per cluster size, at most (float64: 2
 
 def ring_allreduce(size: float, k: int, bw: float, lat: float) -> Transfer:
     """Reduce-scatter (K-1 steps) then all-gather (K-1 steps) of `size` bytes around K devices."""
-    return Transfer("data", "all-reduce", "ring all-reduce", bus_factor("all-reduce", k) * size,
+    return Transfer(DATA, "all-reduce", "ring all-reduce", bus_factor("all-reduce", k) * size,
                     seconds=ring_seconds("all-reduce", size, k, bw, lat))
 
 
@@ -100,9 +100,9 @@ def hardware(cfg: Config) -> Device:
 def point(cfg: Config, mc: ModelConfig, hw: Device, shape: MeshShape, data: int) -> Point:
     """Nominal costs of one training step with `data` replicas of the config's block (its mesh less `data`)."""
     t, sim = cfg.train, cfg.sim
-    s, m = shape["stage"], shape["model"]
-    rows = t.batch_size // shape["data"]  # per replica, kept as the cluster grows
-    k, mb = data * (shape.devices // shape["data"]), t.microbatches
+    s, m = shape[STAGE], shape[MODEL]
+    rows = t.batch_size // shape[DATA]  # per replica, kept as the cluster grows
+    k, mb = data * (shape.devices // shape[DATA]), t.microbatches
     tokens = rows * data * mc.seq_len
     model_flops, hw_flops = flops_per_token(mc) * tokens, hardware_flops_per_token(mc) * tokens
     compute = hw_flops / (k * hw.peak_bf16 * sim.efficiency)
@@ -186,8 +186,8 @@ def step_times(cfg: Config, p: Point, h: int, rng) -> dict:
 
 def cluster_sizes(shape: MeshShape, max_devices: int) -> list[int]:
     """Replica counts: powers of two up to max_devices, plus the config's own."""
-    block = shape.devices // shape["data"]
-    ds = {shape["data"]} | {2 ** i for i in range(0, 40) if 2 ** i * block <= max_devices}
+    block = shape.devices // shape[DATA]
+    ds = {shape[DATA]} | {2 ** i for i in range(0, 40) if 2 ** i * block <= max_devices}
     return sorted(ds)
 
 
@@ -198,7 +198,7 @@ def check(cfg: Config) -> MeshShape:
     if named is None and not sim.devices:
         raise UserError("simulate needs the cluster size: give every mesh axis a size, or set sim.devices")
     shape = validate(cfg, sim.devices or named)  # sim.* keys' ranges and choices too (trainer/config/sections.py)
-    largest = max(cluster_sizes(shape, sim.max_devices)) * (shape.devices // shape["data"])
+    largest = max(cluster_sizes(shape, sim.max_devices)) * (shape.devices // shape[DATA])
     n = drawn_steps(cfg, local_h(cfg))
     if n * largest > DRAWS:
         raise UserError(f"simulate would draw {n} steps x {largest} devices = {n * largest} straggler factors, more "
@@ -237,7 +237,7 @@ def simulate(cfg: Config, out=print) -> list[dict]:
                "hfu": p.hw_flops / (t["sync"] * p.devices * hw.peak_bf16), "goodput": p.compute / t["sync"],
                "lost": lost, "dp_bytes": p.data_comm.bytes,
                "local_bytes": p.param_sync.bytes / h, "step_s": t, "H": h,
-               "own": data == shape["data"]}
+               "own": data == shape[DATA]}
         rows.append(row)
         gb, gb_local = p.data_comm.bytes / GB, p.param_sync.bytes / GB
         out(f"{p.devices:>6} {data:>5} {p.batch:>6} | {mfu['sync']:>5.1%} {row['hfu']:>5.1%} {row['goodput']:>7.1%} "

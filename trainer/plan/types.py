@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes import RULES, MeshShape, Rules
+from meshes import CONTEXT, DATA, MODEL, RULES, STAGE, MeshShape, Rules
 from trainer.config import PIPELINE_REMATS
 
 
@@ -24,10 +24,10 @@ class Strategy:
     context_attention: str = "all_gather"  # train.context_attention (meaningful where context > 1)
 
     # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py)
-    data = property(lambda self: self.mesh["data"])
-    stage = property(lambda self: self.mesh["stage"])
-    model = property(lambda self: self.mesh["model"])
-    context = property(lambda self: self.mesh["context"] if "context" in self.mesh.names else 1)
+    data = property(lambda self: self.mesh[DATA])
+    stage = property(lambda self: self.mesh[STAGE])
+    model = property(lambda self: self.mesh[MODEL])
+    context = property(lambda self: self.mesh[CONTEXT] if CONTEXT in self.mesh.names else 1)
 
     @property
     def batch_axes(self) -> str:
@@ -35,8 +35,8 @@ class Strategy:
         `data,context` under context parallelism (a context rank is data-parallel for the weights), `context` with
         one data rank."""
         if self.context == 1:
-            return "data"
-        return "context" if self.data == 1 else "data,context"
+            return DATA
+        return CONTEXT if self.data == 1 else f"{DATA},{CONTEXT}"
 
     @property
     def devices(self) -> int:
@@ -45,7 +45,7 @@ class Strategy:
     def describe(self) -> str:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
         pp += f" {self.schedule}" if self.stage > 1 else ""
-        ep = " experts over data" if self.rules["experts"] == "data" else ""
+        ep = " experts over data" if self.rules["experts"] == DATA else ""
         ep += f" context by {self.context_attention}" if self.context > 1 else ""
         return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}{ep}"
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import numpy as np
 
+from meshes import STAGE
 from trainer.plan.hlo import collective_bytes
 
 # About 3x faster compiles. The partitioned HLO, hence every collective and argument size, is the
@@ -129,10 +130,10 @@ def table_weights(s) -> tuple[list[float] | None, dict[str, float] | None]:
     forward, forward with embedding), and the mean trips of the 0-or-1-trip loops of the steps that
     add to the gradients, named by the function of trainer/parallel/pipeline.py they run."""
     from trainer.parallel import pipeline, schedules as sc
-    if s.mesh.shape["stage"] == 1:
+    if s.mesh.shape[STAGE] == 1:
         return None, None
     t = s.cfg.train
-    _, pl = pipeline.table_plan(t.pipeline_schedule, s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats)
+    _, pl = pipeline.table_plan(t.pipeline_schedule, s.mesh.shape[STAGE], t.microbatches, t.pipeline_repeats)
     share = np.bincount(np.asarray(pl.branch).ravel(), minlength=1 + max(sc.IDLE, sc.FWD, sc.FWD_EMBED,
                                                                        sc.FWD_LOSS, sc.BWD, sc.BWD_EMBED))
     share = share / share.sum()
