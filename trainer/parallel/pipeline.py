@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshes import STAGE
 from models.objectives.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
 from models.spec import family
 from models.transformer import embed, head, layer_stack
@@ -97,14 +98,14 @@ class Pipe:
     @classmethod
     def of(cls, s, keep_logits: bool, forward_only: bool = False) -> Pipe:
         c, t = s.model, s.cfg.train
-        S, M, V = s.mesh.shape["stage"], t.microbatches, t.pipeline_repeats
+        S, M, V = s.mesh.shape[STAGE], t.microbatches, t.pipeline_repeats
         _, pl = table_plan(schedules.FORWARD if forward_only else t.pipeline_schedule, S, M, V)
         rows = {k: jnp.asarray(getattr(pl, k)) for k in PLAN_ROWS}
         fwd_pairs = [(j, j + 1) for j in range(S - 1)] + ([(S - 1, 0)] if V > 1 else [])
         # a backward recomputes its stage body from the stored input: per-layer full/dots remat would
         # recompute it again for nothing with one layer per stage; sublayer halves the vjp's working set
         remat = "sublayer" if c.remat == "sublayer" else "none"
-        constrain = s.layout.constrainer(manual={"stage", *s.reduction.axes})
+        constrain = s.layout.constrainer(manual={STAGE, *s.reduction.axes})
         return cls(c, S, M, V, pl, rows, constrain, s.dtype, s.placement, remat, fwd_pairs,
                    [(b, a) for a, b in fwd_pairs], keep_logits)
 
@@ -245,11 +246,11 @@ def tick(st: Stage, carry, row):
     # array of the shape: no zeros kept), go to slot n_act (n_cot), one past the end: dropped,
     # where a spare row to take them would cost a stage input (cotangent) of memory. The output
     # is sent before the backward, whose input cotangent then takes its buffer.
-    xbuf = put(xbuf, r["recv_act"], jax.lax.ppermute(y, "stage", st.pipe.fwd_pairs))
+    xbuf = put(xbuf, r["recv_act"], jax.lax.ppermute(y, STAGE, st.pipe.fwd_pairs))
     ins = (st.blocks, h, g, v) + ((m,) if st.pipe.model.documents else ())
     dblk, dh = run_if(st, br == schedules.BWD, bwd_step, ins, dblk, y)
     dblk, dtop = run_if(st, br == schedules.BWD_EMBED, bwd_embed_step, (st.blocks, st.top, g, m, v), dblk, dtop)
-    gbuf = put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, "stage", st.pipe.bwd_pairs))
+    gbuf = put(gbuf, r["recv_cot"], jax.lax.ppermute(dh, STAGE, st.pipe.bwd_pairs))
     return (xbuf, gbuf, dblk, dtop, loss, aux, *out), None
 
 
@@ -283,10 +284,10 @@ def make_stage(pipe: Pipe, layers, top, mbs, scale):
     # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
     # circular.py; V = 1: the stage's L/S consecutive layers)
     n = c.n_layers // (S * V)
-    index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index("stage")) * n + jnp.arange(n)[None, :]
+    index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index(STAGE)) * n + jnp.arange(n)[None, :]
     aux0 = {k: v for k, v in zero_parts(c)["aux"].items() if k in family(c.family).aux}  # the layers' own
     aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
-    return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index("stage")), back
+    return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index(STAGE)), back
 
 
 def stage_grads(pipe: Pipe, layers, top, mbs, scale):
@@ -294,8 +295,8 @@ def stage_grads(pipe: Pipe, layers, top, mbs, scale):
     the top gradient and the logits summed over `stage`."""
     st, back = make_stage(pipe, layers, top, mbs, scale)
     loss, aux, dblk, dtop, out = scan_ticks(st)
-    parts = jax.lax.psum({"loss": loss, "aux": aux}, "stage")
-    return parts, jax.lax.psum(dtop, "stage"), back(dblk), *(jax.lax.psum(o, "stage") for o in out)
+    parts = jax.lax.psum({"loss": loss, "aux": aux}, STAGE)
+    return parts, jax.lax.psum(dtop, STAGE), back(dblk), *(jax.lax.psum(o, STAGE) for o in out)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -339,7 +340,7 @@ def over_stages(s, local, out_specs, batch):
     mbs = split_microbatches(batch, s.cfg.train.microbatches)  # each field (M, B/M, T)
     rows = P(None, *s.layout.batch_spec())  # (M, B/M, ...): each microbatch's rows split as the batch's
     mbs = jax.lax.with_sharding_constraint(mbs, rows)
-    manual = {"stage", *s.reduction.axes}  # layers over `stage`; each rank's rows and ZeRO blocks over the batch axes
+    manual = {STAGE, *s.reduction.axes}  # layers over `stage`; each rank's rows and ZeRO blocks over the batch axes
     p_in = s.reduction.manual_specs("param", manual)
     top = [k for k in p_in if k != "layers"]
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(p_in["layers"], {n: p_in[n] for n in top}, rows, P()),

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshes import STAGE
 from models.objectives.loss import head_token_losses, hidden
 from trainer.data.checks import no_pairs
 from trainer.errors import UserError
@@ -62,7 +63,7 @@ def check(s) -> None:
     or online under a pipeline."""
     if s.model.dpo is None:
         return
-    stage = s.mesh.shape["stage"]
+    stage = s.mesh.shape[STAGE]
     if s.model.dpo.online and stage > 1:
         raise UserError(f"dpo.reference_mode=online runs the reference's forward outside the pipeline every step, and "
                         f"under mesh.stage={stage} every layer's weights would cross the stages on each call (not "
