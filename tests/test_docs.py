@@ -1,5 +1,10 @@
-"""README.md and docs/*.md: relative links resolve, anchors match headings, the README stays a short map."""
+"""README.md and docs/*.md: relative links resolve, anchors match headings, the README stays a short map; every
+repository path named there or in the docstrings and comments of the code (trainer/, models/, meshes/, scripts/)
+exists."""
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -69,3 +74,86 @@ def test_readme_is_a_short_map_starting_with_the_setup_commands():
     assert len(lines) <= 210, f"README.md has {len(lines)} lines; move detail into docs/"
     body = [ln for ln in lines if ln.strip() and not ln.startswith("# ")]
     assert body[:6] == ["```bash", SETUP[0], "```", "```bash", SETUP[1], "```"]
+
+
+# a repository path: a top-level folder of the project, then names, not inside a URL or another path (no word, '.',
+# '/' or '-' before it); one with a glob, a <placeholder>, {braces} or '...' in it names no one file
+REPO_PATH = re.compile(r"(?<![\w./-])((?:trainer|models|meshes|scripts|tests|docs|\.ci)/[^\s`'\"()\[\],;:|=]*)")
+CODE = ("trainer", "models", "meshes", "scripts")
+# files of earlier revisions, named by the scripts that load an old revision's tree (scripts/bench/)
+EARLIER = {"scripts/bench.py", "trainer/pipeline.py", "trainer/pipeline_1f1b.py"}
+
+
+def named_paths(text: str) -> set[str]:
+    """The repository paths a text names (trailing '/' kept: a folder; a sentence's full stop dropped); none with a
+    glob or a placeholder in it."""
+    found = (m.group(1).partition("#")[0].rstrip(".-") for m in REPO_PATH.finditer(text))
+    return {p for p in found if not re.search(r"[*<>{}]|\.\.\.", p)}
+
+
+def prose_of_python(source: str) -> str:
+    """A Python file's docstrings and comments (what a reader takes as true of the code), without its code."""
+    tree = ast.parse(source)
+    docs = [ast.get_docstring(n, clean=False) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    return "\n".join([d for d in docs if d] + comments)
+
+
+def prose_of(path: Path) -> str:
+    """What a file says about the repository: a Markdown file whole, a Python file's docstrings and comments, another
+    script's comment lines."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return text
+    if path.suffix == ".py":
+        return prose_of_python(text)
+    return "\n".join(ln.split("#", 1)[1] for ln in text.splitlines() if ln.lstrip().startswith("#") or " # " in ln)
+
+
+def code_map_paths(readme: str) -> set[str]:
+    """The README code map's bare file names, each under the folder it follows: `trainer/run/` (`loop.py`, ...)."""
+    out = set()
+    for m in re.finditer(r"`((?:trainer|models|meshes|scripts)/[\w/]*/)` \(([^|]*?)\)(?: \||;|$)", readme, flags=re.M):
+        out |= {m.group(1) + name for name in re.findall(r"`([\w.]+\.(?:py|yaml|sh))`", m.group(2))}
+    return out
+
+
+def missing_paths(files, root: Path = ROOT) -> list[str]:
+    """'file: path' for each repository path a file names that does not exist (a folder's must be a folder). A file's
+    whole text is searched first; only a file naming a missing path is read for its prose (parsing every file would
+    take seconds)."""
+    bad = []
+    for f in files:
+        text = f.read_text()
+        said = named_paths(text) | (code_map_paths(text) if f.name == "README.md" else set())
+        gone = [p for p in sorted(said - EARLIER) if not ((root / p).is_dir() if p.endswith("/") else (root / p).exists())]
+        if gone and f.suffix != ".md":
+            prose = named_paths(prose_of(f))
+            gone = [p for p in gone if p in prose]
+        bad += [f"{f.relative_to(root)}: {p}" for p in gone]
+    return bad
+
+
+def test_every_path_the_docs_and_the_code_name_exists():
+    """README.md, docs/*.md and the docstrings and comments of trainer/, models/, meshes/ and scripts/ name only paths
+    that exist (a file moved: every mention follows)."""
+    code = [f for pkg in CODE for f in sorted((ROOT / pkg).rglob("*")) if f.is_file() and f.suffix in (".py", ".sh",
+                                                                                                     ".sbatch")]
+    bad = missing_paths(DOCS + code)
+    assert not bad, "named but missing: " + "; ".join(bad)
+
+
+def test_a_wrong_path_is_caught(tmp_path):
+    """The check finds a moved module named in a docstring, a comment, a doc and the code map, and nothing in code,
+    a URL, a glob or a placeholder."""
+    (tmp_path / "trainer" / "run").mkdir(parents=True)
+    (tmp_path / "trainer" / "run" / "on_nan.py").write_text("")
+    (tmp_path / "mod.py").write_text('''"""Acts on trainer/run/guard.py's counters."""
+X = "trainer/run/gone.py"  # read by trainer/run/on_nan.py and models/moe.py
+''')
+    (tmp_path / "README.md").write_text("see `trainer/run/on_nan.py`, https://x.org/models/nope.py, "
+                                        "`models/families/*.py`, `trainer/<name>.py`\n"
+                                        "| plug-ins | `trainer/run/` (`on_nan.py`, `guard.py`) |\n")
+    bad = missing_paths([tmp_path / "mod.py", tmp_path / "README.md"], tmp_path)
+    assert bad == ["mod.py: models/moe.py", "mod.py: trainer/run/guard.py", "README.md: trainer/run/guard.py"], bad

@@ -7,7 +7,7 @@ Per step and device:
   compute   hardware FLOPs (remat included) / (peak x sim.efficiency), times a straggler factor
             drawn per device and step: lognormal exp(sigma z) and/or, with probability
             slow_fraction, slow_factor x slower.
-  bubble    the schedule table's idle share (trainer/plan/schedule.cost).
+  bubble    the schedule table's idle share (trainer/plan/schedule_cost.py cost).
   tensor    4 activation all-reduces per layer and microbatch (6 with full remat), not overlapped.
   pipeline  the table executor (trainer/parallel/pipeline.py): one activation send forward and one
             cotangent send back every tick of the table (idle ticks too), the stage all-reduce of
