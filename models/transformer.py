@@ -1,5 +1,6 @@
-"""The decoder in Flax NNX, with a pure functional forward: the module built from a family's inventory
-(models/spec.py), the layer stack that runs a family's layer function, embedding and head, and the Llama family.
+"""The generic decoder in Flax NNX, with a pure functional forward: the module built from a family's inventory
+(models/spec.py), the layer stack that runs a family's layer function, embedding and head. The families are
+models/families/ (Llama, the default: models/families/llama.py).
 
 Dimension letters (tensor names carry their shape, e.g. x_BTD):
   B batch   T sequence   D d_model   H query heads   K kv heads   G = H/K
@@ -11,9 +12,9 @@ it without going through the module. Layers are stacked on a leading `layers` ax
 run by one `lax.scan` (one compiled layer). The model never names a mesh axis: it calls
 `constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
 
-The Llama layer is built of models/layers.py's pieces: the plain reference (einsum projections with autodiff,
-jax.nn.silu, rotate-half RoPE, jax.nn attention) or, by `kernels_for`, models/kernels/fast_cpu.py's equal but faster forms
-on XLA:CPU (model.kernels: auto | reference | fast).
+`layer` is a family's attention half, then its MLP half (ModelSpec.attention, .mlp); the default halves here,
+pre-norm GQA attention with RoPE and a SwiGLU MLP (Llama's), are built of models/layers.py's pieces: the plain
+reference or, by `kernels_for`, models/kernels/fast_cpu.py's equal but faster forms on XLA:CPU (model.kernels).
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
-from models.hf.llama import LLAMA_HF
-from models.spec import LOCAL, LayerCall, ModelSpec, Param, family, register
+from models.spec import LOCAL, LayerCall, Param, family
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -47,26 +47,6 @@ ATTENTION_OPTIONS = ("bq", "bk", "bv", "q_norm", "k_norm")
 def inventory(c: ModelConfig) -> dict:
     """Every parameter of c's family (models/spec.py): {name: Param}, the stack's per-layer ones under "layers"."""
     return family(c.family).inventory(c)
-
-
-def llama_inventory(c: ModelConfig) -> dict:
-    """Every parameter of the Llama, written once: {name: Param}, with the stack's per-layer ones under
-    "layers". The module, the HF name map, the planner and the precision rules read it."""
-    D, H, K, E, F, V = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size
-    out = {"embed": Param((V, D), ("vocab", "embed"), "normal", True, as_stored=True),
-           "layers": {"attn_norm": Param((D,), ("embed",), "ones", False),
-                      "wq": Param((D, H, E), ("embed", "heads", "head_dim"), "normal", True),
-                      "wk": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", True),
-                      "wv": Param((D, K, E), ("embed", "kv_heads", "head_dim"), "normal", True),
-                      "wo": Param((H, E, D), ("heads", "head_dim", "embed"), "residual", True),
-                      "mlp_norm": Param((D,), ("embed",), "ones", False),
-                      "w_gate": Param((D, F), ("embed", "mlp"), "normal", True),
-                      "w_up": Param((D, F), ("embed", "mlp"), "normal", True),
-                      "w_down": Param((F, D), ("mlp", "embed"), "residual", True)}}
-    if not c.tie_embeddings:
-        out["lm_head"] = Param((D, V), ("embed", "vocab"), "normal", True, as_stored=True)
-    out["final_norm"] = Param((D,), ("embed",), "ones", False, as_stored=True)
-    return out
 
 
 def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None) -> nnx.Param:
@@ -92,7 +72,7 @@ class Stack(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token embedding -> L x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU) -> head."""
+    """Token embedding -> L x the family's layer (Llama's: norm, GQA attention, norm, SwiGLU) -> head."""
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c
@@ -359,6 +339,3 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
     x = embed(c, params, tokens_BT, dtype, constrain)
     x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat, placement=placement)[0]
     return head(c, params, x, constrain)
-
-
-LLAMA = register(ModelSpec("llama", llama_inventory, layer, LLAMA_HF))

@@ -127,7 +127,8 @@ def missing_paths(files, root: Path = ROOT) -> list[str]:
     for f in files:
         text = f.read_text()
         said = named_paths(text) | (code_map_paths(text) if f.name == "README.md" else set())
-        gone = [p for p in sorted(said - EARLIER) if not ((root / p).is_dir() if p.endswith("/") else (root / p).exists())]
+        gone = [p for p in sorted(said - EARLIER)
+                if not (root / p).exists() or p.endswith("/") and (root / p).is_file()]
         if gone and f.suffix != ".md":
             prose = named_paths(prose_of(f))
             gone = [p for p in gone if p in prose]

@@ -17,7 +17,8 @@ from models import ModelSpec, Param, Transformer, abstract_model, family, from_p
 from models.hf import llama as llama_hf
 from models.layers import rms_norm
 from models.spec import HFAdapter, Leaf
-from models.transformer import attention_half, llama_inventory
+from models.families.llama import llama_inventory
+from models.transformer import attention_half
 
 
 def toy_inventory(c):

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 from meshes import RULES
 from models import ModelSpec, Param, register
 from models.layers import rms_norm
-from models.transformer import attention_half, llama_inventory
+from models.families.llama import llama_inventory
+from models.transformer import attention_half
 
 EXPERTS = 8
 EP_RULES = RULES.replace(experts="data")  # the run's rules: experts over `data`

@@ -14,7 +14,8 @@ from models.config import from_preset
 from models.batch import from_windows
 from models.objectives.loss import chunk_tokens, loss_fn
 from models.spec import FAMILIES, Ends, ModelSpec, register
-from models.transformer import Transformer, forward, layer, llama_inventory, params_of
+from models.families.llama import llama_inventory
+from models.transformer import Transformer, forward, layer, params_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 

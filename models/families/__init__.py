@@ -1,2 +1,2 @@
-"""Model families beside Llama (models/transformer.py): Qwen2/Qwen3, Mistral, Gemma 2/3 and the Mixture-of-Experts
-families. Each module registers a ModelSpec (models/spec.py names what a family declares)."""
+"""Model families: Llama (the default), Qwen2/Qwen3, Mistral, Gemma 2/3 and the Mixture-of-Experts families. Each
+module registers a ModelSpec (models/spec.py names what a family declares)."""

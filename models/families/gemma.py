@@ -27,7 +27,8 @@ from models.config import POSITIVE, ModelConfig, key
 from models.hf.gemma import GEMMA2_HF, GEMMA3_HF
 from models.layers import rms_norm, rope_tables
 from models.spec import Ends, LayerCall, ModelSpec, Param, register
-from models.transformer import layer, llama_inventory, qkv, repeat_kv
+from models.families.llama import llama_inventory
+from models.transformer import layer, qkv, repeat_kv
 
 
 # A Gemma trained from scratch computes as Gemma does (sqrt(d) embeddings, (1 + w) norms); the keys an HF folder may

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from models.hf import llama as llama_hf
 from models.spec import HFAdapter, ModelSpec, register
-from models.transformer import layer, llama_inventory
+from models.families.llama import llama_inventory
+from models.transformer import layer
 
 ARCH = "MistralForCausalLM"
 

@@ -29,7 +29,8 @@ from models.hf.moe import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
 from models.kernels.experts import BY_PLATFORM, TILE, grouped_mlp, padded_tiles
 from models.families.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
-from models.transformer import layer, llama_inventory, mlp_half as dense_half
+from models.families.llama import llama_inventory
+from models.transformer import layer, mlp_half as dense_half
 
 ROUTERS = ("topk_softmax", "softmax_topk")
 AUX = ("load_balance", "z_loss", "moe/dropped")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from models.config import ModelConfig
 from models.hf.qwen import QWEN2_HF, QWEN3_HF
 from models.spec import ModelSpec, Param, register
-from models.transformer import layer, llama_inventory
+from models.families.llama import llama_inventory
+from models.transformer import layer
 
 
 def qwen2_inventory(c: ModelConfig) -> dict:
