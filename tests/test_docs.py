@@ -158,3 +158,14 @@ X = "trainer/run/gone.py"  # read by trainer/run/on_nan.py and models/moe.py
                                         "| plug-ins | `trainer/run/` (`on_nan.py`, `guard.py`) |\n")
     bad = missing_paths([tmp_path / "mod.py", tmp_path / "README.md"], tmp_path)
     assert bad == ["mod.py: models/moe.py", "mod.py: trainer/run/guard.py", "README.md: trainer/run/guard.py"], bad
+
+
+def test_the_code_map_names_every_module():
+    """Each module of meshes/, models/ and trainer/ (a package's __init__.py aside) is on the README's code map, so
+    a module added or moved shows there."""
+    readme = (ROOT / "README.md").read_text()
+    named = named_paths(readme) | code_map_paths(readme)
+    modules = [str(f.relative_to(ROOT)) for pkg in ("meshes", "models", "trainer")
+               for f in sorted((ROOT / pkg).rglob("*.py")) if f.name != "__init__.py"]
+    missing = [m for m in modules if m not in named]
+    assert not missing, f"not on the README's code map: {missing}"
