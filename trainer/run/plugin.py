@@ -9,7 +9,8 @@ The loop (trainer/run/loop.py) dispatches steps; each plug-in decides for itself
 `part` names the goodput part its at_sync and on_exit time counts as (None: other); `waits` says what they
 wait on beyond this process (None: nothing), and the watchdog ends a run whose wait outlasts a step's limit.
 Extra plug-ins (a test's fault injection, a user's hook) are named by `run.plugins` as module:Class; the
-class is called with the Run and its plug-ins run after the built-in ones.
+class is called with the Run and its plug-ins run after the built-in ones. A module's old name (trainer.run.guard is
+now trainer.run.on_nan, trainer.run.goodput trainer.run.goodput_record) still imports: trainer/__init__.py MOVED.
 """
 from __future__ import annotations
 
