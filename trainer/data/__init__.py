@@ -1,1 +1,2 @@
-"""Data: token sources, the batch of step s, `meshtrain prepare`, and a run's feed."""
+"""Data: token sources, the batch of step s (a mixture's too: which source each row draws from), `meshtrain prepare`,
+and a run's feed."""

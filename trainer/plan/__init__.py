@@ -1,1 +1,2 @@
-"""Planning without training: per-device memory, communication and step time, the layout search, the cluster simulator, and the one hardware table."""
+"""Planning without training (`meshtrain plan`: trainer/plan/command.py): per-device memory, communication and step
+time, the layout search and the cluster simulator, on the device figures of trainer/hardware.py."""
