@@ -3,9 +3,10 @@
   python scripts/hlo_same.py REV [REV_B]      # REV against the working tree, or REV against REV_B
 
 Each revision runs in its own process (a revision's tree from `git archive`; the working tree as it is),
-on 8 simulated CPU devices, and compiles four steps ahead of time from abstract inputs: the default
+on 8 simulated CPU devices, and compiles its CASES ahead of time from abstract inputs: the default
 `meshtrain train` step (the default config on one device), a (2,1,4) ZeRO-3 step (data x stage x model) and
-(2,2,2) ZeRO-3 steps (two pipeline microbatches, gpipe and 1f1b). The optimized HLO text of each is compared
+(2,2,2) ZeRO-3 steps (two pipeline microbatches, gpipe and 1f1b); an MoE (experts over `data`, router losses on),
+a DPO step (each plain and pipelined), context parallelism by the ring, and the tiled cross-entropy. The optimized HLO text of each is compared
 after dropping what says where the code came from, not what it computes: `metadata={...}` (source file, line, op
 name), the module's tables of source files and stack frames, the module's name and the size-1 axes of its mesh. Prints one line per case and
 exits 1 if any differs; a differing case also says whether it differs in value names only, and shows XLA's FLOPs, bytes
@@ -26,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MOE = ["model.preset=tiny", "model.family=mixtral", "model.n_experts=4", "model.router_aux_loss=0.01",
+       "model.router_z_loss=0.001"]
+DPO = ["model.preset=tiny", "train.objective=dpo", "dpo.reference=unread"]
 CASES = {
     "default (1 device)": (1, []),
     "(2,1,4) ZeRO-3": (8, ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"]),
@@ -33,6 +37,21 @@ CASES = {
                            "train.microbatches=2"]),
     "(2,2,2) ZeRO-3 1F1B": (8, ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
                                 "train.microbatches=2", "train.pipeline_schedule=1f1b"]),
+    # an MoE's experts split over `data`, its two router losses in the objective and a statistic logged
+    "MoE (2,1,4) ZeRO-3": (8, MOE + ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"]),
+    "MoE (2,2,2) ZeRO-3 1F1B": (8, MOE + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
+                                          "train.microbatches=2", "train.pipeline_schedule=1f1b"]),
+    "ring context 2 (2,1,2) ZeRO-3": (8, ["model.preset=tiny", "mesh.data=2", "mesh.context=2", "mesh.model=2",
+                                          "train.zero_stage=3", "train.context_attention=ring"]),
+    # the objective's other head: preference pairs (the batch gains ref_logp); the reference is not read to compile
+    "DPO (2,1,4) ZeRO-3": (8, DPO + ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"]),
+    "DPO (2,2,2) ZeRO-3 1F1B": (8, DPO + ["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.zero_stage=3",
+                                          "train.microbatches=2", "train.pipeline_schedule=1f1b"]),
+    # the vocabulary-tiled cross-entropy (model.loss_chunk), plain and pipelined
+    "tiled loss (2,1,4) ZeRO-3": (8, ["model.preset=tiny", "model.loss_chunk=64", "mesh.data=2", "mesh.stage=1",
+                                      "mesh.model=4", "train.zero_stage=3"]),
+    "tiled loss (2,2,2) ZeRO-3": (8, ["model.preset=tiny", "model.loss_chunk=64", "mesh.data=2", "mesh.stage=2",
+                                      "mesh.model=2", "train.zero_stage=3", "train.microbatches=2"]),
 }
 
 STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")  # where each op came from
