@@ -52,9 +52,15 @@ def _layout(st: Strategy) -> Layout:
 
 def leaf_bytes(mc: ModelConfig, train, st: Strategy, kind: str) -> dict:
     """Bytes per device of every parameter leaf under the `kind` spec (param | grad | opt | compute)."""
-    params, logical, _, _ = _abstract(_no_remat(mc), train)
-    lay, sizes = _layout(st), st.mesh.as_dict()
-    fn = getattr(lay, f"{kind}_spec")
+    return _leaf_bytes(_no_remat(mc), train, st.mesh, st.zero, st.rules, kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_bytes(mc: ModelConfig, train, mesh, zero: int, rules, kind: str) -> dict:
+    """leaf_bytes by what places the weights (mesh, ZeRO, rules), which a search's layouts share (7b on 256
+    devices: 8,525 layouts, 427 placements). Shared: read it, never change it."""
+    params, logical, _, _ = _abstract(mc, train)
+    fn, sizes = getattr(Layout(mesh.abstract(), zero, rules), f"{kind}_spec"), mesh.as_dict()
     return jax.tree.map(lambda s, lg: _local(s.shape, fn(s.shape, lg), sizes) * s.dtype.itemsize, params, logical)
 
 
@@ -93,7 +99,15 @@ def decision(mc: ModelConfig, train, st: Strategy) -> Decision:
 
 def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     """Every parameter with its compute-spec bytes, model split and its gradient's reduction (the trainer's)."""
-    params, _, _, _ = _abstract(_no_remat(mc), train)
+    return _leaves(_no_remat(mc), train, Strategy(st.mesh, st.zero, st.microbatches, "none", grad_sync=st.grad_sync,
+                                                  rules=st.rules))
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
+    """leaves of a layout reduced to what places the weights and decides their reduction (mesh, ZeRO, rules,
+    microbatches, gradient sync). Shared: read it, never change it."""
+    params, _, _, _ = _abstract(mc, train)
     full = leaf_bytes(mc, train, st, "compute")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = []
@@ -242,6 +256,8 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
     whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
     if getattr(mc, "sparse", False) and what != "head":
         return _traced(_no_remat(mc), tp, dtype, platform, what, rows, context)
+    if what == "head":  # traced at a rank's tokens whatever its attention: one trace for every strategy
+        context = (context[0], "all_gather")
     fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what, context)
     return fixed + per * rows
 
