@@ -29,7 +29,7 @@ from models.transformer import inventory
 
 def active_size(c: ModelConfig, p) -> int:
     """The part of parameter `p` a token uses: of an expert weight (axis `experts`) its k experts, else all of it."""
-    k = getattr(c, "experts_active", None)  # an MoE family's top-k (models/families/moe.py); without routing: every expert
+    k = family(c.family).experts_active(c)  # an MoE family's top-k (models/spec.py); None, no routing: every expert
     if "experts" not in p.axes or k is None:
         return math.prod(p.shape)
     return math.prod(p.shape) // p.shape[p.axes.index("experts")] * k

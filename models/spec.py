@@ -1,13 +1,54 @@
-"""Model families: one registry, `model.family` names an entry.
+"""Model families: one registry, `model.family` names an entry. This module is the whole contract between a family
+and the rest of meshtrain: the trainer, the planner, the counters and the checkpoint code ask a model only what its
+`ModelSpec` declares here (and the shared fields of models/config.py's ModelConfig); nothing outside this module
+calls getattr or hasattr on a model config (tests/test_architecture.py).
 
-A family is a module that registers a `ModelSpec`: its parameter inventory (every parameter's per-layer shape,
-logical axes, initializer, weight decay and precision, written once), its layer function and, for families that
-exist on the Hugging Face hub, its adapter (`HFAdapter`: config.json <-> config keys, tensor names <->
-parameters, both directions; trainer/ckpt/hf.py reads and writes folders through it). State init, the
-optimizer's decay mask, the ZeRO-3 gather's precision, decoding's layer layout and the planner's per-layer weights
-read the inventory; the layer stack (scanned or unrolled, remat'd, inside every pipeline schedule) runs the layer
-function. models/transformer.py registers `llama`; a family defined anywhere else (a test, a user's module)
-registers the same way, and runs on every layout without a change elsewhere.
+A family is a module that calls `register(ModelSpec(...))`: models/families/ holds the built-in ones (llama.py the
+default); a module anywhere else (a test, a user's module imported before the run) registers the same way.
+
+What a family must give:
+  name        the model.family value
+  inventory   (c) -> {name: Param}: every parameter once (shape, logical axes, initializer, weight decay, precision),
+              the stack's per-layer ones under "layers" (a leaf with the logical axis `experts` is an expert weight)
+  layer       (c, p, x_BTD, call: LayerCall) -> (x_BTD, aux): one layer on its own weights; each collective through
+              call.collectives (LocalCollectives' methods over logical axes), each activation's layout through
+              call.constrain, each residual half through call.half, attention through call.attention
+
+What it may give (a ModelSpec field each; [its default]; who reads it):
+  config      [ModelConfig] a frozen kw_only subclass: its fields are the family's; those declared with models/config.py
+              `key` are model.* keys (the config schema is written when trainer.config is imported: a family registered
+              after that, a plug-in, runs with its fields' defaults)
+  hf          [None] HFAdapter: trainer/ckpt/hf.py imports and exports Hugging Face folders through it
+  attention, mlp  [Llama's] the two halves of models/transformer.py's `layer`, for a family that uses it
+  layer_data  [{}] per-layer tables (call.data); rope [plain RoPE] call.rope
+  windows     [c.window everywhere] each layer's window: the FLOP count, the KV cache, the kernels
+  ends        [Ends()] what the shared embedding, final norm, head and tiled loss do for it
+  checks      [[]] (ok, message) of its own fields, said by trainer/config's validate in one line
+  aux, aux_counts, aux_weights  [(), {}, 1 each] the layer's auxiliary outputs: their names, each one's count over a
+              batch (the step's scale) and weight in the objective (models/objectives/loss.py, the pipeline's loss)
+  experts_active  [None: no routing] experts a token runs: models/counts.py counts an expert weight at k of its E;
+              not None makes the model `sparse`: the planner traces its layers at each row count and adds the experts'
+              working set (trainer/plan/memory.py), trainer/config warns where its experts stay replicated
+  experts_over  [refused: no experts] why the experts cannot split over n expert-parallel ranks, or None:
+              train.expert_parallel (trainer/config expert_parallel; the rules entry `experts` then maps to `data`)
+  expert_collectives  [[]] one layer's forward collectives over the expert-parallel axis (trainer/plan/comm.py)
+  dispatch_rows  [one per choice] rows an MoE layer's dispatch holds (trainer/plan/memory.py)
+  experts_line  [""] the train banner's words for the experts' layout (trainer/run/context.py)
+  split_keys  [{}] {logical axis: the config's own fields holding a width of it, most specific first}: divided by
+              mesh.model in the planner's one-device view (`widths_over_model`), named where mesh.model does not divide
+              one (`width_keys`, trainer/config/widths.py)
+  context_refusal  [None] why the model cannot run with its rows split over n context ranks: trainer/config refuses
+              mesh.context, the planner's search skips those layouts
+
+What it gets with no line elsewhere: state created sharded on every layout (data, ZeRO 0-3, every pipeline schedule,
+model, context, experts over `data`) by the rules table from its inventory's logical axes; the optimizer's decay mask;
+remat; the planner (memory, communication, search); parameter and FLOP counts (models/counts.py); checkpoints in one
+(L, ...) layout on any mesh; decoding (models/decode.py); Hugging Face import and export where it gives `hf`.
+
+Pieces a family may reuse: models/transformer.py (layer, attention_half, mlp_half), models/layers.py,
+models/families/llama.py's and qwen.py's inventories, models/hf/'s adapters, models/kernels/experts.py's grouped_mlp
+(the experts' matmuls and their expert-parallel dispatch), and of models/families/moe.py's MoE MLP its MoEConfig,
+moe_inventory and MOE (every ModelSpec field of that MLP); its other functions are its own.
 """
 from __future__ import annotations
 
@@ -119,6 +160,30 @@ def no_windows(c) -> None:
     return None
 
 
+def no_routing(c) -> None:
+    return None
+
+
+def no_experts(c, ranks: int) -> str:
+    return "the model has no experts"
+
+
+def no_expert_collectives(c, tokens: int, ranks: int, a: int) -> list:
+    return []
+
+
+def one_row_per_choice(c, tokens: int, platform: str) -> int:
+    return tokens * (family(c.family).experts_active(c) or 0)
+
+
+def no_experts_line(c, data: int, split: bool) -> str:
+    return ""
+
+
+def any_context(c, context: int) -> None:
+    return None
+
+
 class Leaf(NamedTuple):
     """One parameter and its HF tensors: parameter = stack over layers of view.transpose(perm) of each tensor."""
     path: tuple  # keys into the params dict
@@ -209,13 +274,32 @@ class ModelSpec:
     # logged, never differentiated (an MoE's dropped fraction); an aux name with a "/" is logged under that name,
     # the others as aux/<name>
     aux_weights: Callable = no_weights
+    # (c) -> experts a token runs (an MoE's top-k), None: no routing (every weight whole in the counts, `sparse` false)
+    experts_active: Callable = no_routing
+    # (c, ranks) -> why its experts cannot split over `ranks` expert-parallel ranks (one line's clause), or None
+    experts_over: Callable = no_experts
+    # (c, tokens, ranks, a) -> one layer's forward collectives over the expert-parallel axis for `tokens` tokens per
+    # rank on `ranks` ranks, a bytes of the compute dtype: [(kind, what, bytes of the array, whether its transpose runs
+    # in the backward, whether a recomputed forward runs it again)]
+    expert_collectives: Callable = no_expert_collectives
+    # (c, tokens, platform) -> rows the layer's dispatch holds for `tokens` tokens (a sparse model's)
+    dispatch_rows: Callable = one_row_per_choice
+    # (c, data, split) -> the train banner's words for the experts over `data` ranks, split or replicated ('' none)
+    experts_line: Callable = no_experts_line
+    # {logical axis: (the config's own fields holding a width of it, most specific first)}
+    split_keys: dict = dataclasses.field(default_factory=dict, hash=False)  # (the spec stays hashable)
+    # (c, context) -> why it cannot run with each row split over `context` ranks, or None
+    context_refusal: Callable = any_context
 
 
 FAMILIES: dict[str, ModelSpec] = {}
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Add a family (or replace one of the same name); returns it."""
+    """Add a family (or replace one of the same name); returns it. Its split_keys must be fields of its config."""
+    fields = {f.name for f in dataclasses.fields(spec.config)} if spec.config is not None else set()
+    if unknown := [k for keys in spec.split_keys.values() for k in keys if k not in fields]:
+        raise ValueError(f"family {spec.name}: split_keys {unknown} are not fields of its config; declare them there")
     FAMILIES[spec.name] = spec
     return spec
 
@@ -225,6 +309,30 @@ def family(name: str) -> ModelSpec:
         raise ValueError(f"model.family='{name}' is not registered; choose one of {', '.join(sorted(FAMILIES))} "
                          "or import the module that registers it")
     return FAMILIES[name]
+
+
+def sparse(c) -> bool:
+    """Whether the model routes tokens to experts (its family's experts_active is not None)."""
+    return family(c.family).experts_active(c) is not None
+
+
+# The shared fields holding the widths of the logical axes the rules split over `model` (a family's own first)
+SHARED_WIDTHS = {"heads": ("n_heads",), "mlp": ("d_ff",), "vocab": ("vocab_size",)}
+
+
+def width_keys(c) -> dict[str, tuple[tuple[str, Any], ...]]:
+    """{logical axis: ((field, its value), ...)} of the fields holding a width of each axis, most specific first: the
+    family's own (ModelSpec.split_keys), then the shared ones."""
+    own = family(c.family).split_keys
+    return {axis: tuple((k, getattr(c, k)) for k in tuple(own.get(axis, ())) + SHARED_WIDTHS.get(axis, ()))
+            for axis in dict.fromkeys([*SHARED_WIDTHS, *own])}
+
+
+def widths_over_model(c, tp: int) -> dict:
+    """The family's own width fields (split_keys) as one of `tp` model ranks holds them (those set), for
+    dataclasses.replace."""
+    own = family(c.family).split_keys
+    return {k: getattr(c, k) // tp for keys in own.values() for k in keys if getattr(c, k)}
 
 
 def hf_family(architecture: str) -> ModelSpec:

@@ -57,66 +57,74 @@ class MoEConfig(ModelConfig):
     def sparse(self) -> bool:
         return self.n_experts > 1
 
-    @property
-    def experts_active(self) -> int:
-        """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts)."""
-        return self.n_experts_per_token
-
-    def experts_over(self, ranks: int) -> str | None:
-        """Why this model's experts cannot be split over `ranks` data ranks (trainer/config: expert parallelism),
-        or None."""
-        if not self.sparse:
-            return f"model.n_experts={self.n_experts} is a dense MLP: nothing to split"
-        if self.n_experts % ranks:
-            return (f"model.n_experts={self.n_experts} is not divisible by mesh.data={ranks} (each data rank holds "
-                    f"n_experts / mesh.data experts)")
-        return None
-
-    def experts_line(self, data: int, split: bool) -> str:
-        """The train banner's words for the experts' layout over `data` data ranks ('' for a dense MLP)."""
-        if not self.sparse:
-            return ""
-        if split:
-            return f"experts {self.n_experts} over data={data} ({self.n_experts // data} per data rank) | "
-        return f"experts {self.n_experts} replicated over data={data} | "
-
-    def expert_collectives(self, tokens: int, ranks: int, a: int) -> list[tuple[str, str, float, bool, bool]]:
-        """One MoE layer's forward collectives over `data` under expert parallelism (grouped_mlp), for `tokens` tokens
-        per rank on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the
-        array as trainer/plan/comm.py counts it, whether its transpose runs in the backward, whether a recomputed
-        forward runs it again: what the backward reads)."""
-        K, D, T = self.n_experts_per_token, self.d_model, self.seq_len
-        C = capacity(self, T)
-        if C is None:  # _experts_gathered: every rank's tokens, choices and weights gathered, the outputs scattered
-            n = ranks * tokens  # (the outputs are weighted before their sum: the backward does not read them)
-            return [("all-gather", "tokens to every rank", n * D * a, True, True),
-                    ("all-gather", "choices", n * K * 4, False, True),
-                    ("all-gather", "routing weights", n * K * a, True, True),
-                    ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
-        slots = self.n_experts * (tokens // T) * C * D * a  # _experts_all_to_all: this rank's buffer
-        # (the outputs come back unweighted: the routing weights' gradient reads them)
-        return [("all-to-all", "tokens to their experts' slots", slots, True, True),
-                ("all-to-all", "the slots' outputs back", slots, True, True)]
-
+    # trainer/plan/memory.py reads these two until it asks the spec (models/spec.py widths_over_model, dispatch_rows)
     def widths_over_model(self, tp: int) -> dict:
-        """The fields of one `model` rank's widths (trainer/plan/memory.py): each expert's and the shared expert's
-        hidden units split over `model`, as the dense MLP's."""
-        return {k: getattr(self, k) // tp for k in ("expert_d_ff", "shared_expert_d_ff") if getattr(self, k)}
-
-    def context_refusal(self, context: int) -> str | None:
-        """Why this MoE cannot run with each row split over `context` ranks (None: it can): a capacity fills each
-        row's slots in row order, which would need a prefix sum over the ranks."""
-        if self.sparse and self.capacity_factor > 0 and context > 1:
-            return (f"model.capacity_factor={self.capacity_factor} with mesh.context={context} is not supported yet: "
-                    "a row's capacity slots would need a prefix sum over context; use model.capacity_factor=0 "
-                    "(dropless)")
-        return None
+        return {k: v // tp for k, v in (("expert_d_ff", self.expert_d_ff),
+                                        ("shared_expert_d_ff", self.shared_expert_d_ff)) if v}
 
     def dispatch_rows(self, tokens: int, platform: str) -> int:
-        """Rows the expert MLP's dispatch holds for `tokens` tokens on `platform` (trainer/plan/memory.py): one per
-        choice; on CPU (tile_scan) each expert's padded to whole tiles."""
-        M = tokens * self.n_experts_per_token
-        return padded_tiles(M, self.n_experts) * TILE if BY_PLATFORM.get(platform) == "tile_scan" else M
+        return dispatch_rows(self, tokens, platform)
+
+
+def experts_active(c: MoEConfig) -> int | None:
+    """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts); None: dense."""
+    return c.n_experts_per_token if c.sparse else None
+
+
+def experts_over(c: MoEConfig, ranks: int) -> str | None:
+    """Why this model's experts cannot be split over `ranks` data ranks (trainer/config: expert parallelism), or
+    None."""
+    if not c.sparse:
+        return f"model.n_experts={c.n_experts} is a dense MLP: nothing to split"
+    if c.n_experts % ranks:
+        return (f"model.n_experts={c.n_experts} is not divisible by mesh.data={ranks} (each data rank holds "
+                f"n_experts / mesh.data experts)")
+    return None
+
+
+def experts_line(c: MoEConfig, data: int, split: bool) -> str:
+    """The train banner's words for the experts' layout over `data` data ranks ('' for a dense MLP)."""
+    if not c.sparse:
+        return ""
+    if split:
+        return f"experts {c.n_experts} over data={data} ({c.n_experts // data} per data rank) | "
+    return f"experts {c.n_experts} replicated over data={data} | "
+
+
+def expert_collectives(c: MoEConfig, tokens: int, ranks: int, a: int) -> list[tuple[str, str, float, bool, bool]]:
+    """One MoE layer's forward collectives over `data` under expert parallelism (grouped_mlp), for `tokens` tokens
+    per rank on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the
+    array as trainer/plan/comm.py counts it, whether its transpose runs in the backward, whether a recomputed
+    forward runs it again: what the backward reads)."""
+    K, D, T = c.n_experts_per_token, c.d_model, c.seq_len
+    C = capacity(c, T)
+    if C is None:  # _experts_gathered: every rank's tokens, choices and weights gathered, the outputs scattered
+        n = ranks * tokens  # (the outputs are weighted before their sum: the backward does not read them)
+        return [("all-gather", "tokens to every rank", n * D * a, True, True),
+                ("all-gather", "choices", n * K * 4, False, True),
+                ("all-gather", "routing weights", n * K * a, True, True),
+                ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
+    slots = c.n_experts * (tokens // T) * C * D * a  # _experts_all_to_all: this rank's buffer
+    # (the outputs come back unweighted: the routing weights' gradient reads them)
+    return [("all-to-all", "tokens to their experts' slots", slots, True, True),
+            ("all-to-all", "the slots' outputs back", slots, True, True)]
+
+
+def context_refusal(c: MoEConfig, context: int) -> str | None:
+    """Why this MoE cannot run with each row split over `context` ranks (None: it can): a capacity fills each
+    row's slots in row order, which would need a prefix sum over the ranks."""
+    if c.sparse and c.capacity_factor > 0 and context > 1:
+        return (f"model.capacity_factor={c.capacity_factor} with mesh.context={context} is not supported yet: "
+                "a row's capacity slots would need a prefix sum over context; use model.capacity_factor=0 "
+                "(dropless)")
+    return None
+
+
+def dispatch_rows(c: MoEConfig, tokens: int, platform: str) -> int:
+    """Rows the expert MLP's dispatch holds for `tokens` tokens on `platform` (trainer/plan/memory.py): one per
+    choice; on CPU (tile_scan) each expert's padded to whole tiles."""
+    M = tokens * c.n_experts_per_token
+    return padded_tiles(M, c.n_experts) * TILE if BY_PLATFORM.get(platform) == "tile_scan" else M
 
 
 def moe_inventory(base):
@@ -282,7 +290,11 @@ def checks(c: MoEConfig) -> list:
              f"model.n_experts > 1 (it is {X}); set n_experts or leave shared_expert_d_ff null")]
 
 
-SPEC = dict(config=MoEConfig, mlp=moe_half, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks)
-MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, MIXTRAL_HF, **SPEC))
-QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, QWEN3_MOE_HF, **SPEC))
-QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, QWEN2_MOE_HF, **SPEC))
+# every ModelSpec field of the MoE MLP (models/spec.py's contract): a family with it gives **MOE
+MOE = dict(config=MoEConfig, mlp=moe_half, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks,
+           experts_active=experts_active, experts_over=experts_over, expert_collectives=expert_collectives,
+           dispatch_rows=dispatch_rows, experts_line=experts_line, context_refusal=context_refusal,
+           split_keys={"mlp": ("expert_d_ff", "shared_expert_d_ff")})
+MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, MIXTRAL_HF, **MOE))
+QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, QWEN3_MOE_HF, **MOE))
+QWEN2_MOE = register(ModelSpec("qwen2_moe", moe_inventory(qwen2_inventory), layer, QWEN2_MOE_HF, **MOE))

@@ -3,6 +3,7 @@ shape keys, parameters read straight into a run's shardings (each process reads 
 one device's at a time), and the folder's context that `export --format hf` and `generate` keep."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -123,8 +124,9 @@ def with_hf_shapes(cfg, tensors: bool = True):
     # a family that reads llama3 RoPE scaling from config.json, on a folder with plain RoPE: a model.rope_scaling
     # extends the folder's context (as Llama 3.1 extended Llama 3's) rather than contradicting it
     extendable = keys["rope_scaling"] == (None, "rope_scaling")
+    given = dataclasses.asdict(cfg.model)
     for k, (v, hk) in keys.items():
-        mine = getattr(cfg.model, k)
+        mine = given[k]
         if mine is not None and v is not None and not _same(mine, v):
             raise UserError(f"model.{k}={mine} contradicts {where} ({hk}={v}); drop model.{k} or make them equal")
         if mine is not None and v is None and k in ("rope_scaling", "window") and not (k == "rope_scaling"

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshes import MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
+from models.spec import sparse
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
@@ -222,7 +223,7 @@ def model_config(cfg: Config) -> ModelConfig:
     (null, or a switch set false: a checkpoint's config written before the families had configs of their own holds
     every family's keys so)."""
     m = cfg.model
-    over = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("preset", "init_from")}
+    over = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("preset", "init_from")}
     if m.rope_scaling is not None:  # hashable, the original context length an int
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
@@ -254,13 +255,12 @@ def expert_parallel(cfg: Config, data: int, quiet: bool = False) -> bool:
     """Whether the run splits its experts over `data` data ranks (train.expert_parallel; null: wherever it can, with a
     log line where an MoE cannot, unless `quiet`). One line where it is asked for and cannot be."""
     t, mc = cfg.train, model_config(cfg)
-    split = getattr(mc, "experts_over", None)
-    why = "the model has no experts" if split is None else split(data)
+    why = family(mc.family).experts_over(mc, data)
     if why is None and t.sync != "every_step":
         why = (f"train.sync={t.sync} keeps a whole replica on every data rank, and an expert-parallel rank holds only "
                f"its experts")
     if t.expert_parallel is None:
-        if why is not None and not quiet and split is not None and data > 1 and getattr(mc, "sparse", False):
+        if why is not None and not quiet and data > 1 and sparse(mc):
             _warn_once(f"expert parallelism off: {why}; the experts are replicated over mesh.data")
         return why is None and data > 1
     if t.expert_parallel and why is not None:
@@ -335,8 +335,7 @@ def _context_checks(t, mc: ModelConfig, context: int, model: int = 1, stage: int
          "all_gather or all_to_all"),
         (t.sync == "every_step", f"train.sync={t.sync} with mesh.context={context} is not supported: local SGD keeps "
          "a replica per data rank; use train.sync=every_step or mesh.context=1"),
-        *[(False, f"{why}; use mesh.context=1") for why in [getattr(mc, "context_refusal", lambda n: None)(context)]
-          if why],
+        *[(False, f"{why}; use mesh.context=1") for why in [family(mc.family).context_refusal(mc, context)] if why],
     ]
 
 

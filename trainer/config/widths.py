@@ -5,10 +5,7 @@ from __future__ import annotations
 from meshes import MODEL, RULES
 from meshes.rules import SHARED_WHEN_SMALLER
 from models import ModelConfig, family
-
-# The keys that set the widths of each logical axis the rules split over `model`, most specific first: a width is
-# named by the first of them that holds it
-WIDTH_KEYS = {"heads": ("n_heads",), "mlp": ("expert_d_ff", "shared_expert_d_ff", "d_ff"), "vocab": ("vocab_size",)}
+from models.spec import width_keys
 
 
 def split_widths(mc: ModelConfig) -> list[tuple[str, int]]:
@@ -20,8 +17,9 @@ def split_widths(mc: ModelConfig) -> list[tuple[str, int]]:
         for axis, width in zip(p.axes, p.shape):
             if RULES.get(axis) == MODEL and axis not in SHARED_WHEN_SMALLER:
                 found.setdefault((axis, width), where)
-    order = list(WIDTH_KEYS)
-    return [(next((f"model.{k}={width}" for k in WIDTH_KEYS.get(axis, ()) if getattr(mc, k, None) == width),
+    keys = width_keys(mc)  # each axis's fields, most specific first: a width is named by the first that holds it
+    order = list(keys)
+    return [(next((f"model.{k}={width}" for k, v in keys.get(axis, ()) if v == width),
                   f"the {axis} width {width} of parameter {found[axis, width]}"), width)
             for axis, width in sorted(found, key=lambda aw: order.index(aw[0]) if aw[0] in order else len(order))]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from meshes.collectives import pairwise_ring
-from models import ModelConfig
+from models import ModelConfig, family
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
 from trainer.parallel.reduction import EXPLICIT, PIPELINE
@@ -137,16 +137,16 @@ TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "al
 
 
 def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
-    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (models/families/moe.py
-    expert_collectives), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
+    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (its family's
+    expert_collectives, models/spec.py), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
     a collective is no dot, so `dots` recomputes it too; every pipeline stage body), those whose results the
     backward reads; the differentiable ones' transposes in the backward."""
-    if st.rules["experts"] != "data" or st.data == 1 or not hasattr(mc, "expert_collectives"):
+    if st.rules["experts"] != "data" or st.data == 1:
         return []
     uses = st.microbatches * mc.n_layers // st.stage
     recomputed = st.remat != "none" or st.stage > 1
     out = []
-    for kind, what, size, grad, again in mc.expert_collectives(n, st.data, a):
+    for kind, what, size, grad, again in family(mc.family).expert_collectives(mc, n, st.data, a):
         bus = bus_factor(kind, st.data) * size
         forwards = 2 if recomputed and again else 1
         out.append(Transfer("data", kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses))

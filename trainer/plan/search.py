@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshes import AXES, RULES, shapes
-from models import ModelConfig
+from models import ModelConfig, family
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
 
@@ -34,7 +34,7 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
             continue
         # context parallelism: whole chunks (two per rank, balanced), an MoE that can split its rows
         if context > 1 and (mc.seq_len % (2 * context if balance else context)
-                            or getattr(mc, "context_refusal", lambda n: None)(context)):
+                            or family(mc.family).context_refusal(mc, context)):
             continue
         # under context parallelism each strategy whose heads split (all_to_all: over model x context)
         weighed = [a for a in CONTEXT_STRATEGIES if (a != "all_to_all" or mc.n_heads % (model * context) == 0)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from rich.console import Console
 
-from models import param_count
+from models import family, param_count
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.ckpt.objects import RunFiles
 from trainer.ckpt.hf import keep_origin
@@ -115,8 +115,7 @@ def describe(s: Setup) -> str:
 def _experts(s: Setup) -> str:
     """'experts 8 over data=4 (2 per data rank) | ' for an MoE (its experts split over `data` by the run's rules,
     train.expert_parallel), 'experts 8 replicated over data=4 | ' where they are not; '' for a dense model."""
-    line = getattr(s.model, "experts_line", None)
-    return line(s.mesh.shape["data"], s.layout.rules["experts"] == "data") if line else ""
+    return family(s.model.family).experts_line(s.model, s.mesh.shape["data"], s.layout.rules["experts"] == "data")
 
 
 class Run:
