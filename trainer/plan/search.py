@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes import AXES, RULES, shapes
+from meshes import AXES, CONTEXT, DATA, MODEL, RULES, STAGE, shapes
 from models import ModelConfig, family
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
@@ -28,7 +28,7 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
     """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
-        data, stage, model, context = shape["data"], shape["stage"], shape["model"], shape["context"]
+        data, stage, model, context = shape[DATA], shape[STAGE], shape[MODEL], shape[CONTEXT]
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
@@ -40,7 +40,7 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
         weighed = [a for a in CONTEXT_STRATEGIES if (a != "all_to_all" or mc.n_heads % (model * context) == 0)
                    and (a != "ring" or stage == 1 or context % 2 == 0)]  # trainer/config's checks
         for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
-            rules = rules.replace(seq="context") if context > 1 else rules
+            rules = rules.replace(seq=CONTEXT) if context > 1 else rules
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):
                     continue
