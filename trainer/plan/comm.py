@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from meshes import CONTEXT, DATA, MODEL, STAGE
 from meshes.collectives import pairwise_ring
 from models import ModelConfig, family
 from trainer.parallel.collective_costs import bus_factor
@@ -63,11 +64,11 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platfor
     if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
         # and with documents their ids and positions), all-gathered over `context` and sliced
         fields = 5 if documents else 3
-        out.append(Transfer("context", "all-gather", "the batch reordered for load balancing",
+        out.append(Transfer(CONTEXT, "all-gather", "the batch reordered for load balancing",
                             ag * fields * 4 * rows * m * mc.seq_len, fields))
     split = sum(x.bytes for x in ls if x.split)
     if split:
-        out.append(Transfer("context", "all-reduce", "gradients of leaves split over data (experts) summed over context",
+        out.append(Transfer(CONTEXT, "all-reduce", "gradients of leaves split over data (experts) summed over context",
                             bus_factor("all-reduce", C) * split, 1))
     return out
 
@@ -81,13 +82,13 @@ def _ulysses_transfers(mc, st: Strategy, n: int, a: int, kv_heads: int, uses: in
     kv = kv_heads * (C // math.gcd(kv_heads, C))
     sent = n * (2 * mc.n_heads // st.model + 2 * kv) * mc.head_dim * a  # q, o and k, v of one layer, one rank
     a2a = bus_factor("all-to-all", C)
-    out = [Transfer("context", "all-to-all", "q, k, v to their head group's rank and the output back (forward"
+    out = [Transfer(CONTEXT, "all-to-all", "q, k, v to their head group's rank and the output back (forward"
                     + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * a2a * sent,
                     4 * forwards * uses),
-           Transfer("context", "all-to-all", "their transposes (backward)", uses * a2a * sent, 4 * uses)]
+           Transfer(CONTEXT, "all-to-all", "their transposes (backward)", uses * a2a * sent, 4 * uses)]
     if documents:  # the same for every layer: gathered once per microbatch
         m = st.microbatches
-        out.append(Transfer("context", "all-gather", "the documents of the whole row",
+        out.append(Transfer(CONTEXT, "all-gather", "the documents of the whole row",
                             m * bus_factor("all-gather", C) * 4 * rows * mc.seq_len, m))
     return out
 
@@ -106,15 +107,15 @@ def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, f
         # (one for C = 2), each receiving the partner's block; the stage body's forward runs again in its backward's
         # vjp
         x = 1 if st.context == 2 else 2
-        return [Transfer("context", "all-gather", "K and V blocks around the ring, pairwise (forward, again where "
+        return [Transfer(CONTEXT, "all-gather", "K and V blocks around the ring, pairwise (forward, again where "
                          "recomputed)", x * forwards * uses * steps * kv, x * forwards * uses * steps * (3 + documents)),
-                Transfer("context", "all-gather", "K, V and their float32 gradients around the ring, pairwise "
+                Transfer(CONTEXT, "all-gather", "K, V and their float32 gradients around the ring, pairwise "
                          "(backward)", x * uses * (steps * (kv + acc) + home), x * uses * (steps * (5 + documents) + 2))]
     # a recomputed forward (remat; a pipeline's backward tick) passes the same blocks as the backward beside it: XLA
     # sends them once (one op), so `forwards` adds nothing
-    return [Transfer("context", "collective-permute", "K and V blocks around the ring (forward)", uses * steps * kv,
+    return [Transfer(CONTEXT, "collective-permute", "K and V blocks around the ring (forward)", uses * steps * kv,
                      uses * steps * (3 + documents)),
-            Transfer("context", "collective-permute", "K, V and their float32 gradients around the ring (backward)",
+            Transfer(CONTEXT, "collective-permute", "K, V and their float32 gradients around the ring (backward)",
                      uses * (steps * (kv + acc) + home), uses * (steps * (5 + documents) + 2))]
 
 
@@ -124,12 +125,12 @@ def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, 
     positions (and documents) gathered once per microbatch."""
     C, m = st.context, st.microbatches
     ag = bus_factor("all-gather", C)
-    return [Transfer("context", "all-gather", "K and V gathered over context (forward"
+    return [Transfer(CONTEXT, "all-gather", "K and V gathered over context (forward"
                     + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
                     2 * forwards * uses),
-           Transfer("context", "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
+           Transfer(CONTEXT, "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
                     uses * ag * 2 * C * block, 2 * uses),
-           Transfer("context", "all-gather", "the tokens' positions" + (" and documents" if documents else ""),
+           Transfer(CONTEXT, "all-gather", "the tokens' positions" + (" and documents" if documents else ""),
                     m * ag * 4 * mc.seq_len * (1 + (rows if documents else 0)), m * (1 + documents))]
 
 
@@ -141,7 +142,7 @@ def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     expert_collectives, models/spec.py), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
     a collective is no dot, so `dots` recomputes it too; every pipeline stage body), those whose results the
     backward reads; the differentiable ones' transposes in the backward."""
-    if st.rules["experts"] != "data" or st.data == 1:
+    if st.rules["experts"] != DATA or st.data == 1:
         return []
     uses = st.microbatches * mc.n_layers // st.stage
     recomputed = st.remat != "none" or st.stage > 1
@@ -149,10 +150,10 @@ def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     for kind, what, size, grad, again in family(mc.family).expert_collectives(mc, n, st.data, a):
         bus = bus_factor(kind, st.data) * size
         forwards = 2 if recomputed and again else 1
-        out.append(Transfer("data", kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses))
+        out.append(Transfer(DATA, kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses))
         if grad:
             back = TRANSPOSE[kind]
-            out.append(Transfer("data", back, f"experts: {what} (backward)", uses * bus_factor(back, st.data) * size,
+            out.append(Transfer(DATA, back, f"experts: {what} (backward)", uses * bus_factor(back, st.data) * size,
                                 uses))
     return out
 
@@ -181,7 +182,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
         if zero >= 2:
             out += [Transfer(over, "reduce-scatter", "gradient reduce-scatter, every microbatch",
                              m * ag * whole(lambda x: x.zero) * wire, m),
-                    Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                    Transfer(MODEL, "all-gather", "model-split gradients gathered before their reduce-scatter",
                              m * bus_factor("all-gather", tp) * over_model(lambda x: x.zero), m),
                     Transfer(over, "all-reduce", "all-reduce of leaves too small to shard",
                              m * ar * sum(x.bytes for x in ls if not x.zero), m)]
@@ -196,7 +197,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
             out += [Transfer(over, "all-gather", "ZeRO-3 weight all-gathers (per layer and microbatch"
                              + (", again in backward)" if again > 1 else ")"),
                              ag * (whole(top) * c_top + m * again * whole(lay) * c_lay), 1 + m * again),
-                    Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model",
+                    Transfer(MODEL, "all-gather", "model-split ZeRO-3 shards gathered over model",
                              bus_factor("all-gather", tp) * (over_model(top) * c_top + m * again * over_model(lay)
                                                              * c_lay) / k, 1 + m * again)]
     else:
@@ -206,7 +207,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
             out.append(Transfer(over, "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
             if tp > 1:
                 grads -= embed
-                out.append(Transfer(f"{over},model", "all-reduce", "tied head gradient",
+                out.append(Transfer(f"{over},{MODEL}", "all-reduce", "tied head gradient",
                                     bus_factor("all-reduce", k * tp) * embed, 1))
         else:
             grads += embed  # the lookup's and the head's embedding gradients are reduced apart
@@ -232,11 +233,11 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     # forward: after wo and w_down; backward: the projection groups; full remat recomputes the
     # first (the layer's output is not needed again); `dots` saves the projection outputs instead
     per_layer = 2 + _groups(mc, tp) + (1 if st.remat == "full" else 0)
-    out = [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
+    out = [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
     out += [t.times(m * layers) for t in _shared_kv_transfers(mc, tp, n, a)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
-    out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss",
+    out.append(Transfer(MODEL, "all-reduce", "vocab-parallel embedding, head and loss",
                         m * ar * (2 * act + 3 * n * 4), 4 * m))
     return out
 
@@ -258,9 +259,9 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
     if K >= tp:
         return []
     g, head = tp // K, n * mc.head_dim * a  # one kv head's dK (or dV) on one device
-    return [Transfer("model", "all-reduce", "dK, dV summed over the ranks sharing a kv head",
+    return [Transfer(MODEL, "all-reduce", "dK, dV summed over the ranks sharing a kv head",
                      2 * bus_factor("all-reduce", g) * head, 1),
-            Transfer("model", "all-gather", "dK, dV gathered over the kv heads",
+            Transfer(MODEL, "all-gather", "dK, dV gathered over the kv heads",
                      2 * bus_factor("all-gather", K) * K * head, 2)]
 
 
@@ -276,15 +277,15 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
     reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data`
-    out = [Transfer("stage", "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
+    out = [Transfer(STAGE, "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
                     2 * ticks * act * senders / S, 2 * ticks),
-           Transfer("stage", "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
+           Transfer(STAGE, "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
                     bus_factor("all-reduce", S) * (top + 4), 1)]
     if V > 1:  # circular_blocks: the stage's layers (gathered already under ZeRO-3) to their blocks, and back
         groups = [g for g in circular_moves(S, V) if g[0]]
         moved = sum(b // V != b % S for b in range(S * V)) / (S * V)
         stored = sum(x.bytes for x in ls if x.layers)
-        out.append(Transfer("stage", "collective-permute", "layer weights to their circular blocks (and gradients back)",
+        out.append(Transfer(STAGE, "collective-permute", "layer weights to their circular blocks (and gradients back)",
                             2 * moved * stored, 2 * len(groups)))
     if k > 1:
         out += _table_data_sync(st, reduced, k)
@@ -293,12 +294,12 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)
         # and one per projection group
         per_mb = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
-        out += [Transfer("model", "all-reduce", f"tensor-parallel activations ({per_mb} per microbatch and block)",
+        out += [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_mb} per microbatch and block)",
                          m * V * per_mb * ar * act, m * V * per_mb)]
         out += [t.times(m * V * body) for t in _shared_kv_transfers(mc, tp, n, a)]
         # stage 0 embeds (forward and recompute), the last stage's head: logits' max, sum and target, the
         # head's input gradient; averaged over the stages
-        out.append(Transfer("model", "all-reduce", "vocab-parallel embedding, head and loss (first and last stage)",
+        out.append(Transfer(MODEL, "all-reduce", "vocab-parallel embedding, head and loss (first and last stage)",
                             m * ar * (3 * act + 3 * n * 4) / S, 5 * m / S))
     return out
 
@@ -319,7 +320,7 @@ def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int) -> list[Transfer
     if zero >= 2:
         out += [Transfer(st.batch_axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
                          ag * whole * wire, 1),
-                Transfer("model", "all-gather", "model-split gradients gathered before their reduce-scatter",
+                Transfer(MODEL, "all-gather", "model-split gradients gathered before their reduce-scatter",
                          agm * over_model, 1),
                 Transfer(st.batch_axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
     else:
@@ -328,7 +329,7 @@ def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int) -> list[Transfer
     if zero >= 3:
         out += [Transfer(st.batch_axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
                          ag * whole, 1),
-                Transfer("model", "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
+                Transfer(MODEL, "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
     elif zero:
         out.append(Transfer(st.batch_axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
     out.append(Transfer(st.batch_axes, "all-reduce", "loss averaged over data", ar * 4, 1))
