@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshes import MeshError, MeshShape, load_preset, shape_of
+from meshes import CONTEXT, DATA, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
 from models.spec import sparse
@@ -278,7 +278,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         shape = shape_of(cfg.mesh, n_devices)  # the DCN split of each axis checked too
     except MeshError as e:
         raise UserError(str(e)) from None
-    data, stage, model = shape["data"], shape["stage"], shape["model"]
+    data, stage, model = shape[DATA], shape[STAGE], shape[MODEL]
     checks = _model_checks(cfg, mc, model) + [
         (t.batch_size % (data * t.microbatches) == 0,
          f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
@@ -287,7 +287,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        *_context_checks(t, mc, shape["context"], model, stage),
+        *_context_checks(t, mc, shape[CONTEXT], model, stage),
         (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
          "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
          "or model.init_from (the reference is then the model training starts from)"),
@@ -295,8 +295,8 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          f"train.objective=dpo with train.sync={t.sync} is not supported: local SGD keeps a replica of the weights per "
          "data rank, which neither the DPO reference's forward nor the pair evaluation reads; use "
          "train.sync=every_step"),
-        (t.objective != "dpo" or shape["context"] == 1,
-         f"train.objective=dpo sums each pair's log-probabilities along its row, and mesh.context={shape['context']} "
+        (t.objective != "dpo" or shape[CONTEXT] == 1,
+         f"train.objective=dpo sums each pair's log-probabilities along its row, and mesh.context={shape[CONTEXT]} "
          "splits the rows over context ranks (not supported with DPO yet); set mesh.context=1"),
     ]
     for ok, msg in checks:
