@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from rich.console import Console
 
+from meshes import DATA, STAGE
 from models import family, param_count
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.ckpt.objects import RunFiles
@@ -99,7 +100,7 @@ def describe(s: Setup) -> str:
     sync = t.grad_sync if manual else "auto (compiler all-reduce)"
     if t.grad_sync == "auto" and manual:
         sync = "explicit reduce-scatter (ZeRO-2/3)" if t.zero_stage >= 2 else "explicit all-reduce"
-    if s.mesh.shape["stage"] > 1:  # trainer/parallel/pipeline.py syncs the stage's share after its tick loop
+    if s.mesh.shape[STAGE] > 1:  # trainer/parallel/pipeline.py syncs the stage's share after its tick loop
         sync += ", once per step"
     if t.sync != "every_step":
         sync = f"{t.sync}: replicas apart, parameters all-reduced every {t.sync_every} steps"
@@ -108,14 +109,14 @@ def describe(s: Setup) -> str:
             f"mesh {' '.join(f'{a}={n}' for a, n in s.mesh.shape.items())} | {_experts(s)}"
             f"ZeRO-{t.zero_stage} | sync {sync} | {s.dtype.name} compute | batch {t.batch_size} x "
             f"{t.microbatches} microbatch(es)"
-            + (f" | {describe_pipeline(s.mesh.shape['stage'], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
-               if s.mesh.shape["stage"] > 1 else ""))
+            + (f" | {describe_pipeline(s.mesh.shape[STAGE], t.microbatches, t.pipeline_repeats, t.pipeline_schedule)}"
+               if s.mesh.shape[STAGE] > 1 else ""))
 
 
 def _experts(s: Setup) -> str:
     """'experts 8 over data=4 (2 per data rank) | ' for an MoE (its experts split over `data` by the run's rules,
     train.expert_parallel), 'experts 8 replicated over data=4 | ' where they are not; '' for a dense model."""
-    return family(s.model.family).experts_line(s.model, s.mesh.shape["data"], s.layout.rules["experts"] == "data")
+    return family(s.model.family).experts_line(s.model, s.mesh.shape[DATA], s.layout.rules["experts"] == DATA)
 
 
 class Run:
