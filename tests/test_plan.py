@@ -217,10 +217,12 @@ def test_links_follow_mesh_order_and_hosts():
     assert links(st, get_device("tpu-v5p"), 1)["data"] == "fast"  # one ICI slice
 
 
-@pytest.mark.parametrize("args", [
-    ["--devices", "256", "plan.device=tpu-v5p"],
-    pytest.param(["--devices", "64", "--hosts", "8", "plan.device=h100-80g"], marks=pytest.mark.slow),
-])
+# slow: each searches thousands of layouts and traces a 7b layer hundreds of times (60-100 s); the ranking rules
+# (the fastest first, the top five by default, each row's 'why', all fit, every device used) run by default in
+# test_search_shows_each_layout_once
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--devices", "256", "plan.device=tpu-v5p"],
+                                  ["--devices", "64", "--hosts", "8", "plan.device=h100-80g"]], ids=["v5p-256", "h100-64x8"])
 def test_search_ranks_7b_layouts(args, capsys):
     code = main(["plan", "model.preset=7b", "--search", "--json", *args])
     doc = json.loads(capsys.readouterr().out)
@@ -449,6 +451,16 @@ def test_search_shows_each_layout_once(capsys):
     assert piped == {(s, m, "none") for s in ("gpipe", "1f1b") for m in (2, 4, 8, 16)}
     tie = [p["step_s"] for p in doc["plans"] if p["layout"]["stage"] == 2 and p["layout"]["microbatches"] == 16]
     assert len(tie) == 2 and tie[0] == tie[1] and {r["grad_sync"] for r in rows} == {"ring"}
+    # ranked as test_search_ranks_7b_layouts (-m slow) checks on 7b: fastest first, each 'why' against the first,
+    # every device used; by default the top five of the same ranking
+    steps = [p["step_s"] for p in doc["plans"]]
+    assert steps == sorted(steps) and all(p["fits"] for p in doc["plans"])
+    assert doc["plans"][0]["why"].startswith("fastest") and all("vs #1" in p["why"] for p in doc["plans"][1:])
+    assert all(r["data"] * r["stage"] * r.get("context", 1) * r["model"] == 2 for r in rows)
+    assert main(["plan", *TINY, "model.vocab_size=257", "train.grad_sync=ring", "plan.device=h100-80g", "--search",
+                 "--devices", "2", "--json"]) == 0
+    top = json.loads(capsys.readouterr().out)
+    assert top["plans"] == doc["plans"][:5] and (top["fit"], top["tried"]) == (doc["fit"], doc["tried"])
 
 
 def test_the_pipeline_runs_the_remats_the_search_merges_alike():
