@@ -28,8 +28,8 @@ for _ in range(64):
     print(json.dumps({'prompt': 'Colours: ' + ' '.join(r.choice(warm + cold) for _ in range(3)) + '.',
                       'chosen': ' ' + ' '.join(r.choice(warm) for _ in range(n)) + '.',
                       'rejected': ' ' + ' '.join(r.choice(cold) for _ in range(n)) + '.'}))" > "$tmp/pairs.jsonl"
-PYTHONPATH=$here "$py" -m trainer.cli prepare "$tmp/pairs.jsonl" --out "$tmp/pairs/pairs.bin" --tokenizer "$fix/policy" \
-  --max-length 32 --heldout 0 --no-progress >/dev/null 2>&1
+(cd "$here" && PYTHONPATH=$here "$py" -m trainer.cli prepare "$tmp/pairs.jsonl" --out "$tmp/pairs/pairs.bin" --tokenizer "$fix/policy" \
+  --max-length 32 --heldout 0 --no-progress >/dev/null 2>&1)
 
 TINY=(model.preset=tiny train.batch_size=16)
 MOE=(model.family=mixtral model.n_experts=4 model.router_aux_loss=0.01 model.router_z_loss=0.001)
@@ -49,7 +49,8 @@ ORDER=("default auto" "default ring" "MoE (2,1,4) ZeRO-3" "ring context 2 (2,1,2
 run() {  # run SRC_DIR DIR KEYS...: train, then print each step's metrics (repr)
   local src=$1 dir=$2; shift 2
   cp -r "$tmp/pairs" "$dir.pairs"  # each revision computes its own reference log-probabilities beside the pairs
-  if ! PYTHONPATH="$src" "$py" -m trainer.cli train "${@/#data.source=PAIRS/data.source=$dir.pairs/pairs.bin}" train.steps=4 \
+  # run inside the tree: `python -m` puts the working folder first on sys.path, before PYTHONPATH
+  if ! cd "$src" || ! PYTHONPATH="$src" "$py" -m trainer.cli train "${@/#data.source=PAIRS/data.source=$dir.pairs/pairs.bin}" train.steps=4 \
       train.dtype=bfloat16 train.optimizer=sgd train.grad_clip=0 run.progress=false run.log_every=1 "run.dir=$dir" \
       > "$dir.log" 2>&1; then
     echo "failed: $(tail -1 "$dir.log")"; return
@@ -61,6 +62,14 @@ for line in open(sys.argv[1]):
         print(d['step'], *(f'{k}={d[k]!r}' for k in sorted(d) if k in ('loss', 'grad_norm') or k.split('/')[0] in
                                                                     ('aux', 'moe', 'rewards', 'logps')))" "$dir/metrics.jsonl"
 }
+largest() {  # largest A B: each metric's largest relative difference over the steps, where both runs have them
+  "$py" -c "import sys
+a, b = ([dict(kv.split('=') for kv in ln.split()[1:]) for ln in x.splitlines() if '=' in ln] for x in sys.argv[1:])
+if len(a) == len(b) and a:
+    rel = {k: max(abs(float(y[k]) / float(x[k]) - 1) if float(x[k]) else abs(float(y[k])) for x, y in zip(a, b))
+           for k in a[0]}
+    print(' (largest relative difference: ' + ', '.join(f'{k} {v:.1e}' for k, v in rel.items()) + ')')" "$1" "$2"
+}
 same=0
 for i in "${!ORDER[@]}"; do
   name=${ORDER[$i]}
@@ -70,7 +79,7 @@ for i in "${!ORDER[@]}"; do
   if [[ -n $a && $a == "$b" && $a != failed* ]]; then
     echo "$name: same metrics, bit for bit ($(wc -l <<< "$a") steps)"
   else
-    same=1; echo "$name: DIFFERENT"; diff <(echo "$a") <(echo "$b") | sed 's/^/  /' || true
+    same=1; echo "$name: DIFFERENT$(largest "$a" "$b")"; diff <(echo "$a") <(echo "$b") | sed 's/^/  /' || true
   fi
 done
 exit $same
