@@ -75,8 +75,8 @@ class ModelConfig:
     kernels: str = key("auto", KERNELS, "plain math or XLA:CPU fast paths (models/kernels/fast_cpu.py); equal results",
                        null=False)
     # the float32 logits are never whole; null: tile only when they would exceed 256 MB
-    loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk (models/objectives/loss.py); 0: "
-                                 "whole logits; null: auto")
+    loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk "
+                                 "(models/objectives/cross_entropy.py); 0: whole logits; null: auto")
     init_std: float = 0.02
     # data.document_mask: attention stays inside each token's document (the batch's segment_ids) and RoPE takes each
     # token's position in it (positions); False: one document per row, positions 0..T-1

@@ -162,9 +162,9 @@ def test_huge_legal_values_plan_and_simulate_in_one_line_or_run(capsys):
 
 
 def test_vocab_blocks_are_the_most_that_divide_the_vocabulary_whatever_its_size():
-    """models/objectives/loss.py counted every candidate up to `at_most` (a batch of 10**30 rows never returned); its answer
-    against that count, and at sizes the count cannot reach."""
-    from models.objectives.loss import vocab_blocks
+    """models/objectives/cross_entropy.py counted every candidate up to `at_most` (a batch of 10**30 rows never
+    returned); its answer against that count, and at sizes the count cannot reach."""
+    from models.objectives.cross_entropy import vocab_blocks
     for vocab in range(1, 130):
         for at_most in range(0, 140, 3):
             assert vocab_blocks(vocab, at_most) == max(b for b in range(1, max(1, at_most) + 1) if vocab % b == 0)

@@ -56,7 +56,7 @@ def test_pairs_are_tokenized_as_trl(fixture_data, kind):
 def _fixture_step(data: Path, kind: str, variant: str, weight=None) -> tuple:
     """(the step's metrics, the policy's and the reference's log-probability of every target, the batch): every pair
     at once, the reference read from its folder; `weight` maps the batch's loss_weight to the one the step uses."""
-    from models.objectives.loss import part_metrics
+    from models.objectives.loss import aux_counts, part_metrics
     from trainer.ckpt.params import init_params
     from trainer.ckpt.sources import resolve
     from trainer.config import load_config
@@ -80,7 +80,8 @@ def _fixture_step(data: Path, kind: str, variant: str, weight=None) -> tuple:
         pi = logp(policy, batch)
         batch["ref_logp"] = logp(reference.load(s, lambda _: None), batch)
         parts, grads = jax.jit(functools.partial(loss_and_grads, s))(policy, batch)
-    got = {**{k: float(v) for k, v in part_metrics(parts).items()}, "grad_norm": float(optax.tree.norm(grads))}
+    metrics = part_metrics(parts, aux_counts(s.model, batch))
+    got = {**{k: float(v) for k, v in metrics.items()}, "grad_norm": float(optax.tree.norm(grads))}
     return got, np.asarray(pi), np.asarray(batch["ref_logp"]), jax.tree.map(np.asarray, host)
 
 

@@ -153,7 +153,7 @@ def reference_objective(c, params, batch):
     """The objective by hand, outside the layer stack, the step and every layout: the layers one by one in a
     Python loop (index and weight given directly), the token loss mean and the aux mean taken here, once."""
     from models.layers import rope_tables
-    from models.objectives.loss import cross_entropy
+    from models.objectives.cross_entropy import cross_entropy
     from models.transformer import head, layer_call
     x = params["embed"][batch["tokens"]]
     rope = rope_tables(x.shape[1], c.head_dim, c.rope_theta, c.rope_scaling)
@@ -203,11 +203,12 @@ def test_aux_outputs_and_per_layer_data_reach_the_loss_and_gradients_on_every_la
         m = jit_train_step(s)(state, batch)[1] if cfg.train.pipeline_schedule == "1f1b" and cfg.mesh.stage > 1 \
             else None
     np.testing.assert_allclose(float(parts["loss"]), float(token), rtol=1e-5)
-    total, count = (float(v) for v in parts["aux"]["act_sq"])
+    from models.objectives.loss import aux_counts
+    total, count = float(parts["aux"]["act_sq"]), float(aux_counts(s.model, b)["act_sq"])
     np.testing.assert_allclose(total / count, float(aux), rtol=1e-5)
     if m is not None:
         np.testing.assert_allclose(float(m["aux/act_sq"]), float(aux), rtol=1e-5)
-    assert count == 4 * b["tokens"].size  # the layers' count: every layer's tokens
+    assert count == 4 * b["tokens"].size  # the family's count: every layer's tokens
     assert max_rel(jax.tree.map(np.asarray, got), want) < 1e-5
     if not mesh:  # the aux term moves the gradient (so the comparison can fail): without it the layers' differ
         no_aux = jax.jit(jax.grad(lambda p: reference_objective(s.model, p, jax.tree.map(jnp.asarray, b))[1][0]))(params)

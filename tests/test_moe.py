@@ -206,7 +206,7 @@ def _stack_by_hand(c, params, x, seg, positions):
 
 
 def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_adds_them_weighted():
-    from models.objectives.loss import objective, part_metrics, scales
+    from models.objectives.loss import aux_counts, objective, part_metrics, scales
     from models.transformer import Transformer, params_of
     import flax.nnx as nnx
     c = dataclasses.replace(_config(router_aux_loss=0.5, router_z_loss=0.25), n_layers=3, documents=True)
@@ -218,13 +218,14 @@ def test_losses_over_rows_and_layers_equal_a_hand_computation_and_the_objective_
                                                                 np.zeros(4)].reshape(B, T).astype(np.int32))}
     scale = scales(c, batch)
     value, parts = objective(c, params, batch, scale)
-    m = part_metrics(parts)
+    counts = aux_counts(c, batch)
+    m = part_metrics(parts, counts)
     from models.transformer import embed
     lb, z = _stack_by_hand(c, params, embed(c, params, tokens, jnp.float32), seg.astype(jnp.float32),
                            batch["positions"])
     assert abs(float(m["aux/load_balance"]) - lb) < 1e-5 * lb and abs(float(m["aux/z_loss"]) - z) < 1e-5 * z
-    # every layer counts its rows and tokens: 3 layers x 2 rows, 3 x 28 non-padding tokens
-    assert float(parts["aux"]["load_balance"][1]) == 3 * B and float(parts["aux"]["z_loss"][1]) == 3 * 28
+    # each output's count is every layer's rows and tokens: 3 layers x 2 rows, 3 x 28 non-padding tokens
+    assert float(counts["load_balance"]) == 3 * B and float(counts["z_loss"]) == 3 * 28
     assert float(m["moe/dropped"]) == 0 and float(scale["aux"]["moe/dropped"]) == 0
     want = float(parts["loss"]) + 0.5 * lb + 0.25 * z
     assert abs(float(value) - want) < 1e-5 * want

@@ -16,7 +16,7 @@ from rich.console import Console
 from conftest import TINY
 from models import flops_per_token, from_preset, hardware_flops_per_token, loss_fn, matmul_param_count
 from models.batch import abstract
-from models.objectives.loss import cross_entropy
+from models.objectives.cross_entropy import cross_entropy
 from models.layers import REMAT, rope_tables, sublayer_remat
 from models.transformer import embed, head, layer, layer_call
 from trainer import UserError, load_config, train

@@ -1,9 +1,11 @@
-"""The vocabulary-tiled cross-entropy (model.loss_chunk, models/objectives/loss.py) equals the whole-logits loss."""
+"""The vocabulary-tiled cross-entropy (model.loss_chunk, models/objectives/cross_entropy.py) equals the whole-logits
+loss."""
 import dataclasses
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,7 +14,8 @@ from flax import nnx
 from conftest import SGD, max_rel, run_steps, single_device
 from models.config import from_preset
 from models.batch import from_windows
-from models.objectives.loss import chunk_tokens, loss_fn
+from models.objectives.cross_entropy import chunk_tokens
+from models.objectives.loss import loss_fn
 from models.spec import FAMILIES, Ends, ModelSpec, register
 from models.families.llama import llama_inventory
 from models.transformer import Transformer, forward, layer, params_of
@@ -121,3 +124,22 @@ def test_pipeline_last_stage_tiles_its_microbatch_loss():
     tiled = temp_bytes(shape + ["model.loss_chunk=128"], jax.devices()[:4])
     logits = 1024 * 32768 * 4
     assert whole - tiled >= logits, (tiled, whole)
+
+
+def test_the_one_cross_entropy_keeps_split_logits_split():
+    """The whole-logits cross-entropy every path takes (models/objectives/cross_entropy.py) picks each target's logit
+    by comparing with an iota: with the vocabulary split over `model`, its compiled value and gradient hold no gather
+    (a gather of the split axis, the old plain path's take_along_axis, moves the logits) and no all-gather, and its
+    value is optax's."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from meshes import MODEL
+    from models.objectives.cross_entropy import cross_entropy
+    mesh = jax.make_mesh((8,), (MODEL,), axis_types=(AxisType.Auto,))
+    logits = jax.random.normal(jax.random.key(0), (2, 8, 64)) * 4
+    targets = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    weight = (jnp.arange(16).reshape(2, 8) % 3).astype(jnp.float32)
+    f = jax.jit(jax.value_and_grad(cross_entropy), in_shardings=(NamedSharding(mesh, P(None, None, MODEL)), None, None))
+    text = f.lower(logits, targets, weight).compile().as_text()
+    assert " gather(" not in text and "all-gather" not in text
+    want = (optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weight).sum()
+    np.testing.assert_allclose(float(f(logits, targets, weight)[0]), float(want), rtol=1e-6)

@@ -74,7 +74,7 @@ def test_tpu_program_runs_tpu_kernels_and_the_planner_holds_its_state(name):
         assert gathers and set(gathers) == {"bf16"}, gathers
         mine = sum(t.bytes for t in p.transfers if t.axis == "data" and t.kind == "all-gather")
         assert mine == pytest.approx(m.collectives[("all-gather", ("data",))], rel=0.01)
-    if "tiled" in name:  # the loss in tiles (models/objectives/loss.py), named in the program's stack frame table
+    if "tiled" in name:  # the loss in tiles (models/objectives/cross_entropy.py), named in the program's stack frames
         assert '"tiled_cross_entropy' in m.text
     if "1f1b" in name:
         _pipeline_loops_are_counted(c)

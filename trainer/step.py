@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from models.batch import counted
-from models.objectives.loss import dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
+from models.objectives.loss import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
@@ -148,7 +148,7 @@ def _manual_grads(s: Setup, params, batch, scale):
 
 def loss_and_grads(s: Setup, params, batch, scale=None):
     """(parts, gradient) of the objective over the global batch (models/objectives/loss.py `objective`), summed over
-    `data`: parts["loss"] is scale["loss"] x the loss sum, parts["aux"] the layers' aux (sum, count) pairs.
+    `data`: parts["loss"] is scale["loss"] x the loss sum, parts["aux"] each aux output's sum.
     scale defaults to the batch's own (`scales`: the mean over its counted tokens, each aux over its count)."""
     if scale is None:
         scale = scales(s.model, batch)
@@ -172,7 +172,8 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {**part_metrics(parts), "grad_norm": grad_norm, "lr": lr, "counted_tokens": counted(batch)}
+    return new, {**part_metrics(parts, aux_counts(s.model, batch)), "grad_norm": grad_norm, "lr": lr,
+                 "counted_tokens": counted(batch)}
 
 
 def eval_step(s: Setup, params, batch):

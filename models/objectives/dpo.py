@@ -56,8 +56,9 @@ def scales(batch) -> dict:
 
 
 def sums(d: Dpo, ce_BT, batch) -> tuple:
-    """(pair loss sum, chosen token loss sum, {metric: (sum, pairs)}) of a batch from its per-target token losses,
-    each already weight x cross-entropy (models/objectives/loss.py head_token_losses): weighted once, as the reference's."""
+    """(pair loss sum, chosen token loss sum, {metric: its sum over the pairs}) of a batch from its per-target token
+    losses, each already weight x cross-entropy (models/objectives/cross_entropy.py head_cross_entropy): weighted
+    once, as the reference's."""
     w = batch["loss_weight"].astype(jnp.float32)
     pc, pr = _answers(batch, -ce_BT)
     rc, rr = _answers(batch, batch["ref_logp"] * w)
@@ -75,12 +76,11 @@ def sums(d: Dpo, ce_BT, batch) -> tuple:
         per = (-(1.0 - ls) * jax.nn.log_sigmoid(b * delta) + ls * jax.nn.log_sigmoid(-b * delta)) / (1.0 - 2.0 * ls)
     else:
         raise ValueError(f"unknown DPO loss {d.loss}")
-    n = jnp.sum(valid)
     rc_, rr_ = jax.lax.stop_gradient(b * chosen), jax.lax.stop_gradient(b * rejected)
     stats = {"rewards/chosen": rc_, "rewards/rejected": rr_, "rewards/margins": rc_ - rr_,
              "rewards/accuracies": (rc_ > rr_).astype(jnp.float32), "logps/chosen": jax.lax.stop_gradient(pc),
              "logps/rejected": jax.lax.stop_gradient(pr)}
-    metrics = {k: (jnp.sum(v * valid), n) for k, v in stats.items()}
+    metrics = {k: jnp.sum(v * valid) for k, v in stats.items()}
     return jnp.sum(per * valid), jnp.sum(jnp.where(batch["segment_ids"] == 1, ce_BT, 0.0)), metrics
 
 
@@ -89,8 +89,3 @@ def unit(d: Dpo) -> str:
     term's nats per chosen token."""
     per = "(nats/token)^2/pair" if d.loss == "ipo" else "nats/pair"
     return per + (f" + {d.sft_weight:g} x nats/chosen token" if d.sft_weight else "")
-
-
-def zero_metrics() -> dict:
-    z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return {k: (z(), z()) for k in METRICS}

@@ -20,8 +20,8 @@ synchronous training: the replicas' mean update is the update of the mean gradie
 outer lr 1 and no momentum too). AdamW's update is not linear in the gradient, so there H=1 differs.
 Each replica's loss is the mean over its own batch's counted tokens (loss_weight, models/batch.py),
 so H=1 equals synchronous training when the replicas count equally many tokens; the logged loss
-is the mean over all replicas' counted tokens, the logged grad norm the replicas' mean. An aux output's (sum, count)
-pair (an MoE's router losses, moe/dropped) likewise: each replica divides its sum by its own rows' count, the log
+is the mean over all replicas' counted tokens, the logged grad norm the replicas' mean. An aux output (an MoE's
+router losses, moe/dropped) likewise: each replica divides its sum by its own rows' count, the log
 divides the replicas' summed sums by their summed counts (tests/test_moe_everywhere.py).
 Evaluation uses the replicas' mean: at multiples of H, the synced model itself.
 train.sync_warmup=W averages after every step up to step W first (post-local SGD): local steps
@@ -40,7 +40,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.batch import counted, mean_of
-from models.objectives.loss import loss_sum, objective, part_metrics, scales, zero_parts
+from models.objectives.loss import aux_counts, loss_sum, objective, part_metrics, scales, zero_parts
 from meshes.rules import keep
 from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count
@@ -169,10 +169,11 @@ def train_step(s, state: dict, batch):
             new["outer"] = outer
         # Three scalars per step for the log (and two per aux output): the only data-axis traffic between syncs.
         n = counted(rows)
-        (total, n, aux), grad_norm = (jax.lax.psum((parts["loss"] * n, n, parts["aux"]), axis),
-                                      jax.lax.pmean(grad_norm, axis))
-        return new, {**part_metrics({"loss": mean_of(total, n), "aux": aux}), "grad_norm": grad_norm, "lr": lr,
-                     "counted_tokens": n}
+        (total, n, aux, counts), grad_norm = (
+            jax.lax.psum((parts["loss"] * n, n, parts["aux"], aux_counts(s.model, rows)), axis),
+            jax.lax.pmean(grad_norm, axis))
+        return new, {**part_metrics({"loss": mean_of(total, n), "aux": aux}, counts), "grad_norm": grad_norm,
+                     "lr": lr, "counted_tokens": n}
 
     specs = jax.tree.map(lambda sh: keep(sh.spec, {axis}), s.shardings)
     fn = jax.shard_map(local, mesh=s.mesh, in_specs=(specs, s.layout.batch_spec()), out_specs=(specs, P()),

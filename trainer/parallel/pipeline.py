@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes import STAGE
-from models.objectives.loss import chunk_tokens, dpo_head, head_loss, scales, token_losses, zero_parts
+from models.objectives.loss import aux_cotangents, head_fields, head_objective, scales, sums_of, zero_parts
 from models.spec import family
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules
@@ -56,14 +56,6 @@ def table_plan(schedule: str, stages: int, microbatches: int, repeats: int):
     """(table, plan) of a schedule; cached since every trace of the step asks again."""
     table = schedules.build(schedule, stages, microbatches, repeats)
     return table, schedules.plan(table, repeats)
-
-
-def _cross_entropy(logits_BTV, targets_BT, weight_BT):
-    """`cross_entropy` (a weighted sum) with the target logit picked by comparing with an iota
-    (models/objectives/loss.py), not gathered; XLA fuses the compare into the sum, so no (B, T, V)
-    one-hot exists."""
-    V = logits_BTV.shape[-1]
-    return jnp.sum(token_losses(logits_BTV.reshape(-1, V), targets_BT.reshape(-1)) * weight_BT.reshape(-1))
 
 
 def put(buf, i, x):
@@ -118,8 +110,8 @@ class Stage:
     index: Any  # (V, L/(S*V)): each of those layers' index in the whole stack
     top: dict  # the parameters other than the layers (embedding, final norm, head)
     mbs: dict  # this data shard's microbatches, each field (M, B/M, T)
-    scale: dict  # the objective's scales (models/objectives/loss.py)
-    aux0: dict  # the aux sums, zero
+    scale: dict  # the objective's scales (models/objectives/loss.py `scales`)
+    aux0: dict  # the layers' aux outputs (sum, count), zero
     # each aux sum's cotangent: its scale (known before the backward, as the token loss's); counts get none
     aux_cot: dict
     me: Any  # this stage's index on `stage`
@@ -147,22 +139,12 @@ def documents(st: Stage, m):
     return (st.mbs["segment_ids"][m], st.mbs["positions"][m]) if st.pipe.model.documents else None
 
 
-def microbatch_loss(st: Stage, y, top, m):
-    """(scale["loss"] x the loss sum of microbatch m from the last stage's output y, its statistics: DPO's metrics'
-    (sum, pairs), models/objectives/dpo.py; none for the token loss)."""
-    c, constrain = st.pipe.model, st.pipe.constrain
-    if c.dpo is not None:
-        return dpo_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.scale, constrain)
-    return token_loss(st, y, top, m) * st.scale["loss"], {}
-
-
-def token_loss(st: Stage, y, top, m):
-    """The loss sum (loss_weight x token loss) of microbatch m from the last stage's output y."""
-    c, constrain = st.pipe.model, st.pipe.constrain
-    targets, weight = st.mbs["targets"][m], st.mbs["loss_weight"][m]
-    if chunk_tokens(c.loss_chunk, y.shape[0] * y.shape[1], c.vocab_size):  # tiled: logits never whole
-        return head_loss(c, top, y, targets, weight, constrain)
-    return _cross_entropy(head(c, top, y, constrain), targets, weight)
+def microbatch_objective(st: Stage, y, top, m):
+    """(microbatch m's term of the objective from the last stage's output y, its parts: the head's term and DPO's
+    statistics, models/objectives/loss.py `head_objective`; the layers' aux enter through `aux_cotangents`)."""
+    pipe = st.pipe
+    mb = {k: st.mbs[k][m] for k in head_fields(pipe.model)}
+    return head_objective(pipe.model, top, y, {}, mb, st.scale, pipe.constrain)
 
 
 # The forward runs in a conditional (output only), one of these three branches. The steps that add to
@@ -186,8 +168,9 @@ def loss_step(st: Stage, ins, gbuf, dtop, loss, aux, *out):
     """The last stage's loss of microbatch m: its cotangent filed in gbuf's slot, the head's gradient added, its
     statistics added to aux."""
     top, y, m, slot = ins
-    (ls, stats), (dy, dt) = jax.value_and_grad(functools.partial(microbatch_loss, st), argnums=(0, 1),
-                                               has_aux=True)(y, top, m)
+    (_, parts), (dy, dt) = jax.value_and_grad(functools.partial(microbatch_objective, st), argnums=(0, 1),
+                                              has_aux=True)(y, top, m)
+    ls, stats = parts["loss"], parts["aux"]
     gbuf = put(gbuf, slot, dy.astype(y.dtype))
     if out:  # keep_logits: microbatch m's logits, filed in its row
         out = (put(out[0], m, head(st.pipe.model, top, y, st.pipe.constrain).astype(jnp.float32)),)
@@ -237,7 +220,7 @@ def tick(st: Stage, carry, row):
     br, m, v = r["branch"], r["m"], r["v"]
     h = xbuf[r["slot"]]
     y, aux_y = forward(st, r, h)
-    aux = {**aux, **add_tree({k: aux[k] for k in aux_y}, aux_y)}  # the layers' aux; DPO's statistics: loss_step
+    aux = {**aux, **add_tree({k: aux[k] for k in aux_y}, sums_of(aux_y))}  # the layers' aux; DPO's: loss_step
     gbuf, dtop, loss, aux, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
                                          gbuf, dtop, loss, aux, *out)
     # read after the loss step's write (never on a backward's tick), which then needs no copy
@@ -285,8 +268,9 @@ def make_stage(pipe: Pipe, layers, top, mbs, scale):
     # circular.py; V = 1: the stage's L/S consecutive layers)
     n = c.n_layers // (S * V)
     index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index(STAGE)) * n + jnp.arange(n)[None, :]
-    aux0 = {k: v for k, v in zero_parts(c)["aux"].items() if k in family(c.family).aux}  # the layers' own
-    aux_cot = {k: (scale["aux"][k], jnp.zeros((), jnp.float32)) for k in aux0}
+    z = jnp.zeros((), jnp.float32)
+    aux0 = {k: (z, z) for k in family(c.family).aux}  # the layers' own (sum, count)
+    aux_cot = aux_cotangents(aux0, scale)
     return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index(STAGE)), back
 
 
@@ -349,11 +333,11 @@ def over_stages(s, local, out_specs, batch):
 
 
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
-    """(parts, gradient) of the objective (models/objectives/loss.py): scale["loss"] x the loss sum of a batch (loss_weight
-    x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks, pipelined
-    over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds the
-    aux pairs up, its backward seeds each aux sum with its scale. keep_logits: (parts, gradient, logits), the
-    (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
+    """(parts, gradient) of the objective (models/objectives/loss.py): scale["loss"] x the loss sum of a batch
+    (loss_weight x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks,
+    pipelined over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds
+    the aux sums up, its backward seeds each with its scale (`aux_cotangents`). keep_logits: (parts, gradient,
+    logits), the (B, T, V) float32 logits of the hidden states the last stage finished each microbatch with (`step_logits`)."""
     pipe, ds = Pipe.of(s, keep_logits), DataSync.of(s)
 
     def outs(manual, rows):

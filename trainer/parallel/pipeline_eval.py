@@ -11,19 +11,20 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshes import STAGE
+from models.objectives.cross_entropy import head_cross_entropy
 from models.objectives.loss import dpo_eval_head
 from trainer.parallel import schedules
 from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_microbatch, forward, gathered,
-                                       make_stage, over_stages, put, run_if, token_loss)
+                                       make_stage, over_stages, put, run_if)
 
 
 def microbatch_sums(st: Stage, y, top, m) -> dict:
     """What an evaluation adds up of microbatch m from the last stage's output y: its loss sum (DPO: the sums of
     models/objectives/loss.py `dpo_eval_head`)."""
-    c = st.pipe.model
+    c, mb = st.pipe.model, {k: v[m] for k, v in st.mbs.items()}
     if c.dpo is not None:
-        return dpo_eval_head(c, top, y, {k: v[m] for k, v in st.mbs.items()}, st.pipe.constrain)
-    return {"loss": token_loss(st, y, top, m)}
+        return dpo_eval_head(c, top, y, mb, st.pipe.constrain)
+    return {"loss": head_cross_entropy(c, top, y, mb["targets"], mb["loss_weight"], st.pipe.constrain)}
 
 
 def eval_loss_step(st: Stage, ins, sums):

@@ -189,7 +189,7 @@ def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows
     """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
     each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
     one rank sees them (_OneContextRank: the gathered K/V as large as the row's)."""
-    from models.objectives.loss import cross_entropy
+    from models.objectives.cross_entropy import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import head, inventory, layer_call
@@ -275,11 +275,11 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: i
     manual over `data`) this device's.
 
     Whole logits: the residuals hold the (N, V) float32 logits and the backward adds their gradient.
-    Tiled (model.loss_chunk, models/objectives/loss.py): each token's logsumexp instead of its logits; the
+    Tiled (model.loss_chunk, models/objectives/cross_entropy.py): each token's logsumexp instead of its logits; the
     backward holds one vocabulary block's logits, softmax and gradient (N, V/blocks), the float32
     input gradient and the head weight's gradient as the blocks fill it in.
     """
-    from models.objectives.loss import chunk_tokens, vocab_blocks
+    from models.objectives.cross_entropy import chunk_tokens, vocab_blocks
     N, D = rows * mc.seq_len // st.context, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshes import STAGE
-from models.objectives.loss import head_token_losses, hidden
+from models.objectives.cross_entropy import head_cross_entropy
+from models.objectives.loss import hidden
 from trainer.data.checks import no_pairs
 from trainer.errors import UserError
 
@@ -41,8 +42,8 @@ def logp_fn(s):
     def logp(params, batch):
         c = s.model
         x, _ = hidden(c, params, batch, dtype=s.dtype, constrain=s.layout.constrainer(), placement=s.placement)
-        ce = head_token_losses(c, params, x, batch["targets"], jnp.ones_like(batch["loss_weight"]),
-                               s.layout.constrainer())
+        ce = head_cross_entropy(c, params, x, batch["targets"], jnp.ones_like(batch["loss_weight"]),
+                                s.layout.constrainer(), per_token=True)
         return jax.lax.stop_gradient(-ce)
     fields = {k: v for k, v in s.abstract_batch().items() if k != "ref_logp"}
     return jax.jit(logp, in_shardings=(s.shardings["params"], {k: v.sharding for k, v in fields.items()}),
