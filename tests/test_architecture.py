@@ -311,3 +311,76 @@ def test_library_code_logs_instead_of_printing_to_stderr():
            if f not in allowed and (lines := _stderr_prints(f))}
     assert not bad, bad
     assert _stderr_prints(ROOT / "trainer" / "cli.py"), "the check finds nothing: it no longer sees the CLI's prints"
+
+
+# What a family declares (models/spec.py): nothing outside the spec module asks a model config by name. A model config,
+# for this check: a name the code gives one (CONFIG_NAMES), an attribute `.model` (cfg.model, s.model, run.s.model),
+# a call of CONFIG_MAKERS, a name a module or function binds to one of those, and `self` in a class deriving from
+# ModelConfig (in its file)
+CONFIG_NAMES, CONFIG_MAKERS = {"c", "mc"}, {"model_config", "from_preset"}
+
+
+def _is_config(node, bound: frozenset, in_config: bool) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in CONFIG_NAMES | bound or (node.id == "self" and in_config)
+    if isinstance(node, ast.Call):
+        return ast.unparse(node.func).split(".")[-1] in CONFIG_MAKERS
+    return isinstance(node, ast.Attribute) and node.attr == "model"
+
+
+def _bound(scope, bound: frozenset, in_config: bool) -> frozenset:
+    """The names an assignment in `scope` binds to a model config (pairwise for `a, b = x, y`)."""
+    out = set(bound)
+    for n in ast.walk(scope):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                pairs = zip(t.elts, n.value.elts) if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple) \
+                    else [(t, n.value)]
+                out |= {a.id for a, v in pairs if isinstance(a, ast.Name) and _is_config(v, bound, in_config)}
+    return frozenset(out)
+
+
+def _lookups(node, rel: str, bound: frozenset, in_config: bool, classes: set, bad: list) -> None:
+    if isinstance(node, ast.ClassDef):
+        in_config = any(isinstance(b, ast.Name) and b.id in classes for b in node.bases)
+    elif isinstance(node, (ast.Module, ast.FunctionDef, ast.Lambda)):
+        bound = _bound(node, bound, in_config)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+            and node.args and _is_config(node.args[0], bound, in_config):
+        bad.append(f"{rel}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+    for child in ast.iter_child_nodes(node):
+        _lookups(child, rel, bound, in_config, classes, bad)
+
+
+def config_lookups(root: Path = ROOT) -> list[str]:
+    """'file:line getattr(obj, ...)' of each getattr/hasattr on a model config in meshes/, models/ and trainer/,
+    models/spec.py apart."""
+    bad = []
+    for f in [f for pkg in PACKAGES for f in sorted((root / pkg).rglob("*.py"))]:
+        text, rel = f.read_text(), str(f.relative_to(root))
+        if rel != "models/spec.py" and ("getattr(" in text or "hasattr(" in text):
+            tree = ast.parse(text)
+            classes, grew = {"ModelConfig"}, True
+            while grew:  # the file's classes deriving from ModelConfig, through one another
+                grew = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+                        and any(isinstance(b, ast.Name) and b.id in classes for b in n.bases)} - classes
+                classes |= grew
+            _lookups(tree, rel, frozenset(), False, classes, bad)
+    return bad
+
+
+def test_no_getattr_or_hasattr_on_a_model_config_outside_the_spec(tmp_path):
+    """What the trainer, planner and counters ask of a model is a declared field or hook (models/spec.py); the check
+    sees each kind of lookup added (the spec module itself may)."""
+    assert config_lookups() == []
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "models" / "spec.py").write_text("def f(c):\n    return getattr(c, 'x')\n")
+    (tmp_path / "models" / "fam.py").write_text(
+        "class Cfg(ModelConfig):\n    pass\n\n\nclass Sub(Cfg):\n    def w(self):\n        return getattr(self, 'k')\n")
+    (tmp_path / "trainer" / "x.py").write_text(
+        "def f(cfg, s, mc):\n    m = cfg.model\n    t, n = cfg.train, model_config(cfg)\n"
+        "    return getattr(m, 'a'), hasattr(s.model, 'b'), getattr(n, 'c', 0), hasattr(mc, 'd'), getattr(t, 'e')\n")
+    assert config_lookups(tmp_path) == ["models/fam.py:7 getattr(self, ...)", "trainer/x.py:4 getattr(m, ...)",
+                                        "trainer/x.py:4 hasattr(s.model, ...)", "trainer/x.py:4 getattr(n, ...)",
+                                        "trainer/x.py:4 hasattr(mc, ...)"]

@@ -57,14 +57,6 @@ class MoEConfig(ModelConfig):
     def sparse(self) -> bool:
         return self.n_experts > 1
 
-    # trainer/plan/memory.py reads these two until it asks the spec (models/spec.py widths_over_model, dispatch_rows)
-    def widths_over_model(self, tp: int) -> dict:
-        return {k: v // tp for k, v in (("expert_d_ff", self.expert_d_ff),
-                                        ("shared_expert_d_ff", self.shared_expert_d_ff)) if v}
-
-    def dispatch_rows(self, tokens: int, platform: str) -> int:
-        return dispatch_rows(self, tokens, platform)
-
 
 def experts_active(c: MoEConfig) -> int | None:
     """Experts a token runs (models/counts.py counts an expert weight at this many of its n_experts); None: dense."""

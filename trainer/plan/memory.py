@@ -15,7 +15,7 @@ import jax
 import optax
 from meshes import Layout
 from models import ModelConfig, abstract_model
-from models.spec import LocalCollectives
+from models.spec import LocalCollectives, family, sparse, widths_over_model
 from trainer.optim import make_optimizer
 from trainer.parallel.reduction import NONE, Decision, decide
 from trainer.plan.schedule_cost import cost
@@ -127,8 +127,7 @@ def _shard(mc: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
     view = dataclasses.replace(mc, n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else
                                mc.n_kv_heads // tp, d_ff=mc.d_ff // tp, vocab_size=mc.vocab_size // tp, remat="none")
     # an MoE's experts and shared expert: each one's hidden units over `model`, as the dense MLP's
-    widths = getattr(mc, "widths_over_model", lambda tp: {})(tp)
-    return dataclasses.replace(view, **widths), tp // mc.n_kv_heads if replicated else 1
+    return dataclasses.replace(view, **widths_over_model(mc, tp)), tp // mc.n_kv_heads if replicated else 1
 
 
 def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_qkv: bool):
@@ -254,7 +253,7 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
            context: tuple = (1, "all_gather")) -> float:
     """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
     whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
-    if getattr(mc, "sparse", False) and what != "head":
+    if sparse(mc) and what != "head":
         return _traced(_no_remat(mc), tp, dtype, platform, what, rows, context)
     if what == "head":  # traced at a rank's tokens whatever its attention: one trace for every strategy
         context = (context[0], "all_gather")
@@ -310,12 +309,13 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     percent of its activations; an MoE's experts are n_experts times a dense MLP's. And the dispatch's two
     cotangents, one row per choice (on CPU padded to whole tiles per expert, models/kernels/experts.py): the experts' output's
     and their input's."""
-    if not getattr(mc, "sparse", False):
+    if not sparse(mc):
         return 0.0
     from models.transformer import inventory
     c = _shard(mc, st.model)[0]
-    experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if k.startswith("expert_"))
-    dispatch = 2.0 * mc.dispatch_rows(b * mc.seq_len // st.context, platform) * mc.d_model * jax.numpy.dtype(dtype).itemsize
+    experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if "experts" in p.axes)
+    rows = family(mc.family).dispatch_rows(mc, b * mc.seq_len // st.context, platform)
+    dispatch = 2.0 * rows * mc.d_model * jax.numpy.dtype(dtype).itemsize
     # less the slice where ZeRO-3 gathered the layer (buffer_bytes), less the gradient where a pipeline's stage body
     # counts it (pipeline_activation_bytes)
     copies = 3 - (st.zero >= 3 and st.data > 1) - (st.stage > 1)
