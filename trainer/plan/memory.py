@@ -13,7 +13,7 @@ import math
 
 import jax
 import optax
-from meshes import Layout
+from meshes import MODEL, Layout
 from models import ModelConfig, abstract_model
 from models.spec import LocalCollectives, family, sparse, widths_over_model
 from trainer.optim import make_optimizer
@@ -112,7 +112,7 @@ def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = []
     for (path, _), r, b in zip(flat, jax.tree.leaves(decision(mc, train, st).leaves), jax.tree.leaves(full)):
-        ways = math.prod(st.model for e in r.spec if e == "model" or (isinstance(e, tuple) and "model" in e))
+        ways = math.prod(st.model for e in r.spec if e == MODEL or (isinstance(e, tuple) and MODEL in e))
         name = jax.tree_util.keystr(path)
         out.append(Leaf(name, name.startswith("['layers']"), float(b), ways, r.dim is not None, r.kind == NONE))
     return out
