@@ -1,6 +1,8 @@
 """The mesh axes are listed in one place (meshes/axes.py) and every part asks it: a fourth axis, added in a test-only
 configuration of meshes/ and the config section alone, trains as the three-axis run does; a checkpoint written by
-5cbc3bb (metadata with three axes) restores; each run lays its arrays out by its own rules."""
+5cbc3bb (metadata with three axes) restores; each run lays its arrays out by its own rules; outside meshes/axes.py code
+names a mesh axis by its constant (DATA, STAGE, CONTEXT, MODEL), never by a literal (`axis_literals`, its rules and
+a case per rule)."""
 import ast
 import dataclasses
 import functools
@@ -191,6 +193,16 @@ def test_two_runs_keep_their_own_rules():
 THREE = {"data", "stage", "model"}
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path, mtime_ns: int) -> ast.AST:
+    return ast.parse(path.read_text())
+
+
+def parsed(path: Path) -> ast.AST:
+    """A file's syntax tree, parsed once per version of the file for this module's checks."""
+    return _parse(path, path.stat().st_mtime_ns)
+
+
 def _name(node) -> str | None:
     return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
 
@@ -201,7 +213,7 @@ def spelled_axes(root: Path = ROOT) -> list[str]:
     into them (`data, stage, model = shape`), or axis types repeated per axis (`(AxisType.Auto,) * 3`)."""
     bad = []
     for f in sorted(p for pkg in ("trainer", "models") for p in (root / pkg).rglob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
+        for node in ast.walk(parsed(f)):
             hit = False
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 strings = {e.value for e in node.elts if isinstance(e, ast.Constant)}
@@ -226,3 +238,186 @@ def test_the_axes_are_spelled_out_only_in_meshes(tmp_path):
         'data, stage, model = validate(cfg, n)\ntypes = (AxisType.Auto,) * 3\n'
         'data, stage, model = shape["data"], shape["stage"], shape["model"]\n')
     assert spelled_axes(tmp_path) == [f"trainer/x.py:{i}" for i in (1, 2, 3, 4)]
+
+
+PACKAGES = ("meshes", "models", "trainer")
+
+
+# --- A mesh axis is named by its constant (meshes/axes.py DATA, STAGE, CONTEXT, MODEL), never by a literal ---
+# Each rule is one place where a string names a mesh axis; a literal mesh-axis name there, in meshes/, models/ or
+# trainer/ outside meshes/axes.py, is reported. A literal counts where it is a mesh axis's name, "data,context" (a
+# transfer over two axes) or an f-string with such a part, alone or inside a tuple, list or set. Elsewhere the same
+# words mean something else and pass: the config's sections (cfg.model, "model.family", a JSON key), log words, and
+# the logical axes (embed, heads, experts, seq, ...), none of which is spelled like a mesh axis.
+AXIS_NAMES = frozenset(a.name for a in AXES)
+COLLECTIVES = {"psum": 1, "pmean": 1, "pmax": 1, "pmin": 1, "all_gather": 1, "psum_scatter": 1, "all_to_all": 1,
+               "ppermute": 1, "pshuffle": 1, "axis_index": 0, "axis_size": 0}  # jax.lax's: its axis argument
+AXIS_KEYWORDS = ("axis_name", "axis_names", "manual")  # shard_map's, jax.lax's, Layout.constrainer's
+SHAPE_MAKERS = ("mesh_shape", "resolve", "recorded", "shape_of", "shapes", "build_mesh", "validate")  # meshes/, config
+
+
+def _callee(node) -> str | None:
+    return _name(node.func) if isinstance(node, ast.Call) else None
+
+
+def _spec(node):
+    """`P(...)` / `PartitionSpec(...)`: each entry (a tuple entry's names too)."""
+    return node.args if _callee(node) in ("P", "PartitionSpec") else []
+
+
+def _mesh_shape(node):
+    """A jax Mesh's size by name: `mesh.shape[NAME]`, `mesh.shape.get(NAME, 1)` (an array's shape takes ints)."""
+    if isinstance(node, ast.Subscript) and _name(node.value) == "shape" and isinstance(node.value, ast.Attribute):
+        return [node.slice]
+    f = getattr(node, "func", None)
+    if _callee(node) == "get" and isinstance(f, ast.Attribute) and _name(f.value) == "shape" and node.args:
+        return node.args[:1]
+    return []
+
+
+def _collective(node):
+    """A jax.lax collective's positional axis argument: psum(x, NAME), ppermute(x, NAME, pairs), axis_index(NAME)
+    (its `axis_name=` is the axis keyword rule's)."""
+    i = COLLECTIVES.get(_callee(node), -1)
+    return node.args[i:i + 1] if i >= 0 else []
+
+
+def _axis_keyword(node):
+    """`axis_name=`, `axis_names=`, `manual=` of any call (shard_map, a collective, a constrainer), and a variable
+    of one of those names."""
+    if isinstance(node, ast.Call):
+        return [k.value for k in node.keywords if k.arg in AXIS_KEYWORDS]
+    if isinstance(node, ast.Assign):
+        return [node.value] if any(_name(t) in AXIS_KEYWORDS for t in node.targets) else []
+    return []
+
+
+def _rules_entry(node):
+    """The logical -> mesh table: a `Rules({...})` display's values and a `rules.replace(experts=NAME)` entry."""
+    if _callee(node) == "Rules" and node.args and isinstance(node.args[0], ast.Dict):
+        return node.args[0].values
+    f = getattr(node, "func", None)
+    if _callee(node) == "replace" and isinstance(f, ast.Attribute) and (_name(f.value) or "").lower().endswith("rules"):
+        return [k.value for k in node.keywords]
+    return []
+
+
+def _comparison(node):
+    """A name compared (==, !=, in, not in) with anything: a rules entry (`st.rules["experts"] != NAME`), a spec's
+    entry (`e == NAME`), a mesh's names (`NAME in mesh.names`). Code of these packages compares no other word spelled
+    like an axis (a config section is an attribute, cfg.model)."""
+    return [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+
+
+def _transfer(node):
+    """A planner transfer's axis (trainer/plan/types.py Transfer): its first argument or axis=."""
+    if _callee(node) != "Transfer":
+        return []
+    return node.args[:1] + [k.value for k in node.keywords if k.arg == "axis"]
+
+
+def _shape_lookup(node):
+    """A MeshShape's size by name (`shape[NAME]`, `st.mesh[NAME]`, `recorded(...)[NAME]`) and the axes or sizes by
+    name a mesh shape is made from (`mesh_shape({NAME: 2})`, `shapes(n, [NAME, ...])`)."""
+    if isinstance(node, ast.Subscript):
+        v = node.value
+        named = isinstance(v, ast.Name) and v.id.lower().endswith(("shape", "mesh")) or \
+            isinstance(v, ast.Attribute) and v.attr == "mesh" or _callee(v) in SHAPE_MAKERS
+        return [node.slice] if named else []
+    if _callee(node) in SHAPE_MAKERS:
+        args = node.args + [k.value for k in node.keywords]
+        return [k for a in args if isinstance(a, ast.Dict) for k in a.keys if k is not None] + \
+            [a for a in args if isinstance(a, (ast.List, ast.Tuple, ast.Set))]
+    return []
+
+
+AXIS_RULES = {"spec": _spec, "mesh shape": _mesh_shape, "collective": _collective, "axis keyword": _axis_keyword,
+              "rules entry": _rules_entry, "comparison": _comparison, "transfer": _transfer,
+              "shape lookup": _shape_lookup}
+
+
+def _literal_axes(node) -> list[tuple[ast.AST, str]]:
+    """(literal, name) of each mesh-axis name a node spells as a literal: a name, "a,b" of names, an f-string's
+    literal parts, or any of these inside a tuple, list, set or starred item."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        parts = [p.strip() for p in node.value.split(",")]
+        return [(node, p) for p in parts] if set(parts) <= AXIS_NAMES else []
+    if isinstance(node, ast.JoinedStr):
+        return [(node, p.strip()) for v in node.values if isinstance(v, ast.Constant)
+                for p in str(v.value).split(",") if p.strip() in AXIS_NAMES]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [n for e in node.elts for n in _literal_axes(e)]
+    if isinstance(node, ast.Starred):
+        return _literal_axes(node.value)
+    return []
+
+
+def axis_literals(root: Path = ROOT) -> list[tuple[str, int, int, str, str]]:
+    """(path, line, column, rule, name) of every literal mesh-axis name in an axis position (AXIS_RULES) in meshes/,
+    models/ and trainer/, meshes/axes.py aside."""
+    out = set()
+    for f in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        rel = str(f.relative_to(root))
+        if rel == "meshes/axes.py":
+            continue
+        for node in ast.walk(parsed(f)):
+            if not isinstance(node, (ast.Call, ast.Subscript, ast.Assign, ast.Compare)):
+                continue
+            for rule, where in AXIS_RULES.items():
+                for lit, name in (hit for e in where(node) for hit in _literal_axes(e)):
+                    out.add((rel, lit.lineno, lit.col_offset, rule, name))
+    return sorted(out)
+
+
+def test_no_mesh_axis_is_named_by_a_literal():
+    """Import DATA, STAGE, CONTEXT or MODEL from meshes where one of these is reported."""
+    assert [f"{f}:{line}:{col} {rule}: {name}" for f, line, col, rule, name in axis_literals()] == []
+
+
+# Per rule, code that names an axis there by a literal: each line one hit, reported under the rule with the names
+LITERAL_CASES = {
+    "spec": [('P(None, ("data", MODEL))', "data"), ('PartitionSpec("stage")', "stage")],
+    "mesh shape": [('mesh.shape["stage"]', "stage"), ('s.mesh.shape.get("context", 1)', "context")],
+    "collective": [('jax.lax.ppermute(y, "stage", pairs)', "stage"), ('jax.lax.psum(x, ("data", *axes))', "data"),
+                   ('jax.lax.axis_index("model")', "model")],
+    "axis keyword": [('jax.shard_map(f, mesh=m, in_specs=s, out_specs=s, axis_names={"data"})', "data"),
+                     ('layout.constrainer(manual={"stage", *axes})', "stage"), ('manual = {"context"}', "context"),
+                     ('jax.lax.pmean(x, axis_name="data")', "data")],
+    "rules entry": [('Rules({"heads": "model", "seq": None})', "model"), ('RULES.replace(experts="data")', "data"),
+                    ('st.rules.replace(seq="context")', "context")],
+    "comparison": [('st.rules["experts"] != "data"', "data"), ('e == "model"', "model"),
+                   ('"context" in self.mesh.names', "context")],
+    "transfer": [('Transfer("context", "all-gather", "K and V", 1.0)', "context"),
+                 ('Transfer(f"{over},model", "all-reduce", "", 1)', "model"),
+                 ('Transfer(axis="data,context", kind="all-reduce", what="", bytes=1)', "data context")],
+    "shape lookup": [('shape["data"]', "data"), ('st.mesh["model"]', "model"),
+                     ('recorded(meta["mesh"])["data"]', "data"), ('mesh_shape({"model": 4})', "model"),
+                     ('shapes(8, ["data", "model"])', "data model")],
+}
+# The same words where they are no mesh axis, and the axes by their constants: nothing reported
+NOT_AXES = ['cfg.model.family', 'config_dict(cfg)["model"]', 'saved.get("model", {})', 'd["data"]["source"]',
+            'keys = ["model.family", "data.source"]', 'run.goodput.timed("data", feed)', 'log("model")',
+            'x.shape[0]', 'collectives.psum(x, "mlp")', 'RULES.replace(experts=DATA)', 'P(DATA, (STAGE, MODEL))',
+            'Transfer(CONTEXT, "all-gather", "over context", 1.0)', 'jax.lax.psum(x, (STAGE, *axes))',
+            'shape[DATA]', 'mesh.shape.get(CONTEXT, 1)', 'manual = {STAGE, *axes}', 'st.rules["experts"] == DATA',
+            'row = {"data": data, "model": 1}', 'f"mesh.{name}"', 'section == "models"']
+
+
+@pytest.mark.parametrize("rule", AXIS_RULES)
+def test_the_axis_check_sees_a_literal_in_each_position(tmp_path, rule):
+    """A file in trainer/ with each case of the rule on its own line: each line reported under the rule, with the
+    names it spells; the same lines in meshes/axes.py are not (the one place that spells them)."""
+    for pkg in ("meshes", "models", "trainer"):
+        (tmp_path / pkg).mkdir()
+    code = "".join(line + "\n" for line, _ in LITERAL_CASES[rule])
+    (tmp_path / "trainer" / "x.py").write_text(code)
+    (tmp_path / "meshes" / "axes.py").write_text(code)
+    want = [("trainer/x.py", i, rule, n) for i, (_, names) in enumerate(LITERAL_CASES[rule], 1) for n in names.split()]
+    assert sorted((f, line, r, name) for f, line, _, r, name in axis_literals(tmp_path)) == sorted(want)
+
+
+def test_the_axis_check_passes_other_words_and_the_constants(tmp_path):
+    for pkg in ("meshes", "models", "trainer"):
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "models" / "x.py").write_text("\n".join(NOT_AXES) + "\n")
+    assert axis_literals(tmp_path) == []
