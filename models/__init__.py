@@ -4,7 +4,7 @@ Face adapters (models/hf/), kernels (models/kernels/), context-parallel attentio
 objectives (models/objectives/)."""
 from models.config import PRESETS, REMAT_POLICIES, ModelConfig, from_preset
 from models.counts import flops_per_token, hardware_flops_per_token, matmul_param_count, param_count
-from models.objectives.loss import loss_fn, loss_sum
+from models.objectives.objective import loss_fn, loss_sum
 from models.layers import Placement
 from models.precision import compute_dtypes
 from models.spec import FAMILIES, ModelSpec, Param, family, register

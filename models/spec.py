@@ -24,8 +24,9 @@ What it may give (a ModelSpec field each; [its default]; who reads it):
   windows     [c.window everywhere] each layer's window: the FLOP count, the KV cache, the kernels
   ends        [Ends()] what the shared embedding, final norm, head and tiled loss do for it
   checks      [[]] (ok, message) of its own fields, said by trainer/config's validate in one line
-  aux, aux_counts, aux_weights  [(), {}, 1 each] the layer's auxiliary outputs: their names, each one's count over a
-              batch (the step's scale) and weight in the objective (models/objectives/loss.py, the pipeline's loss)
+  aux, aux_counts, aux_weights  [(), {}, 1 each] the layer's auxiliary outputs: their names (each layer returns
+              each one's sum), each one's count over a batch (the step's scale and the logged mean's divisor, from the
+              batch alone) and weight in the objective (models/objectives/objective.py, the pipeline's loss)
   experts_active  [None: no routing] experts a token runs: models/counts.py counts an expert weight at k of its E;
               not None makes the model `sparse`: the planner traces its layers at each row count and adds the experts'
               working set (trainer/plan/memory.py), trainer/config warns where its experts stay replicated
@@ -237,8 +238,9 @@ class ModelSpec:
     # (vocab, embed), the final norm and the untied head as the model's `final_norm` / `head_weight` read them
     inventory: Callable
     # (c, p, x_BTD, call: LayerCall) -> (x_BTD, aux): one layer on its weights p (no layers axis), each residual
-    # half through call.half, attention through call.attention. aux: {name: (sum, count)} float32 scalars, {} for
-    # a dense layer (an MoE's router losses and dropped fraction); see "The layer contract" in docs/models.md.
+    # half through call.half, attention through call.attention. aux: {name: sum} float32 scalars (their counts are
+    # aux_counts'), {} for a dense layer (an MoE's router losses and dropped fraction); see "The layer contract" in
+    # docs/models.md.
     # models/transformer.py's `layer` is the attention half, then the MLP half, each the spec's own (below)
     layer: Callable
     hf: HFAdapter | None = None  # None: the family has no Hugging Face form

@@ -211,7 +211,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
                 gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None, index=None,
                 placement: Placement = Placement()):
     """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled (c.scan_layers):
-    (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: (sum, count)}).
+    (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: sum}).
 
     `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
@@ -268,13 +268,13 @@ def _attention_and_rope(c: ModelConfig, kernels: Kernels, placement: Placement, 
 
 
 def _add_aux(acc, aux):
-    """Two layers' auxiliary outputs ({name: (sum, count)}) added."""
+    """Two layers' auxiliary outputs ({name: sum}) added."""
     return jax.tree.map(jnp.add, acc, aux)
 
 
 def _scanned(body, layers, index, x_BTD, aux_names):
     """The stack as one lax.scan of `body` (one compiled layer): (x_BTD, the layers' aux outputs summed)."""
-    aux0 = {k: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)) for k in aux_names}
+    aux0 = {k: jnp.zeros((), jnp.float32) for k in aux_names}
 
     def step(carry, pi):
         x, aux = body(carry[0], pi)

@@ -282,7 +282,8 @@ def test_no_private_name_of_models_is_used_outside_it(tmp_path):
     (tmp_path / "models").mkdir()
     for pkg in PACKAGES[::2] + ("scripts", "tests"):
         (tmp_path / pkg).mkdir(exist_ok=True)
-    (tmp_path / "trainer" / "x.py").write_text("from models.objectives.loss import _hidden\nimport models\nmodels.loss._y\n")
+    (tmp_path / "trainer" / "x.py").write_text("from models.objectives.objective import _hidden\nimport models\n"
+                                               "models.loss._y\n")
     assert private_model_imports(tmp_path) == ["trainer/x.py:1 _hidden", "trainer/x.py:3 models.loss._y"]
 
 

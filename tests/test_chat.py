@@ -110,7 +110,7 @@ def chats(tmp_path_factory):
 def _alone(out: Path, toks, mask, idx, lo: int, hi: int, params, c):
     """Sum and count of the masked loss of documents lo..hi-1, each piece (at most T targets) alone in a row."""
     from models.batch import from_windows
-    from models.objectives.loss import loss_sum
+    from models.objectives.objective import loss_sum
     total, count = 0.0, 0
     for a, b in zip(idx[lo:hi], idx[lo + 1:hi + 1]):
         for s in range(a, b - 1, T):

@@ -39,7 +39,7 @@ def _alone_losses(vocab: int):
     from flax import nnx
     from models import from_preset
     from models.batch import from_windows
-    from models.objectives.loss import loss_fn
+    from models.objectives.objective import loss_fn
     from models.transformer import Transformer, params_of
     w, b = _row(vocab)
     c = from_preset("tiny", kernels="reference")

@@ -56,7 +56,7 @@ def test_pairs_are_tokenized_as_trl(fixture_data, kind):
 def _fixture_step(data: Path, kind: str, variant: str, weight=None) -> tuple:
     """(the step's metrics, the policy's and the reference's log-probability of every target, the batch): every pair
     at once, the reference read from its folder; `weight` maps the batch's loss_weight to the one the step uses."""
-    from models.objectives.loss import aux_counts, part_metrics
+    from models.objectives.objective import aux_counts, part_metrics
     from trainer.ckpt.params import init_params
     from trainer.ckpt.sources import resolve
     from trainer.config import load_config

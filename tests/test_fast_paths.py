@@ -21,7 +21,7 @@ from models.kernels import fast_cpu
 from models import layers as Ly
 from models import transformer as T
 from models.batch import from_windows
-from models.objectives.loss import loss_fn
+from models.objectives.objective import loss_fn
 from models.decode import extend, init_cache
 
 TOL = 1e-6

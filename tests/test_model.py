@@ -8,7 +8,7 @@ from flax import nnx
 from conftest import TINY, corpus, max_rel
 from models import PRESETS, Transformer, from_preset, param_count, params_of
 from models.batch import from_windows
-from models.objectives.loss import loss_fn
+from models.objectives.objective import loss_fn
 from models.transformer import embed, head, layer_stack
 from trainer.config import load_config
 from trainer.data.batches import Batches

@@ -128,16 +128,16 @@ def test_the_check_sees_a_key_declared_twice(tmp_path, target, added):
 def test_a_family_field_is_read_only_in_its_family_modules(tmp_path):
     """Gemma's fields are read in models/families/gemma.py and its adapter models/hf/gemma.py only; the shared embedding,
     norm, head, loss, RoPE, FLOP count and KV cache take them as arguments or through the family's hooks. A read
-    added to models/objectives/loss.py is seen."""
+    added to models/objectives/objective.py is seen."""
     allowed = owners()
     assert allowed["final_softcap"] == {"models/families/gemma.py", "models/hf/gemma.py"}
     assert family_reads(ROOT, allowed) == []
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "models" / "objectives" / "loss.py", "a") as f:
+    with open(tmp_path / "models" / "objectives" / "objective.py", "a") as f:
         f.write("\n\ndef _capped(c):\n    return c.final_softcap, getattr(c, 'local_layers')\n")
     assert [b.split(":", 1)[0] + " " + b.split()[-1] for b in family_reads(tmp_path, allowed)] == \
-        ["models/objectives/loss.py final_softcap", "models/objectives/loss.py local_layers"]
+        ["models/objectives/objective.py final_softcap", "models/objectives/objective.py local_layers"]
 
 
 def _subclasses(cls):

@@ -2,7 +2,7 @@
 against replicas run apart on one device each and synced by hand; documents with padding, remat policies, bfloat16
 compute and a checkpoint restored onto another mesh and schedule, each against one device (SGD, no clipping; loss,
 grad_norm, aux/... and parameters). Every batch has padding (segment 0) that leaves the data ranks different token
-and row counts, and the capacity drops choices, so each aux (sum, count) pair is normalised where it is summed."""
+and row counts, and the capacity drops choices, so each aux sum is divided by its count over the batch (aux_counts)."""
 import functools
 
 import jax

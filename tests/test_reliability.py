@@ -84,7 +84,7 @@ def _records(run: Path) -> dict:
 
 
 def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_batches(ref_run):
-    from models.objectives.loss import loss_fn
+    from models.objectives.objective import loss_fn
     from trainer.config import model_config
     from trainer.data.batches import Batches, load_corpus
     ref = Path(ref_run["workdir"]) / "ref"

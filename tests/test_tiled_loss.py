@@ -15,7 +15,7 @@ from conftest import SGD, max_rel, run_steps, single_device
 from models.config import from_preset
 from models.batch import from_windows
 from models.objectives.cross_entropy import chunk_tokens
-from models.objectives.loss import loss_fn
+from models.objectives.objective import loss_fn
 from models.spec import FAMILIES, Ends, ModelSpec, register
 from models.families.llama import llama_inventory
 from models.transformer import Transformer, forward, layer, params_of

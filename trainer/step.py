@@ -2,11 +2,11 @@
 
 A batch is a dict of named fields (models/batch.py). The step first counts the batch's counted
 tokens N (the sum of loss_weight over the whole step batch) and takes 1/N, its one division (1 where
-N is 0), and likewise 1/count for each auxiliary output of the family's layers (models/objectives/loss.py `scales`;
-docs/models.md). Every path below then sums loss_weight x token loss / N (plus each aux sum / its count), and
-its gradient, over its microbatches, data ranks and pipeline microbatches: the loss is one mean over the step's
-counted tokens whatever the layout, and a step with none has loss 0 and zero gradients. (1/N scales the
-loss where its backward starts, so the gradients need no pass of their own to be divided.)
+N is 0), and likewise 1/count for each auxiliary output of the family's layers
+(models/objectives/objective.py `scales`; docs/models.md). Every path below then sums loss_weight x token loss / N
+(plus each aux sum / its count), and its gradient, over its microbatches, data ranks and pipeline microbatches:
+the loss is one mean over the step's counted tokens whatever the layout, and a step with none has loss 0 and zero
+gradients. (1/N scales the loss where its backward starts, so the gradients need no pass of their own to be divided.)
 
 Gradients come from the path the gradient decision names (s.reduction.where, trainer/parallel/reduction.py,
 which also says how each leaf is reduced: a leaf the rules split over `data` never is):
@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from models.batch import counted
-from models.objectives.loss import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
+from models.objectives.objective import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
@@ -147,8 +147,8 @@ def _manual_grads(s: Setup, params, batch, scale):
 # ----------------------------------------------------------------------------- steps
 
 def loss_and_grads(s: Setup, params, batch, scale=None):
-    """(parts, gradient) of the objective over the global batch (models/objectives/loss.py `objective`), summed over
-    `data`: parts["loss"] is scale["loss"] x the loss sum, parts["aux"] each aux output's sum.
+    """(parts, gradient) of the objective over the global batch (models/objectives/objective.py `objective`), summed
+    over `data`: parts["loss"] is scale["loss"] x the loss sum, parts["aux"] each aux output's sum.
     scale defaults to the batch's own (`scales`: the mean over its counted tokens, each aux over its count)."""
     if scale is None:
         scale = scales(s.model, batch)

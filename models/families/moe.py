@@ -214,13 +214,13 @@ def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT, collec
 
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
-    """x + the experts of norm(x) (and the shared expert, where there is one); aux: the router losses and the
-    dropped choices, each (sum, count), every MoE layer counting its rows, tokens and choices: the stack's losses
-    are means over its MoE layers and rows (tokens), as MaxText's (a dense layer counts nothing)."""
+    """x + the experts of norm(x) (and the shared expert, where there is one); aux: the sums of the router losses
+    and of the dropped choices (their counts, every MoE layer's rows, tokens and choices, are `aux_counts`'s: the
+    stack's losses are means over its MoE layers and rows (tokens), as MaxText's; a dense layer adds 0)."""
     if not c.sparse:
         y, _ = dense_half(c, p, x_BTD, call)
         z = jnp.zeros((), jnp.float32)
-        return y, {k: (z, z) for k in AUX}
+        return y, {k: z for k in AUX}
     kn, constrain = call.kernels, call.constrain
     B, T, D = x_BTD.shape
     K = c.n_experts_per_token
@@ -247,13 +247,8 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
         (shared_BTD,) = kn.project(a_BTS, (s["shared_down"],))
         y_BTD = y_BTD + jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, s["shared_expert_gate"])) * shared_BTD
     balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT, call.collectives)
-    v = valid_BT.astype(jnp.float32)
-    # a row split over context ranks: counted once, by the rank of its first chunk, if any rank holds a token of it
-    seq = call.collectives
-    rows = jnp.sum((seq.psum(jnp.max(v, axis=1), "seq") > 0).astype(jnp.float32)) * (seq.axis_index("seq") == 0)
-    tokens = jnp.sum(v)
-    aux = {"load_balance": (balance, rows), "z_loss": (z, tokens),
-           "moe/dropped": (jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)), tokens * K)}
+    aux = {"load_balance": balance, "z_loss": z,
+           "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32))}
     return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
 
 

@@ -25,10 +25,10 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
     layers' aux enter the backward as `aux_cotangents`)."""
     if c.dpo is not None:
         pair, sft, metrics = dpo_sums(c, params, x_BTD, batch, constrain)
-        loss, aux = pair * scale["pairs"] + c.dpo.sft_weight * sft * scale["chosen"], {**sums_of(aux), **metrics}
+        loss, aux = pair * scale["pairs"] + c.dpo.sft_weight * sft * scale["chosen"], {**aux, **metrics}
     else:
         ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"], constrain)
-        loss, aux = ce * scale["loss"], sums_of(aux)
+        loss = ce * scale["loss"]
     return with_aux(loss, aux, scale), {"loss": loss, "aux": aux}
 
 
@@ -38,12 +38,6 @@ def dpo_sums(c: ModelConfig, params: dict, x_BTD, batch: dict, constrain: Constr
     ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"].astype(jnp.float32), constrain,
                             per_token=True)
     return dpo.sums(c.dpo, ce, batch)
-
-
-def sums_of(aux: dict) -> dict:
-    """The sums of the layers' aux outputs {name: (sum, count)}: their counts are not read (each output's count is
-    the step's, over its whole batch: `aux_counts`)."""
-    return {k: total for k, (total, _) in aux.items()}
 
 
 def head_fields(c: ModelConfig) -> tuple:
@@ -59,9 +53,9 @@ def with_aux(value, sums: dict, scale: dict):
 
 
 def aux_cotangents(aux: dict, scale: dict) -> dict:
-    """The objective's gradient with respect to the layers' aux outputs {name: (sum, count)} (`with_aux`'s: each
-    sum's scale, each count's 0): what seeds a pipeline stage's backward of its layers' aux, known before it runs."""
-    _, vjp = jax.vjp(lambda a: with_aux(jnp.zeros((), jnp.float32), sums_of(a), scale), aux)
+    """The objective's gradient with respect to the layers' aux outputs {name: sum} (`with_aux`'s: each sum's
+    scale): what seeds a pipeline stage's backward of its layers' aux, known before it runs."""
+    _, vjp = jax.vjp(lambda a: with_aux(jnp.zeros((), jnp.float32), a, scale), aux)
     return vjp(jnp.ones((), jnp.float32))[0]
 
 

@@ -40,7 +40,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.batch import counted, mean_of
-from models.objectives.loss import aux_counts, loss_sum, objective, part_metrics, scales, zero_parts
+from models.objectives.objective import aux_counts, loss_sum, objective, part_metrics, scales, zero_parts
 from meshes.rules import keep
 from trainer.parallel.collective_costs import bus_factor
 from trainer.optim import schedule_count

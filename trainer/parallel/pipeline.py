@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshes import STAGE
-from models.objectives.loss import aux_cotangents, head_fields, head_objective, scales, sums_of, zero_parts
+from models.objectives.objective import aux_cotangents, head_fields, head_objective, scales, zero_parts
 from models.spec import family
 from models.transformer import embed, head, layer_stack
 from trainer.parallel import schedules
@@ -110,9 +110,9 @@ class Stage:
     index: Any  # (V, L/(S*V)): each of those layers' index in the whole stack
     top: dict  # the parameters other than the layers (embedding, final norm, head)
     mbs: dict  # this data shard's microbatches, each field (M, B/M, T)
-    scale: dict  # the objective's scales (models/objectives/loss.py `scales`)
-    aux0: dict  # the layers' aux outputs (sum, count), zero
-    # each aux sum's cotangent: its scale (known before the backward, as the token loss's); counts get none
+    scale: dict  # the objective's scales (models/objectives/objective.py `scales`)
+    aux0: dict  # the layers' aux outputs (their sums), zero
+    # each aux sum's cotangent: its scale (known before the backward, as the token loss's)
     aux_cot: dict
     me: Any  # this stage's index on `stage`
 
@@ -141,7 +141,7 @@ def documents(st: Stage, m):
 
 def microbatch_objective(st: Stage, y, top, m):
     """(microbatch m's term of the objective from the last stage's output y, its parts: the head's term and DPO's
-    statistics, models/objectives/loss.py `head_objective`; the layers' aux enter through `aux_cotangents`)."""
+    statistics, models/objectives/objective.py `head_objective`; the layers' aux enter through `aux_cotangents`)."""
     pipe = st.pipe
     mb = {k: st.mbs[k][m] for k in head_fields(pipe.model)}
     return head_objective(pipe.model, top, y, {}, mb, st.scale, pipe.constrain)
@@ -220,7 +220,7 @@ def tick(st: Stage, carry, row):
     br, m, v = r["branch"], r["m"], r["v"]
     h = xbuf[r["slot"]]
     y, aux_y = forward(st, r, h)
-    aux = {**aux, **add_tree({k: aux[k] for k in aux_y}, sums_of(aux_y))}  # the layers' aux; DPO's: loss_step
+    aux = {**aux, **add_tree({k: aux[k] for k in aux_y}, aux_y)}  # the layers' aux; DPO's: loss_step
     gbuf, dtop, loss, aux, *out = run_if(st, br == schedules.FWD_LOSS, loss_step, (st.top, y, m, r["loss_slot"]),
                                          gbuf, dtop, loss, aux, *out)
     # read after the loss step's write (never on a backward's tick), which then needs no copy
@@ -268,8 +268,7 @@ def make_stage(pipe: Pipe, layers, top, mbs, scale):
     # circular.py; V = 1: the stage's L/S consecutive layers)
     n = c.n_layers // (S * V)
     index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index(STAGE)) * n + jnp.arange(n)[None, :]
-    z = jnp.zeros((), jnp.float32)
-    aux0 = {k: (z, z) for k in family(c.family).aux}  # the layers' own (sum, count)
+    aux0 = {k: jnp.zeros((), jnp.float32) for k in family(c.family).aux}  # the layers' own sums
     aux_cot = aux_cotangents(aux0, scale)
     return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index(STAGE)), back
 
@@ -333,7 +332,7 @@ def over_stages(s, local, out_specs, batch):
 
 
 def loss_and_grads(s, params, batch, scale, keep_logits: bool = False):
-    """(parts, gradient) of the objective (models/objectives/loss.py): scale["loss"] x the loss sum of a batch
+    """(parts, gradient) of the objective (models/objectives/objective.py): scale["loss"] x the loss sum of a batch
     (loss_weight x token loss, models/batch.py) plus each layer aux sum x its scale, summed over the data ranks,
     pipelined over `stage` by the table of train.pipeline_schedule. The stage body returns (h, aux): its forward adds
     the aux sums up, its backward seeds each with its scale (`aux_cotangents`). keep_logits: (parts, gradient,

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshes import STAGE
 from models.objectives.cross_entropy import head_cross_entropy
-from models.objectives.loss import dpo_eval_head
+from models.objectives.objective import dpo_eval_head
 from trainer.parallel import schedules
 from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_microbatch, forward, gathered,
                                        make_stage, over_stages, put, run_if)
@@ -20,7 +20,7 @@ from trainer.parallel.pipeline import (DataSync, Pipe, Stage, add_tree, embed_mi
 
 def microbatch_sums(st: Stage, y, top, m) -> dict:
     """What an evaluation adds up of microbatch m from the last stage's output y: its loss sum (DPO: the sums of
-    models/objectives/loss.py `dpo_eval_head`)."""
+    models/objectives/objective.py `dpo_eval_head`)."""
     c, mb = st.pipe.model, {k: v[m] for k, v in st.mbs.items()}
     if c.dpo is not None:
         return dpo_eval_head(c, top, y, mb, st.pipe.constrain)

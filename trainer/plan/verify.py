@@ -89,7 +89,7 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     `options` are XLA's compile options; None: fast_compile() for CPU devices, XLA's defaults elsewhere
     (a TPU topology compiled ahead of time)."""
     from trainer.state import make_setup
-    from models.objectives.loss import zero_parts
+    from models.objectives.objective import zero_parts
     from trainer.step import jit_train_step, loss_and_grads
     if devices is None:  # a fully given mesh uses the first devices it needs
         from meshes import devices_named

@@ -30,7 +30,7 @@ import numpy as np
 
 from meshes import STAGE
 from models.objectives.cross_entropy import head_cross_entropy
-from models.objectives.loss import hidden
+from models.objectives.objective import hidden
 from trainer.data.checks import no_pairs
 from trainer.errors import UserError
 
