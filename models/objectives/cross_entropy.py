@@ -47,8 +47,11 @@ def _logits(x_nD, w, w_axes, constrain):
 def token_losses(logits_nV, targets_n):
     """logsumexp - target logit per token. The target is picked by comparing with an iota, not
     gathered: with the vocabulary split over `model` each rank keeps its slice (a gather on a
-    split axis would bring the logits together); the sum has one non-zero term, so it is exact."""
-    return jax.nn.logsumexp(logits_nV, axis=-1) - _target_logits(logits_nV, targets_n, 1, 0)
+    split axis would bring the logits together); the sum has one non-zero term, so it is exact. The pick is
+    rematerialised (jax.checkpoint): its backward remakes the (n, V) comparison from the targets, as XLA does, so
+    the residuals are the logits and the targets only (the planner traces them: trainer/plan/memory.py)."""
+    pick = jax.checkpoint(lambda l, t: _target_logits(l, t, 1, 0))
+    return jax.nn.logsumexp(logits_nV, axis=-1) - pick(logits_nV, targets_n)
 
 
 def _target_logits(logits_nV, targets_n, stride, offset, shape=None):
