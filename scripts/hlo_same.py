@@ -91,10 +91,10 @@ def normalise(hlo: str) -> list[str]:
 
 
 def renamed(lines: list[str]) -> list[str]:
-    """The lines with every value and computation name numbered by first appearance: two programs that differ only
+    """The lines with every value, computation and parameter name numbered by first appearance: two programs that differ only
     in the names XLA gave their values are then equal."""
     names: dict[str, str] = {}
-    pat = re.compile(r"%[\w.\-]+")
+    pat = re.compile(r"%[\w.\-]+|\bparam_[\d.]+\b")
     return [pat.sub(lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), ln) for ln in lines]
 
 
