@@ -174,11 +174,13 @@ def test_extra_plugins_are_named_module_class_and_a_bad_name_is_one_line():
 
 
 def test_a_plugin_module_written_against_moved_module_names_still_loads(monkeypatch):
-    """tests/plugins/old_names.py imports trainer.run.goodput and trainer.run.guard, as 6e003ec named them; and
+    """tests/plugins/old_names.py imports trainer.run.goodput, trainer.run.guard and models.moe, as 6e003ec named them; and
     run.plugins may name a plug-in by its old module."""
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
     mine, old = extra(types.SimpleNamespace(), ["old_names:LastWords", "trainer.run.goodput:GoodputRecord"])
     assert isinstance(mine, GoodputRecord) and type(old) is GoodputRecord and mine.limit == 3
+    from models.families.moe import MoEConfig
+    assert mine.reads is MoEConfig  # the one module, under its old name and its new
 
 
 def test_profiler_traces_inside_each_step_and_stops_at_the_end(monkeypatch):

@@ -17,7 +17,15 @@ _API = {"Config": "trainer.config", "load_config": "trainer.config", "replace": 
         "UserError": "trainer.errors", "resolve": "trainer.ckpt.sources", "train": "trainer.run.loop"}
 __all__ = sorted(_API)
 MOVED = {"trainer.run.guard": "trainer.run.on_nan", "trainer.run.goodput": "trainer.run.goodput_record",
-         "trainer.plan.cli": "trainer.plan.command"}  # old name: the module's name now
+         "trainer.plan.cli": "trainer.plan.command",
+         # models/ grouped by kind (issue 66): a family module written against the flat layout still imports
+         **{f"models.{old}": f"models.{new}" for old, new in (
+             ("qwen", "families.qwen"), ("mistral", "families.mistral"), ("gemma", "families.gemma"),
+             ("moe", "families.moe"), ("llama_hf", "hf.llama"), ("qwen_hf", "hf.qwen"), ("gemma_hf", "hf.gemma"),
+             ("moe_hf", "hf.moe"), ("attention", "kernels.attention"), ("fast_cpu", "kernels.fast_cpu"),
+             ("flash_cpu", "kernels.flash_cpu"), ("experts", "kernels.experts"), ("moe_tpu", "kernels.moe_tpu"),
+             ("context", "context_parallel.gather"), ("ring", "context_parallel.ring"),
+             ("loss", "objectives.objective"), ("dpo", "objectives.dpo"))}}  # old name: the module's name now
 
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
