@@ -143,7 +143,7 @@ def test_layer_equals_a_per_expert_loop(router, capacity, monkeypatch):
         got, aux = half(p, x, seg)
         _close(got, want)
         _close(jax.jit(functools.partial(_grads, lambda p, x: half(p, x, seg)[0]))(p, x), want_g)
-        assert tuple(map(float, aux["moe/dropped"])) == (dropped, valid.sum() * K)
+        assert float(aux["moe/dropped"]) == dropped  # a sum; its count is aux_counts' (the hand computation's test)
 
 
 def test_decoding_drops_nothing():
@@ -448,7 +448,7 @@ def test_generate_equals_the_training_forwards_greedy_tokens(capacity):
     for i in range(n):
         dropped, logits = fwd(want)
         want[:, P + i] = np.asarray(jnp.argmax(logits[:, P + i - 1], -1))
-    assert float(dropped[0]) == 0  # the whole sequence's forward drops nothing
+    assert float(dropped) == 0  # the whole sequence's forward drops nothing
     got = np.stack(list(generate(c, params, tokens, n)), axis=1)
     assert (got == want[:, P:]).all(), (got, want[:, P:])
 
