@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models.kernels.attention import position_mask
 from models.kernels.fast_cpu import _group, _kv, _ungroup
 
 Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
@@ -27,13 +28,7 @@ def _scores(q, k, scale, pos_q, pos_k, seg_q, seg_k, window, softcap):
     capped = None
     if softcap is not None:
         s = capped = softcap * jnp.tanh(s / softcap)
-    ahead = pos_q[:, None] - pos_k[None, :]
-    keep = ahead >= 0
-    if window is not None:
-        keep = keep & (ahead < window)
-    keep = keep[None, None, None]
-    if seg_q is not None:
-        keep = keep & (seg_q[:, None, None, :, None] == seg_k[:, None, None, None, :])
+    keep = position_mask((pos_q, pos_k), None if seg_q is None else (seg_q, seg_k), window)
     return jnp.where(keep, s, -jnp.inf), capped
 
 
