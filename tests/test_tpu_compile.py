@@ -231,6 +231,9 @@ def test_with_libtpu_installed_a_cpu_process_starts_no_tpu_runtime(tmp_path):
     # as a fresh shell has it: no platform chosen, none of what --compile-for tells libtpu in this process
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "ALLOW_MULTIPLE_LIBTPU_LOAD") and not k.startswith("TPU_")}
+    # While another process holds libtpu's lock (the other worker compiling for TPU), a bare jax skips libtpu without
+    # a word: both probes may load it beside that process, so that each shows what it would do alone
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     probe = "import os, jax; print(jax.devices()[0].platform, os.environ.get('JAX_PLATFORMS'))"
     bare = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path)
     ours = subprocess.run([sys.executable, "-c", "import trainer; " + probe], env=env, capture_output=True,
