@@ -65,10 +65,9 @@ def train_setup(s, steps=3, source="builtin"):
     """Train `steps` steps of a setup from its initial state; return Run(losses, params as numpy, setup, state,
     grad norms)."""
     from trainer.data.batches import Batches
-    from trainer.state import init_state
     from trainer.step import jit_train_step
     cfg = s.cfg
-    state = init_state(s)
+    state = fresh_state(s)
     step = jit_train_step(s)
     b = Batches(corpus(source), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,
                 document_mask=cfg.data.document_mask)
@@ -79,6 +78,30 @@ def train_setup(s, steps=3, source="builtin"):
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
     return Run(np.array(losses), jax.tree.map(np.asarray, state["params"]), s, state, np.array(norms))
+
+
+_FRESH = {}
+
+
+def fresh_state(s):
+    """trainer.state.init_state(s), its values made once per model, seed, optimizer and state structure in this
+    process and put into each layout's shardings: a layout changes where the state lives, not its values (jax's
+    partitionable random bits), and init_state's own program (traced and compiled per layout, about 0.7 s) was a
+    quarter of a layout test. tests/test_state_init.py checks init_state itself against this, layout by layout."""
+    from trainer.state import init_state
+    key = state_key(s)
+    if key not in _FRESH:
+        _FRESH[key] = jax.tree.map(np.asarray, init_state(s))
+    with jax.set_mesh(s.mesh):
+        return jax.device_put(_FRESH[key], s.shardings)
+
+
+def state_key(s):
+    """What a fresh state's values follow: the model, the seed, the optimizer and the state's leaves (their shapes
+    and dtypes, in their tree); not the layout."""
+    leaves, tree = jax.tree.flatten(jax.tree.map(lambda x: (x.shape, str(x.dtype)), s.shapes,
+                                                 is_leaf=lambda x: hasattr(x, "shape")))
+    return repr(s.model), s.cfg.train.seed, s.cfg.train.optimizer, repr(tree), repr(leaves)
 
 
 def single_device(overrides, steps=3):

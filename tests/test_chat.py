@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY, max_rel, run_steps
+from conftest import SGD, TINY, fresh_state, max_rel, run_steps
 from trainer.cli import main
 from trainer.data.prepare import prepare
 
@@ -133,7 +133,7 @@ def _alone(out: Path, toks, mask, idx, lo: int, hi: int, params, c):
 def test_a_packed_batch_is_the_sum_of_its_conversations_alone(chats, mesh):
     from trainer.config import load_config
     from trainer.data.batches import Batches, load_corpus
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_eval_step
     out, meta, toks, mask, idx = chats
     d, st, m = mesh
@@ -144,7 +144,7 @@ def test_a_packed_batch_is_the_sum_of_its_conversations_alone(chats, mesh):
     b = Batches(load_corpus(str(out)), 0, 32, T, s.model.vocab_size, document_mask=True)
     assert 0 < b.packed_eval.rows <= 32  # one eval batch holds every held-out row once
     with jax.set_mesh(s.mesh):
-        params = init_state(s)["params"]
+        params = fresh_state(s)["params"]
         got_sum, got_count = jax.device_get(jit_eval_step(s)(params, jax.device_put(b.eval(0), s.batch_sharding())))
     n_train = meta["documents"]["train"]
     ref_sum, ref_count = _alone(out, toks, mask, idx, n_train, len(idx) - 1, jax.tree.map(np.asarray, params),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import SGD, TINY, max_rel, prepare_documents, run_steps
+from conftest import SGD, TINY, fresh_state, max_rel, prepare_documents, run_steps
 
 SLOW = pytest.mark.slow
 B, T, H, K, E = 2, 32, 4, 2, 8
@@ -205,14 +205,14 @@ def test_a_checkpoint_of_data2_context4_restores_onto_data8_and_one_device(tmp_p
     from meshes import devices_named
     from trainer import load_config
     from trainer.ckpt.checkpoint import Checkpointer
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
 
     def setup(*keys):
         cfg = load_config(TINY + SGD + ["model.seq_len=32", *keys])
         return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
     a = setup("mesh.data=2", "mesh.context=4", "train.zero_stage=3")
     assert a.layout.zero_axes == ("data", "context")
-    state, _ = _steps(a, init_state(a), 0, 1)
+    state, _ = _steps(a, fresh_state(a), 0, 1)
     saved = jax.tree.map(np.asarray, state)
     c = Checkpointer(a, tmp_path / "run")
     c.save(1, state)
@@ -337,7 +337,7 @@ def test_evaluation_equals_one_device():
     from meshes import devices_named
     from trainer import load_config
     from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_eval_step
     out = []
     for keys in (["mesh.data=2", "mesh.context=4"], ["mesh.data=1"]):
@@ -346,7 +346,7 @@ def test_evaluation_equals_one_device():
         b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,
                     evaluates=True)
         with jax.set_mesh(s.mesh):
-            total, n = jit_eval_step(s)(init_state(s)["params"], jax.device_put(b.eval(0), s.batch_sharding()))
+            total, n = jit_eval_step(s)(fresh_state(s)["params"], jax.device_put(b.eval(0), s.batch_sharding()))
         out.append((float(total), float(n)))
     (got, n_got), (want, n_want) = out
     assert n_got == n_want > 0 and abs(got - want) <= 1e-5 * abs(want)

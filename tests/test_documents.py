@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY, max_rel, prepare_documents, run_steps
+from conftest import SGD, TINY, fresh_state, max_rel, prepare_documents, run_steps
 from trainer.data.batches import documents
 
 SLOW = pytest.mark.slow
@@ -56,7 +56,7 @@ def _alone_losses(vocab: int):
 def _layout_losses(mesh, kernels: str, document_mask: bool = True):
     """The train step's loss on a batch of that row (4 copies), weight selecting each document in turn."""
     from trainer.config import load_config
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step
     d, st, m = mesh
     over = [f"mesh.data={d}", f"mesh.stage={st}", f"mesh.model={m}", f"model.kernels={kernels}",
@@ -68,7 +68,7 @@ def _layout_losses(mesh, kernels: str, document_mask: bool = True):
     _, b = _row(s.model.vocab_size)
     out = []
     with jax.set_mesh(s.mesh):
-        state = init_state(s)
+        state = fresh_state(s)
         if st > 1:  # the 2-layer reference's layers, twice: 4 stages of one layer each (the same function)
             state = {**state, "params": _two_layers_twice(s, state["params"])}
         for doc in (1, 2, 3):

@@ -6,7 +6,7 @@ them); the one-line errors."""
 import jax
 import numpy as np
 import pytest
-from conftest import SGD, TINY
+from conftest import SGD, TINY, fresh_state
 from test_moe import _train, same_as_one_device
 
 E = 8  # experts: divisible by every mesh.data below
@@ -228,10 +228,9 @@ def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
     from conftest import max_rel
     from test_moe_everywhere import Runner
     from trainer.ckpt.checkpoint import Checkpointer
-    from trainer.state import init_state
     a = _setup(("mesh.data=8",))
     assert a.layout.rules["experts"] == "data"
-    state, _ = Runner(a)(init_state(a), 0, 1)
+    state, _ = Runner(a)(fresh_state(a), 0, 1)
     saved = jax.tree.map(np.asarray, state)
     c = Checkpointer(a, tmp_path / "run")
     c.save(1, state)

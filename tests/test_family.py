@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import SGD, TINY, corpus, max_rel, run_steps, single_device
+from conftest import SGD, TINY, corpus, fresh_state, max_rel, run_steps, single_device
 
 from models import ModelSpec, Param, Transformer, abstract_model, family, from_preset, params_of, register
 from models.hf import llama as llama_hf
@@ -186,11 +186,11 @@ def test_aux_outputs_and_per_layer_data_reach_the_loss_and_gradients_on_every_la
     backward, circular blocks) gives the hand-computed objective's token loss, aux mean and gradient."""
     from trainer.config import load_config
     from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step, loss_and_grads
     cfg = load_config(TINY + AUX + ["mesh.data=1", "mesh.stage=1", "mesh.model=1"] + mesh)
     s = make_setup(cfg, jax.devices()[:cfg.mesh.data * cfg.mesh.stage * cfg.mesh.model])
-    state = init_state(s)
+    state = fresh_state(s)
     b = Batches(corpus(), 0, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size).global_train(0)
     params = jax.tree.map(np.asarray, state["params"])
     # jitted: op by op, the hand-written objective's ops would each compile on their own (most of this test's time)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, corpus, max_rel
+from conftest import TINY, corpus, fresh_state, max_rel
 from trainer.cli import main
 
 LINEAR = ["mesh.data=8", "train.optimizer=sgd", "train.grad_clip=0", "train.lr=0.3"]  # update linear in g
@@ -23,10 +23,10 @@ def _trajectory(overrides: tuple, steps: int = 3):
     compile per configuration, shared by the tests."""
     from trainer.config import load_config
     from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(TINY + list(overrides)))
-    state, step = init_state(s), jit_train_step(s)
+    state, step = fresh_state(s), jit_train_step(s)
     b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     losses, params, outer = [], [], []
     with jax.set_mesh(s.mesh):
@@ -92,10 +92,10 @@ def _all_reduce_bytes(hlo: str):
 def test_replicas_train_apart_and_all_reduce_parameters_only_every_h_steps():
     from trainer.config import load_config
     from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step
     s = make_setup(load_config(TINY + ["mesh.data=8", "train.sync=local_sgd", "train.sync_every=2"]))
-    state = init_state(s)
+    state = fresh_state(s)
     b = Batches(corpus(), 0, 16, s.model.seq_len, s.model.vocab_size)
     batch = lambda i: jax.device_put(b.global_train(i), s.batch_sharding())  # noqa: E731
     with jax.set_mesh(s.mesh):

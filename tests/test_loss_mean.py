@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import SGD, TINY, corpus, max_rel
+from conftest import SGD, TINY, corpus, fresh_state, max_rel
 from models import forward
 
 SLOW = pytest.mark.slow
@@ -82,12 +82,12 @@ class Trained:
 
     def __init__(self, mesh, overrides):
         from trainer.config import load_config
-        from trainer.state import init_state, make_setup
+        from trainer.state import make_setup
         from trainer.step import jit_train_step
         d, st, m = mesh
         cfg = load_config(TINY + BASE + [f"mesh.data={d}", f"mesh.stage={st}", f"mesh.model={m}"] + list(overrides))
         s = self.setup = make_setup(cfg, jax.devices()[:d * st * m])
-        state = init_state(s)
+        state = fresh_state(s)
         state = {**state, "params": jax.jit(_scaled, out_shardings=s.shardings["params"])(state["params"])}
         self.initial = jax.tree.map(np.asarray, state["params"])
         step, w = jit_train_step(s), uneven_weights(cfg.train.batch_size, s.model.seq_len)

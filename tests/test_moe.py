@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SGD, TINY, corpus
+from conftest import SGD, TINY, corpus, fresh_state
 
 from models import from_preset
 from models.kernels import experts
@@ -388,11 +388,11 @@ def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: fl
     from trainer.config import load_config
     from trainer.data.batches import Batches
     from trainer.plan.verify import abstract_inputs
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step
     cfg = load_config(TINY + list(base) + list(overrides))
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
-    state, metrics = init_state(s), []
+    state, metrics = fresh_state(s), []
     if router_scale != 1.0:
         state["params"]["layers"]["router"] = state["params"]["layers"]["router"] * router_scale
     router = np.asarray(state["params"]["layers"]["router"])

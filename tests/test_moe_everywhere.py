@@ -8,7 +8,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import SGD, TINY, corpus, max_rel
+from conftest import SGD, TINY, corpus, fresh_state, max_rel
 
 MOE = SGD + ["model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2", "model.expert_d_ff=64",
              "model.router_aux_loss=0.1", "model.router_z_loss=0.01", "model.capacity_factor=1.0",
@@ -74,9 +74,8 @@ class Runner:
 @functools.lru_cache(maxsize=None)
 def _train(overrides: tuple, steps: int = 2):
     """`steps` steps from the initial state: (each step's metrics, the parameters)."""
-    from trainer.state import init_state
     s = _setup(overrides)
-    state, metrics = Runner(s)(init_state(s), 0, steps)
+    state, metrics = Runner(s)(fresh_state(s), 0, steps)
     return metrics, jax.tree.map(np.asarray, state["params"])
 
 
@@ -120,10 +119,9 @@ def _replicas_by_hand(replicas: int, h: int, steps: int, syncs):
     initial parameters, their parameters set to sync(theirs) every h-th step (sync = syncs(the initial ones)): per
     step what local SGD logs (the loss and each aux mean over all replicas' counts, by hand; the replicas' mean grad
     norm), and each replica's parameters at the end."""
-    from trainer.state import init_state
     s = _setup(ONE + (f"train.batch_size={B // replicas}",))
     n = B // replicas
-    start = jax.tree.map(np.asarray, init_state(s))
+    start = jax.tree.map(np.asarray, fresh_state(s))
     states = [jax.device_put(start, s.shardings) for _ in range(replicas)]
     run, start_params, logged = Runner(s), start["params"], []
     sync = syncs(start_params)
@@ -202,9 +200,8 @@ def test_checkpoint_restores_onto_another_mesh_and_schedule(tmp_path):
     """Saved after step 1 on (2,1,4) ZeRO-3, restored bit for bit on (1,2,1) 1F1B with 2 microbatches; its step 2
     equals the uninterrupted (2,1,4) run's, and both one device's."""
     from trainer.ckpt.checkpoint import Checkpointer
-    from trainer.state import init_state
     a = _setup(ZERO3)
-    state, _ = Runner(a)(init_state(a), 0, 1)
+    state, _ = Runner(a)(fresh_state(a), 0, 1)
     saved = jax.tree.map(np.asarray, state)
     c = Checkpointer(a, tmp_path / "run")
     c.save(1, state)

@@ -4,14 +4,14 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SGD, TINY, max_rel, run_steps, single_device
+from conftest import SGD, TINY, fresh_state, max_rel, run_steps, single_device
 from test_dpo import synth  # noqa: F401 (the fixture: prepared pairs and a reference)
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.ckpt.store import list_steps
 from trainer.config import load_config
 from trainer.parallel.schedules import describe
 from trainer.parallel.schedules import build, idle_fraction
-from trainer.state import init_state, make_setup
+from trainer.state import make_setup
 from trainer.step import jit_train_step
 
 EIGHT = ["model.n_layers=8", "train.lr=3e-3"]
@@ -166,7 +166,7 @@ def test_stage_holds_a_quarter_of_the_layer_stack():
     four, _, s = _arg_bytes(["mesh.data=1", "mesh.stage=4", "train.microbatches=4"], 4)
     # parameters, Adam mu and nu of the layer stack: each device keeps 1/4 of all three
     assert one - four == 3 * layers * 3 // 4
-    st = init_state(s)
+    st = fresh_state(s)
     for leaf in jax.tree.leaves(st["params"]["layers"]):
         assert leaf.addressable_shards[0].data.size * 4 == leaf.size
 
@@ -359,7 +359,7 @@ def test_eval_runs_through_the_stages_and_equals_one_device():
         b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size,
                     evaluates=True)
         with jax.set_mesh(s.mesh):
-            params, batch = init_state(s)["params"], jax.device_put(b.eval(0), s.batch_sharding())
+            params, batch = fresh_state(s)["params"], jax.device_put(b.eval(0), s.batch_sharding())
             step = jit_eval_step(s)
             out.append([float(x) for x in step(params, batch)])
             text = step.lower(params, batch).compile().as_text()

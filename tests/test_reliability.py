@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, corpus
+from conftest import TINY, corpus, fresh_state
 from models.batch import from_windows
 
 from trainer.ckpt import store as ckpt
@@ -37,12 +37,12 @@ def _equal(a, b) -> bool:
 def test_nan_and_spike_skip_the_update_and_leave_the_state_untouched():
     from trainer.config import load_config
     from trainer.data.batches import Batches
-    from trainer.state import init_state, make_setup
+    from trainer.state import make_setup
     from trainer.step import jit_train_step
     cfg = load_config(TINY + ["mesh.data=8", "train.zero_stage=1", "train.steps=20", "train.inject_nan_at=2",
                               "train.spike_factor=1.2", "train.spike_window=3"])
     s = make_setup(cfg)
-    state, step = init_state(s), jit_train_step(s)
+    state, step = fresh_state(s), jit_train_step(s)
     b = Batches(corpus(), cfg.train.seed, cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     noise = from_windows(np.random.default_rng(0).integers(0, 256, size=(16, s.model.seq_len + 1)))
     after, ms = [_host(state, "params", "opt_state")], []

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SGD, TINY, corpus, max_rel
+from conftest import SGD, TINY, corpus, fresh_state, max_rel
 from jax.sharding import PartitionSpec as P
 
 from meshes import RULES
@@ -98,10 +98,9 @@ def _train(overrides: tuple, steps=3) -> Trained:
     """`steps` steps of the toy on a layout, its step compiled once (run and read)."""
     from trainer.data.batches import Batches
     from trainer.plan.verify import abstract_inputs
-    from trainer.state import init_state
     from trainer.step import jit_train_step
     s = _setup(overrides)
-    state = init_state(s)
+    state = fresh_state(s)
     b = Batches(corpus(), s.cfg.train.seed, s.cfg.train.batch_size, s.model.seq_len, s.model.vocab_size)
     losses, norms = [], []
     with jax.set_mesh(s.mesh):
