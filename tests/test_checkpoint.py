@@ -114,31 +114,27 @@ def run_a(tmp_path_factory, env):
     return losses(run)
 
 
-def test_resume_is_bit_exact_after_sigterm(tmp_path, env, run_a):
+def test_resume_is_bit_exact_after_sigterm_and_after_kill9(tmp_path, env, run_a):
+    """One run stopped twice (one process start fewer than a run per stop): SIGTERM during step 10 or 11 (that
+    step finishes, is saved, exit 75), then, resumed and saving every 5 steps, kill -9 once step 15's checkpoint
+    is there; resumed again to step 20: the losses equal run A's (straight, saving every 10), bit for bit."""
     run = tmp_path / "b"
     p = start(run, env, "checkpoint.every=10")
     wait_for(lambda: 9 in logged_steps(run), p, "step 9")
     p.send_signal(signal.SIGTERM)  # arrives during step 10 (or 11): that step finishes, is saved, exit 75
     assert finish(p) == STOPPED_EARLY, log_of(run)  # stopped before train.steps, resumable
     stopped = logged_steps(run)[-1]
-    assert 9 <= stopped < 20 and store.list_steps(run)[-1] == stopped, (stopped, store.list_steps(run))
-    assert finish(start(run, env, "checkpoint.every=10")) == 0, log_of(run)
-    assert f"resumed from {run}/checkpoints/{stopped} " in log_of(run)
-    b = losses(run)
-    assert len(b) == 20 and b == run_a  # exact float equality, steps 1-20
-
-
-def test_resume_is_bit_exact_after_kill9(tmp_path, env, run_a):
-    run = tmp_path / "b"
-    p = start(run, env, "checkpoint.every=10")
-    wait_for(lambda: 10 in step_dirs(run), p, "the step-10 checkpoint")
+    assert 9 <= stopped < 15 and store.list_steps(run)[-1] == stopped, (stopped, store.list_steps(run))
+    p = start(run, env, "checkpoint.every=5")
+    wait_for(lambda: 15 in step_dirs(run), p, "the step-15 checkpoint")
     p.kill()
     p.wait()
+    assert f"resumed from {run}/checkpoints/{stopped} " in log_of(run)
     written = logged_steps(run)[-1]
-    assert finish(start(run, env, "checkpoint.every=10")) == 0, log_of(run)
-    assert f"resumed from {run}/checkpoints/10 " in log_of(run)
-    b = losses(run)  # steps 11..written were logged before the kill and again after: kept once
-    assert len(b) == 20 and b == run_a, f"logged up to {written} before the kill"
+    assert finish(start(run, env, "checkpoint.every=5")) == 0, log_of(run)
+    assert f"resumed from {run}/checkpoints/15 " in log_of(run)
+    b = losses(run)  # steps 16..written were logged before the kill and again after: kept once
+    assert len(b) == 20 and b == run_a, f"logged up to {written} before the kill"  # exact float equality, steps 1-20
 
 
 @pytest.mark.slow  # three more process starts (~15 s of CPU); the kill -9 resume above runs by default
