@@ -18,11 +18,14 @@ B, T, H, K, E = 2, 32, 4, 2, 8
 SEGMENTS = np.array([[1] * 5 + [2] * 13 + [3] * 11 + [0] * 3, [1] * 19 + [2] * 12 + [3] * 1], np.float32)
 
 
-def by_hand(q, k, v, segments=None, window=None):
+def by_hand(q, k, v, segments=None, window=None, softcap=None, scale=None):
     """Causal grouped-query attention on whole rows, written out: each query against the keys at or before it
-    (fewer than `window` before it; in its document), softmax in float32."""
+    (fewer than `window` before it; in its document), scores scaled (1/sqrt(E) unless given) and soft-capped
+    (softcap * tanh(s / softcap)), softmax in float32."""
     kk, vv = (jnp.repeat(a, H // K, axis=2) for a in (k, v))
-    s = jnp.einsum("bthe,bshe->bhts", q, kk) / np.sqrt(E)
+    s = jnp.einsum("bthe,bshe->bhts", q, kk) * (1 / np.sqrt(E) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     ahead = np.arange(T)[:, None] - np.arange(T)[None, :]
     keep = ((ahead >= 0) & (ahead < (window or T)))[None, None]
     if segments is not None:
@@ -41,6 +44,23 @@ def test_context_attention_equals_attention_on_whole_rows(strategy, impl, balanc
     (float32, 1e-5), with documents and with a sliding window too; all_gather gathers the keys (an all-gather over
     `context` in the program), all_to_all sends each rank's chunk of every head group to its rank (2 kv heads
     repeated to 4 for 4 ranks)."""
+    _equals_whole_rows(strategy, impl, balance, SEGMENTS if documents else None, window)
+
+
+# a chunk (4 tokens, balanced over 4 ranks) holding three documents: row 0's second chunk (tokens 4-7: documents 2, 3
+# and 4), row 1's first (7, 8 and 9)
+ODD = np.array([[1] * 3 + [2] * 2 + [3] * 2 + [4] * 9 + [5] * 7 + [6] * 5 + [0] * 4, [7] * 2 + [8] + [9] * 29],
+               np.float32)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "all_to_all", "ring"])
+def test_softcap_scale_and_three_documents_in_a_chunk_equal_whole_rows(strategy):
+    """Gemma's soft-cap and a score scale of the family's own (the ring's soft-cap branch: its first test), with
+    a window and chunks holding three documents each, balanced over 4 ranks: output and gradients as above."""
+    _equals_whole_rows(strategy, "manual", True, ODD, 12, softcap=2.0, scale=0.4)
+
+
+def _equals_whole_rows(strategy, impl, balance, segments, window, softcap=None, scale=None):
     from meshes import RULES, Collectives, build_mesh
     from models.kernels.attention import attention
     from models.context_parallel.gather import ContextPlan, order
@@ -54,14 +74,15 @@ def test_context_attention_equals_attention_on_whole_rows(strategy, impl, balanc
     rng = np.random.default_rng(0)
     q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
                    ((B, T, H, E), (B, T, K, E), (B, T, K, E), (B, T, H, E)))
-    seg = jnp.asarray(SEGMENTS) if documents else None
+    seg = None if segments is None else jnp.asarray(segments)
+    options = {k: x for k, x in (("softcap", softcap), ("scale", scale)) if x is not None}
     split = NamedSharding(mesh, P(None, "context"))
 
     def chunked(q, k, v):
         pos = plan.positions(coll, T)
         args = [jax.lax.with_sharding_constraint(a[:, perm], split) for a in (q, k, v)]
         s = None if seg is None else jax.lax.with_sharding_constraint(seg[:, perm], split)
-        o = plan.attention(kernel, coll, pos)(*args, segments=s)
+        o = plan.attention(kernel, coll, pos)(*args, segments=s, **options)
         return jnp.zeros_like(o).at[:, perm].set(o)  # back in row order
 
     def loss(f, q, k, v):
@@ -71,9 +92,10 @@ def test_context_attention_equals_attention_on_whole_rows(strategy, impl, balanc
         got = jax.jit(chunked)(q, k, v)
         got_g = jax.jit(jax.grad(functools.partial(loss, chunked), argnums=(0, 1, 2)))(q, k, v)
         hlo = jax.jit(chunked).lower(q, k, v).compile().as_text()
-    want = by_hand(q, k, v, seg, window)
-    want_g = jax.grad(functools.partial(loss, lambda *a: by_hand(*a, seg, window)), argnums=(0, 1, 2))(q, k, v)
-    valid = np.ones((B, T), bool) if seg is None else SEGMENTS > 0  # a padding query's output is never used
+    want = by_hand(q, k, v, seg, window, softcap, scale)
+    want_g = jax.grad(functools.partial(loss, lambda *a: by_hand(*a, seg, window, softcap, scale)),
+                      argnums=(0, 1, 2))(q, k, v)
+    valid = np.ones((B, T), bool) if seg is None else segments > 0  # a padding query's output is never used
     assert float(jnp.abs(got - want)[valid].max()) < 1e-5 * float(jnp.abs(want).max())
     for name, a, b in zip("qkv", got_g, want_g):
         a, b = (x if name != "q" else x[valid] for x in (a, b))

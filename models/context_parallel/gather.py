@@ -57,7 +57,7 @@ class ContextPlan(NamedTuple):
             return all_to_all(kernel, collectives, np.asarray(self.order, np.int64))
         if self.strategy == "ring":
             from models.context_parallel.ring import ring
-            return ring(kernel, collectives, positions_T)
+            return ring(kernel, collectives, positions_T, balanced=self.order != tuple(range(len(self.order))))
         return all_gather(kernel, collectives, positions_T)
 
 

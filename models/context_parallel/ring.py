@@ -1,12 +1,19 @@
 """Ring attention over `context` (train.context_attention=ring; models/context_parallel/gather.py): each rank's K/V block travels
 the ring of context ranks by `shift` (a ppermute), C - 1 times, and the rank's queries attend to each block as it
-passes, merged by an online softmax; a rank holds its own block and the one passing, never the row's K/V.
+passes with models/kernels/flash_blocks.py (tile by tile, no (T/C, T/C) array), merged by their log-sum-exps; a rank
+holds its own block and the one passing, never the row's K/V.
 
-Causality, windows and documents by the tokens' original positions (the blocks carry their keys' positions and
-documents with them). Its own backward (a custom VJP): the K/V blocks travel the ring again with their float32 dK/dV
-accumulators, which come home with one more step (in K's dtype); the forward keeps only the rank's q, k, v, output
-and log-sum-exp (autodiff through the ring would keep every block that passed). Gemma's soft-cap and score scale are
-applied per block. Letters as models/kernels/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
+What the causal order hides is not computed. Balanced (rank r holds chunks r and 2C-1-r of 2C), a block from a source
+s < r is seen by every query of the rank in its first chunk and in none of its second; from s > r, only the rank's
+second chunk sees it, all of it. So each step after the first attends (T/C) x (T/2C) query-key pairs: the first half
+of the keys or the second half of the queries, a lax.cond on the blocks' first positions choosing (the permute stays
+outside it: every rank sends every step). Unbalanced, a block from a later rank is skipped. Inside a block the kernel
+skips the tiles that causality or a window hides; documents mask within a tile.
+
+Its own backward (a custom VJP): the K/V blocks travel the ring again with their float32 dK/dV accumulators, which
+come home with one more step (in K's dtype); the forward keeps only the rank's q, k, v, output and log-sum-exp
+(autodiff through the ring would keep every block that passed). Gemma's soft-cap and a family's own score scale
+apply per tile. Letters as models/kernels/fast_cpu.py: q (B, K, G, T, E) grouped by kv head, k and v (B, K, T, E).
 """
 from __future__ import annotations
 
@@ -15,95 +22,129 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.kernels.attention import position_mask
+from models.kernels import flash_blocks as fb
 from models.kernels.fast_cpu import _group, _kv, _ungroup
 
 Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-
-
-def _scores(q, k, scale, pos_q, pos_k, seg_q, seg_k, window, softcap):
-    """(scores as the softmax takes them (B, K, G, Tq, S) float32, -inf where a query may not see a key; the
-    soft-capped ones before masking, for the soft-cap's derivative (None without one))."""
-    s = jnp.einsum("bkgte,bkse->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    capped = None
-    if softcap is not None:
-        s = capped = softcap * jnp.tanh(s / softcap)
-    keep = position_mask((pos_q, pos_k), None if seg_q is None else (seg_q, seg_k), window)
-    return jnp.where(keep, s, -jnp.inf), capped
 
 
 def _shift(coll, xs):
     return tuple(None if x is None else coll.shift(x, "seq") for x in xs)
 
 
-def _forward(coll, scale, window, softcap, q, k, v, pos, seg):
-    """(output (B, K, G, T, E) in q's dtype, log-sum-exp (B, K, G, T) float32)."""
-    C = coll.axis_size("seq")
+def _half(x, axis, second):
+    """The first or second half of x along `axis` (None stays None)."""
+    if x is None:
+        return None
+    h = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, h if second else 0, x.shape[axis] if second else h, axis=axis)
 
-    def attend(state, block):
-        m, l, acc = state
-        kb, vb, pb, sb = block
-        s, _ = _scores(q, kb, scale, pos, pb, seg, sb, window, softcap)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        base = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a query that has seen no key yet keeps 0
-        p = jnp.exp(s - base[..., None])
-        keep = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - base))
-        acc = acc * keep[..., None] + jnp.einsum("bkgts,bkse->bkgte", p.astype(vb.dtype), vb,
-                                                 preferred_element_type=jnp.float32)
-        return m_new, l * keep + jnp.sum(p, axis=-1), acc
+
+def _mask(pos, pb, seg, sb, window):
+    return fb.Mask(pos, pb, seg, sb, window)
+
+
+def _attend(opts, q, block, pos, seg, own=False):
+    """(output (B, K, G, T, F) float32, log-sum-exp (B, K, G, T)) of the rank's queries against one K/V block."""
+    scale, window, softcap, balanced, tile = opts
+    kb, vb, pb, sb = block
+    skip = window is not None  # off the diagonal causality hides nothing inside what is attended; a window may
+
+    def whole(skip=skip):
+        return fb.forward(q, kb, vb, _mask(pos, pb, seg, sb, window), scale, softcap, tile, skip)
+    if own:  # the diagonal block: causal inside, by position
+        return whole(skip=True)
+    nothing = (jnp.zeros(q.shape[:4] + vb.shape[-1:], jnp.float32), jnp.full(q.shape[:4], -jnp.inf, jnp.float32))
+    before = pb[0] < pos[0]  # the block's first chunk precedes the rank's
+    if not balanced:
+        return jax.lax.cond(before, whole, lambda: nothing)
+
+    def head():  # s < r: every query against the source's first chunk
+        return fb.forward(q, _half(kb, 2, False), _half(vb, 2, False),
+                          _mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False), window), scale, softcap, tile, skip)
+
+    def tail():  # s > r: the rank's second chunk against the whole block
+        o, lse = fb.forward(_half(q, 3, True), kb, vb, _mask(_half(pos, 0, True), pb, _half(seg, 1, True), sb, window),
+                            scale, softcap, tile, skip)
+        return (jnp.concatenate([_half(nothing[0], 3, False), o], axis=3),
+                jnp.concatenate([_half(nothing[1], 3, False), lse], axis=3))
+    return jax.lax.cond(before, head, tail)
+
+
+def _forward(coll, opts, q, k, v, pos, seg):
+    """(output (B, K, G, T, E) in q's dtype, log-sum-exp (B, K, G, T) float32)."""
+    block = (k, v, pos, seg)
+    o, lse = _attend(opts, q, block, pos, seg, own=True)
 
     def step(carry, _):
-        state, block = carry
-        return (attend(state, block), _shift(coll, block)), None
-    state = (jnp.full(q.shape[:4], -jnp.inf, jnp.float32), jnp.zeros(q.shape[:4], jnp.float32),
-             jnp.zeros(q.shape, jnp.float32))
-    block = (k, v, pos, seg)
-    if C > 1:
-        (state, block), _ = jax.lax.scan(step, (state, block), None, length=C - 1)
-    m, l, acc = attend(state, block)
-    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+        (o, lse), block = carry
+        block = _shift(coll, block)
+        return (fb.merge(o, lse, *_attend(opts, q, block, pos, seg)), block), None
+    if coll.axis_size("seq") > 1:
+        ((o, lse), _), _ = jax.lax.scan(step, ((o, lse), block), None, length=coll.axis_size("seq") - 1)
+    return o.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring(coll, scale, window, softcap, q, k, v, pos, seg):
-    return _forward(coll, scale, window, softcap, q, k, v, pos, seg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(coll, opts, q, k, v, pos, seg):
+    return _forward(coll, opts, q, k, v, pos, seg)[0]
 
 
-def _ring_fwd(coll, scale, window, softcap, q, k, v, pos, seg):
-    o, lse = _forward(coll, scale, window, softcap, q, k, v, pos, seg)
+def _ring_fwd(coll, opts, q, k, v, pos, seg):
+    o, lse = _forward(coll, opts, q, k, v, pos, seg)
     return o, (q, k, v, o, lse, pos, seg)
 
 
-def _ring_bwd(coll, scale, window, softcap, res, do):
+def _grads(opts, q, block, pos, seg, lse, do, d, dq, own=False):
+    """The rank's queries' part of one block's gradients, added in place: (dq, the block's dK and dV accumulators)."""
+    scale, window, softcap, balanced, tile = opts
+    kb, vb, pb, sb, dkb, dvb = block
+    skip = window is not None
+
+    def whole(skip=skip):
+        return fb.backward(q, kb, vb, _mask(pos, pb, seg, sb, window), scale, lse, do, d, softcap, (dq, dkb, dvb), tile,
+                           skip)
+    if own:
+        return whole(skip=True)
+    before = pb[0] < pos[0]
+    if not balanced:
+        return jax.lax.cond(before, whole, lambda: (dq, dkb, dvb))
+    h = kb.shape[2] // 2
+
+    def head():
+        first = lambda x: _half(x, 2, False)  # noqa: E731
+        dq2, dk, dv = fb.backward(q, first(kb), first(vb), _mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False),
+                                                                 window), scale, lse, do, d, softcap,
+                                  (dq, first(dkb), first(dvb)), tile, skip)
+        return dq2, jax.lax.dynamic_update_slice_in_dim(dkb, dk, 0, 2), jax.lax.dynamic_update_slice_in_dim(dvb, dv, 0, 2)
+
+    def tail():
+        second = lambda x, axis=3: _half(x, axis, True)  # noqa: E731
+        dq_t, dk, dv = fb.backward(second(q), kb, vb, _mask(second(pos, 0), pb, second(seg, 1), sb, window), scale,
+                                   second(lse), second(do), second(d), softcap, (second(dq), dkb, dvb), tile, skip)
+        return jax.lax.dynamic_update_slice_in_dim(dq, dq_t, h, 3), dk, dv
+    return jax.lax.cond(before, head, tail)
+
+
+def _ring_bwd(coll, opts, res, do):
     q, k, v, o, lse, pos, seg = res
     C = coll.axis_size("seq")
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-
-    def grads(dq, block):
-        kb, vb, pb, sb, dkb, dvb = block
-        s, capped = _scores(q, kb, scale, pos, pb, seg, sb, window, softcap)
-        p = jnp.exp(s - lse[..., None])
-        dvb = dvb + jnp.einsum("bkgts,bkgte->bkse", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bkgte,bkse->bkgts", do, vb, preferred_element_type=jnp.float32)
-        ds = p * (dp - d[..., None])
-        if capped is not None:  # through softcap * tanh(s / softcap)
-            ds = ds * (1.0 - jnp.square(capped / softcap))
-        ds = (ds * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bkgts,bkse->bkgte", ds, kb, preferred_element_type=jnp.float32)
-        dkb = dkb + jnp.einsum("bkgts,bkgte->bkse", ds, q, preferred_element_type=jnp.float32)
-        return dq, (kb, vb, pb, sb, dkb, dvb)
+    dq, dk, dv = _grads(opts, q, (k, v, pos, seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
+                        pos, seg, lse, do, d, jnp.zeros(q.shape, jnp.float32), own=True)
 
     def step(carry, _):
-        dq, block = grads(*carry)
-        return (dq, _shift(coll, block)), None
-    block = (k, v, pos, seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dq = jnp.zeros(q.shape, jnp.float32)
+        dq, block = carry
+        block = _shift(coll, block)
+        dq, dkb, dvb = _grads(opts, q, block, pos, seg, lse, do, d, dq)
+        return (dq, block[:4] + (dkb, dvb)), None
     if C > 1:
-        (dq, block), _ = jax.lax.scan(step, (dq, block), None, length=C - 1)
-    dq, block = grads(dq, block)
-    # the accumulators home: one more step, in k's dtype (the cast first: half the bytes in bfloat16, the same values)
-    dk, dv = block[4].astype(k.dtype), block[5].astype(v.dtype)
-    dk, dv = _shift(coll, (dk, dv)) if C > 1 else (dk, dv)
+        (dq, block), _ = jax.lax.scan(step, (dq, (k, v, pos, seg, dk, dv)), None, length=C - 1)
+        # the accumulators home: one more step, in k's dtype (the cast first: half the bytes in bfloat16, the same
+        # values)
+        dk, dv = _shift(coll, (block[4].astype(k.dtype), block[5].astype(v.dtype)))
+    else:
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
     return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg)
 
@@ -111,18 +152,21 @@ def _ring_bwd(coll, scale, window, softcap, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring(kernel, coll, positions_T):
+def ring(kernel, coll, positions_T, balanced: bool = False):
     """(q, k, v, segments=) -> o by ring attention, in a region manual over every mesh axis. `kernel`'s window (a
-    uniform one, models/layers.py) applies; a family's own window, soft-cap and scale come as options."""
+    uniform one, models/layers.py) applies; a family's own window, soft-cap and scale come as options. `balanced`:
+    the ranks hold the head-tail order (models/context_parallel/gather.py `order`), whose halves the steps skip."""
     own = getattr(kernel, "keywords", {}).get("window")
+    tile = getattr(kernel, "keywords", {}).get("block") or fb.TILE  # the kernel's query block (model.attention_block)
 
     def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
         window = own if window is None else window
 
         def rank(q, k, v, pos, *seg):
             K, E = k.shape[2], q.shape[-1]
-            o = _ring(coll, E ** -0.5 if scale is None else scale, window or None if isinstance(window, int) else
-                      window, softcap, _group(q, K), _kv(k), _kv(v), pos, seg[0] if seg else None)
+            opts = (E ** -0.5 if scale is None else scale, window or None if isinstance(window, int) else window,
+                    softcap, balanced, tile)
+            o = _ring(coll, opts, _group(q, K), _kv(k), _kv(v), pos, seg[0] if seg else None)
             return _ungroup(o)
         args, axes = (q_BTHE, k_BTKE, v_BTKE, positions_T), (Q, KV, KV, ("seq",))
         if segments is not None:
