@@ -40,6 +40,14 @@ def _cut(x, i, n, axis):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * n, n, axis)
 
 
+def _loop(first, last, tiles: int, body, init):
+    """fori_loop(first, last, body, init) over at most `tiles` tiles; over one, its body once, no loop: the bounds
+    only skip work (a tile nothing sees computes nothing: -inf scores, p = 0), and a loop costs compile time."""
+    if tiles == 1:
+        return body(0, init)
+    return jax.lax.fori_loop(first, last, body, init)
+
+
 def _ends(p, n):
     """Each tile's smallest and largest position (positions increase along the block)."""
     t = p.reshape(-1, n)
@@ -91,7 +99,7 @@ def forward(q, k, v, mask: Mask, scale: float, softcap=None, tile: int = TILE, s
         # first key is not after the tile's last query
         last = jnp.sum(k_lo <= q_hi[i]) if skip else S // nk
         first = 0 if mask.window is None or not skip else jnp.sum(k_hi <= q_lo[i] - mask.window)
-        m, l, acc = jax.lax.fori_loop(first, last, key_tile, (
+        m, l, acc = _loop(first, last, S // nk, key_tile, (
             jnp.full((B, K, G, nq), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, nq), jnp.float32),
             jnp.zeros((B, K, G, nq, F), jnp.float32)))
         seen = l > 0
@@ -99,8 +107,8 @@ def forward(q, k, v, mask: Mask, scale: float, softcap=None, tile: int = TILE, s
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, i * nq, 3)  # noqa: E731
         return put(out[0], o), put(out[1], lse)
-    return jax.lax.fori_loop(0, Tq // nq, query_tile, (jnp.zeros((B, K, G, Tq, F), jnp.float32),
-                                                       jnp.full((B, K, G, Tq), -jnp.inf, jnp.float32)))
+    return _loop(0, Tq // nq, Tq // nq, query_tile, (jnp.zeros((B, K, G, Tq, F), jnp.float32),
+                                                     jnp.full((B, K, G, Tq), -jnp.inf, jnp.float32)))
 
 
 def backward(q, k, v, mask: Mask, scale: float, lse, do, d, softcap=None, into=None, tile: int = TILE,
@@ -136,12 +144,12 @@ def backward(q, k, v, mask: Mask, scale: float, lse, do, d, softcap=None, into=N
         # the last whose first query is inside the window of its last key
         first = jnp.sum(q_hi < k_lo[j]) if skip else 0
         last = Tq // nq if mask.window is None or not skip else jnp.sum(q_lo < k_hi[j] + mask.window)
-        dk, dv, dq = jax.lax.fori_loop(first, last, query_tile, (_cut(grads[1], j, nk, 2), _cut(grads[2], j, nk, 2),
+        dk, dv, dq = _loop(first, last, Tq // nq, query_tile, (_cut(grads[1], j, nk, 2), _cut(grads[2], j, nk, 2),
                                                                  grads[0]))
         put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, j * nk, 2)  # noqa: E731
         return dq, put(grads[1], dk), put(grads[2], dv)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-    return jax.lax.fori_loop(0, S // nk, key_tile, into or (zeros(q), zeros(k), zeros(v)))
+    return _loop(0, S // nk, S // nk, key_tile, into or (zeros(q), zeros(k), zeros(v)))
 
 
 def merge(o, lse, o_b, lse_b):
