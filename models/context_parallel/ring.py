@@ -40,10 +40,6 @@ def _half(x, axis, second):
     return jax.lax.slice_in_dim(x, h if second else 0, x.shape[axis] if second else h, axis=axis)
 
 
-def _mask(pos, pb, seg, sb, window):
-    return fb.Mask(pos, pb, seg, sb, window)
-
-
 def _attend(opts, q, block, pos, seg, own=False):
     """(output (B, K, G, T, F) float32, log-sum-exp (B, K, G, T)) of the rank's queries against one K/V block."""
     scale, window, softcap, balanced, tile = opts
@@ -51,7 +47,7 @@ def _attend(opts, q, block, pos, seg, own=False):
     skip = window is not None  # off the diagonal causality hides nothing inside what is attended; a window may
 
     def whole(skip=skip):
-        return fb.forward(q, kb, vb, _mask(pos, pb, seg, sb, window), scale, softcap, tile, skip)
+        return fb.forward(q, kb, vb, fb.Mask(pos, pb, seg, sb, window), scale, softcap, tile, skip)
     if own:  # the diagonal block: causal inside, by position
         return whole(skip=True)
     nothing = (jnp.zeros(q.shape[:4] + vb.shape[-1:], jnp.float32), jnp.full(q.shape[:4], -jnp.inf, jnp.float32))
@@ -61,10 +57,10 @@ def _attend(opts, q, block, pos, seg, own=False):
 
     def head():  # s < r: every query against the source's first chunk
         return fb.forward(q, _half(kb, 2, False), _half(vb, 2, False),
-                          _mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False), window), scale, softcap, tile, skip)
+                          fb.Mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False), window), scale, softcap, tile, skip)
 
     def tail():  # s > r: the rank's second chunk against the whole block
-        o, lse = fb.forward(_half(q, 3, True), kb, vb, _mask(_half(pos, 0, True), pb, _half(seg, 1, True), sb, window),
+        o, lse = fb.forward(_half(q, 3, True), kb, vb, fb.Mask(_half(pos, 0, True), pb, _half(seg, 1, True), sb, window),
                             scale, softcap, tile, skip)
         return (jnp.concatenate([_half(nothing[0], 3, False), o], axis=3),
                 jnp.concatenate([_half(nothing[1], 3, False), lse], axis=3))
@@ -102,7 +98,7 @@ def _grads(opts, q, block, pos, seg, lse, do, d, dq, own=False):
     skip = window is not None
 
     def whole(skip=skip):
-        return fb.backward(q, kb, vb, _mask(pos, pb, seg, sb, window), scale, lse, do, d, softcap, (dq, dkb, dvb), tile,
+        return fb.backward(q, kb, vb, fb.Mask(pos, pb, seg, sb, window), scale, lse, do, d, softcap, (dq, dkb, dvb), tile,
                            skip)
     if own:
         return whole(skip=True)
@@ -113,14 +109,14 @@ def _grads(opts, q, block, pos, seg, lse, do, d, dq, own=False):
 
     def head():
         first = lambda x: _half(x, 2, False)  # noqa: E731
-        dq2, dk, dv = fb.backward(q, first(kb), first(vb), _mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False),
+        dq2, dk, dv = fb.backward(q, first(kb), first(vb), fb.Mask(pos, _half(pb, 0, False), seg, _half(sb, 1, False),
                                                                  window), scale, lse, do, d, softcap,
                                   (dq, first(dkb), first(dvb)), tile, skip)
         return dq2, jax.lax.dynamic_update_slice_in_dim(dkb, dk, 0, 2), jax.lax.dynamic_update_slice_in_dim(dvb, dv, 0, 2)
 
     def tail():
         second = lambda x, axis=3: _half(x, axis, True)  # noqa: E731
-        dq_t, dk, dv = fb.backward(second(q), kb, vb, _mask(second(pos, 0), pb, second(seg, 1), sb, window), scale,
+        dq_t, dk, dv = fb.backward(second(q), kb, vb, fb.Mask(second(pos, 0), pb, second(seg, 1), sb, window), scale,
                                    second(lse), second(do), second(d), softcap, (second(dq), dkb, dvb), tile, skip)
         return jax.lax.dynamic_update_slice_in_dim(dq, dq_t, h, 3), dk, dv
     return jax.lax.cond(before, head, tail)

@@ -19,6 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from models.kernels.attention import position_mask
+from models.kernels.flash_cpu import online
+
 TILE = 512
 
 
@@ -55,19 +58,13 @@ def _ends(p, n):
 
 
 def _scores(qa, kb, scale, softcap, mask: Mask, pa, pb, sa, sb):
-    """(scores (B, K, G, nq, nk) float32, -inf where a query may not see a key; the soft-capped scores before
-    masking, for the soft-cap's derivative, or None)."""
+    """(scores (B, K, G, nq, nk) float32, -inf where a query may not see a key (models/kernels/attention.py
+    `position_mask`); the soft-capped scores before masking, for the soft-cap's derivative, or None)."""
     s = jnp.einsum("bkgte,bkse->bkgts", qa, kb, preferred_element_type=jnp.float32) * scale
     capped = None
     if softcap is not None:
         s = capped = softcap * jnp.tanh(s / softcap)
-    ahead = pa[:, None] - pb[None, :]
-    keep = ahead >= 0
-    if mask.window is not None:
-        keep = keep & (ahead < mask.window)
-    keep = keep[None, None, None]
-    if sa is not None:
-        keep = keep & (sa[:, None, None, :, None] == sb[:, None, None, None, :])
+    keep = position_mask((pa, pb), None if sa is None else (sa, sb), mask.window)
     return jnp.where(keep, s, -jnp.inf), capped
 
 
@@ -85,16 +82,9 @@ def forward(q, k, v, mask: Mask, scale: float, softcap=None, tile: int = TILE, s
         qa, pa, sa = _cut(q, i, nq, 3), _cut(mask.pq, i, nq, 0), _cut(mask.sq, i, nq, 1)
 
         def key_tile(j, state):
-            m, l, acc = state
             s, _ = _scores(qa, _cut(k, j, nk, 2), scale, softcap, mask, pa, _cut(mask.pk, j, nk, 0), sa,
                            _cut(mask.sk, j, nk, 1))
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            base = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a query that has seen no key yet keeps 0
-            p = jnp.exp(s - base[..., None])
-            keep = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - base))
-            acc = acc * keep[..., None] + jnp.einsum("bkgts,bksf->bkgtf", p.astype(v.dtype), _cut(v, j, nk, 2),
-                                                     preferred_element_type=jnp.float32)
-            return m_new, l * keep + jnp.sum(p, axis=-1), acc
+            return online(state, s, _cut(v, j, nk, 2))
         # the key tiles this query tile sees: from the first whose last key is inside the window to the last whose
         # first key is not after the tile's last query
         last = jnp.sum(k_lo <= q_hi[i]) if skip else S // nk

@@ -38,6 +38,19 @@ def _tile(x, i, n, axis):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * n, n, axis)
 
 
+def online(state, s, vb):
+    """One key tile into an online softmax: state (running max m, sum l, output accumulator acc), the tile's
+    scores s (-inf where masked) and values vb (B, K, S, F)."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    base = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a query that has seen no key yet keeps 0
+    p = jnp.exp(s - base[..., None])
+    keep = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - base))
+    acc = acc * keep[..., None] + jnp.einsum("bkgts,bksf->bkgtf", p.astype(vb.dtype), vb,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * keep + jnp.sum(p, axis=-1), acc
+
+
 def _forward(q, k, v, scale, n, seg, window):
     """(output, log-sum-exp (B, K, G, T) float32) in tiles of n."""
     B, K, G, T, E = q.shape
@@ -46,15 +59,8 @@ def _forward(q, k, v, scale, n, seg, window):
         qa, sa = _tile(q, i, n, 3), _tile(seg, i, n, 1)
 
         def key_tile(j, state):
-            m, l, acc = state
             s = _scores(qa, _tile(k, j, n, 2), scale, i * n, j * n, sa, _tile(seg, j, n, 1), window)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            base = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a query that has seen no key yet keeps 0
-            p = jnp.exp(s - base[..., None])
-            keep = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - base))
-            acc = acc * keep[..., None] + jnp.einsum("bkgts,bkse->bkgte", p.astype(v.dtype), _tile(v, j, n, 2),
-                                                     preferred_element_type=jnp.float32)
-            return m_new, l * keep + jnp.sum(p, axis=-1), acc
+            return online(state, s, _tile(v, j, n, 2))
         first = 0 if not window else jnp.maximum(0, i * n - window + 1) // n
         m, l, acc = jax.lax.fori_loop(first, i + 1, key_tile, (
             jnp.full((B, K, G, n), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, n), jnp.float32),
