@@ -3,8 +3,9 @@ logical axis `seq` to it), each device holding T/C tokens of each of its rows.
 
 Everything but attention works token by token (embeddings, norms, MLPs, the loss) and needs nothing here.
 Attention needs the keys of the whole row: `all_gather` gathers each layer's K and V (and the keys' positions and
-documents) over `context` and attends the rank's own queries to them, causality and documents by position
-(models/kernels/attention.py `positions`), not by index. Its transpose reduce-scatters dK and dV back. `all_to_all`
+documents) over `context`, puts them in position order and attends the rank's own queries to them with
+models/kernels/flash_blocks.py, causality and documents by position, not by index, skipping the key tiles that
+causality hides; its backward gathers K and V again and reduce-scatters dK and dV back. `all_to_all`
 trades the sequence split for a split of the heads for attention (Ulysses) and back; `ring` passes each rank's K/V
 block around the ring of context ranks and never holds the row's K/V (models/context_parallel/ring.py).
 
@@ -15,13 +16,16 @@ take the tokens' original positions; the loss is a sum over tokens, so its order
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+from models.context_parallel.blockwise import Q, KV, blockwise
+from models.kernels import flash_blocks as fb
+
 STRATEGIES = ("all_gather", "all_to_all", "ring")
 
 
@@ -51,34 +55,79 @@ class ContextPlan(NamedTuple):
 
     def attention(self, kernel, collectives, positions_T):
         """The attention strategy (LayerCall.attention) for this plan, `kernel` (models/kernels/attention.py `attention`
-        with the model's options) inside: all_gather (each rank's queries against the gathered keys, by position)
-        or all_to_all (whole rows of a group of heads on each rank, by index)."""
+        with the model's options) inside: all_gather (each rank's queries against the gathered keys, by position,
+        with models/kernels/flash_blocks.py), ring (models/context_parallel/ring.py) or all_to_all (whole rows of a
+        group of heads on each rank, by index, with `kernel`)."""
+        balanced = self.order != tuple(range(len(self.order)))
         if self.strategy == "all_to_all":
             return all_to_all(kernel, collectives, np.asarray(self.order, np.int64))
         if self.strategy == "ring":
             from models.context_parallel.ring import ring
-            return ring(kernel, collectives, positions_T, balanced=self.order != tuple(range(len(self.order))))
-        return all_gather(kernel, collectives, positions_T)
+            return ring(kernel, collectives, positions_T, balanced=balanced)
+        return all_gather(kernel, collectives, positions_T, np.asarray(self.order, np.int64))
 
 
-def all_gather(kernel, coll, positions_T):
-    """(q, k, v, segments=) -> o: K, V, the keys' positions and documents gathered over `context`, the rank's
-    queries attended to them by position; in a region manual over every mesh axis."""
-    def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, **options):  # options: a family's window, softcap, scale
-        def rank(q, k, v, pos_q, *seg):
-            pos_k = coll.all_gather(pos_q, "seq", 0)
-            k_all, v_all = coll.all_gather(k, "seq", 1), coll.all_gather(v, "seq", 1)
-            pair = (seg[0], coll.all_gather(seg[0], "seq", 1)) if seg else None
-            return kernel(q, k_all, v_all, segments=pair, positions=(pos_q, pos_k), **options)
-        args, axes = (q_BTHE, k_BTKE, v_BTKE, positions_T), (Q, KV, KV, ("seq",))
-        if segments is not None:
-            args, axes = args + (segments,), axes + (("batch", "seq"),)
-        # manual over every axis: a collective over `context` whose operand the compiler partitions over `model` is
-        # replicated over it first (XLA gathered every kv head over `model`, then ran every rank's attention on all
-        # of them), and with any axis automatic (`stage` of size 1 too) the reduce-scatter's reduction holds a
-        # sharding annotation that XLA:CPU's bfloat16 promotion aborts on; each rank's heads attend alone
-        return coll.region(rank, axes, Q)(*args)
-    return attend
+def _runs(perm) -> tuple:
+    """perm (n,) as its maximal runs of consecutive values ((start, length), ...): x[perm] is the runs' slices of x
+    concatenated (2C slices for the balanced order, one for the row as it is: no gather)."""
+    perm = np.asarray(perm)
+    return tuple((int(r[0]), len(r)) for r in np.split(perm, np.flatnonzero(np.diff(perm) != 1) + 1))
+
+
+def _take(x, runs, axis: int):
+    if x is None or runs == ((0, x.shape[axis]),):
+        return x
+    return jnp.concatenate([jax.lax.slice_in_dim(x, s, s + n, axis=axis) for s, n in runs], axis)
+
+
+def _row(coll, runs, k, v, pos, seg):
+    """The row's K, V (B, K, T, E), positions and documents: gathered over `context`, in position order."""
+    g = lambda x, axis: None if x is None else _take(coll.all_gather(x, "seq", axis), runs[0], axis)  # noqa: E731
+    return g(k, 2), g(v, 2), g(pos, 0), g(seg, 1)
+
+
+def _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window):
+    scale, softcap, tile = opts
+    kk, vv, pk, sk = _row(coll, runs, k, v, pos, seg)
+    o, lse = fb.forward(q, kk, vv, fb.Mask(pos, pk, seg, sk, window), scale, softcap, tile)
+    o = o.astype(q.dtype)
+    # the rank's own q, k, v, output and log-sum-exp: the backward gathers K and V again (autodiff would keep the
+    # row's)
+    return o, (q, k, v, o, lse, pos, seg, window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gathered(coll, opts, runs, q, k, v, pos, seg, window):
+    return _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window)[0]
+
+
+def _gathered_bwd(coll, opts, runs, res, do):
+    q, k, v, o, lse, pos, seg, window = res
+    scale, softcap, tile = opts
+    kk, vv, pk, sk = _row(coll, runs, k, v, pos, seg)
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    # dK and dV of the row in K's and V's dtype (each key tile's whole sum is made in float32 in one call), back in
+    # the ranks' order and reduce-scattered: each rank's block summed over every rank's queries
+    dq, dk, dv = fb.backward(q, kk, vv, fb.Mask(pos, pk, seg, sk, window), scale, lse, do, d, softcap, tile=tile)
+    dk, dv = (coll.reduce_scatter(_take(x, runs[1], 2), "seq", 2) for x in (dk, dv))
+    zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
+    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def all_gather(kernel, coll, positions_T, order_T):
+    """(q, k, v, segments=) -> o: K, V, the keys' positions and documents gathered over `context` and put in
+    position order (slices of the gathered row, `order_T` being the ranks' order of the row), the rank's queries
+    attending to them with models/kernels/flash_blocks.py (key tiles after a query tile's last position, or before
+    its window, are skipped: a balanced rank attends about 1/C of the row's pairs); its backward gathers K and V
+    again and reduce-scatters dK and dV."""
+    runs = (_runs(np.argsort(order_T)), _runs(order_T))  # the gathered row into position order, and back
+
+    def core(opts, q, k, v, pos, seg, window):
+        return _gathered(coll, opts, runs, q, k, v, pos, seg, window)
+    return blockwise(kernel, coll, positions_T, core)
 
 
 def _repeat_for(k, ranks: int):

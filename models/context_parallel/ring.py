@@ -22,11 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models.context_parallel.blockwise import blockwise
 from models.kernels import flash_blocks as fb
-from models.kernels.fast_cpu import _group, _kv, _ungroup
-
-Q, KV = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-
 
 def _shift(coll, xs):
     return tuple(None if x is None else coll.shift(x, "seq") for x in xs)
@@ -40,9 +37,9 @@ def _half(x, axis, second):
     return jax.lax.slice_in_dim(x, h if second else 0, x.shape[axis] if second else h, axis=axis)
 
 
-def _attend(opts, q, block, pos, seg, own=False):
+def _attend(opts, q, block, pos, seg, window, own=False):
     """(output (B, K, G, T, F) float32, log-sum-exp (B, K, G, T)) of the rank's queries against one K/V block."""
-    scale, window, softcap, balanced, tile = opts
+    scale, softcap, tile, balanced = opts
     kb, vb, pb, sb = block
     skip = window is not None  # off the diagonal causality hides nothing inside what is attended; a window may
 
@@ -67,33 +64,35 @@ def _attend(opts, q, block, pos, seg, own=False):
     return jax.lax.cond(before, head, tail)
 
 
-def _forward(coll, opts, q, k, v, pos, seg):
+def _forward(coll, opts, q, k, v, pos, seg, window):
     """(output (B, K, G, T, E) in q's dtype, log-sum-exp (B, K, G, T) float32)."""
     block = (k, v, pos, seg)
-    o, lse = _attend(opts, q, block, pos, seg, own=True)
+    o, lse = _attend(opts, q, block, pos, seg, window, own=True)
 
     def step(carry, _):
         (o, lse), block = carry
         block = _shift(coll, block)
-        return (fb.merge(o, lse, *_attend(opts, q, block, pos, seg)), block), None
+        return (fb.merge(o, lse, *_attend(opts, q, block, pos, seg, window)), block), None
     if coll.axis_size("seq") > 1:
         ((o, lse), _), _ = jax.lax.scan(step, ((o, lse), block), None, length=coll.axis_size("seq") - 1)
     return o.astype(q.dtype), lse
 
 
+# the window is an argument, not an option: a stack whose layers differ in window (Gemma's) traces it, and a
+# custom_vjp's non-differentiable arguments may hold no tracer
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(coll, opts, q, k, v, pos, seg):
-    return _forward(coll, opts, q, k, v, pos, seg)[0]
+def _ring(coll, opts, q, k, v, pos, seg, window):
+    return _forward(coll, opts, q, k, v, pos, seg, window)[0]
 
 
-def _ring_fwd(coll, opts, q, k, v, pos, seg):
-    o, lse = _forward(coll, opts, q, k, v, pos, seg)
-    return o, (q, k, v, o, lse, pos, seg)
+def _ring_fwd(coll, opts, q, k, v, pos, seg, window):
+    o, lse = _forward(coll, opts, q, k, v, pos, seg, window)
+    return o, (q, k, v, o, lse, pos, seg, window)
 
 
-def _grads(opts, q, block, pos, seg, lse, do, d, dq, own=False):
+def _grads(opts, q, block, pos, seg, window, lse, do, d, dq, own=False):
     """The rank's queries' part of one block's gradients, added in place: (dq, the block's dK and dV accumulators)."""
-    scale, window, softcap, balanced, tile = opts
+    scale, softcap, tile, balanced = opts
     kb, vb, pb, sb, dkb, dvb = block
     skip = window is not None
 
@@ -123,16 +122,16 @@ def _grads(opts, q, block, pos, seg, lse, do, d, dq, own=False):
 
 
 def _ring_bwd(coll, opts, res, do):
-    q, k, v, o, lse, pos, seg = res
+    q, k, v, o, lse, pos, seg, window = res
     C = coll.axis_size("seq")
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     dq, dk, dv = _grads(opts, q, (k, v, pos, seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
-                        pos, seg, lse, do, d, jnp.zeros(q.shape, jnp.float32), own=True)
+                        pos, seg, window, lse, do, d, jnp.zeros(q.shape, jnp.float32), own=True)
 
     def step(carry, _):
         dq, block = carry
         block = _shift(coll, block)
-        dq, dkb, dvb = _grads(opts, q, block, pos, seg, lse, do, d, dq)
+        dq, dkb, dvb = _grads(opts, q, block, pos, seg, window, lse, do, d, dq)
         return (dq, block[:4] + (dkb, dvb)), None
     if C > 1:
         (dq, block), _ = jax.lax.scan(step, (dq, (k, v, pos, seg, dk, dv)), None, length=C - 1)
@@ -142,30 +141,17 @@ def _ring_bwd(coll, opts, res, do):
     else:
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
-    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg)
+    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring(kernel, coll, positions_T, balanced: bool = False):
-    """(q, k, v, segments=) -> o by ring attention, in a region manual over every mesh axis. `kernel`'s window (a
-    uniform one, models/layers.py) applies; a family's own window, soft-cap and scale come as options. `balanced`:
-    the ranks hold the head-tail order (models/context_parallel/gather.py `order`), whose halves the steps skip."""
-    own = getattr(kernel, "keywords", {}).get("window")
-    tile = getattr(kernel, "keywords", {}).get("block") or fb.TILE  # the kernel's query block (model.attention_block)
+    """(q, k, v, segments=, window=, softcap=, scale=) -> o by ring attention, in a region manual over every mesh
+    axis (models/context_parallel/blockwise.py: `kernel`'s window and block read, a family's options
+    taken). `balanced`: the ranks hold the head-tail order (gather.py `order`), whose halves the steps skip."""
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
-        window = own if window is None else window
-
-        def rank(q, k, v, pos, *seg):
-            K, E = k.shape[2], q.shape[-1]
-            opts = (E ** -0.5 if scale is None else scale, window or None if isinstance(window, int) else window,
-                    softcap, balanced, tile)
-            o = _ring(coll, opts, _group(q, K), _kv(k), _kv(v), pos, seg[0] if seg else None)
-            return _ungroup(o)
-        args, axes = (q_BTHE, k_BTKE, v_BTKE, positions_T), (Q, KV, KV, ("seq",))
-        if segments is not None:
-            args, axes = args + (segments,), axes + (("batch", "seq"),)
-        return coll.region(rank, axes, Q)(*args)
-    return attend
+    def core(opts, q, k, v, pos, seg, window):
+        return _ring(coll, opts + (balanced,), q, k, v, pos, seg, window)
+    return blockwise(kernel, coll, positions_T, core)

@@ -103,9 +103,10 @@ def forward(q, k, v, mask: Mask, scale: float, softcap=None, tile: int = TILE, s
 
 def backward(q, k, v, mask: Mask, scale: float, lse, do, d, softcap=None, into=None, tile: int = TILE,
              skip: bool = True):
-    """(dQ (B, K, G, Tq, E), dK (B, K, S, E), dV (B, K, S, F)), float32, of this block's part of the attention, given
+    """(dQ (B, K, G, Tq, E) float32, dK (B, K, S, E), dV (B, K, S, F)) of this block's part of the attention, given
     the row's log-sum-exp `lse` and output gradient `do`, and d = sum(do * o) over F with the row's output o; added to
-    `into`'s three accumulators in place where given; `skip` as forward's."""
+    `into`'s three accumulators in place where given (in their dtypes), else dK and dV in k's and v's dtype (each
+    key tile's sum is whole in one call, made in float32); `skip` as forward's."""
     Tq, S = q.shape[3], k.shape[2]
     nq, nk = tile_for(Tq, tile), tile_for(S, tile)
     q_lo, q_hi = _ends(mask.pq, nq)
@@ -134,12 +135,12 @@ def backward(q, k, v, mask: Mask, scale: float, lse, do, d, softcap=None, into=N
         # the last whose first query is inside the window of its last key
         first = jnp.sum(q_hi < k_lo[j]) if skip else 0
         last = Tq // nq if mask.window is None or not skip else jnp.sum(q_lo < k_hi[j] + mask.window)
-        dk, dv, dq = _loop(first, last, Tq // nq, query_tile, (_cut(grads[1], j, nk, 2), _cut(grads[2], j, nk, 2),
-                                                                 grads[0]))
-        put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x, j * nk, 2)  # noqa: E731
+        f32 = lambda x: _cut(x, j, nk, 2).astype(jnp.float32)  # noqa: E731
+        dk, dv, dq = _loop(first, last, Tq // nq, query_tile, (f32(grads[1]), f32(grads[2]), grads[0]))
+        put = lambda whole, x: jax.lax.dynamic_update_slice_in_dim(whole, x.astype(whole.dtype), j * nk, 2)  # noqa
         return dq, put(grads[1], dk), put(grads[2], dv)
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-    return _loop(0, S // nk, S // nk, key_tile, into or (zeros(q), zeros(k), zeros(v)))
+    return _loop(0, S // nk, S // nk, key_tile, into or (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k),
+                                                          jnp.zeros_like(v)))
 
 
 def merge(o, lse, o_b, lse_b):
