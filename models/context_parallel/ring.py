@@ -37,6 +37,16 @@ def _half(x, axis, second):
     return jax.lax.slice_in_dim(x, h if second else 0, x.shape[axis] if second else h, axis=axis)
 
 
+def _steps(n: int, body, carry):
+    """body(carry) n times, in a while loop rather than a scan: differentiating a layer inlines the custom VJP's
+    forward, and JAX's partial evaluation would split a scan's constants out of it and keep them stacked per step
+    (the zeros each step's kernel starts from: f32[7, 1, 32, 1, 16384, 128] at 131,072 tokens over 8 ranks, 1.9 GB
+    for a 7B; models/kernels/flash_blocks.py `_loop`)."""
+    if n < 1:
+        return carry
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[1])), (jnp.int32(0), carry))[1]
+
+
 def _attend(opts, q, block, pos, seg, window, own=False):
     """(output (B, K, G, T, F) float32, log-sum-exp (B, K, G, T)) of the rank's queries against one K/V block."""
     scale, softcap, tile, balanced = opts
@@ -69,12 +79,11 @@ def _forward(coll, opts, q, k, v, pos, seg, window):
     block = (k, v, pos, seg)
     o, lse = _attend(opts, q, block, pos, seg, window, own=True)
 
-    def step(carry, _):
+    def step(carry):
         (o, lse), block = carry
         block = _shift(coll, block)
-        return (fb.merge(o, lse, *_attend(opts, q, block, pos, seg, window)), block), None
-    if coll.axis_size("seq") > 1:
-        ((o, lse), _), _ = jax.lax.scan(step, ((o, lse), block), None, length=coll.axis_size("seq") - 1)
+        return fb.merge(o, lse, *_attend(opts, q, block, pos, seg, window)), block
+    (o, lse), _ = _steps(coll.axis_size("seq") - 1, step, ((o, lse), block))
     return o.astype(q.dtype), lse
 
 
@@ -128,13 +137,13 @@ def _ring_bwd(coll, opts, res, do):
     dq, dk, dv = _grads(opts, q, (k, v, pos, seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
                         pos, seg, window, lse, do, d, jnp.zeros(q.shape, jnp.float32), own=True)
 
-    def step(carry, _):
+    def step(carry):
         dq, block = carry
         block = _shift(coll, block)
         dq, dkb, dvb = _grads(opts, q, block, pos, seg, window, lse, do, d, dq)
-        return (dq, block[:4] + (dkb, dvb)), None
+        return dq, block[:4] + (dkb, dvb)
     if C > 1:
-        (dq, block), _ = jax.lax.scan(step, (dq, (k, v, pos, seg, dk, dv)), None, length=C - 1)
+        dq, block = _steps(C - 1, step, (dq, (k, v, pos, seg, dk, dv)))
         # the accumulators home: one more step, in k's dtype (the cast first: half the bytes in bfloat16, the same
         # values)
         dk, dv = _shift(coll, (block[4].astype(k.dtype), block[5].astype(v.dtype)))
