@@ -221,6 +221,28 @@ def test_7b_zero3_compiles_for_a_128_chip_v5p_pod(capsys):
     assert len(err) == 1 and "RESOURCE_EXHAUSTED" in err[0] and "model.remat=full" in err[0], err
 
 
+# MaxText 0.2.5's train_compile of llama2-7b, one sequence of 131,072 tokens, ici_context_parallelism=8, flash
+# attention, remat full, v5p-16 (8 chips): XLA:TPU temp per chip under jax 0.12.0.1 and libtpu 0.0.50.1
+# (docs/performance.md's long-context table)
+MAXTEXT_7B_131K_TEMP = 24_690_000_000
+
+
+@pytest.mark.slow
+def test_7b_at_131072_tokens_over_8_v5p_chips_fits_in_maxtexts_memory(capsys):
+    """docs/performance.md's long-context command for the ring (about a minute here): XLA:TPU's temp per chip at most
+    1.05x MaxText's for the same model, sequence and chips, and the step fits by XLA:TPU's own figure (before the
+    ring attended blockwise: 104.3 GB, and 95.9 GB while JAX's partial evaluation stacked its masks)."""
+    import json
+
+    from trainer.cli import main
+    args = ["plan", "model.preset=7b", "model.seq_len=131072", "mesh.data=1", "mesh.context=8", "train.batch_size=1",
+            "train.zero_stage=3", "train.dtype=bfloat16", "model.remat=full", "train.context_attention=ring",
+            "--json", "--compile-for", "v5p:2x2x2"]
+    assert main(args) == 0
+    x = json.loads(capsys.readouterr().out)["xla_tpu"]
+    assert x["fits"] and x["temp_bytes"] <= 1.05 * MAXTEXT_7B_131K_TEMP, x["temp_bytes"]
+
+
 def test_with_libtpu_installed_a_cpu_process_starts_no_tpu_runtime(tmp_path):
     """JAX_PLATFORMS unset, libtpu installed, no chip: bare jax starts libtpu (its warnings on stderr);
     importing meshtrain first leaves TPU out (trainer/platforms.py): no warning, the CPU devices, and

@@ -60,7 +60,12 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platfor
     elif st.context_attention == "ring":
         out = _ring_transfers(mc, st, n, a, block, uses, forwards, documents, pairwise_ring(platform))
     else:
-        out = _gather_transfers(mc, st, block, uses, forwards, documents, rows)
+        # the all-gather's backward gathers K and V again (models/context_parallel/gather.py): a second gather per
+        # layer wherever the backward runs in a loop of its own (scanned layers) or beside a recomputed forward
+        # (XLA sends those two once); unrolled without remat XLA merges it with the forward's
+        L = mc.n_layers // st.stage
+        scanned = mc.scan_layers or (mc.scan_layers is None and (L > 8 or st.remat != "none"))
+        out = _gather_transfers(mc, st, block, uses, 2 if scanned or forwards > 1 else 1, documents, rows)
     if st.balance:  # the step's reorder of each row (int32 / float32 fields it reads: tokens, targets, loss weights,
         # and with documents their ids and positions), all-gathered over `context` and sliced
         fields = 5 if documents else 3
@@ -121,12 +126,13 @@ def _ring_transfers(mc, st: Strategy, n: int, a: int, block: float, uses: int, f
 
 def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, documents: bool,
                       rows: int) -> list[Transfer]:
-    """models/context_parallel/gather.py all_gather: each layer's K and V gathered, dK and dV reduce-scattered back, the tokens'
-    positions (and documents) gathered once per microbatch."""
+    """models/context_parallel/gather.py all_gather: each layer's K and V gathered (`forwards` times: 2 where the
+    backward gathers them again), dK and dV reduce-scattered back, the tokens' positions (and documents) gathered once
+    per microbatch."""
     C, m = st.context, st.microbatches
     ag = bus_factor("all-gather", C)
     return [Transfer(CONTEXT, "all-gather", "K and V gathered over context (forward"
-                    + (", again where recomputed)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
+                    + (", again in the backward)" if forwards > 1 else ")"), forwards * uses * ag * 2 * C * block,
                     2 * forwards * uses),
            Transfer(CONTEXT, "reduce-scatter", "dK and dV reduce-scattered over context (backward)",
                     uses * ag * 2 * C * block, 2 * uses),
