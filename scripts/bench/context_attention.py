@@ -19,8 +19,9 @@ runs alternating:
 Each rank runs alone, on one device: the collectives are stood in for by what the rank would receive (the gathered
 row's positions are the real ones, its K/V values repeated; the ring's next block carries the previous rank's
 positions, so each step takes the branch it takes in training). What is timed is a rank's compute, not the
-collectives. The median over rounds of each one's time per call and its ratio to the whole row's are printed, and
-for each strategy the slowest rank against the fastest.
+collectives. The median over rounds of each one's time per call is printed, and the median over rounds of its time against
+that round's whole row (this host's speed drifts within a run); for each strategy the slowest rank against the
+fastest, by those ratios.
 """
 from __future__ import annotations
 
@@ -124,17 +125,19 @@ def main():
             t0 = time.perf_counter()
             run()
             took[name].append((time.perf_counter() - t0) / a.steps)
+    # each round's ratios to that round's whole row (this host's speed drifts within a run), then their medians
     med = {name: statistics.median(ts) for name, ts in took.items()}
-    base = med["whole row"]
+    ratio = {name: statistics.median(t / w for t, w in zip(ts, took["whole row"])) for name, ts in took.items()}
     print(f"causal attention forward + backward, T={T}, C={C} {'unbalanced' if a.unbalanced else 'balanced'}, "
-          f"{H} heads of {E}, tiles of {a.tile}, float32, median of {a.rounds} rounds:")
+          f"{H} heads of {E}, tiles of {a.tile}, float32, median of {a.rounds} rounds (ratio: the median of each "
+          f"round's ratio to its whole row):")
     for name, t in med.items():
-        print(f"  {name:<18} {1e3 * t:8.1f} ms  {t / base:5.2f}x")
+        print(f"  {name:<18} {1e3 * t:8.1f} ms  {ratio[name]:6.3f}x")
     for s in ("all_gather", "ring"):
         for tile in tiles:
-            ts = [med[named(s, r, tile)] for r in range(C)]
-            print(f"  {s}, tiles of {tile}: slowest rank {max(ts) / base:.2f}x the whole row, slowest / fastest "
-                  f"{max(ts) / min(ts):.2f}")
+            rs = [ratio[named(s, r, tile)] for r in range(C)]
+            print(f"  {s}, tiles of {tile}: slowest rank {max(rs):.3f}x the whole row, slowest / fastest "
+                  f"{max(rs) / min(rs):.2f}")
 
 
 if __name__ == "__main__":
