@@ -10,6 +10,7 @@ experts over `data` (expert parallelism) the tokens reach their experts' ranks b
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -152,12 +153,13 @@ IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
-                collectives=LOCAL, slots: tuple | None = None):
+                collectives=LOCAL, slots: tuple | None = None, routed: float | None = None):
     """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
     Where the run's rules split the experts over `data` (expert parallelism), each rank's tokens reach the ranks
     holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
     per row)) by all-to-all in fixed per-row slots; dropless, the ranks' tokens gathered and the results
-    reduce-scattered (_experts_gathered)."""
+    reduce-scattered (_experts_gathered), or with `routed` (a buffer factor) sent to their experts' ranks and back
+    by all-to-all in buffers of `routed` x the balanced share (_experts_routed)."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
     fn = FORMULATIONS[name]
     if name == "megablox":
@@ -170,6 +172,8 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     def rank(h, i, k, w, ws, slot):
         if collectives.axis_size("experts") == 1:
             y = fn(h, i, k, w, ws, silu)
+        elif slots is None and routed:
+            y = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed)
         elif slots is None:
             y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
         else:
@@ -220,3 +224,60 @@ def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_N
     back = coll.all_to_all(y, "experts", 1, 0).reshape(X * B * C, D)  # (X, B, C, D): my tokens' outputs
     y_NKD = back.at[at_NK].get(mode="fill", fill_value=0)
     return jnp.einsum("nk,nkd->nd", w_NK, y_NKD)
+
+
+def buffer_rows(M: int, R: int, factor: float) -> int:
+    """Rows of each destination's buffer for M choices over R ranks: `factor` x the balanced share M / R, whole
+    multiples of 8, at most M (a rank never sends more)."""
+    share = -(-int(math.ceil(factor * M)) // R)
+    return min(M, -(-share // 8) * 8)
+
+
+def routes(dest_M, R: int, cap: int):
+    """How a rank's choices travel to the ranks holding their experts: dest_M (M,) each choice's rank, R for one
+    not sent. (order (M,): the choices sorted by rank, stably; sizes (R,) int32: choices to each rank; offsets (R,):
+    where each rank's run starts in that order; slot (M,): each sorted choice's place in its rank's run; over: some
+    run longer than cap). One function for the padded buffers of the all-to-all (CPU) and the ragged all-to-all's
+    offsets and sizes (TPU)."""
+    M = dest_M.shape[0]
+    order = jnp.argsort(dest_M, stable=True)
+    d = dest_M[order]
+    sizes = jnp.sum(jax.nn.one_hot(dest_M, R, dtype=jnp.int32), axis=0)
+    offsets = jnp.cumsum(sizes) - sizes
+    slot = jnp.arange(M, dtype=jnp.int32) - offsets[jnp.minimum(d, R - 1)]
+    return order, sizes, offsets, slot, jnp.any(sizes > cap)
+
+
+def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float):
+    """Dropless expert parallelism by all-to-all: each kept choice's token sent to the rank holding its expert in a
+    buffer of buffer_rows(M, R, factor) rows per destination (with its expert there and its routing weight), that
+    rank's experts run on the rows it received, the weighted results sent back by the reverse all-to-all and added
+    to their tokens. Bytes per rank: R x rows x D each way, fixed by the factor, not growing with R as the
+    gathered path's R x N x D. Where some rank's choices for some destination overflow its buffer, every rank
+    (one psum of the flag) takes the gathered path instead: no choice is ever dropped."""
+    El, R = weights[0].shape[0], coll.axis_size("experts")
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    M = N * K
+    cap = buffer_rows(M, R, factor)
+    dest_M = jnp.where(keep_NK, idx_NK // El, R).reshape(-1)
+    order, _, _, slot, over = routes(dest_M, R, cap)
+    d = dest_M[order]
+    token = order // K
+    at = jnp.where((d < R) & (slot < cap), d * cap + slot, R * cap)  # past the end: not sent
+
+    def routed():
+        def put(x, fill):
+            return jnp.full((R * cap,) + x.shape[1:], fill, x.dtype).at[at].set(x, mode="drop")
+        there = lambda x: coll.all_to_all(x.reshape((R, cap) + x.shape[1:]), "experts", 0, 0).reshape(  # noqa
+            (R * cap,) + x.shape[1:])
+        x = there(put(h_ND[token], 0))
+        e = there(put(idx_NK.reshape(-1)[order] - d * El, El))  # the expert among the receiver's El; El: no row
+        w = there(put(w_NK.reshape(-1)[order], 0))
+        mine = e < El
+        y = fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+        back = there(y)  # each row home, where it was sent from
+        return jnp.zeros((N, D), y.dtype).at[token].add(back.at[at].get(mode="fill", fill_value=0))
+
+    def exact():
+        return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu)
+    return jax.lax.cond(coll.psum(over.astype(jnp.int32), "experts") > 0, exact, routed)
