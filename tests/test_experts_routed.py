@@ -53,6 +53,6 @@ def test_routed_experts_over_4_ranks_equal_the_loop(factor):
     _close(got, want)
     assert "all-to-all" in hlo
     # the overflow flag, from the choices per (rank, destination) against the buffer
-    dest = np.asarray(idx).reshape(4, -1) // 1  # one expert per rank
+    dest = np.asarray(idx).reshape(4, -1)  # each rank's choices' destinations: one expert per rank
     per = np.stack([np.bincount(r, minlength=4) for r in dest])
     assert (per.max() > experts.buffer_rows(dest.shape[1], 4, factor)) == (factor < 1)

@@ -1,13 +1,13 @@
-"""The ring's and the all-gather's compiled train steps, read from their HLO (8 simulated CPU devices, T = 2048 over 4 context ranks: blocks of
-T/C = 512 tokens, tiles of 128): no float32 array of a block's scores anywhere ((512, 512), (512, 2048) or their
-transposes as the last two dimensions: the dense per-block scores the ring had were f32[1,2,2,512,512]), and the
-dots in each ring step after the first, counted through the loops that run them (their trip counts known to XLA),
-cover (T/C) x (T/2C) query-key pairs per head: balanced, both branches of every step's conditional; unbalanced, one
-branch runs no dot (a block from a later rank) and the other the whole block. XLA's cost analysis cannot show this:
-it counts a conditional's costliest branch and a loop body once. The all-gather's step (its loops' bounds are the
-tiles' positions, unknown to XLA: its work per rank is timed by scripts/bench/context_attention.py) holds no
-(T/C, T/C) or (T/C, T) block of scores either, nor one of a tile of queries against the row, (128, 2048): the
-all-gather before flash_blocks.py had f32[1,2,2,128,2048]."""
+"""The ring's and the all-gather's compiled train steps, read from their HLO (8 simulated CPU devices, T = 2048 over
+4 context ranks: blocks of T/C = 512 tokens, tiles of 128): no float32 array of a block's scores anywhere ((512, 512),
+(512, 2048) or their transposes as the last two dimensions: the dense per-block scores the ring had were
+f32[1,2,2,512,512]), and the dots in each ring step after the first, counted through the loops that run them (their
+trip counts known to XLA), cover (T/C) x (T/2C) query-key pairs per head: balanced, both branches of every step's
+conditional; unbalanced, one branch runs no dot (a block from a later rank) and the other the whole block. XLA's cost
+analysis cannot show this: it counts a conditional's costliest branch and a loop body once. The all-gather's step
+(its loops' bounds are the tiles' positions, unknown to XLA: its work per rank is timed by
+scripts/bench/context_attention.py) holds no (T/C, T/C) or (T/C, T) block of scores either, nor one of a tile of
+queries against the row, (128, 2048): the all-gather before flash_blocks.py had f32[1,4,2,128,2048]."""
 import math
 import re
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from models.context_parallel.blockwise import blockwise
 from models.kernels import flash_blocks as fb
 
+
 def _shift(coll, xs):
     return tuple(None if x is None else coll.shift(x, "seq") for x in xs)
 

@@ -1,7 +1,7 @@
 """Blockwise attention of a block of queries against a block of keys by the tokens' positions (FlashAttention's order),
 for context parallelism: the ring attends each passing K/V block with it, merging the blocks' outputs by their
-log-sum-exps (an online softmax over blocks); its backward takes the row's output and log-sum-exp, as FlashAttention's
-does, and returns the block's dQ, dK and dV.
+log-sum-exps (an online softmax over blocks), and the all-gather the row's gathered keys; its backward takes the row's
+output and log-sum-exp, as FlashAttention's does, and returns the block's dQ, dK and dV.
 
 Tiles of nq queries and nk keys: a query tile loops over the key tiles it can see, found from the tiles' smallest and
 largest positions, so causality and a window skip whole tiles and documents mask inside one; the backward loops over
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from models.kernels.attention import position_mask
-from models.kernels.flash_cpu import online
+from models.kernels.flash_cpu import _tile as _cut, online
 
 TILE = 512
 
@@ -31,16 +31,12 @@ class Mask(NamedTuple):
     pk: jax.Array
     sq: jax.Array | None
     sk: jax.Array | None
-    window: int | None
+    window: jax.Array | int | None  # the strategies pass a float32 scalar (a stack's layers may trace it)
 
 
 def tile_for(n: int, tile: int = TILE) -> int:
     """The largest divisor of n up to `tile`."""
     return max(d for d in range(1, min(n, tile) + 1) if n % d == 0)
-
-
-def _cut(x, i, n, axis):
-    return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * n, n, axis)
 
 
 def _loop(first, last, tiles: int, body, init):
