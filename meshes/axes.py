@@ -1,6 +1,6 @@
 """The mesh axes, in mesh order, and a mesh's shape (its sizes by name): the one place that lists the axes.
 
-Each axis's name is a constant here, DATA, STAGE, CONTEXT and MODEL, and AXES is built from them: code that names a
+Each axis's name is a constant here, DATA, STAGE, EXPERT, CONTEXT and MODEL, and AXES is built from them: code that names a
 mesh axis (a PartitionSpec's entry, a collective's axis, a rules entry, a mesh's size by name, a planner transfer's
 axis) imports the constant. A literal "data", "stage", "context" or "model" in such a place outside this file fails
 tests/test_axes.py (its rules list the places).
@@ -39,13 +39,18 @@ class Axis:
 
 
 # The axes' names, imported wherever code names a mesh axis (meshes/rules.py maps the logical axes to them).
-DATA, STAGE, CONTEXT, MODEL = "data", "stage", "context", "model"
+DATA, STAGE, EXPERT, CONTEXT, MODEL = "data", "stage", "expert", "context", "model"
 # Mesh order: the last axis is innermost, on neighbouring devices (`model` all-reduces in every layer: the fastest
 # links); the first takes what the others leave (-1).
 AXES = (
     Axis(DATA, "devices the batch (and ZeRO's state) is split over; -1: the devices left", -1,
          "hosts/slices `data` is split over (hybrid mesh: `model` stays inside a host)"),
     Axis(STAGE, "pipeline stages, each holding n_layers / stage layers", dcn="hosts/slices `stage` is split over"),
+    # an MoE's expert-parallel degree: the batch split over data x expert, an MoE layer's experts over `expert` alone,
+    # its tokens sent to them by all-to-all every MoE layer (N x k x D each way): inside a host (no DCN split), on
+    # the links inside `stage`'s
+    Axis(EXPERT, "expert-parallel ranks: an MoE's experts split over them (n_experts / expert each), the batch "
+         "split over data x expert, ZeRO's state too"),
     # inside `stage`, outside `model`: it all-gathers each layer's K/V (GQA: fewer bytes than `model`'s two
     # all-reduces of the activations per layer), so it takes the links next to model's
     Axis(CONTEXT, "ranks each sequence is split over (context parallelism): seq_len / context tokens of every "

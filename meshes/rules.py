@@ -11,8 +11,9 @@ ZeRO (DESIGN.md):
   stage 1: optimizer state sharded over `data`
   stage 2: + gradients reduce-scattered and kept sharded over `data`
   stage 3: + parameters sharded over `data`, all-gathered per layer
-A leaf whose logical axes the rules already map to `data` (e.g. experts="data": each data rank holds its own
-experts) is split by its rule: ZeRO adds nothing to it, and every stage keeps it split.
+A leaf whose logical axes the rules already map to a batch axis (e.g. experts="expert": each expert rank holds its own
+experts) is split by its rule at every stage; ZeRO shards it over the batch axes left (`data`, `context`), on
+another dimension.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshes.axes import CONTEXT, DATA, MODEL, STAGE
+from meshes.axes import DATA, MODEL, STAGE
 
 
 class Rules(Mapping):
@@ -149,9 +150,9 @@ class Layout:
         return _add_data(self.rules.spec(logical, shape, self.mesh), None, len(shape))
 
     def sharded_spec(self, shape, logical) -> P:
-        """Spec with the ZeRO split (over `zero_axes`) added."""
+        """Spec with the ZeRO split (over the leaf's `leaf_zero_axes`) added."""
         return _add_data(self.rules.spec(logical, shape, self.mesh), self.data_dim(shape, logical), len(shape),
-                         self.zero_axes)
+                         self.leaf_zero_axes(shape, logical))
 
     def param_spec(self, shape, logical) -> P:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 3 else self.compute_spec(shape, logical)
@@ -162,12 +163,18 @@ class Layout:
     def opt_spec(self, shape, logical) -> P:
         return self.sharded_spec(shape, logical) if self.zero_stage >= 1 else self.compute_spec(shape, logical)
 
+    def leaf_zero_axes(self, shape, logical) -> tuple[str, ...]:
+        """The mesh axes ZeRO shards a leaf over: `zero_axes` but those its rules split it over already (an MoE's
+        experts split over `expert`: ZeRO shards them over `data` alone, as MaxText's FSDP x expert)."""
+        split = self.rule_axes(shape, logical)
+        return tuple(a for a in self.zero_axes if a not in split)
+
     def data_dim(self, shape, logical) -> int | None:
-        """The dimension ZeRO shards over `data` (None: the leaf stays replicated, e.g. too small, or its rules
-        split it over `data` already); for manual collectives in shard_map too."""
-        k = math.prod(self.mesh.shape[a] for a in self.zero_axes)
+        """The dimension ZeRO shards over the leaf's `leaf_zero_axes` (None: the leaf stays replicated over them,
+        e.g. too small, or there are none left); for manual collectives in shard_map too."""
+        k = math.prod(self.mesh.shape[a] for a in self.leaf_zero_axes(shape, logical))
         base = self.rules.spec(logical, shape, self.mesh)
-        if k == 1 or set(self.zero_axes) & mesh_axes(base):
+        if k == 1:
             return None
         order = sorted((i for i in range(len(shape)) if logical[i] in ZERO_PREFERENCE),
                        key=lambda i: (ZERO_PREFERENCE.index(logical[i]), -shape[i]))
@@ -196,9 +203,10 @@ class Layout:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """The mesh axes ZeRO shards state over: the batch's, `data` (gradients are summed over it), and `context`
-        where the rules split sequences over it (a context rank is data-parallel for the weights)."""
-        return (DATA,) + ((CONTEXT,) if CONTEXT in mesh_axes(self.rules.spec(("seq",))) else ())
+        """The mesh axes ZeRO shards state over: the batch's (gradients are summed over them): `data`, `expert`
+        where the rules split rows over it too, and `context` where they split sequences over it (a context rank is
+        data-parallel for the weights)."""
+        return tuple(a for a in self.mesh.axis_names if a in mesh_axes(self.batch_spec()) or a == DATA)
 
     def batch_spec(self) -> P:
         """A (B, T) batch field's spec: rows over `data`, and each row's tokens over `context` where the rules

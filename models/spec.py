@@ -30,8 +30,9 @@ What it may give (a ModelSpec field each; [its default]; who reads it):
   experts_active  [None: no routing] experts a token runs: models/counts.py counts an expert weight at k of its E;
               not None makes the model `sparse`: the planner traces its layers at each row count and adds the experts'
               working set (trainer/plan/memory.py), trainer/config warns where its experts stay replicated
-  experts_over  [refused: no experts] why the experts cannot split over n expert-parallel ranks, or None:
-              train.expert_parallel (trainer/config expert_parallel; the rules entry `experts` then maps to `data`)
+  experts_over  [refused: no experts] why the experts cannot split over n expert-parallel ranks of a mesh axis, or
+              None: mesh.expert, or train.expert_parallel over `data` (trainer/config expert_parallel; the rules entry
+              `experts` then maps to that axis)
   expert_collectives  [[]] one layer's forward collectives over the expert-parallel axis (trainer/plan/comm.py)
   dispatch_rows  [one per choice] rows an MoE layer's dispatch holds (trainer/plan/memory.py)
   experts_line  [""] the train banner's words for the experts' layout (trainer/run/context.py)
@@ -165,7 +166,7 @@ def no_routing(c) -> None:
     return None
 
 
-def no_experts(c, ranks: int) -> str:
+def no_experts(c, ranks: int, axis: str = "data") -> str:
     return "the model has no experts"
 
 
@@ -177,7 +178,7 @@ def one_row_per_choice(c, tokens: int, platform: str) -> int:
     return tokens * (family(c.family).experts_active(c) or 0)
 
 
-def no_experts_line(c, data: int, split: bool) -> str:
+def no_experts_line(c, ranks: int, over: str | None) -> str:
     return ""
 
 

@@ -32,7 +32,7 @@ def four_axes():
     """A test-only configuration: the mesh axes with one more, `extra`, before `model` (where `context` went), and
     the config whose mesh section is made from them (trainer/config/sections.py)."""
     from trainer.config.sections import Config, mesh_section
-    axes = AXES[:3] + (Axis("extra", "a test-only axis that splits nothing"),) + AXES[3:]
+    axes = AXES[:4] + (Axis("extra", "a test-only axis that splits nothing"),) + AXES[4:]
     section = mesh_section(axes)
 
     @dataclasses.dataclass(frozen=True)
@@ -56,14 +56,15 @@ def test_a_fourth_axis_of_size_one_trains_as_three_axes():
     cfg = load_config(TINY + ["mesh.data=2", "mesh.model=4", "train.zero_stage=3"] + SGD)
     cfg4 = extended(cfg, extra=1)
     s3, s4 = make_setup(cfg), make_setup(cfg4)
-    assert list(s4.mesh.shape.items()) == [("data", 2), ("stage", 1), ("context", 1), ("extra", 1), ("model", 4)]
+    assert list(s4.mesh.shape.items()) == [("data", 2), ("stage", 1), ("expert", 1), ("context", 1), ("extra", 1),
+                                           ("model", 4)]
     assert s4.mesh.devices.ravel().tolist() == s3.mesh.devices.ravel().tolist()
     three, four = train_setup(s3), train_setup(s4)
     np.testing.assert_array_equal(four.losses, three.losses)
     np.testing.assert_array_equal(four.grad_norms, three.grad_norms)
     jax.tree.map(np.testing.assert_array_equal, four.params, three.params)
     st3, st4 = strategy_of(cfg, 8), strategy_of(cfg4, 8)
-    assert st4.describe().startswith("data=2 stage=1 context=1 extra=1 model=4 ZeRO-3") and st4.devices == 8
+    assert st4.describe().startswith("data=2 stage=1 expert=1 context=1 extra=1 model=4 ZeRO-3") and st4.devices == 8
     dev = get_device("h100-80g")
     p3, p4 = (estimate(s3.model, cfg.train, st, dev, 1, "float32", "cpu") for st in (st3, st4))
     assert (p4.total_bytes, p4.comm_bytes) == (p3.total_bytes, p3.comm_bytes) and p3.total_bytes > 0
@@ -74,13 +75,13 @@ def test_the_config_section_has_a_key_per_axis():
     test-only axis's key is range-checked like the others'."""
     from trainer.config import all_keys, load_config, validate
     from trainer.errors import UserError
-    assert all_keys("mesh.") == ["mesh.preset", "mesh.data", "mesh.stage", "mesh.context", "mesh.model",
+    assert all_keys("mesh.") == ["mesh.preset", "mesh.data", "mesh.stage", "mesh.expert", "mesh.context", "mesh.model",
                                  "mesh.dcn_data", "mesh.dcn_stage", "mesh.dcn_context"]
     axes, extended = four_axes()
     cfg4 = extended(load_config(TINY + ["mesh.data=-1", "mesh.model=2"]), extra=2)
-    assert [f.name for f in dataclasses.fields(cfg4.mesh)] == ["preset", "data", "stage", "context", "extra",
-                                                                "model", "dcn_data", "dcn_stage", "dcn_context"]
-    assert validate(cfg4, 8).as_dict() == {"data": 2, "stage": 1, "context": 1, "extra": 2, "model": 2}
+    assert [f.name for f in dataclasses.fields(cfg4.mesh)] == ["preset", "data", "stage", "expert", "context",
+                                                                "extra", "model", "dcn_data", "dcn_stage", "dcn_context"]
+    assert validate(cfg4, 8).as_dict() == {"data": 2, "stage": 1, "expert": 1, "context": 1, "extra": 2, "model": 2}
     with pytest.raises(UserError, match=r"^mesh.extra=0 must be -1 \(the rest\) or >= 1"):
         validate(dataclasses.replace(cfg4, mesh=dataclasses.replace(cfg4.mesh, extra=0)), 8)
 
@@ -89,9 +90,9 @@ def test_shapes_by_name():
     """The shape of a mesh: sizes by name in mesh order, -1 filled, a DCN split that does not divide refused, an
     axis a checkpoint lacks read as 1, the layout search's shapes in its order."""
     shape = resolve({"model": 2}, 8, {"data": 2})
-    assert shape.as_dict() == {"data": 4, "stage": 1, "context": 1, "model": 2} and str(shape) == "4x1x1x2"
-    assert (shape["data"], shape.devices, shape.dcn) == (4, 8, (2, 1, 1, 1))
-    assert shape.abstract().axis_names == ("data", "stage", "context", "model")
+    assert shape.as_dict() == {"data": 4, "stage": 1, "expert": 1, "context": 1, "model": 2} and str(shape) == "4x1x1x1x2"
+    assert (shape["data"], shape.devices, shape.dcn) == (4, 8, (2, 1, 1, 1, 1))
+    assert shape.abstract().axis_names == ("data", "stage", "expert", "context", "model")
     with pytest.raises(MeshError, match=r"^mesh.dcn_stage=2 does not divide mesh.stage=1"):
         resolve({}, 8, {"stage": 2})
     with pytest.raises(MeshError, match=r"2 axes set to -1 \(data, model\)"):
@@ -100,10 +101,11 @@ def test_shapes_by_name():
         shape["sequence"]
     axes, _ = four_axes()
     assert recorded({"data": 2, "stage": 2, "model": 2}, [a.name for a in axes]).as_dict() == \
-        {"data": 2, "stage": 2, "context": 1, "extra": 1, "model": 2}
+        {"data": 2, "stage": 2, "expert": 1, "context": 1, "extra": 1, "model": 2}
     assert [s.sizes for s in shapes(4, ["data", "stage", "model"])] == \
-        [(4, 1, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 1, 4)]
-    assert mesh_shape({"model": 4}).sizes == (1, 1, 1, 4)
+        [(4, 1, 1, 1, 1), (2, 2, 1, 1, 1), (1, 4, 1, 1, 1), (2, 1, 1, 1, 2), (1, 2, 1, 1, 2),
+         (1, 1, 1, 1, 4)]
+    assert mesh_shape({"model": 4}).sizes == (1, 1, 1, 1, 4)
 
 
 def test_a_checkpoint_of_5cbc3bb_restores(tmp_path):
@@ -129,7 +131,7 @@ def test_a_checkpoint_of_5cbc3bb_restores(tmp_path):
     ckpt = Checkpointer(s, run, log=said.append)
     state, step = ckpt.restore()
     ckpt.close()
-    assert step == 2 and "(saved on mesh data=2 stage=2 context=1 extra=1 model=2 ZeRO-1)" in said[0], said
+    assert step == 2 and "(saved on mesh data=2 stage=2 expert=1 context=1 extra=1 model=2 ZeRO-1)" in said[0], said
     got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
     assert sorted(got) == sorted(want)
     for k in want:

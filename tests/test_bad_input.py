@@ -14,8 +14,8 @@ from trainer.cli import main
 BASE = ["model.preset=tiny", "train.steps=1", "run.progress=false"]
 
 CASES = {
-    "mesh-product": (["mesh.data=3"], "mesh data=3 stage=1 context=1 model=1 has 3 devices but 8 are available"),
-    "mesh-rest-not-dividing": (["mesh.context=3"], "mesh data=-1 stage=1 context=3 model=1 cannot fill 8 devices: 8 "
+    "mesh-product": (["mesh.data=3"], "mesh data=3 stage=1 expert=1 context=1 model=1 has 3 devices but 8 are available"),
+    "mesh-rest-not-dividing": (["mesh.context=3"], "mesh data=-1 stage=1 expert=1 context=3 model=1 cannot fill 8 devices: 8 "
                                "is not divisible by 3"),
     "document-mask-without-documents": (["data.document_mask=true"],
                                         "data.document_mask=true needs documents, and synthetic data has none"),

@@ -84,10 +84,11 @@ TOY = register(ModelSpec(
     aux_counts=lambda c, batch: {"router_z": jnp.float32(batch["segment_ids"].size * c.n_layers)},
     aux_weights=lambda c: {"router_z": c.z_weight},
     experts_active=lambda c: 1,
-    experts_over=lambda c, ranks: None if c.experts % ranks == 0 else f"{c.experts} toy experts over {ranks} ranks",
+    experts_over=lambda c, ranks, axis="data": None if c.experts % ranks == 0 else
+    f"{c.experts} toy experts over {ranks} ranks",
     expert_collectives=toy_collectives,
-    experts_line=lambda c, data, split: f"toy experts {c.experts} {'over' if split else 'replicated over'} "
-                                        f"data={data} | ",
+    experts_line=lambda c, ranks, over: f"toy experts {c.experts} {'over' if over else 'replicated over'} "
+                                        f"data={ranks} | ",
     split_keys={"mlp": ("expert_ff",)}))
 MODEL = SGD + ["model.family=toy_moe", "train.expert_parallel=true"]
 SPLIT = ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"]

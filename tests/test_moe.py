@@ -383,7 +383,8 @@ SLOW = {
 @functools.lru_cache(maxsize=None)
 def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: float = 1.0):
     """`steps` steps of TINY + base + overrides from the initial state, the router's weights x router_scale: (each
-    step's metrics, the parameters, whether the run split its experts over `data`, the router's initial weights)."""
+    step's metrics, the parameters, the mesh axis the run split its experts over (None: replicated), the router's
+    initial weights)."""
     from meshes import devices_named
     from trainer.config import load_config
     from trainer.data.batches import Batches
@@ -402,16 +403,17 @@ def _train(overrides: tuple, steps=2, base: tuple = tuple(MOE), router_scale: fl
         for i in range(steps):
             state, m = step(state, jax.device_put(b.global_train(i), s.batch_sharding()))
             metrics.append({k: float(v) for k, v in m.items() if k in ("loss", "grad_norm") or "/" in k})
-    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"] == "data", router
+    return metrics, jax.tree.map(np.asarray, state["params"]), s.layout.rules["experts"], router
 
 
-def same_as_one_device(model, layout, base: tuple = tuple(MOE), router_scale: float = 1.0, split: bool = False):
+def same_as_one_device(model, layout, base: tuple = tuple(MOE), router_scale: float = 1.0, split: bool | str = False):
     """Loss, grad_norm, aux/..., moe/dropped (with a capacity: some dropped, the same fraction) and parameters of
-    `layout` against one device's, 1e-5; `split`: whether the layout splits the experts over `data` (asserted)."""
+    `layout` against one device's, 1e-5; `split`: the mesh axis the layout splits the experts over (True: `data`,
+    False: none) (asserted)."""
     want, want_p, _, _ = _train(tuple(model) + ONE, base=base, router_scale=router_scale)
-    got, got_p, was_split, _ = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
-    assert was_split == split
-    assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped"}
+    got, got_p, over, _ = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
+    assert over == ({True: "data", False: None}[split] if isinstance(split, bool) else split)
+    assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped", "moe/overflow"}
     for g, w in zip(got, want):
         assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w), (g, w)
     if any("capacity" in m for m in model):

@@ -203,7 +203,7 @@ def test_json_has_per_device_bytes(capsys):
     psi = param_count(mc) - norms
     assert doc["params_bytes"] == 4 * psi / 8 + 4 * norms  # fp32
     assert doc["opt_state_bytes"] == 8 * psi / 64 + 8 * norms / 8 + 8  # ZeRO-1: Adam moments also split over data
-    assert doc["links"] == {"model": "fast", "context": "fast", "stage": "fast", "data": "net"}  # 8 GPUs per node: data crosses
+    assert doc["links"] == {"model": "fast", "context": "fast", "expert": "fast", "stage": "fast", "data": "net"}  # 8 GPUs per node: data crosses
 
 
 def test_plan_help_and_docs_name_every_device():
@@ -223,10 +223,11 @@ def test_plan_help_and_docs_name_every_device():
 
 def test_links_follow_mesh_order_and_hosts():
     st = strategy_of(load_config(["model.preset=7b", "mesh.data=4", "mesh.model=16"]), 64)
-    assert links(st, H100, 4) == {"model": "net", "context": "net", "stage": "net", "data": "net"}  # 16 GPUs: 2 nodes
+    assert links(st, H100, 4) == {"model": "net", "context": "net", "expert": "net", "stage": "net", "data": "net"}  # 16 GPUs: 2 nodes
     st = strategy_of(load_config(["model.preset=7b", "mesh.data=8", "mesh.stage=2", "mesh.model=4",
                                   "train.microbatches=2"]), 64)
-    assert links(st, H100, 8) == {"model": "fast", "context": "fast", "stage": "fast", "data": "net"}
+    assert links(st, H100, 8) == {"model": "fast", "context": "fast", "expert": "fast", "stage": "fast",
+                                  "data": "net"}
     assert links(st, get_device("tpu-v5p"), 1)["data"] == "fast"  # one ICI slice
 
 
@@ -683,7 +684,7 @@ def test_lower_cuda_lists_the_explicit_collectives_and_says_cudnn_gave_way(capsy
                  "--devices", "256", "--lower", "cuda", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     ops = {(c["kind"], tuple(c["axes"])): c["ops"] for c in doc["collectives"]}
-    assert doc["mesh"] == {"data": 256, "stage": 1, "context": 1, "model": 1}
+    assert doc["mesh"] == {"data": 256, "stage": 1, "expert": 1, "context": 1, "model": 1}
     # one reduce-scatter per weight the ZeRO-3 gathers (embedding, final norm, 9 stacked layer weights)
     assert ops[("reduce-scatter", ("data",))] == ops[("all-gather", ("data",))] >= 11
     assert main(["plan", "--lower", "rocm"]) == 2

@@ -10,14 +10,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshes import CONTEXT, DATA, MODEL, RULES, Collectives, Layout, MeshError, Rules, build
+from meshes import CONTEXT, DATA, EXPERT, MODEL, RULES, Collectives, Layout, MeshError, Rules, build
 from models import ModelConfig, Placement, Transformer, abstract_model, params_of
 from models import batch as batch_fields
 from models.context_parallel.gather import ContextPlan, order
 from trainer import guard
 from trainer.parallel import localsgd
 from trainer.parallel.reduction import Decision, decide
-from trainer.config import Config, compute_dtype, expert_parallel, model_config, validate
+from trainer.config import Config, compute_dtype, experts_axis, model_config, validate
 from trainer.errors import UserError
 from trainer.optim import make_optimizer
 
@@ -68,25 +68,29 @@ class Setup:
                                      self.batch_sharding(), fields)
 
 
-def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1) -> Rules:
-    """The run's logical->mesh rules on `data` data ranks and `context` context ranks: the base table
-    (meshes/rules.py) and the entries its config adds (an MoE's experts over `data`: train.expert_parallel; each
-    sequence's tokens over `context`: context parallelism)."""
-    rules = RULES.replace(experts=DATA) if expert_parallel(cfg, data, quiet) else RULES
+def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1, expert: int = 1) -> Rules:
+    """The run's logical->mesh rules on `data` data ranks, `expert` expert ranks and `context` context ranks: the
+    base table (meshes/rules.py) and the entries its config adds (an MoE's experts over `expert`, the batch over
+    data x expert: mesh.expert; or the experts over `data`: train.expert_parallel; each sequence's tokens over
+    `context`: context parallelism)."""
+    over = experts_axis(cfg, data, quiet, expert)
+    rules = RULES.replace(batch=(DATA, EXPERT), experts=EXPERT) if over == EXPERT else \
+        RULES.replace(experts=DATA) if over == DATA else RULES
     return rules.replace(seq=CONTEXT) if context > 1 else rules
 
 
 def rules_by_data(cfg: Config):
-    """The rules a layout of the config may run with, as a function of its data ranks, for the planner's search:
-    train.expert_parallel null: with the experts split over `data` where they can be, and replicated; true: split
-    only (none where they cannot be: that layout is not a candidate); false: replicated."""
-    def rules(data: int) -> list[Rules]:
+    """The rules a layout of the config may run with, as a function of its data and expert ranks, for the planner's
+    search: mesh.expert > 1: the experts over `expert`; else train.expert_parallel null: with the experts split over
+    `data` where they can be, and replicated; true: split only (none where they cannot be: that layout is not a
+    candidate); false: replicated."""
+    def rules(data: int, expert: int = 1) -> list[Rules]:
         try:
-            split = expert_parallel(cfg, data, quiet=True)
+            over = experts_axis(cfg, data, quiet=True, expert=expert)
         except UserError:
             return []
-        return [RULES.replace(experts=DATA), RULES] if split and cfg.train.expert_parallel is None else \
-            [rules_for(cfg, data, quiet=True)]
+        return [RULES.replace(experts=DATA), RULES] if over == DATA and cfg.train.expert_parallel is None else \
+            [rules_for(cfg, data, quiet=True, expert=expert)]
     return rules
 
 
@@ -108,7 +112,8 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     model = mesh.shape[MODEL]
     mc = model_config(cfg)
     layout = Layout(mesh, cfg.train.zero_stage,
-                    rules_for(cfg, mesh.shape[DATA], context=mesh.shape.get(CONTEXT, 1)) if rules is None else rules)
+                    rules_for(cfg, mesh.shape[DATA], context=mesh.shape.get(CONTEXT, 1),
+                              expert=mesh.shape.get(EXPERT, 1)) if rules is None else rules)
     # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
     # rank repeats the one its query heads need; the collectives over the layout's logical axes
     context = mesh.shape.get(CONTEXT, 1)

@@ -132,7 +132,8 @@ def _manual_grads(s: Setup, params, batch, scale):
             return (_add(carry[0], parts), _add(carry[1], red.per_microbatch(reducer, g))), None
         # ZeRO-2 accumulates each leaf's reduce-scattered block
         scattered = jax.tree.map(lambda d: d if t.zero_stage == 2 else None, red.dims)
-        zeros = jax.tree.map(lambda x, d: jnp.zeros(_scattered_shape(x.shape, d, red.size), x.dtype), p, scattered)
+        zeros = jax.tree.map(lambda x, d, k: jnp.zeros(_scattered_shape(x.shape, d, k), x.dtype), p, scattered,
+                             red.scattered())
         if m == 1:
             (parts, g), _ = body((zero_parts(s.model), zeros), jax.tree.map(lambda x: x[0], mbs))
         else:

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 from models.config import DIM, FLOAT32, ModelConfig, key
 from models.layers import rms_norm
 from models.hf.moe import MIXTRAL_HF, QWEN2_MOE_HF, QWEN3_MOE_HF
-from models.kernels.experts import BY_PLATFORM, TILE, grouped_mlp, padded_tiles
+from models.kernels.experts import BY_PLATFORM, TILE, buffer_rows, grouped_mlp, padded_tiles
 from models.families.qwen import qwen2_inventory, qwen3_inventory
 from models.spec import LOCAL, LayerCall, ModelSpec, Param, register
 from models.families.llama import llama_inventory
 from models.transformer import layer, mlp_half as dense_half
 
 ROUTERS = ("topk_softmax", "softmax_topk")
-AUX = ("load_balance", "z_loss", "moe/dropped")
+AUX = ("load_balance", "z_loss", "moe/dropped", "moe/overflow")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,10 @@ class MoEConfig(ModelConfig):
     norm_topk_prob: bool = key(True, None, "MoE softmax_topk: the k probabilities divided by their sum")
     shared_expert_d_ff: int | None = key(None, DIM, "MoE: a shared expert of this width behind a sigmoid gate "
                                          "(Qwen2-MoE); null: none")
+    dispatch_factor: float = key(2.0, f">= -{FLOAT32} and <= {FLOAT32}", "MoE dropless under expert parallelism: "
+                                 "each rank's all-to-all buffer per destination holds this x the balanced share of its "
+                                 "choices; a layer where one overflows dispatches by the exact all-gather instead "
+                                 "(logged as moe/overflow); <= 0: always by all-gather")
 
     @property
     def sparse(self) -> bool:
@@ -63,39 +67,50 @@ def experts_active(c: MoEConfig) -> int | None:
     return c.n_experts_per_token if c.sparse else None
 
 
-def experts_over(c: MoEConfig, ranks: int) -> str | None:
-    """Why this model's experts cannot be split over `ranks` data ranks (trainer/config: expert parallelism), or
-    None."""
+def experts_over(c: MoEConfig, ranks: int, axis: str = "data") -> str | None:
+    """Why this model's experts cannot be split over `ranks` ranks of the mesh axis `axis` (trainer/config: expert
+    parallelism), or None."""
     if not c.sparse:
         return f"model.n_experts={c.n_experts} is a dense MLP: nothing to split"
     if c.n_experts % ranks:
-        return (f"model.n_experts={c.n_experts} is not divisible by mesh.data={ranks} (each data rank holds "
-                f"n_experts / mesh.data experts)")
+        return (f"model.n_experts={c.n_experts} is not divisible by mesh.{axis}={ranks} (each {axis} rank holds "
+                f"n_experts / mesh.{axis} experts)")
     return None
 
 
-def experts_line(c: MoEConfig, data: int, split: bool) -> str:
-    """The train banner's words for the experts' layout over `data` data ranks ('' for a dense MLP)."""
+def experts_line(c: MoEConfig, ranks: int, over: str | None) -> str:
+    """The train banner's words for the experts' layout: split over `ranks` ranks of the mesh axis `over`, or
+    replicated over `ranks` data ranks (over None); '' for a dense MLP."""
     if not c.sparse:
         return ""
-    if split:
-        return f"experts {c.n_experts} over data={data} ({c.n_experts // data} per data rank) | "
-    return f"experts {c.n_experts} replicated over data={data} | "
+    if over:
+        return f"experts {c.n_experts} over {over}={ranks} ({c.n_experts // ranks} per {over} rank) | "
+    return f"experts {c.n_experts} replicated over data={ranks} | "
 
 
-def expert_collectives(c: MoEConfig, tokens: int, ranks: int, a: int) -> list[tuple[str, str, float, bool, bool]]:
-    """One MoE layer's forward collectives over `data` under expert parallelism (grouped_mlp), for `tokens` tokens
-    per rank on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the
-    array as trainer/plan/comm.py counts it, whether its transpose runs in the backward, whether a recomputed
-    forward runs it again: what the backward reads)."""
+def expert_collectives(c: MoEConfig, tokens: int, ranks: int, a: int) -> list[tuple]:
+    """One MoE layer's forward collectives over the expert-parallel axis (grouped_mlp), for `tokens` tokens per rank
+    on `ranks` ranks, a bytes of the compute dtype (trainer/plan/comm.py): (kind, what, bytes of the array as
+    trainer/plan/comm.py counts it, whether its transpose runs in the backward, whether a recomputed forward runs it
+    again: what the backward reads[, True: only where a dispatch buffer overflows, the exact path])."""
     K, D, T = c.n_experts_per_token, c.d_model, c.seq_len
     C = capacity(c, T)
     if C is None:  # _experts_gathered: every rank's tokens, choices and weights gathered, the outputs scattered
         n = ranks * tokens  # (the outputs are weighted before their sum: the backward does not read them)
-        return [("all-gather", "tokens to every rank", n * D * a, True, True),
-                ("all-gather", "choices", n * K * 4, False, True),
-                ("all-gather", "routing weights", n * K * a, True, True),
-                ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
+        gathered = [("all-gather", "tokens to every rank", n * D * a, True, True),
+                    ("all-gather", "choices", n * K * 4, False, True),
+                    ("all-gather", "routing weights", n * K * a, True, True),
+                    ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
+        if c.dispatch_factor <= 0:
+            return gathered
+        # _experts_routed: buffers of buffer_rows per destination each way; the gathered path where one overflows
+        rows = ranks * buffer_rows(tokens * K, ranks, c.dispatch_factor)
+        return [("all-to-all", "tokens to their experts' ranks", rows * D * a, True, True),
+                ("all-to-all", "their experts there", rows * 4, False, True),
+                ("all-to-all", "their routing weights", rows * a, True, True),
+                ("all-to-all", "the weighted outputs back", rows * D * a, True, False),
+                ("all-reduce", "whether a buffer overflowed", 4, False, True)] + \
+            [(k, f"exact path: {w}", b, g, again, True) for k, w, b, g, again in gathered]
     slots = c.n_experts * (tokens // T) * C * D * a  # _experts_all_to_all: this rank's buffer
     # (the outputs come back unweighted: the routing weights' gradient reads them)
     return [("all-to-all", "tokens to their experts' slots", slots, True, True),
@@ -214,9 +229,11 @@ def router_losses(c: MoEConfig, logits_BTX, probs_BTX, idx_BTK, valid_BT, collec
 
 
 def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
-    """x + the experts of norm(x) (and the shared expert, where there is one); aux: the sums of the router losses
-    and of the dropped choices (their counts, every MoE layer's rows, tokens and choices, are `aux_counts`'s: the
-    stack's losses are means over its MoE layers and rows (tokens), as MaxText's; a dense layer adds 0)."""
+    """x + the experts of norm(x) (and the shared expert, where there is one); aux: the sums of the router losses,
+    of the dropped choices and of the tokens whose rank dispatched them by the exact path after a buffer overflowed
+    (models/kernels/experts.py _experts_routed) (their counts, every MoE layer's rows, tokens, choices and every
+    token padding included, are `aux_counts`'s: the stack's losses are means over its MoE layers and rows (tokens),
+    as MaxText's; a dense layer adds 0)."""
     if not c.sparse:
         y, _ = dense_half(c, p, x_BTD, call)
         z = jnp.zeros((), jnp.float32)
@@ -236,9 +253,9 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
     weights = tuple(p[k].astype(x_BTD.dtype) for k in ("expert_gate", "expert_up", "expert_down"))
     if slots is not None:  # each kept choice's slot, for the dispatch of expert parallelism
         slots = (slot_BTK.reshape(B * T, K), slots, T)
-    y_ND = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
-                       w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
-                       collectives=call.collectives, slots=slots)
+    y_ND, over_N = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
+                               w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
+                               collectives=call.collectives, slots=slots, routed=c.dispatch_factor, overflow=True)
     y_BTD = y_ND.reshape(B, T, D)
     if "shared_gate" in p:
         s = {k: p[k].astype(x_BTD.dtype) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}
@@ -248,7 +265,8 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
         y_BTD = y_BTD + jax.nn.sigmoid(jnp.einsum("btd,do->bto", h_BTD, s["shared_expert_gate"])) * shared_BTD
     balance, z = router_losses(c, logits_BTX, probs_BTX, idx_BTK, valid_BT, call.collectives)
     aux = {"load_balance": balance, "z_loss": z,
-           "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32))}
+           "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)),
+           "moe/overflow": jnp.sum(over_N)}
     return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
 
 
@@ -259,12 +277,14 @@ def aux_counts(c: MoEConfig, batch: dict) -> dict:
     v = (seg != 0).astype(jnp.float32) if c.documents else jnp.ones(seg.shape, jnp.float32)
     tokens, layers = jnp.sum(v), c.n_layers if c.sparse else 0  # every layer of a sparse stack is an MoE layer
     return {"load_balance": jnp.sum(jnp.max(v, axis=1)) * layers, "z_loss": tokens * layers,
-            "moe/dropped": tokens * c.n_experts_per_token * layers}
+            "moe/dropped": tokens * c.n_experts_per_token * layers,
+            "moe/overflow": jnp.asarray(seg.size * layers, jnp.float32)}
 
 
 def aux_weights(c: MoEConfig) -> dict:
-    """The losses' weights in the objective; the dropped fraction is a statistic (weight 0: logged only)."""
-    return {"load_balance": c.router_aux_loss, "z_loss": c.router_z_loss, "moe/dropped": 0.0}
+    """The losses' weights in the objective; the dropped and overflow fractions are statistics (weight 0: logged
+    only)."""
+    return {"load_balance": c.router_aux_loss, "z_loss": c.router_z_loss, "moe/dropped": 0.0, "moe/overflow": 0.0}
 
 
 def checks(c: MoEConfig) -> list:

@@ -2,9 +2,10 @@
 
 Letters as in models/families/moe.py: N tokens, k choices per token, M = N*k choices, X experts, F each expert's width.
 FORMULATIONS, one per platform (BY_PLATFORM, measured by scripts/bench/moe_formulations.py); `grouped_mlp` runs the
-platform's in a region manual over every axis, each data rank its own tokens; where the run's rules split the
-experts over `data` (expert parallelism) the tokens reach their experts' ranks by all-gather and reduce-scatter
-(dropless) or by all-to-all in fixed slots (with a capacity).
+platform's in a region manual over every axis, each batch rank its own tokens; where the run's rules split the
+experts over a mesh axis (`expert`, or `data`: expert parallelism) the tokens reach their experts' ranks by all-to-all
+in buffers of a factor x the balanced share, or by all-gather and reduce-scatter where a buffer would overflow
+(dropless), or by all-to-all in fixed slots (with a capacity).
 """
 
 from __future__ import annotations
@@ -153,13 +154,14 @@ IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
-                collectives=LOCAL, slots: tuple | None = None, routed: float | None = None):
+                collectives=LOCAL, slots: tuple | None = None, routed: float | None = None, overflow: bool = False):
     """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
-    Where the run's rules split the experts over `data` (expert parallelism), each rank's tokens reach the ranks
+    Where the run's rules split the experts over a mesh axis (expert parallelism), each rank's tokens reach the ranks
     holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
-    per row)) by all-to-all in fixed per-row slots; dropless, the ranks' tokens gathered and the results
-    reduce-scattered (_experts_gathered), or with `routed` (a buffer factor) sent to their experts' ranks and back
-    by all-to-all in buffers of `routed` x the balanced share (_experts_routed)."""
+    per row)) by all-to-all in fixed per-row slots; dropless, with `routed` (a buffer factor > 0) sent to their
+    experts' ranks and back by all-to-all in buffers of `routed` x the balanced share (_experts_routed), else the
+    ranks' tokens gathered and the results reduce-scattered (_experts_gathered). `overflow`: return (y, (N,) float32
+    1 where the token's rank dispatched by the exact path because some buffer overflowed, else 0)."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
     fn = FORMULATIONS[name]
     if name == "megablox":
@@ -170,18 +172,20 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     # bytes at (8,1,1), tests/test_moe_plan.py), through its slice of the experts' hidden units, the down
     # projection's partial sums added over `mlp` once, after the combine (N x D, not N x k x D)
     def rank(h, i, k, w, ws, slot):
+        over = jnp.zeros((), jnp.float32)
         if collectives.axis_size("experts") == 1:
             y = fn(h, i, k, w, ws, silu)
-        elif slots is None and routed:
-            y = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed)
+        elif slots is None and routed and routed > 0:
+            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed)
         elif slots is None:
             y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
         else:
             y = _experts_all_to_all(collectives, h, i, k, w, ws, silu, slot, *slots[1:])
-        return collectives.psum(y, "mlp")
+        return collectives.psum(y, "mlp"), jnp.broadcast_to(over, h.shape[:1])
     slot_NK = jnp.zeros_like(idx_NK) if slots is None else slots[0]
-    return collectives.region(rank, IN_AXES + (CHOICES,), TOKENS)(h_ND, idx_NK, keep_NK, w_NK, tuple(weights),
-                                                                   slot_NK)
+    y, over_N = collectives.region(rank, IN_AXES + (CHOICES,), (TOKENS, ("batch",)))(
+        h_ND, idx_NK, keep_NK, w_NK, tuple(weights), slot_NK)
+    return (y, over_N) if overflow else y
 
 
 def _local_choices(coll, idx_NK, keep_NK, El: int):
@@ -254,7 +258,8 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     rank's experts run on the rows it received, the weighted results sent back by the reverse all-to-all and added
     to their tokens. Bytes per rank: R x rows x D each way, fixed by the factor, not growing with R as the
     gathered path's R x N x D. Where some rank's choices for some destination overflow its buffer, every rank
-    (one psum of the flag) takes the gathered path instead: no choice is ever dropped."""
+    (one psum of the flag) takes the gathered path instead: no choice is ever dropped. (y, whether it was taken:
+    float32 0 or 1)."""
     El, R = weights[0].shape[0], coll.axis_size("experts")
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     M = N * K
@@ -280,4 +285,5 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
 
     def exact():
         return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu)
-    return jax.lax.cond(coll.psum(over.astype(jnp.int32), "experts") > 0, exact, routed)
+    taken = coll.psum(over.astype(jnp.int32), "experts") > 0
+    return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)

@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from meshes import CONTEXT, DATA, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
+from meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
 from models.spec import sparse
@@ -251,21 +251,35 @@ def compute_dtype(cfg: Config, platform: str) -> str:
     return cfg.train.dtype or ("float32" if platform == "cpu" else "bfloat16")
 
 
-def expert_parallel(cfg: Config, data: int, quiet: bool = False) -> bool:
-    """Whether the run splits its experts over `data` data ranks (train.expert_parallel; null: wherever it can, with a
-    log line where an MoE cannot, unless `quiet`). One line where it is asked for and cannot be."""
+def experts_axis(cfg: Config, data: int, quiet: bool = False, expert: int = 1) -> str | None:
+    """The mesh axis the run splits its experts over, or None (replicated): `expert` where mesh.expert > 1 (the
+    batch split over data x expert); else `data` by train.expert_parallel (null: wherever it can, with a log line
+    where an MoE cannot, unless `quiet`). One line where it is asked for and cannot be."""
     t, mc = cfg.train, model_config(cfg)
-    why = family(mc.family).experts_over(mc, data)
+    ranks, axis = (expert, EXPERT) if expert > 1 else (data, DATA)
+    why = family(mc.family).experts_over(mc, ranks, axis)
     if why is None and t.sync != "every_step":
         why = (f"train.sync={t.sync} keeps a whole replica on every data rank, and an expert-parallel rank holds only "
                f"its experts")
+    if expert > 1:
+        if why is not None:
+            raise UserError(f"mesh.expert={expert}: {why}; set mesh.expert to a divisor of model.n_experts, or 1")
+        if t.expert_parallel is False:
+            raise UserError(f"train.expert_parallel=false with mesh.expert={expert}, which splits the experts; set "
+                            "mesh.expert=1 to keep them replicated")
+        return EXPERT
     if t.expert_parallel is None:
         if why is not None and not quiet and data > 1 and sparse(mc):
             _warn_once(f"expert parallelism off: {why}; the experts are replicated over mesh.data")
-        return why is None and data > 1
+        return DATA if why is None and data > 1 else None
     if t.expert_parallel and why is not None:
         raise UserError(f"train.expert_parallel=true: {why}; set train.expert_parallel=false (experts replicated)")
-    return bool(t.expert_parallel) and data > 1
+    return DATA if t.expert_parallel and data > 1 else None
+
+
+def expert_parallel(cfg: Config, data: int, quiet: bool = False, expert: int = 1) -> bool:
+    """Whether the run splits its experts (experts_axis is not None)."""
+    return experts_axis(cfg, data, quiet, expert) is not None
 
 
 def validate(cfg: Config, n_devices: int) -> MeshShape:
@@ -278,12 +292,13 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         shape = shape_of(cfg.mesh, n_devices)  # the DCN split of each axis checked too
     except MeshError as e:
         raise UserError(str(e)) from None
-    data, stage, model = shape[DATA], shape[STAGE], shape[MODEL]
+    data, stage, model = shape[DATA] * shape[EXPERT], shape[STAGE], shape[MODEL]  # the batch over data x expert
+    rows = "mesh.data" if shape[EXPERT] == 1 else "mesh.data x mesh.expert"
     checks = _model_checks(cfg, mc, model) + [
         (t.batch_size % (data * t.microbatches) == 0,
-         f"train.batch_size={t.batch_size} is not divisible by mesh.data x train.microbatches = "
+         f"train.batch_size={t.batch_size} is not divisible by {rows} x train.microbatches = "
          f"{data} x {t.microbatches} (each microbatch of batch_size/microbatches rows is split over "
-         f"mesh.data); use a multiple of {data * t.microbatches}"),
+         f"{rows}); use a multiple of {data * t.microbatches}"),
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
@@ -302,7 +317,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
-    expert_parallel(cfg, data)
+    experts_axis(cfg, shape[DATA], expert=shape[EXPERT])
     if ignored := ignored_source(cfg.data):
         _warn_once(ignored)
     if ignored := ignored_dpo(cfg):

@@ -3,12 +3,13 @@ local SGD and the planner's traffic (trainer/plan/comm.py) read it.
 
 Gradients are summed over the mesh axes the batch is split over (`Layout.batch_axes`: `data`, and `context` where
 the rules split sequences), since each rank differentiates its own rows (its own tokens of them under `context`).
-Per leaf (`LeafReduction`), over those axes:
-  none            the rules split the leaf over them (e.g. experts="data"): each rank's slice has a gradient of its
-                  own, already summed over every rank's tokens (they reached it by all_to_all and came back);
-                  reducing it would add different experts' gradients together
+Per leaf (`LeafReduction`), over those axes but any its rules split it over (experts="expert": each rank's slice of
+the experts has a gradient of its own, already summed over its expert ranks' tokens, which reached it by all-to-all
+and came back; summing over `expert` would add different experts' gradients together):
+  none            the rules split the leaf over every batch axis: nothing to sum
   reduce-scatter  ZeRO 2/3, the leaf has a ZeRO dimension: summed, each rank keeping its block
   all-reduce      the rest: summed, each rank keeping the whole
+The reducers read the axes a leaf is summed over from its compute spec (trainer/parallel/sync.py `Psum.over`).
 and where (`Decision.where`):
   compiler   grad_sync=auto, ZeRO 0/1, one microbatch (or one data rank), whole rows: plain jit, XLA inserts the
              sums
@@ -62,10 +63,10 @@ def where_of(layout: Layout, grad_sync: str, microbatches: int) -> str:
 def leaf_reduction(layout: Layout, shape, logical) -> LeafReduction:
     axes = layout.batch_axes
     split = tuple(a for a in axes if a in layout.rule_axes(shape, logical))
+    left = tuple(a for a in axes if a not in split)
     dim = layout.data_dim(shape, logical)
-    kind = NONE if split else REDUCE_SCATTER if layout.zero_stage >= 2 and dim is not None else ALL_REDUCE
-    return LeafReduction(kind, tuple(a for a in axes if a not in split), dim, layout.compute_spec(shape, logical),
-                         split)
+    kind = NONE if not left else REDUCE_SCATTER if layout.zero_stage >= 2 and dim is not None else ALL_REDUCE
+    return LeafReduction(kind, left, dim, layout.compute_spec(shape, logical), split)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -133,33 +134,25 @@ class Decision:
         if zero == 2:
             return self._apply(g, (ALL_REDUCE, REDUCE_SCATTER), reducer.reduce_scatter_tree)
         if zero >= 3:
-            return self._apply(g, (ALL_REDUCE,), lambda xs, ds, ss: [reducer.all_reduce(x) for x in xs])
+            return self._apply(g, (ALL_REDUCE,), lambda xs, ds, ss: [reducer.all_reduce(x, sp) for x, sp in zip(xs, ss)])
         return g
 
-    def rest(self, g):
-        """Leaves the rules split over some batch axes (kind NONE) summed over the batch axes left: experts split
-        over `data` under context parallelism, each context rank's tokens gave its experts part of their
-        gradient."""
-        xs, treedef = jax.tree.flatten(g)
-        rs = treedef.flatten_up_to(self.leaves)
-        return jax.tree.unflatten(treedef, [jax.lax.psum(x, r.axes) if r.kind == NONE and r.axes else x
-                                            for x, r in zip(xs, rs)])
-
     def per_step(self, reducer, g):
-        """The explicit step's reduction after accumulation: ZeRO 0/1 one all-reduce; ZeRO 2/3 nothing (a leaf
-        split by its rules: `rest`, at every stage)."""
-        g = self.rest(g)
+        """The explicit step's reduction after accumulation: ZeRO 0/1 one all-reduce; ZeRO 2/3 nothing."""
         if self.layout.zero_stage >= 2:
             return g
         return self._apply(g, (ALL_REDUCE,), reducer.all_reduce_tree)
 
     def once(self, reducer, g):
         """The pipeline's reduction of the step's gradients, once: reduce-scatter for ZeRO 2/3 (all-reduce where a
-        leaf has no ZeRO dimension), else all-reduce (a leaf split by its rules: `rest`)."""
-        g = self.rest(g)
+        leaf has no ZeRO dimension), else all-reduce."""
         if self.layout.zero_stage >= 2:
             return self._apply(g, (ALL_REDUCE, REDUCE_SCATTER), reducer.reduce_scatter_tree)
         return self._apply(g, (ALL_REDUCE,), reducer.all_reduce_tree)
+
+    def scattered(self):
+        """Each leaf's ZeRO ranks (its ZeRO dimension's block count): the ranks of the axes it is summed over."""
+        return jax.tree.map(lambda r: math.prod(self.layout.mesh.shape[a] for a in r.axes), self.leaves)
 
 
 def decide(layout: Layout, shapes, logical, grad_sync: str, microbatches: int) -> Decision:

@@ -12,7 +12,8 @@ ring_bf16  the ring with bfloat16 on the wire and float32 sums: half the bytes. 
            is rounded to bfloat16 at most K times, so |error| <= K * 2^-8 * sum_i |g_i| (2^-8: the
            unit roundoff of bfloat16's 8-bit significand). ZeRO-3 weights are still gathered exactly.
 In the reduce-scatter and all-gather, leaves without a ZeRO dimension, or whose ZeRO dimension is
-also split over another mesh axis, go through psum. The ring runs in a nested shard_map manual
+also split over another mesh axis, go through psum, and so does every leaf its rules split over one of the reducer's
+axes (an MoE's experts over `expert`: summed over the others, `Psum.over`). The ring runs in a nested shard_map manual
 over the remaining mesh axes, so with tensor parallelism each device rings only its own slice.
 A reducer reduces every leaf it is given; which leaves need which reduction (none for a leaf the rules split
 over the axis) is trainer/parallel/reduction.py's decision.
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from meshes.rules import keep
+from meshes.rules import keep, mesh_axes
 
 from trainer.errors import UserError
 from trainer.config.sections import GRAD_SYNC
@@ -39,28 +40,41 @@ class Psum:
     def __init__(self, axis: str, size: int):
         self.axis, self.size = axis, size
 
-    def all_reduce(self, x):
-        return jax.lax.psum(x, self.axis)
+    def over(self, spec):
+        """The axes a leaf of compute spec `spec` is summed (gathered) over: the reducer's, but those the spec
+        splits it over (an MoE's experts split over `expert`: each expert rank's slice is its own; summed over
+        `data` alone)."""
+        names = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        left = tuple(a for a in names if a not in mesh_axes(spec))
+        return self.axis if len(left) == len(names) else left[0] if len(left) == 1 else left
+
+    def all_reduce(self, x, spec=None):
+        """x summed over the axes a leaf of compute spec `spec` is summed over (`over`; None: every one)."""
+        return jax.lax.psum(x, self.axis if spec is None else self.over(spec))
 
     def all_reduce_tree(self, tree, dims, specs):
-        return jax.lax.psum(tree, self.axis)
+        return jax.tree.map(lambda x, sp: jax.lax.psum(x, self.over(sp)), tree, specs)
 
     def reduce_scatter_tree(self, tree, dims, specs):
         """Each leaf summed and split along its dim (all-reduced where the dim is None)."""
-        def leaf(x, d):
+        def leaf(x, d, sp):
             if d is None:
-                return jax.lax.psum(x, self.axis)
-            return jax.lax.psum_scatter(x, self.axis, scatter_dimension=d, tiled=True)
-        return jax.tree.map(leaf, tree, dims)
+                return jax.lax.psum(x, self.over(sp))
+            return jax.lax.psum_scatter(x, self.over(sp), scatter_dimension=d, tiled=True)
+        return jax.tree.map(leaf, tree, dims, specs)
 
     def all_gather_tree(self, tree, dims, specs, dtypes=None):
         """Each leaf gathered along its dim (kept where it is None); see `_gather_in`."""
+        _, treedef = jax.tree.flatten(tree)
+        over = [self.over(sp) for sp, d in zip(treedef.flatten_up_to(specs), treedef.flatten_up_to(dims))
+                if d is not None]
+
         def gather(xs, ds):
-            return [x if d is None else jax.lax.all_gather(x, self.axis, axis=d, tiled=True) for x, d in zip(xs, ds)]
+            return [x if d is None else jax.lax.all_gather(x, a, axis=d, tiled=True) for x, d, a in zip(xs, ds, over)]
 
         def scatter(cts, ds):
-            return [c if d is None else jax.lax.psum_scatter(c, self.axis, scatter_dimension=d, tiled=True)
-                    for c, d in zip(cts, ds)]
+            return [c if d is None else jax.lax.psum_scatter(c, a, scatter_dimension=d, tiled=True)
+                    for c, d, a in zip(cts, ds, over)]
         return _gather_in(tree, dims, dtypes, gather, scatter)
 
 
@@ -168,11 +182,12 @@ class Ring(Psum):
         """mode 'reduce': full -> full leaves; 'scatter': full -> shards; 'gather': shards -> full."""
         mesh, axes = _inner_axes()
         xs, treedef = jax.tree.flatten(tree)
-        ds = treedef.flatten_up_to(dims)
-        ss = [keep(sp, axes) for sp in treedef.flatten_up_to(specs)]
+        ds, raw = treedef.flatten_up_to(dims), treedef.flatten_up_to(specs)
+        ss = [keep(sp, axes) for sp in raw]
+        own = [self.over(sp) == self.axis for sp in raw]  # False: split over some of the axes: psum over the rest
         ring = [j for j, (d, sp) in enumerate(zip(ds, ss))
-                if mode == "reduce" or (d is not None and (d >= len(sp) or sp[d] is None))]
-        out = [x if j in ring else self._psum_leaf(x, ds[j], mode) for j, x in enumerate(xs)]
+                if own[j] and (mode == "reduce" or (d is not None and (d >= len(sp) or sp[d] is None)))]
+        out = [x if j in ring else self._psum_leaf(x, ds[j], mode, self.over(raw[j])) for j, x in enumerate(xs)]
         if ring:
             fn = functools.partial(self._ring_leaves, ds=[ds[j] for j in ring], mode=mode, wire=wire)
             leaves, sp = [xs[j] for j in ring], [ss[j] for j in ring]
@@ -199,12 +214,12 @@ class Ring(Psum):
         return [_from_blocks(p, x.shape[:d] + (x.shape[d] * k,) + x.shape[d + 1:], d, k).astype(x.dtype)
                 for p, x, d in zip(parts, leaves, ds)]
 
-    def _psum_leaf(self, x, d, mode):
+    def _psum_leaf(self, x, d, mode, axis):
         if mode == "gather":
-            return x if d is None else jax.lax.all_gather(x, self.axis, axis=d, tiled=True)
+            return x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
         if mode == "scatter" and d is not None:
-            return jax.lax.psum_scatter(x, self.axis, scatter_dimension=d, tiled=True)
-        return jax.lax.psum(x, self.axis)
+            return jax.lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
+        return jax.lax.psum(x, axis)
 
     # ---- the reducer interface
 

@@ -32,13 +32,26 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
     ls = leaves(mc, train, st)
     n = batch // (st.data * st.microbatches) * mc.seq_len // st.context  # tokens per device and microbatch
     where = decision(mc, train, st).where
+    # leaves the rules split over a batch axis (an MoE's experts over `expert`) are summed over the axes left
+    rest = {x.left for x in ls if x.split and x.left}
     if where == PIPELINE:
         out = _table_transfers(mc, st, ls, n, a)
+        for over in sorted(rest):
+            out += _table_data_sync(st, [x for x in ls if x.split and x.left == over], _ranks(st, over), over)
     else:
-        out = ((_data_transfers(mc, st, ls, n, a, platform, where == EXPLICIT) if st.data * st.context > 1 else [])
+        out = ((_data_transfers(mc, st, [x for x in ls if not x.split], n, a, platform, where == EXPLICIT)
+                if st.data * st.context > 1 else [])
                + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
+        for over in sorted(rest):
+            out += _data_transfers(mc, st, [x for x in ls if x.split and x.left == over], n, a, platform,
+                                   where == EXPLICIT, (_ranks(st, over), over))
     out += _expert_transfers(mc, st, n, a) + _context_transfers(mc, st, ls, n, a, platform, mc.documents)
     return [t for t in out if t.bytes > 0]
+
+
+def _ranks(st: Strategy, over: str) -> int:
+    """The ranks of the mesh axes a Transfer names (comma-separated)."""
+    return math.prod(st.mesh[a] for a in over.split(","))
 
 
 def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
@@ -71,10 +84,6 @@ def _context_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platfor
         fields = 5 if documents else 3
         out.append(Transfer(CONTEXT, "all-gather", "the batch reordered for load balancing",
                             ag * fields * 4 * rows * m * mc.seq_len, fields))
-    split = sum(x.bytes for x in ls if x.split)
-    if split:
-        out.append(Transfer(CONTEXT, "all-reduce", "gradients of leaves split over data (experts) summed over context",
-                            bus_factor("all-reduce", C) * split, 1))
     return out
 
 
@@ -144,31 +153,38 @@ TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "al
 
 
 def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
-    """Expert parallelism (the rules split `experts` over `data`): each MoE layer's dispatch (its family's
-    expert_collectives, models/spec.py), per layer and microbatch: forward; again where the layer is recomputed (any remat policy:
-    a collective is no dot, so `dots` recomputes it too; every pipeline stage body), those whose results the
-    backward reads; the differentiable ones' transposes in the backward."""
-    if st.rules["experts"] != DATA or st.data == 1:
+    """Expert parallelism (the rules split `experts` over `expert`, or `data`): each MoE layer's dispatch (its
+    family's expert_collectives, models/spec.py), per layer and microbatch: forward; again where the layer is
+    recomputed (any remat policy: a collective is no dot, so `dots` recomputes it too; every pipeline stage body),
+    those whose results the backward reads; the differentiable ones' transposes in the backward. Those of the exact
+    path a dispatch takes only where a buffer overflows are listed apart (Transfer.overflow)."""
+    axis = st.rules["experts"]
+    ranks = st.mesh[axis] if axis else 1
+    if ranks == 1:
         return []
     uses = st.microbatches * mc.n_layers // st.stage
     recomputed = st.remat != "none" or st.stage > 1
     out = []
-    for kind, what, size, grad, again in family(mc.family).expert_collectives(mc, n, st.data, a):
-        bus = bus_factor(kind, st.data) * size
+    for kind, what, size, grad, again, *exact in family(mc.family).expert_collectives(mc, n, ranks, a):
+        bus, exact = bus_factor(kind, ranks) * size, bool(exact and exact[0])
         forwards = 2 if recomputed and again else 1
-        out.append(Transfer(DATA, kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses))
+        out.append(Transfer(axis, kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses,
+                            overflow=exact))
         if grad:
             back = TRANSPOSE[kind]
-            out.append(Transfer(DATA, back, f"experts: {what} (backward)", uses * bus_factor(back, st.data) * size,
-                                uses))
+            out.append(Transfer(axis, back, f"experts: {what} (backward)", uses * bus_factor(back, ranks) * size,
+                                uses, overflow=exact))
     return out
 
 
 def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str,
-                    explicit: bool) -> list[Transfer]:
+                    explicit: bool, split: tuple[int, str] | None = None) -> list[Transfer]:
+    """The gradients' reduction and ZeRO's gathers of the leaves `ls`: over the batch axes, or (`split`: (ranks,
+    axes)) over the axes left to leaves the rules split over one of them (no embedding, no loss there)."""
     k, m, zero, tp, over = st.data * st.context, st.microbatches, st.zero, st.model, st.batch_axes
+    if split:
+        k, over = split
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
-    ls = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data` (and `context`)
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
@@ -207,7 +223,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
                              bus_factor("all-gather", tp) * (over_model(top) * c_top + m * again * over_model(lay)
                                                              * c_lay) / k, 1 + m * again)]
     else:
-        embed = _embed_bytes(mc, st) if mc.tie_embeddings else 0.0
+        embed = _embed_bytes(mc, st) if mc.tie_embeddings and not split else 0.0
         if zero >= 1 and embed:
             # the lookup's gradient rows go all-to-all; the head's part is reduced with the rest
             out.append(Transfer(over, "all-to-all", "embedding-lookup gradient rows", ag * n * mc.d_model * 4, 1))
@@ -282,7 +298,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
-    reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over `data`
+    reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over every batch axis
     out = [Transfer(STAGE, "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
                     2 * ticks * act * senders / S, 2 * ticks),
            Transfer(STAGE, "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
@@ -294,7 +310,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         out.append(Transfer(STAGE, "collective-permute", "layer weights to their circular blocks (and gradients back)",
                             2 * moved * stored, 2 * len(groups)))
     if k > 1:
-        out += _table_data_sync(st, reduced, k)
+        out += _table_data_sync(st, reduced, k, st.batch_axes)
     if tp > 1:  # the branch a stage runs each tick: per microbatch and repeat one forward and one backward
         ar = bus_factor("all-reduce", tp)
         # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)
@@ -310,9 +326,10 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     return out
 
 
-def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int) -> list[Transfer]:
-    """The table executor's sync over the batch axes (k ranks), once per step after the tick loop: the stage's
-    share of the gradients (`reduced`: the leaves reduced over `data`) and, under ZeRO, its parameters."""
+def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int, axes: str) -> list[Transfer]:
+    """The table executor's sync over the batch axes `axes` (k ranks), once per step after the tick loop: the
+    stage's share of the gradients (`reduced`: the leaves reduced over them) and, under ZeRO, its parameters; the
+    loss where they are every batch axis."""
     tp, zero, out = st.model, st.zero, []
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
@@ -324,19 +341,20 @@ def _table_data_sync(st: Strategy, reduced: list[Leaf], k: int) -> list[Transfer
     whole = sum(x.bytes * (x.model_split if psum else 1) for x in reduced if x.zero)
     over_model = sum(x.bytes * x.model_split for x in reduced if psum and x.zero and x.model_split > 1)
     if zero >= 2:
-        out += [Transfer(st.batch_axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
+        out += [Transfer(axes, "reduce-scatter", f"gradient reduce-scatter ({st.grad_sync}), once per step",
                          ag * whole * wire, 1),
                 Transfer(MODEL, "all-gather", "model-split gradients gathered before their reduce-scatter",
                          agm * over_model, 1),
-                Transfer(st.batch_axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
+                Transfer(axes, "all-reduce", "all-reduce of leaves too small to shard", ar * (share - zeroed), 1)]
     else:
-        out.append(Transfer(st.batch_axes, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
+        out.append(Transfer(axes, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                             ar * share * wire, 1))
     if zero >= 3:
-        out += [Transfer(st.batch_axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
+        out += [Transfer(axes, "all-gather", "ZeRO-3 weights gathered once per step, before the tick loop",
                          ag * whole, 1),
                 Transfer(MODEL, "all-gather", "model-split ZeRO-3 shards gathered over model", agm * over_model / k, 1)]
     elif zero:
-        out.append(Transfer(st.batch_axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
-    out.append(Transfer(st.batch_axes, "all-reduce", "loss averaged over data", ar * 4, 1))
+        out.append(Transfer(axes, "all-gather", "updated parameters all-gathered", ag * zeroed, 1))
+    if axes == st.batch_axes:
+        out.append(Transfer(axes, "all-reduce", "loss averaged over data", ar * 4, 1))
     return out

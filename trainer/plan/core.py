@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from meshes import CONTEXT, DATA
+from meshes import CONTEXT, DATA, EXPERT
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
 from trainer.plan.comm import transfers
 from trainer.hardware import Device
@@ -54,10 +54,16 @@ class Plan:
 
     @property
     def comm_bytes(self) -> float:
-        return sum(t.bytes for t in self.transfers)
+        """The step's collective bytes per device (an MoE dispatch's exact path, taken only where a buffer
+        overflows, apart: `overflow_bytes`)."""
+        return sum(t.bytes for t in self.transfers if not t.overflow)
+
+    @property
+    def overflow_bytes(self) -> float:
+        return sum(t.bytes for t in self.transfers if t.overflow)
 
     def axis_bytes(self, axis: str) -> float:
-        return sum(t.bytes for t in self.transfers if t.axis == axis)
+        return sum(t.bytes for t in self.transfers if t.axis == axis and not t.overflow)
 
     @property
     def fits(self) -> bool:
@@ -131,5 +137,5 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     shape = validate(cfg, n_devices)
     return Strategy(shape, t.zero_stage, t.microbatches, cfg.model.remat,
                     t.pipeline_repeats, t.grad_sync, t.pipeline_schedule,
-                    rules_for(cfg, shape[DATA], context=shape[CONTEXT]), t.context_load_balance,
+                    rules_for(cfg, shape[DATA], context=shape[CONTEXT], expert=shape[EXPERT]), t.context_load_balance,
                     t.context_attention)

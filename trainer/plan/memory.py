@@ -17,7 +17,7 @@ from meshes import MODEL, Layout
 from models import ModelConfig, abstract_model
 from models.spec import LocalCollectives, family, sparse, widths_over_model
 from trainer.optim import make_optimizer
-from trainer.parallel.reduction import NONE, Decision, decide
+from trainer.parallel.reduction import Decision, decide
 from trainer.plan.schedule_cost import cost
 from trainer.plan.types import Strategy, executed
 
@@ -86,8 +86,9 @@ class Leaf:
     layers: bool  # part of the layer stack (gathered one layer at a time under ZeRO-3)
     bytes: float  # per device at the compute spec (split over model and stage; over data where its rules split it)
     model_split: int  # ways it is split over `model`
-    zero: bool  # has a dimension ZeRO shards over `data`
-    split: bool = False  # its rules split it over `data` (experts): its gradient is never reduced over `data`
+    zero: bool  # has a dimension ZeRO shards over the batch axes it is summed over
+    split: bool = False  # its rules split it over a batch axis (experts over `expert`): never reduced over that
+    left: str = ""  # where split: the batch axes it is summed (and ZeRO-sharded) over, named (Strategy.axes_left)
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +115,8 @@ def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     for (path, _), r, b in zip(flat, jax.tree.leaves(decision(mc, train, st).leaves), jax.tree.leaves(full)):
         ways = math.prod(st.model for e in r.spec if e == MODEL or (isinstance(e, tuple) and MODEL in e))
         name = jax.tree_util.keystr(path)
-        out.append(Leaf(name, name.startswith("['layers']"), float(b), ways, r.dim is not None, r.kind == NONE))
+        out.append(Leaf(name, name.startswith("['layers']"), float(b), ways, r.dim is not None, bool(r.split),
+                        st.axes_left(r.split) if r.split else ""))
     return out
 
 

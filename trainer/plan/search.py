@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes import AXES, CONTEXT, DATA, MODEL, RULES, STAGE, shapes
+from meshes import AXES, CONTEXT, DATA, EXPERT, MODEL, RULES, STAGE, shapes
 from models import ModelConfig, family
 from trainer.plan.core import Plan, Strategy, estimate
 from trainer.plan.types import executed
@@ -28,7 +28,9 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
     """Every mesh shape x rules x schedule x ZeRO x microbatches x remat the trainer accepts, alike ones included."""
     widths = (mc.n_heads, mc.d_ff, mc.vocab_size)
     for shape in shapes(n_devices, [a.name for a in AXES]):  # every mesh axis; the first takes what the rest leave
-        data, stage, model, context = shape[DATA], shape[STAGE], shape[MODEL], shape[CONTEXT]
+        data, stage, model, context, expert = shape[DATA], shape[STAGE], shape[MODEL], shape[CONTEXT], shape[EXPERT]
+        if expert > 1 and not callable(rules_of):  # the expert axis splits an MoE's experts: a config's rules
+            continue
         # fewer kv heads than model ranks are replicated over the ranks that share one
         if any(w % model for w in widths) or (mc.n_kv_heads % model and model % mc.n_kv_heads):
             continue
@@ -39,17 +41,18 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
         # under context parallelism each strategy whose heads split (all_to_all: over model x context)
         weighed = [a for a in CONTEXT_STRATEGIES if (a != "all_to_all" or mc.n_heads % (model * context) == 0)
                    and (a != "ring" or stage == 1 or context % 2 == 0)]  # trainer/config's checks
-        for rules in (rules_of(data) if callable(rules_of) else [rules_of]):
+        for rules in (rules_of(data, expert) if callable(rules_of) else [rules_of]):
             rules = rules.replace(seq=CONTEXT) if context > 1 else rules
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):
                     continue
                 for m in MICROBATCHES:
-                    if batch % (data * m) or (stage > 1 and m < stage):
+                    if batch % (data * expert * m) or (stage > 1 and m < stage):
                         continue
                     if schedule == "interleaved_1f1b" and m % stage:
                         continue
-                    for zero in (range(4) if data * context > 1 else (0,)):  # ZeRO shards over data x context
+                    # ZeRO shards over the batch axes
+                    for zero in (range(4) if data * expert * context > 1 else (0,)):
                         for remat in REMATS:
                             for ca in (weighed if context > 1 else [context_attention]):
                                 yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance, ca)

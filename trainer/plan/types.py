@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshes import CONTEXT, DATA, MODEL, RULES, STAGE, MeshShape, Rules
+from meshes import CONTEXT, DATA, EXPERT, MODEL, RULES, STAGE, MeshShape, Rules
 from trainer.config import PIPELINE_REMATS
 
 
@@ -23,20 +23,25 @@ class Strategy:
     balance: bool = True  # train.context_load_balance (meaningful where context > 1)
     context_attention: str = "all_gather"  # train.context_attention (meaningful where context > 1)
 
-    # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py)
-    data = property(lambda self: self.mesh[DATA])
+    # the sizes, by name, of the axes whose costs the planner models (trainer/plan/comm.py, memory.py); `data`: the
+    # ranks the batch's rows are split over (data x expert)
+    data = property(lambda self: self.mesh[DATA] * self.expert)
     stage = property(lambda self: self.mesh[STAGE])
     model = property(lambda self: self.mesh[MODEL])
     context = property(lambda self: self.mesh[CONTEXT] if CONTEXT in self.mesh.names else 1)
+    expert = property(lambda self: self.mesh[EXPERT] if EXPERT in self.mesh.names else 1)
 
     @property
     def batch_axes(self) -> str:
-        """The axes gradients are summed over and ZeRO shards over, as a Transfer (and the HLO) names them: `data`,
-        `data,context` under context parallelism (a context rank is data-parallel for the weights), `context` with
-        one data rank."""
-        if self.context == 1:
-            return DATA
-        return CONTEXT if self.data == 1 else f"{DATA},{CONTEXT}"
+        """The axes gradients are summed over and ZeRO shards over, as a Transfer (and the HLO) names them: `data`;
+        with `expert` and `context` where they split the batch (a context rank is data-parallel for the weights),
+        those of more than one rank (`context` alone with one data rank)."""
+        return axes_named([DATA, EXPERT, CONTEXT], self.mesh)
+
+    def axes_left(self, split) -> str:
+        """The batch axes a leaf split over `split` (its rules' mesh axes) is summed over, named as batch_axes
+        names them; '' where none has more than one rank."""
+        return axes_named([a for a in (DATA, EXPERT, CONTEXT) if a not in split], self.mesh, "")
 
     @property
     def devices(self) -> int:
@@ -45,9 +50,15 @@ class Strategy:
     def describe(self) -> str:
         pp = f" V={self.repeats}" if self.repeats > 1 else ""
         pp += f" {self.schedule}" if self.stage > 1 else ""
-        ep = " experts over data" if self.rules["experts"] == DATA else ""
+        ep = f" experts over {self.rules['experts']}" if self.rules["experts"] else ""
         ep += f" context by {self.context_attention}" if self.context > 1 else ""
         return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}{ep}"
+
+
+def axes_named(axes, mesh: MeshShape, none: str = DATA) -> str:
+    """Mesh axes as a Transfer (and trainer/plan/hlo.py) names them: those of more than one rank, joined by commas
+    in mesh order (`none` where there are none)."""
+    return ",".join(a for a in mesh.names if a in axes and mesh[a] > 1) or none
 
 
 def executed(st: Strategy) -> Strategy:
@@ -68,6 +79,9 @@ class Transfer:
     bytes: float
     count: float = 1  # collectives per step
     seconds: float = 0.0  # where a model of the links has timed it (the simulator)
+    # runs only where a dispatch buffer overflows (an MoE's exact path, moe/overflow): listed, not in the step's
+    # totals (XLA's HLO holds it in a conditional, whose branches trainer/plan/hlo.py counts as if each ran)
+    overflow: bool = False
 
     def times(self, n: float) -> "Transfer":
         """The same traffic n times over."""

@@ -114,9 +114,11 @@ def describe(s: Setup) -> str:
 
 
 def _experts(s: Setup) -> str:
-    """'experts 8 over data=4 (2 per data rank) | ' for an MoE (its experts split over `data` by the run's rules,
-    train.expert_parallel), 'experts 8 replicated over data=4 | ' where they are not; '' for a dense model."""
-    return family(s.model.family).experts_line(s.model, s.mesh.shape[DATA], s.layout.rules["experts"] == DATA)
+    """'experts 8 over expert=4 (2 per expert rank) | ' for an MoE (its experts split over the mesh axis the run's
+    rules map them to: `expert`, or `data` by train.expert_parallel), 'experts 8 replicated over data=4 | ' where they
+    are not; '' for a dense model."""
+    over = s.layout.rules["experts"]
+    return family(s.model.family).experts_line(s.model, s.mesh.shape[over or DATA], over)
 
 
 class Run:
