@@ -220,6 +220,18 @@ def _setup(overrides):
     return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
 
 
+def saved_after_one_step(a, path):
+    """(the state after step 0 on setup a, as numpy) saved as step 1 to `path`."""
+    import numpy as np
+    from test_moe_everywhere import Runner
+    from trainer.ckpt.checkpoint import Checkpointer
+    state, _ = Runner(a)(fresh_state(a), 0, 1)
+    c = Checkpointer(a, path)
+    c.save(1, state)
+    c.close()
+    return state, jax.tree.map(np.asarray, state)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
     """Saved after step 1 on (8,1,1) (one expert per data rank), restored bit for bit onto (2,1,4) ZeRO-3 (four
@@ -231,11 +243,7 @@ def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
     from trainer.ckpt.checkpoint import Checkpointer
     a = _setup(("mesh.data=8",))
     assert a.layout.rules["experts"] == "data"
-    state, _ = Runner(a)(fresh_state(a), 0, 1)
-    saved = jax.tree.map(np.asarray, state)
-    c = Checkpointer(a, tmp_path / "run")
-    c.save(1, state)
-    c.close()
+    state, saved = saved_after_one_step(a, tmp_path / "run")
     after, (want,) = Runner(a)(state, 1, 2)
     for layout in (("mesh.data=2", "mesh.model=4", "train.zero_stage=3"), ONE):
         b = _setup(layout)
@@ -252,7 +260,8 @@ def test_a_checkpoint_of_8x1x1_restores_onto_2x1x4_and_one_device(tmp_path):
 def test_the_search_weighs_expert_parallelism():
     """`plan --search` plans each layout with the experts split over `data` (where n_experts divides it) and
     replicated (train.expert_parallel null), and the split one holds 1/data of the experts: at (8,1,1) ZeRO-0 its
-    parameters are the replicated one's less 7/8 of the experts'; with train.expert_parallel=false only replicated."""
+    parameters are the replicated one's less 7/8 of the experts'; every expert degree (mesh.expert) splits them over
+    `expert`; with train.expert_parallel=false only replicated."""
     from test_plan import H100
     from trainer.config import load_config, model_config
     from trainer.plan.search import strategies
@@ -261,11 +270,16 @@ def test_the_search_weighs_expert_parallelism():
     cfg = load_config(TINY + MOE)
     mc = model_config(cfg)
     tried = strategies(mc, cfg.train.batch_size, 8, rules=rules_by_data(cfg))
-    at = {st.rules["experts"] for st in tried if (st.data, st.stage, st.model, st.zero) == (8, 1, 1, 0)}
+    at = {st.rules["experts"] for st in tried if (st.mesh["data"], st.expert, st.stage, st.model, st.zero)
+          == (8, 1, 1, 1, 0)}
     assert at == {"data", None}
     assert {st.rules["experts"] for st in tried if st.data == 1} == {None}  # nothing to split over
+    # mesh.expert: every degree dividing the 8 experts, the experts over it
+    assert {st.expert for st in tried} == {1, 2, 4, 8}
+    assert {st.rules["experts"] for st in tried if st.expert > 1} == {"expert"}
     plan = {st.rules["experts"]: estimate(mc, cfg.train, st, H100, 1, "float32") for st in tried
-            if (st.data, st.stage, st.model, st.zero, st.microbatches, st.remat) == (8, 1, 1, 0, 1, "none")}
+            if (st.mesh["data"], st.expert, st.stage, st.model, st.zero, st.microbatches, st.remat)
+            == (8, 1, 1, 1, 0, 1, "none")}
     experts = 4.0 * mc.n_layers * E * 3 * mc.d_model * mc.expert_d_ff
     assert abs(plan[None].params_bytes - plan["data"].params_bytes - 7 / 8 * experts) < 1e-6 * experts
     off = load_config(TINY + MOE + ["train.expert_parallel=false"])

@@ -89,7 +89,7 @@ def test_kv_heads_must_divide_model_or_the_reverse():
     from trainer.config import validate
     from trainer.errors import UserError
     from trainer.plan.search import strategies
-    assert validate(load_config(TINY + KV2 + ["mesh.data=1", "mesh.model=8"]), 8).sizes == (1, 1, 1, 8)
+    assert validate(load_config(TINY + KV2 + ["mesh.data=1", "mesh.model=8"]), 8).sizes == (1, 1, 1, 1, 8)
     bad = TINY + ["mesh.data=2", "mesh.model=4", "model.d_model=96", "model.n_heads=12", "model.n_kv_heads=6"]
     with pytest.raises(UserError, match="model.n_kv_heads=6 and mesh.model=4 must divide one another"):
         validate(load_config(bad), 8)

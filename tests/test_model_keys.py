@@ -102,7 +102,8 @@ def test_each_model_key_is_declared_once_and_the_section_is_written_from_it():
     assert sorted(keys) == sorted(trainer_only | set(shared) | families) and not set(shared) & families
     assert {"embed_scale", "norm_plus_one", "final_softcap", "attn_softcap", "query_scale", "local_layers",
             "rope_local_theta", "rope_linear", "n_experts", "n_experts_per_token", "expert_d_ff", "capacity_factor",
-            "router_aux_loss", "router_z_loss", "router", "norm_topk_prob", "shared_expert_d_ff"} == families
+            "router_aux_loss", "router_z_loss", "router", "norm_topk_prob", "shared_expert_d_ff",
+            "dispatch_factor"} == families
     assert {k: _declared_by(k) for k in keys if len(_declared_by(k)) != (k not in trainer_only)} == {}
     # the section's meaning of each key is the declaring field's, and null stands for the model's default
     rows = {s.key.split(".", 1)[1]: s for s in specs(Config) if s.key.startswith("model.")}

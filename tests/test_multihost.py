@@ -146,8 +146,8 @@ def test_same_losses_zero3(fsdp_run, ref_fsdp):
     assert len([ln for ln in lines if '"loss"' in ln]) == STEPS
     assert len(list((fsdp_run.dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     # each process fed its own half of the batch to its own 4 devices
-    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 context 0 model 0 | batch rows 0:8 of 16" in fsdp_run.log
-    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 context 0 model 0 | batch rows 8:16 of 16" in fsdp_run.log
+    assert "[0] process 0 of 2 | 4 devices at data 0-3 stage 0 expert 0 context 0 model 0 | batch rows 0:8 of 16" in fsdp_run.log
+    assert "[1] process 1 of 2 | 4 devices at data 4-7 stage 0 expert 0 context 0 model 0 | batch rows 8:16 of 16" in fsdp_run.log
 
 
 def test_dead_process_then_resume(fsdp_run):
@@ -174,7 +174,15 @@ def test_same_losses_2x2x2_hybrid(env, tmp_path):
         assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
     # mesh.dcn_stage=2: stage i lives on process i; data and model stay inside a process, so both need all rows
     for i in range(2):
-        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} context 0 model 0-1 | batch rows 0:16 of 16" in log
+        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage {i} expert 0 context 0 model 0-1 | batch rows 0:16 of 16" in log
+
+
+def same_five_steps(ref, d, label: str):
+    """The run in `d` logged ref's losses and grad norms over steps 1-5 (1e-5)."""
+    for key, want in (("loss", ref.losses), ("grad_norm", ref.grad_norms)):
+        got = losses(d, key)
+        print(f"{label}: max relative {key} difference {rel([got[i] for i in range(1, 6)], want):.2e}")
+        assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
 
 
 @pytest.mark.slow
@@ -185,14 +193,27 @@ def test_same_losses_context_across_processes(env, tmp_path):
     ref = run_steps(RUN + CP + ["train.steps=5"], steps=5, source="synthetic")
     d = tmp_path / "run"
     log = run(env, 2, 4, *RUN, *CP, "mesh.dcn_context=2", "train.steps=5", f"run.dir={d}")
-    for key, want in (("loss", ref.losses), ("grad_norm", ref.grad_norms)):
-        got = losses(d, key)
-        print(f"(2,1,4,1) dcn_context=2 2x4 vs 1x8: max relative {key} difference "
-              f"{rel([got[i] for i in range(1, 6)], want):.2e}")
-        assert rel([got[i] for i in range(1, 6)], want) < 1e-5, key
+    same_five_steps(ref, d, "(2,1,4,1) dcn_context=2 2x4 vs 1x8")
     for i in range(2):
-        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage 0 context {2 * i}-{2 * i + 1} model 0 | batch " \
+        assert f"[{i}] process {i} of 2 | 4 devices at data 0-1 stage 0 expert 0 context {2 * i}-{2 * i + 1} model 0 | batch " \
                "rows 0:16 of 16" in log
+
+
+@pytest.mark.slow
+def test_same_losses_experts_inside_each_process(env, tmp_path):
+    """An MoE with its expert degree inside each process (mesh.expert=4 x data 2, mesh.dcn_data=2: each process
+    holds all 8 experts over its 4 devices, tokens sent to them by all-to-all that never leaves the process), ZeRO-3,
+    the router at its initial scale: 2 processes x 4 devices equal one device's losses and grad norms (1e-5)."""
+    moe = ["model.family=mixtral", "model.n_experts=8", "model.expert_d_ff=32", "model.router_z_loss=0"]
+    ep = ["mesh.data=2", "mesh.expert=4", "train.zero_stage=3"]
+    ref = run_steps(RUN + moe + ["mesh.data=1", "train.steps=5"], steps=5, source="synthetic")
+    d = tmp_path / "run"
+    log = run(env, 2, 4, *RUN, *moe, *ep, "mesh.dcn_data=2", "train.steps=5", f"run.dir={d}")
+    same_five_steps(ref, d, "expert 4 x data 2 over 2 processes vs one device")
+    for i in range(2):
+        assert f"[{i}] process {i} of 2 | 4 devices at data {i} stage 0 expert 0-3 context 0 model 0 | batch rows " \
+               f"{8 * i}:{8 * i + 8} of 16" in log, log[-3000:]
+    assert "experts 8 over expert=4 (2 per expert rank)" in log
 
 
 def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
@@ -320,7 +341,7 @@ def test_single_process_needs_no_join():
 
 
 def test_dcn_needs_as_many_hosts():
-    with pytest.raises(UserError, match="^the hosts split dcn_data=2 dcn_stage=1 dcn_context=1 dcn_model=1 spans 2 "
+    with pytest.raises(UserError, match="^the hosts split dcn_data=2 dcn_stage=1 dcn_expert=1 dcn_context=1 dcn_model=1 spans 2 "
                        "hosts but the devices come from 1 processes"):
         make_setup(load_config(TINY + ["mesh.data=8", "mesh.dcn_data=2"]))
     with pytest.raises(UserError, match="mesh.dcn_data=3 does not divide mesh.data=8"):

@@ -17,11 +17,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.config import own_keys
-from models.spec import sparse
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
 from trainer.config.dpo import ignored_dpo
+from trainer.config.experts import axis_of
 from trainer.config.mixture_entries import ignored_source
 from trainer.config.paths import check_layer
 from trainer.config.sections import ALIASES, Config
@@ -252,29 +252,8 @@ def compute_dtype(cfg: Config, platform: str) -> str:
 
 
 def experts_axis(cfg: Config, data: int, quiet: bool = False, expert: int = 1) -> str | None:
-    """The mesh axis the run splits its experts over, or None (replicated): `expert` where mesh.expert > 1 (the
-    batch split over data x expert); else `data` by train.expert_parallel (null: wherever it can, with a log line
-    where an MoE cannot, unless `quiet`). One line where it is asked for and cannot be."""
-    t, mc = cfg.train, model_config(cfg)
-    ranks, axis = (expert, EXPERT) if expert > 1 else (data, DATA)
-    why = family(mc.family).experts_over(mc, ranks, axis)
-    if why is None and t.sync != "every_step":
-        why = (f"train.sync={t.sync} keeps a whole replica on every data rank, and an expert-parallel rank holds only "
-               f"its experts")
-    if expert > 1:
-        if why is not None:
-            raise UserError(f"mesh.expert={expert}: {why}; set mesh.expert to a divisor of model.n_experts, or 1")
-        if t.expert_parallel is False:
-            raise UserError(f"train.expert_parallel=false with mesh.expert={expert}, which splits the experts; set "
-                            "mesh.expert=1 to keep them replicated")
-        return EXPERT
-    if t.expert_parallel is None:
-        if why is not None and not quiet and data > 1 and sparse(mc):
-            _warn_once(f"expert parallelism off: {why}; the experts are replicated over mesh.data")
-        return DATA if why is None and data > 1 else None
-    if t.expert_parallel and why is not None:
-        raise UserError(f"train.expert_parallel=true: {why}; set train.expert_parallel=false (experts replicated)")
-    return DATA if t.expert_parallel and data > 1 else None
+    """The mesh axis the run splits its experts over, or None (trainer/config/experts.py)."""
+    return axis_of(cfg.train, model_config(cfg), data, expert, None if quiet else _warn_once)
 
 
 def expert_parallel(cfg: Config, data: int, quiet: bool = False, expert: int = 1) -> bool:

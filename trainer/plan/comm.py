@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from meshes import CONTEXT, DATA, MODEL, STAGE
+from meshes import CONTEXT, MODEL, STAGE
 from meshes.collectives import pairwise_ring
 from models import ModelConfig, family
 from trainer.parallel.collective_costs import bus_factor
@@ -181,9 +181,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
                     explicit: bool, split: tuple[int, str] | None = None) -> list[Transfer]:
     """The gradients' reduction and ZeRO's gathers of the leaves `ls`: over the batch axes, or (`split`: (ranks,
     axes)) over the axes left to leaves the rules split over one of them (no embedding, no loss there)."""
-    k, m, zero, tp, over = st.data * st.context, st.microbatches, st.zero, st.model, st.batch_axes
-    if split:
-        k, over = split
+    (k, over), m, zero, tp = split or (st.data * st.context, st.batch_axes), st.microbatches, st.zero, st.model
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
     grads = sum(x.bytes for x in ls)
     zeroed = sum(x.bytes for x in ls if x.zero)
