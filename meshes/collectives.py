@@ -45,6 +45,29 @@ def _pair_shift(x, axes, n: int):
     return jnp.where(jax.lax.axis_index(axes) % 2 == 1, first[0], second[0])
 
 
+def _local_ragged(x, out, start, size, at):
+    """One rank's ragged exchange with itself: x's rows start : start + size to out's rows at : at + size."""
+    i = jnp.arange(out.shape[0])
+    src = jnp.clip(i - at + start, 0, x.shape[0] - 1)
+    take = (i >= at) & (i < at + size)
+    return jnp.where(take.reshape((-1,) + (1,) * (x.ndim - 1)), x[src], out)
+
+
+def _padded_ragged(x, out, in_off, send, out_off, recv, axes, cap: int):
+    """ragged_all_to_all's exchange as one all_to_all of chunks padded to `cap` rows (for XLA:CPU): chunk j holds
+    x's rows in_off[j] : in_off[j] + send[j]; the receiver writes chunk i's first recv[i] rows at the offset sender
+    i named for it (its out_off, sent along)."""
+    R = in_off.shape[0]
+    t = jnp.arange(cap)
+    rows = jnp.clip(in_off[:, None] + t, 0, x.shape[0] - 1)  # (R, cap)
+    live = t < send[:, None]
+    chunks = jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 1)), x[rows], jnp.zeros((), x.dtype))
+    got = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True)  # chunk i: what rank i sent here
+    at = jax.lax.all_to_all(out_off.reshape(R, 1), axes, 0, 0, tiled=True).reshape(R)  # where rank i put it
+    dest = jnp.where(t < recv[:, None], at[:, None] + t, out.shape[0])  # past the end: padding, dropped
+    return out.at[dest.reshape(-1)].set(got.reshape((R * cap,) + x.shape[1:]), mode="drop")
+
+
 def pairwise_ring(platform: str | None) -> bool:
     """Whether a ring's step inside a pipeline is `_pair_shift` on devices of `platform` (BRANCHED): on CPU only."""
     return (platform or jax.default_backend()) == "cpu"
@@ -111,6 +134,18 @@ class Collectives:
         """Block j of `split_axis` goes to rank j; what rank i sent arrives as block i of `concat_axis`."""
         axes = self._over(logical)
         return x if axes is None else jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
+
+    def ragged_all_to_all(self, x, out, in_off, send, out_off, recv, logical: str, cap: int):
+        """jax.lax.ragged_all_to_all: rows in_off[j] : in_off[j] + send[j] of x to rank j, written there at
+        out_off[j] of its `out` (which it returns, its other rows as they were); recv[i]: the rows rank i sends here.
+        XLA:CPU has no ragged-all-to-all: there (this run's platform) the same exchange as chunks of at most `cap`
+        rows padded into one all_to_all (`_padded_ragged`)."""
+        axes = self._over(logical)
+        if axes is None:
+            return _local_ragged(x, out, in_off[0], send[0], out_off[0])
+        if (self.platform or jax.default_backend()) == "cpu":
+            return _padded_ragged(x, out, in_off, send, out_off, recv, axes, cap)
+        return jax.lax.ragged_all_to_all(x, out, in_off, send, out_off, recv, axis_name=axes)
 
     def shift(self, x, logical: str):
         """Each rank's block to the next rank (the last's to the first): one step around a ring. A collective-permute;

@@ -32,11 +32,14 @@ def test_routes_sorts_counts_and_places_each_choice():
     assert experts.buffer_rows(192, 4, 2.0) == 96 and experts.buffer_rows(100, 4, 1.25) == 32
 
 
-@pytest.mark.parametrize("factor", [2.0, 0.5], ids=["all_to_all", "overflow"])
-def test_routed_experts_over_4_ranks_equal_the_loop(factor):
+@pytest.mark.parametrize("factor,form", [(2.0, "padded"), (0.5, "padded"), (2.0, "ragged")],
+                         ids=["all_to_all", "overflow", "ragged"])
+def test_routed_experts_over_4_ranks_equal_the_loop(factor, form):
     """4 ranks, 24 tokens each, 2 choices of 4 experts: with buffers of twice the balanced share every choice fits
     (the program's all-to-alls carry them); with half of it some rank's run overflows and all take the gathered path;
-    both equal the loop within 1e-5."""
+    both equal the loop within 1e-5. `ragged`: the TPU's form (the runs by ragged all-to-all, their offsets and sizes
+    routes'), its exchange on CPU by Collectives.ragged_all_to_all's padded all_to_all (XLA:CPU has no
+    ragged-all-to-all)."""
     from meshes import RULES, Collectives, build_mesh
     mesh = build_mesh(jax.devices()[:4], data=4)
     coll = Collectives(RULES.replace(experts="data"), mesh)
@@ -45,7 +48,8 @@ def test_routed_experts_over_4_ranks_equal_the_loop(factor):
     put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
     args = (put(h, "data"), put(w, "data"), tuple(put(x, "data") for x in ws))
     f = lambda h, w, ws: experts.grouped_mlp(h, put(idx, "data"), put(keep, "data"), w, ws, jax.nn.silu,  # noqa
-                                             impl="tile_scan", collectives=coll, routed=factor)
+                                             "tpu" if form == "ragged" else "cpu", impl="tile_scan",
+                                             collectives=coll, routed=factor)
     with jax.set_mesh(mesh):
         got = _value_and_grads(f, *args)
         hlo = jax.jit(f).lower(*args).compile().as_text()

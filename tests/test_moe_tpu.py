@@ -139,6 +139,8 @@ TPU_LAYOUTS = {  # (overrides, mesh.model, experts per rank): expert parallelism
     # the Mixtral-8x7B layout of docs/plan.md at a small shape: 8 experts, one per data rank, on 16 chips
     "d8m2-8-experts-4x4x1": (["mesh.data=8", "mesh.model=2", "train.zero_stage=3", "model.n_experts=8",
                               "train.batch_size=8", "model.remat=full"], 2, 1),
+    # an expert degree of its own: the 4 experts over expert=4, the batch over data x expert
+    "e4m2-zero3": (["mesh.data=1", "mesh.expert=4", "mesh.model=2", "train.zero_stage=3"], 2, 1),
 }
 KERNEL = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*custom-call\([^\n]*custom_call_target=\"tpu_custom_call\"")
 
@@ -150,7 +152,8 @@ def test_the_tpu_moe_step_runs_megablox(name):
     """XLA:TPU's program of the MoE step holds megablox's kernels: the grouped matmuls of gate/up ((rows, 512 /
     model) bfloat16), down ((rows, 256)) and tgmm's weight gradients ((El, 256, 512 / model), (El, 512 / model,
     256)): each rank's experts (El of the 4: 2 where expert parallelism splits them over the 2 data ranks) and its
-    slice of their hidden units, never the whole (the region is manual over every axis)."""
+    slice of their hidden units, never the whole (the region is manual over every axis); the dispatch's ragged
+    all-to-alls, 4 per MoE layer forward and 3 backward."""
     from trainer.config import load_config
     from trainer.plan.aot import compile_for
     overrides, tp, El = TPU_LAYOUTS[name]
@@ -163,3 +166,9 @@ def test_the_tpu_moe_step_runs_megablox(name):
     assert any(len(s) == 2 and s[1] == Fl for s in shapes) and any(len(s) == 2 and s[1] == 256 for s in shapes)
     assert not {s for s in shapes if len(s) == 3 and (s[0] != El or 512 in s)}, kernels  # never more
     assert c.measured.total_bytes < c.plan.device.hbm  # it fits the chip
+    # dropless expert parallelism: each MoE layer's runs by ragged all-to-all (models/kernels/experts.py
+    # _ragged_routed), forward: the tokens, their experts there, their weights and the outputs back; backward: the
+    # transposes of the tokens', the weights' and the outputs'; 4 and 3 in each of the 2 layers' own computations
+    ragged = [len(re.findall(r"ragged-all-to-all\(", comp)) for comp in re.split(r"\n(?=\S)", c.measured.text)]
+    if El < 4 and not any("remat" in o or "stage" in o for o in overrides):
+        assert sorted(n for n in ragged if n) == [3, 3, 4, 4], ragged

@@ -175,8 +175,8 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
         over = jnp.zeros((), jnp.float32)
         if collectives.axis_size("experts") == 1:
             y = fn(h, i, k, w, ws, silu)
-        elif slots is None and routed and routed > 0:
-            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed)
+        elif slots is None and routed and routed > 0:  # TPU: by ragged all-to-all
+            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed, platform == "tpu")
         elif slots is None:
             y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
         else:
@@ -252,25 +252,30 @@ def routes(dest_M, R: int, cap: int):
     return order, sizes, offsets, slot, jnp.any(sizes > cap)
 
 
-def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float):
+def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float, ragged: bool = False):
     """Dropless expert parallelism by all-to-all: each kept choice's token sent to the rank holding its expert in a
     buffer of buffer_rows(M, R, factor) rows per destination (with its expert there and its routing weight), that
     rank's experts run on the rows it received, the weighted results sent back by the reverse all-to-all and added
     to their tokens. Bytes per rank: R x rows x D each way, fixed by the factor, not growing with R as the
     gathered path's R x N x D. Where some rank's choices for some destination overflow its buffer, every rank
     (one psum of the flag) takes the gathered path instead: no choice is ever dropped. (y, whether it was taken:
-    float32 0 or 1)."""
+    float32 0 or 1). `ragged` (TPU): the same buffers filled by ragged all-to-alls of the sorted choices, whose
+    offsets and sizes are `routes`' (_ragged_routed)."""
     El, R = weights[0].shape[0], coll.axis_size("experts")
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     M = N * K
     cap = buffer_rows(M, R, factor)
     dest_M = jnp.where(keep_NK, idx_NK // El, R).reshape(-1)
-    order, _, _, slot, over = routes(dest_M, R, cap)
+    order, sizes, offsets, slot, over = routes(dest_M, R, cap)
     d = dest_M[order]
     token = order // K
     at = jnp.where((d < R) & (slot < cap), d * cap + slot, R * cap)  # past the end: not sent
 
     def routed():
+        if ragged:
+            return _ragged_routed(fn, coll, h_ND[token], idx_NK.reshape(-1)[order] - d * El, w_NK.reshape(-1)[order],
+                                  token, jnp.minimum(sizes, cap), offsets, cap, N, weights, silu)
+
         def put(x, fill):
             return jnp.full((R * cap,) + x.shape[1:], fill, x.dtype).at[at].set(x, mode="drop")
         there = lambda x: coll.all_to_all(x.reshape((R, cap) + x.shape[1:]), "experts", 0, 0).reshape(  # noqa
@@ -287,3 +292,27 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
         return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu)
     taken = coll.psum(over.astype(jnp.int32), "experts") > 0
     return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)
+
+
+def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, N: int, weights, silu):
+    """_experts_routed's exchange by ragged all-to-alls (TPU): the choices sorted by destination (x, their expert
+    there e, weight w; rows past the last run are not sent) go as runs `sizes` from `offsets` (routes') to each
+    rank's buffer of R x cap rows, sender i's run at i x cap (the layout of the padded form); the results come back
+    into the sorted order (the receivers' runs from i x cap, to where each sender's run started: its offsets,
+    exchanged) and are added to their tokens. Only the rows of the runs travel; the buffers bound them."""
+    El, R = weights[0].shape[0], sizes.shape[0]
+    me = coll.axis_index("experts")
+    swap = lambda v: coll.all_to_all(v.reshape(R, 1), "experts", 0, 0).reshape(R)  # noqa: E731 (rank i's entry for me)
+    recv, home = swap(sizes), swap(offsets)  # rows each rank sends me, where its run to me starts in its order
+    there = jnp.full((R,), me * cap, jnp.int32)
+
+    def send(v, fill):
+        out = jnp.full((R * cap,) + v.shape[1:], fill, v.dtype)
+        return coll.ragged_all_to_all(v, out, offsets, sizes, there, recv, "experts", cap)
+    x, e, w = send(x_MD, 0), send(e_M, El), send(w_M, 0)
+    mine = e < El
+    y = fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+    starts = jnp.arange(R, dtype=jnp.int32) * cap
+    back = coll.ragged_all_to_all(y, jnp.zeros((x_MD.shape[0],) + y.shape[1:], y.dtype), starts, recv, home, sizes,
+                                  "experts", cap)
+    return jnp.zeros((N,) + y.shape[1:], y.dtype).at[token_M].add(back)
