@@ -414,12 +414,13 @@ def same_as_one_device(model, layout, base: tuple = tuple(MOE), router_scale: fl
     got, got_p, over, _ = _train(tuple(model) + tuple(layout), base=base, router_scale=router_scale)
     assert over == ({True: "data", False: None}[split] if isinstance(split, bool) else split)
     assert set(got[0]) == {"loss", "grad_norm", "aux/load_balance", "aux/z_loss", "moe/dropped", "moe/overflow"}
-    for g, w in zip(got, want):
-        assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w), (g, w)
+    for g, w in zip(got, want):  # moe/overflow: the layout's dispatch (one device never overflows), not the model's
+        assert all(abs(g[k] - w[k]) <= 1e-5 * max(abs(w[k]), 1e-3) for k in w if k != "moe/overflow"), (g, w)
     if any("capacity" in m for m in model):
         assert want[0]["moe/dropped"] > 0.01 and all(g["moe/dropped"] == w["moe/dropped"] for g, w in zip(got, want))
     for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p)):
         assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+    return got
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -255,7 +255,8 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
         slots = (slot_BTK.reshape(B * T, K), slots, T)
     y_ND, over_N = grouped_mlp(h_BTD.reshape(B * T, D), idx_BTK.reshape(B * T, K), keep_BTK.reshape(B * T, K),
                                w_BTK.reshape(B * T, K).astype(x_BTD.dtype), weights, kn.silu, kn.platform,
-                               collectives=call.collectives, slots=slots, routed=c.dispatch_factor, overflow=True)
+                               collectives=call.collectives, slots=slots, routed=c.dispatch_factor, overflow=True,
+                               recompute=c.remat != "none")
     y_BTD = y_ND.reshape(B, T, D)
     if "shared_gate" in p:
         s = {k: p[k].astype(x_BTD.dtype) for k in ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")}

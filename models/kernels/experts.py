@@ -154,14 +154,16 @@ IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
-                collectives=LOCAL, slots: tuple | None = None, routed: float | None = None, overflow: bool = False):
+                collectives=LOCAL, slots: tuple | None = None, routed: float | None = None, overflow: bool = False,
+                recompute: bool = False):
     """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
     Where the run's rules split the experts over a mesh axis (expert parallelism), each rank's tokens reach the ranks
     holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
     per row)) by all-to-all in fixed per-row slots; dropless, with `routed` (a buffer factor > 0) sent to their
     experts' ranks and back by all-to-all in buffers of `routed` x the balanced share (_experts_routed), else the
     ranks' tokens gathered and the results reduce-scattered (_experts_gathered). `overflow`: return (y, (N,) float32
-    1 where the token's rank dispatched by the exact path because some buffer overflowed, else 0)."""
+    1 where the token's rank dispatched by the exact path because some buffer overflowed, else 0). `recompute` (a
+    remat policy): the routed buffers' runs recomputed for their backward one at a time (_by_sender)."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
     fn = FORMULATIONS[name]
     if name == "megablox":
@@ -176,7 +178,7 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
         if collectives.axis_size("experts") == 1:
             y = fn(h, i, k, w, ws, silu)
         elif slots is None and routed and routed > 0:  # TPU: by ragged all-to-all
-            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed, platform == "tpu")
+            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed, platform == "tpu", recompute)
         elif slots is None:
             y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
         else:
@@ -194,18 +196,45 @@ def _local_choices(coll, idx_NK, keep_NK, El: int):
     return jnp.clip(local_NK, 0, El - 1), keep_NK & (local_NK >= 0) & (local_NK < El)
 
 
-def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: int | None = None):
     """Dropless expert parallelism: every rank's tokens and choices gathered over `experts` (in rank order: the
     batch's order, so each expert sees its tokens in the order one device does), this rank's experts run on the
     choices of them, the results summed over the ranks and scattered back to the tokens' ranks (MaxText's ring of
-    experts: no buffer sized by the worst case)."""
+    experts: no buffer sized by the worst case). `chunk`: the gathered tokens a run of about that many choices at a
+    time (a divisor of each rank's N), each recomputed for its backward (jax.checkpoint in a lax.map): the experts'
+    working set that of `chunk` choices, not of R x N x k (the exact path of _experts_routed, which XLA holds in
+    memory beside the buffers' path: chunks of the buffers' runs)."""
     gather = functools.partial(coll.all_gather, logical="experts", axis=0)
-    X = weights[0].shape[0] * coll.axis_size("experts")
+    R = coll.axis_size("experts")
+    X = weights[0].shape[0] * R
     # a choice that is not kept (padding) travels as expert X, held by no rank
     h, idx, w = gather(h_ND), gather(jnp.where(keep_NK, idx_NK, X)), gather(w_NK)
     local, mine = _local_choices(coll, idx, jnp.ones(idx.shape, bool), weights[0].shape[0])
-    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
+    args = (h, local, mine, jnp.where(mine, w, 0))
+    if chunk:
+        N, K = h_ND.shape[0], idx_NK.shape[1]
+        t = next(t for t in range(max(1, min(N, chunk // K)), 0, -1) if N % t == 0)  # tokens per run
+        one = jax.checkpoint(lambda a: fn(*a, weights, silu))
+        y = jax.lax.map(one, tuple(x.reshape((R * N // t, t) + x.shape[1:]) for x in args)).reshape(h.shape)
+    else:
+        y = fn(*args, weights, silu)
     return coll.reduce_scatter(y, "experts", 0)
+
+
+def _by_sender(fn, R: int, x, e, w, weights, silu, recompute: bool = False):
+    """fn on a received buffer of R senders' runs (x (R cap, D), each row's expert there e (El: no row), weight w),
+    one sender's run at a time (lax.map): the experts' working set, their hidden units of every row (F wide) kept
+    for the backward and the backward's own, that of cap rows, not of R x cap; `recompute`: nothing kept, each run's
+    forward recomputed for its backward (jax.checkpoint)."""
+    El = weights[0].shape[0]
+
+    def one(a):
+        x, e, w = a
+        mine = e < El
+        return fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+    one = jax.checkpoint(one) if recompute else one
+    return jax.lax.map(one, tuple(v.reshape((R, -1) + v.shape[1:]) for v in (x, e, w))).reshape(
+        (x.shape[0],) + x.shape[1:])
 
 
 def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_NK, C: int, T: int):
@@ -252,7 +281,8 @@ def routes(dest_M, R: int, cap: int):
     return order, sizes, offsets, slot, jnp.any(sizes > cap)
 
 
-def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float, ragged: bool = False):
+def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float, ragged: bool = False,
+                    recompute: bool = False):
     """Dropless expert parallelism by all-to-all: each kept choice's token sent to the rank holding its expert in a
     buffer of buffer_rows(M, R, factor) rows per destination (with its expert there and its routing weight), that
     rank's experts run on the rows it received, the weighted results sent back by the reverse all-to-all and added
@@ -274,7 +304,7 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     def routed():
         if ragged:
             return _ragged_routed(fn, coll, h_ND[token], idx_NK.reshape(-1)[order] - d * El, w_NK.reshape(-1)[order],
-                                  token, jnp.minimum(sizes, cap), offsets, cap, N, weights, silu)
+                                  token, jnp.minimum(sizes, cap), offsets, cap, N, weights, silu, recompute)
 
         def put(x, fill):
             return jnp.full((R * cap,) + x.shape[1:], fill, x.dtype).at[at].set(x, mode="drop")
@@ -283,18 +313,18 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
         x = there(put(h_ND[token], 0))
         e = there(put(idx_NK.reshape(-1)[order] - d * El, El))  # the expert among the receiver's El; El: no row
         w = there(put(w_NK.reshape(-1)[order], 0))
-        mine = e < El
-        y = fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+        y = _by_sender(fn, R, x, e, w, weights, silu, recompute)
         back = there(y)  # each row home, where it was sent from
         return jnp.zeros((N, D), y.dtype).at[token].add(back.at[at].get(mode="fill", fill_value=0))
 
     def exact():
-        return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu)
+        return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk=cap)
     taken = coll.psum(over.astype(jnp.int32), "experts") > 0
     return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)
 
 
-def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, N: int, weights, silu):
+def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, N: int, weights, silu,
+                   recompute: bool = False):
     """_experts_routed's exchange by ragged all-to-alls (TPU): the choices sorted by destination (x, their expert
     there e, weight w; rows past the last run are not sent) go as runs `sizes` from `offsets` (routes') to each
     rank's buffer of R x cap rows, sender i's run at i x cap (the layout of the padded form); the results come back
@@ -310,8 +340,7 @@ def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, 
         out = jnp.full((R * cap,) + v.shape[1:], fill, v.dtype)
         return coll.ragged_all_to_all(v, out, offsets, sizes, there, recv, "experts", cap)
     x, e, w = send(x_MD, 0), send(e_M, El), send(w_M, 0)
-    mine = e < El
-    y = fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+    y = _by_sender(fn, R, x, e, w, weights, silu, recompute)
     starts = jnp.arange(R, dtype=jnp.int32) * cap
     back = coll.ragged_all_to_all(y, jnp.zeros((x_MD.shape[0],) + y.shape[1:], y.dtype), starts, recv, home, sizes,
                                   "experts", cap)

@@ -23,8 +23,11 @@ from trainer.parallel.collective_costs import bus_factor
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# XLA:TPU's ragged all-to-all (an MoE's dispatch, models/kernels/experts.py): counted as an all-to-all of its output
+# buffer, the bound of the rows it moves (which the routing decides)
+RAGGED = "ragged-all-to-all"
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-done)?\(")
+_OP = re.compile(r"=\s*(.+?)\s+(" + "|".join((RAGGED,) + KINDS) + r")(-done)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
@@ -263,7 +266,7 @@ def collective_ops(text: str, mesh_shape: dict[str, int], branch_weights=None,
             m = _OP.search(line)
             if not m:
                 continue
-            kind, size = m.group(2), _array_bytes(m.group(1))
+            kind, size = m.group(2).replace(RAGGED, "all-to-all"), _array_bytes(m.group(1))
             if m.group(3):  # async pair: the -done op has the result, its -start the groups
                 line = defs[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
             if kind == "collective-permute":
