@@ -103,14 +103,18 @@ def expert_collectives(c: MoEConfig, tokens: int, ranks: int, a: int) -> list[tu
                     ("reduce-scatter", "expert outputs summed to their tokens", n * D * a, True, False)]
         if c.dispatch_factor <= 0:
             return gathered
-        # _experts_routed: buffers of buffer_rows per destination each way; the gathered path where one overflows
-        rows = ranks * buffer_rows(tokens * K, ranks, c.dispatch_factor)
+        # _experts_routed: buffers of buffer_rows per destination each way; the ring where one overflows: R steps,
+        # each passing a block of tokens, choices, weights and the outputs' accumulator on (collective-permutes)
+        rows, n = ranks * buffer_rows(tokens * K, ranks, c.dispatch_factor), ranks * tokens
         return [("all-to-all", "tokens to their experts' ranks", rows * D * a, True, True),
                 ("all-to-all", "their experts there", rows * 4, False, True),
                 ("all-to-all", "their routing weights", rows * a, True, True),
                 ("all-to-all", "the weighted outputs back", rows * D * a, True, False),
-                ("all-reduce", "whether a buffer overflowed", 4, False, True)] + \
-            [(k, f"exact path: {w}", b, g, again, True) for k, w, b, g, again in gathered]
+                ("all-reduce", "whether a buffer overflowed", 4, False, True),
+                ("collective-permute", "exact path: the ring's token blocks", n * D * a, True, True, True),
+                ("collective-permute", "exact path: the ring's choices", n * K * 4, False, True, True),
+                ("collective-permute", "exact path: the ring's routing weights", n * K * a, True, True, True),
+                ("collective-permute", "exact path: the ring's output accumulators", n * D * a, True, True, True)]
     slots = c.n_experts * (tokens // T) * C * D * a  # _experts_all_to_all: this rank's buffer
     # (the outputs come back unweighted: the routing weights' gradient reads them)
     return [("all-to-all", "tokens to their experts' slots", slots, True, True),

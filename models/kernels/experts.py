@@ -196,29 +196,42 @@ def _local_choices(coll, idx_NK, keep_NK, El: int):
     return jnp.clip(local_NK, 0, El - 1), keep_NK & (local_NK >= 0) & (local_NK < El)
 
 
-def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: int | None = None):
+def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
     """Dropless expert parallelism: every rank's tokens and choices gathered over `experts` (in rank order: the
     batch's order, so each expert sees its tokens in the order one device does), this rank's experts run on the
-    choices of them, the results summed over the ranks and scattered back to the tokens' ranks (MaxText's ring of
-    experts: no buffer sized by the worst case). `chunk`: the gathered tokens a run of about that many choices at a
-    time (a divisor of each rank's N), each recomputed for its backward (jax.checkpoint in a lax.map): the experts'
-    working set that of `chunk` choices, not of R x N x k (the exact path of _experts_routed, which XLA holds in
-    memory beside the buffers' path: chunks of the buffers' runs)."""
+    choices of them, the results summed over the ranks and scattered back to the tokens' ranks (no buffer sized by
+    the worst case; model.dispatch_factor <= 0)."""
     gather = functools.partial(coll.all_gather, logical="experts", axis=0)
-    R = coll.axis_size("experts")
-    X = weights[0].shape[0] * R
+    X = weights[0].shape[0] * coll.axis_size("experts")
     # a choice that is not kept (padding) travels as expert X, held by no rank
     h, idx, w = gather(h_ND), gather(jnp.where(keep_NK, idx_NK, X)), gather(w_NK)
     local, mine = _local_choices(coll, idx, jnp.ones(idx.shape, bool), weights[0].shape[0])
-    args = (h, local, mine, jnp.where(mine, w, 0))
-    if chunk:
-        N, K = h_ND.shape[0], idx_NK.shape[1]
-        t = next(t for t in range(max(1, min(N, chunk // K)), 0, -1) if N % t == 0)  # tokens per run
-        one = jax.checkpoint(lambda a: fn(*a, weights, silu))
-        y = jax.lax.map(one, tuple(x.reshape((R * N // t, t) + x.shape[1:]) for x in args)).reshape(h.shape)
-    else:
-        y = fn(*args, weights, silu)
+    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
     return coll.reduce_scatter(y, "experts", 0)
+
+
+def _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: int):
+    """Dropless expert parallelism in a ring (MaxText's "ring of experts"), the exact path of _experts_routed: R
+    steps, each rank running its experts on the block of tokens it holds (its own first), adding their outputs to
+    the block's accumulator, and passing block and accumulator on to the next rank (a collective-permute); after R
+    steps every block is home with the sum of every rank's experts. Only a block's tokens and its accumulator are
+    held, not R x N (the all-gather's), and each block runs in runs of about `chunk` choices, each recomputed for
+    its backward: the working set is the buffers' path's, which XLA holds beside it."""
+    El, R = weights[0].shape[0], coll.axis_size("experts")
+    (N, D), K = h_ND.shape, idx_NK.shape[1]
+    t = next(t for t in range(max(1, min(N, chunk // K)), 0, -1) if N % t == 0)  # tokens per run
+    run = jax.checkpoint(lambda a: fn(*a, weights, silu))
+    every = jnp.ones(idx_NK.shape, bool)
+
+    def step(carry, _):
+        h, idx, w, acc = carry
+        local, mine = _local_choices(coll, idx, every, El)
+        args = (h, local, mine, jnp.where(mine, w, 0))
+        y = jax.lax.map(run, tuple(x.reshape((N // t, t) + x.shape[1:]) for x in args)).reshape(h.shape)
+        return tuple(coll.shift(x, "experts") for x in (h, idx, w, acc + y.astype(acc.dtype))), None
+    X = El * R  # a choice not kept travels as expert X, held by no rank
+    carry = (h_ND, jnp.where(keep_NK, idx_NK, X), w_NK, jnp.zeros((N, D), h_ND.dtype))
+    return jax.lax.scan(step, carry, None, length=R)[0][3]
 
 
 def _by_sender(fn, R: int, x, e, w, weights, silu, recompute: bool = False):
@@ -288,8 +301,8 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     rank's experts run on the rows it received, the weighted results sent back by the reverse all-to-all and added
     to their tokens. Bytes per rank: R x rows x D each way, fixed by the factor, not growing with R as the
     gathered path's R x N x D. Where some rank's choices for some destination overflow its buffer, every rank
-    (one psum of the flag) takes the gathered path instead: no choice is ever dropped. (y, whether it was taken:
-    float32 0 or 1). `ragged` (TPU): the same buffers filled by ragged all-to-alls of the sorted choices, whose
+    (one psum of the flag) takes the exact path, the ring (_experts_ring), instead: no choice is ever dropped.
+    (y, whether it was taken: float32 0 or 1). `ragged` (TPU): the same buffers filled by ragged all-to-alls of the sorted choices, whose
     offsets and sizes are `routes`' (_ragged_routed)."""
     El, R = weights[0].shape[0], coll.axis_size("experts")
     (N, D), K = h_ND.shape, idx_NK.shape[1]
@@ -318,7 +331,7 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
         return jnp.zeros((N, D), y.dtype).at[token].add(back.at[at].get(mode="fill", fill_value=0))
 
     def exact():
-        return _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk=cap)
+        return _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, cap)
     taken = coll.psum(over.astype(jnp.int32), "experts") > 0
     return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)
 

@@ -149,7 +149,8 @@ def _gather_transfers(mc, st: Strategy, block: float, uses: int, forwards: int, 
                     m * ag * 4 * mc.seq_len * (1 + (rows if documents else 0)), m * (1 + documents))]
 
 
-TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
+TRANSPOSE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all",
+             "collective-permute": "collective-permute"}
 
 
 def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
@@ -166,14 +167,16 @@ def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     recomputed = st.remat != "none" or st.stage > 1
     out = []
     for kind, what, size, grad, again, *exact in family(mc.family).expert_collectives(mc, n, ranks, a):
-        bus, exact = bus_factor(kind, ranks) * size, bool(exact and exact[0])
-        forwards = 2 if recomputed and again else 1
+        hop = kind == "collective-permute"  # a hop sends its array whole (R of them: the ring's steps)
+        bus, exact = (1.0 if hop else bus_factor(kind, ranks)) * size, bool(exact and exact[0])
+        # a pipeline's stage body runs its forward whole again for its vjp (nothing left out); remat, what is read
+        forwards = 2 if (recomputed and again) or st.stage > 1 else 1
         out.append(Transfer(axis, kind, f"experts: {what} (forward)", forwards * uses * bus, forwards * uses,
                             overflow=exact))
         if grad:
             back = TRANSPOSE[kind]
-            out.append(Transfer(axis, back, f"experts: {what} (backward)", uses * bus_factor(back, ranks) * size,
-                                uses, overflow=exact))
+            out.append(Transfer(axis, back, f"experts: {what} (backward)",
+                                uses * (1.0 if hop else bus_factor(back, ranks)) * size, uses, overflow=exact))
     return out
 
 

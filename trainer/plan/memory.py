@@ -308,14 +308,17 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     Three copies of its experts' float32 weights (XLA:CPU's buffer assignment of a (8,1,1) step): the layer's slice
     of the stacked weights (under ZeRO-3, the gathered layer counted in buffer_bytes), the tile scan's gradient
     accumulators and the layer's gradient before it is written into the stack's. A dense layer's weights are a few
-    percent of its activations; an MoE's experts are n_experts times a dense MLP's. And the dispatch's two
+    percent of its activations; an MoE's experts are n_experts times a dense MLP's (a rank's n_experts / ranks under
+    expert parallelism). And the dispatch's two
     cotangents, one row per choice (on CPU padded to whole tiles per expert, models/kernels/experts.py): the experts' output's
     and their input's."""
     if not sparse(mc):
         return 0.0
     from models.transformer import inventory
     c = _shard(mc, st.model)[0]
-    experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if "experts" in p.axes)
+    over = st.rules["experts"]  # expert parallelism: a rank's experts alone
+    experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if "experts" in p.axes) / (
+        st.mesh[over] if over else 1)
     rows = family(mc.family).dispatch_rows(mc, b * mc.seq_len // st.context, platform)
     dispatch = 2.0 * rows * mc.d_model * jax.numpy.dtype(dtype).itemsize
     # less the slice where ZeRO-3 gathered the layer (buffer_bytes), less the gradient where a pipeline's stage body
