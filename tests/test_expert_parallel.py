@@ -170,8 +170,8 @@ def test_the_compiled_step_splits_the_experts_and_the_planner_holds_it(zero, rou
     reduce-scatter over `data` of an expert weight or its gradient (the replicated step has them: its gradients'
     all-reduce, ZeRO-3's gathers); the
     planner's state within 1% of XLA's and its dispatch collectives (all-to-all with a capacity; dropless the
-    all-to-all of its buffers and, listed apart, the gathers and reduce-scatters of the exact path, which the HLO
-    holds in a conditional) within 1% of the HLO's, as every collective over `data`."""
+    all-to-all of its buffers; the exact path's ring apart on both sides) within 1% of the HLO's, as every
+    collective over `data`."""
     layout = ["mesh.data=8", f"train.zero_stage={zero}", *DISPATCH[routing]]
     m, plan, weights = _compiled(layout)
     rep, _, _ = _compiled(layout + ["train.expert_parallel=false"])
@@ -184,7 +184,7 @@ def test_the_compiled_step_splits_the_experts_and_the_planner_holds_it(zero, rou
     assert abs(state / m.params_opt_bytes - 1) < 0.01, (state, m.params_opt_bytes)
     for kind in ("all-to-all", "all-gather", "reduce-scatter", "all-reduce"):
         xla = m.collectives.get((kind, ("data",)), 0.0)
-        mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data")
+        mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data" and not t.overflow)
         # (+256 B: the step's scalar sums, the loss's and the aux statistics', which the planner leaves out)
         assert abs(mine - xla) <= 0.01 * xla + 256, (kind, mine, xla)
     assert m.collectives.get(("all-to-all", ("data",)), 0) > 0  # dropless too: the buffers of _experts_routed
@@ -206,7 +206,7 @@ def test_the_planner_holds_the_dispatch_on_more_layouts(name, routing):
     assert expert_collectives(m, plan, weights) == []
     kind = "all-to-all"  # dropless: the routed buffers' (the exact path's ring, listed apart, is collective-permutes)
     xla = m.collectives.get((kind, ("data",)), 0.0)
-    mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data")
+    mine = sum(t.bytes for t in plan.transfers if t.kind == kind and t.axis == "data" and not t.overflow)
     assert xla > 0 and abs(mine - xla) <= 0.01 * xla, (kind, mine, xla)
 
 

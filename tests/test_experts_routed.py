@@ -32,12 +32,12 @@ def test_routes_sorts_counts_and_places_each_choice():
     assert experts.buffer_rows(192, 4, 2.0) == 96 and experts.buffer_rows(100, 4, 1.25) == 32
 
 
-@pytest.mark.parametrize("factor,form", [(2.0, "padded"), (0.5, "padded"), (2.0, "ragged")],
-                         ids=["all_to_all", "overflow", "ragged"])
+@pytest.mark.parametrize("factor,form", [(2.0, "padded"), (0.5, "padded"), (2.0, "ragged"), (0.5, "ragged")],
+                         ids=["all_to_all", "overflow", "ragged", "ragged-overflow"])
 def test_routed_experts_over_4_ranks_equal_the_loop(factor, form):
     """4 ranks, 24 tokens each, 2 choices of 4 experts: with buffers of twice the balanced share every choice fits
-    (the program's all-to-alls carry them); with half of it some rank's run overflows and all take the gathered path;
-    both equal the loop within 1e-5. `ragged`: the TPU's form (the runs by ragged all-to-all, their offsets and sizes
+    (the program's all-to-alls carry them); with half of it some rank's run overflows and every rank sends the rest
+    in more rounds of the same buffers; both equal the loop within 1e-5. `ragged`: the TPU's form (the runs by ragged all-to-all, their offsets and sizes
     routes'), its exchange on CPU by Collectives.ragged_all_to_all's padded all_to_all (XLA:CPU has no
     ragged-all-to-all)."""
     from meshes import RULES, Collectives, build_mesh

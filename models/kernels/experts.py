@@ -49,6 +49,8 @@ def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, silu):
 
 
 TILE = 128  # rows of a tile of `tiles` and `tile_scan`
+# the named scope of the dispatch's exact path (_experts_routed), which runs only where a buffer overflows
+EXACT_SCOPE = "moe_exact_path"
 
 
 def padded_tiles(M: int, X: int, t: int = TILE) -> int:
@@ -330,8 +332,13 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
         back = there(y)  # each row home, where it was sent from
         return jnp.zeros((N, D), y.dtype).at[token].add(back.at[at].get(mode="fill", fill_value=0))
 
+    # the exact path recomputed whole for its backward: linearized, a conditional's every branch returns the
+    # residuals of both (the untaken one's zeros), and the ring's (its R steps' blocks) would be held every layer
+    ring = jax.checkpoint(lambda: _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, cap))
+
     def exact():
-        return _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, cap)
+        with jax.named_scope(EXACT_SCOPE):  # its collectives named so (trainer/plan/hlo.py lists them apart)
+            return ring()
     taken = coll.psum(over.astype(jnp.int32), "experts") > 0
     return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)
 

@@ -18,6 +18,8 @@ import re
 
 import numpy as np
 
+from models.kernels.experts import EXACT_SCOPE
+
 from trainer.parallel.collective_costs import bus_factor
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -243,11 +245,14 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, .
 
 
 def collective_bytes(text: str, mesh_shape: dict[str, int], branch_weights=None,
-                     loop_trips=None) -> dict[tuple[str, tuple[str, ...]], float]:
-    """{(kind, mesh axes): bytes one device sends per call} over every collective in the HLO."""
+                     loop_trips=None, apart: bool = False) -> dict[tuple[str, tuple[str, ...]], float]:
+    """{(kind, mesh axes): bytes one device sends per call} over every collective in the HLO but an MoE dispatch's
+    exact path (its named scope, EXACT_SCOPE: it runs only where a buffer overflows, in a conditional this reader
+    would count as if it ran); `apart`: over those alone."""
     out = collections.Counter()
-    for kind, axes, sent, _ in collective_ops(text, mesh_shape, branch_weights, loop_trips):
-        out[(kind, axes)] += sent
+    for kind, axes, sent, line in collective_ops(text, mesh_shape, branch_weights, loop_trips):
+        if (EXACT_SCOPE in line) == apart:
+            out[(kind, axes)] += sent
     return dict(out)
 
 

@@ -62,11 +62,13 @@ class Measured(Footprint):
     """XLA's numbers for one compiled step, per device."""
     params_opt_bytes: int  # arguments less the step counter and the batch
     grads_bytes: int | None  # outputs of the gradient function less the loss (None: not compiled)
-    collectives: dict  # (kind, axes) -> bytes one device sends per step
+    collectives: dict  # (kind, axes) -> bytes one device sends per step (an MoE dispatch's exact path apart)
     mesh_shape: dict
     text: str = dataclasses.field(repr=False, default="")
     flops: float | None = None  # XLA's FLOP count of the step, per device (its cost analysis)
     platform: str = "cpu"  # what it was compiled for
+    # an MoE dispatch's exact path, which runs only where a buffer overflows: (kind, axes) -> bytes, as if it ran
+    overflow: dict = dataclasses.field(default_factory=dict)
 
     def axis_bytes(self, axis: str) -> float:
         """Collective bytes over one mesh axis (a collective spanning several axes counts under each)."""
@@ -114,7 +116,8 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     return Measured(
         **dataclasses.asdict(fp), params_opt_bytes=fp.argument_bytes - n_batch - 4, grads_bytes=g_bytes,
         collectives=collective_bytes(text, dict(s.mesh.shape), *table_weights(s)), mesh_shape=dict(s.mesh.shape),
-        text=text, flops=_flops(step), platform=platform)
+        text=text, flops=_flops(step), platform=platform,
+        overflow=collective_bytes(text, dict(s.mesh.shape), *table_weights(s), apart=True))
 
 
 def _flops(compiled) -> float | None:
