@@ -86,6 +86,8 @@ def _dispatch(R: int, factor: float):
     m = measure(cfg, grads=False)
     hlo = {kind: sum(b for (k, axes), b in m.collectives.items() if k == kind and axes == ("expert",))
            for kind in ("all-to-all", "all-gather")}
+    # the exact path's ring, apart (its named scope): collective-permutes over `expert` in the HLO too
+    hlo["exact"] = sum(b for (k, axes), b in m.overflow.items() if k == "collective-permute" and axes == ("expert",))
     return hlo, sum(t.bytes for t in plan.transfers if t.kind == "all-to-all" and t.axis == "expert"), plan
 
 
@@ -103,6 +105,7 @@ def test_all_to_all_bytes_equal_the_planner_and_do_not_grow_with_the_degree(R):
     buffers = L * 2 * M * (2 * D * a + 4 + a + 2 * D * a + a)
     assert abs(hlo["all-to-all"] * R / (R - 1) - buffers) <= 0.01 * buffers, (hlo, buffers)
     assert [t for t in plan.transfers if t.overflow] and plan.overflow_bytes > 0  # the exact path, listed apart
+    assert hlo["exact"] > 0  # and counted apart in the HLO
 
 
 def test_the_gathered_path_grows_with_the_degree_and_the_routing_overflows_nothing():
