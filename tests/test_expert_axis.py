@@ -108,6 +108,7 @@ def test_all_to_all_bytes_equal_the_planner_and_do_not_grow_with_the_degree(R):
     assert hlo["exact"] > 0  # and counted apart in the HLO
 
 
+@pytest.mark.slow  # the default layouts assert moe/overflow 0 too
 def test_the_gathered_path_grows_with_the_degree_and_the_routing_overflows_nothing():
     """At degree 4, the gathered path's all-gathers (model.dispatch_factor=0) send at least (R - 1) x N x D per
     layer for the tokens alone, 3x degree 2's (the routed buffers: the test above, whatever R); the routing at these
