@@ -131,7 +131,10 @@ MOE_TPU = ["model.preset=small", "model.family=mixtral", "model.d_model=256", "m
            "model.d_ff=512", "model.n_experts=4", "model.n_experts_per_token=2", "model.vocab_size=512",
            "model.seq_len=128", "model.n_layers=2", "train.batch_size=4", "train.dtype=bfloat16"]
 TPU_LAYOUTS = {  # (overrides, mesh.model, experts per rank): expert parallelism on by default (4 experts, 2 data ranks)
-    "d2m4-zero3": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3"], 4, 2),
+    # the default run's: the gathered dispatch (model.dispatch_factor=0), whose program XLA:TPU compiles in a third of
+    # the time; the ragged all-to-alls under -m slow (e4m2-zero3, d2m4-zero3-ragged)
+    "d2m4-zero3": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "model.dispatch_factor=0"], 4, 2),
+    "d2m4-zero3-ragged": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3"], 4, 2),
     "d2m4-zero3-replicated": (["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "train.expert_parallel=false"],
                               4, 4),
     "d2s2m2-1f1b": (["mesh.data=2", "mesh.stage=2", "mesh.model=2", "train.pipeline_schedule=1f1b",
@@ -170,5 +173,5 @@ def test_the_tpu_moe_step_runs_megablox(name):
     # _ragged_routed), forward: the tokens, their experts there, their weights and the outputs back; backward: the
     # transposes of the tokens', the weights' and the outputs'; 4 and 3 in each of the 2 layers' own computations
     ragged = [len(re.findall(r"ragged-all-to-all\(", comp)) for comp in re.split(r"\n(?=\S)", c.measured.text)]
-    if El < 4 and not any("remat" in o or "stage" in o for o in overrides):
+    if El < 4 and not any("remat" in o or "stage" in o or "dispatch_factor=0" in o for o in overrides):
         assert sorted(n for n in ragged if n) == [3, 3, 4, 4], ragged
