@@ -4,8 +4,8 @@ Letters as in models/families/moe.py: N tokens, k choices per token, M = N*k cho
 FORMULATIONS, one per platform (BY_PLATFORM, measured by scripts/bench/moe_formulations.py); `grouped_mlp` runs the
 platform's in a region manual over every axis, each batch rank its own tokens; where the run's rules split the
 experts over a mesh axis (`expert`, or `data`: expert parallelism) the tokens reach their experts' ranks by all-to-all
-in buffers of a factor x the balanced share, or by all-gather and reduce-scatter where a buffer would overflow
-(dropless), or by all-to-all in fixed slots (with a capacity).
+in buffers of a factor x the balanced share, or around a ring where a buffer would overflow (dropless), or by
+all-to-all in fixed slots (with a capacity).
 """
 
 from __future__ import annotations
@@ -304,8 +304,8 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     to their tokens. Bytes per rank: R x rows x D each way, fixed by the factor, not growing with R as the
     gathered path's R x N x D. Where some rank's choices for some destination overflow its buffer, every rank
     (one psum of the flag) takes the exact path, the ring (_experts_ring), instead: no choice is ever dropped.
-    (y, whether it was taken: float32 0 or 1). `ragged` (TPU): the same buffers filled by ragged all-to-alls of the sorted choices, whose
-    offsets and sizes are `routes`' (_ragged_routed)."""
+    (y, whether it was taken: float32 0 or 1). `ragged` (TPU): the same buffers filled by ragged all-to-alls of the
+    sorted choices, whose offsets and sizes are `routes`' (_ragged_routed)."""
     El, R = weights[0].shape[0], coll.axis_size("experts")
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     M = N * K
