@@ -323,6 +323,12 @@ def head_weight(c: ModelConfig, params: dict):
     return (params["embed"], "vd") if c.tie_embeddings else (params["lm_head"], "dv")
 
 
+def head_only(c: ModelConfig) -> tuple:
+    """The weights only the head reads (the final norm and an untied head's projection; none where the head is the
+    tied embedding, which the lookup reads too)."""
+    return () if c.tie_embeddings else ("final_norm", "lm_head")
+
+
 def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constrain):
     """Final norm and output projection; logits in float32."""
     x = final_norm(c, params, x_BTD)

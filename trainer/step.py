@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from models.batch import counted
 from models.objectives.objective import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
+from models.transformer import head_only
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
 from trainer.optim import schedule_count
@@ -88,24 +89,43 @@ def _scattered_shape(shape, dim, k):
 
 
 def _gathering(s: Setup, reducer):
-    """params -> (the weights outside the stack, whole; the per-layer gather the stack runs): ZeRO-3 gathers the
-    non-layer weights here and each layer's inside the scan (in the compute dtype: half the bytes in bfloat16,
-    the rest as stored); below ZeRO-3 both are as they arrive."""
+    """params -> (the weights the layers' stack and the embedding read, whole; the per-layer gather the stack runs;
+    the gather of the head's weights, run after the stack): ZeRO-3 gathers the non-layer weights outside the scan
+    and each layer's inside it (in the compute dtype: half the bytes in bfloat16, the rest as stored); below
+    ZeRO-3 all three are as they arrive."""
     red = s.reduction
     dims, specs = red.dims, red.specs
 
     def full_params(p):
         if s.cfg.train.zero_stage < 3:
-            return p, lambda lp: lp
+            return p, lambda lp: lp, lambda hp: hp
         cast = compute_dtypes(s.model, p, s.dtype)
-        top = {n: v for n, v in p.items() if n != "layers"}
-        top = reducer.all_gather_tree(top, {n: dims[n] for n in top}, {n: specs[n] for n in top},
-                                      {n: cast[n] for n in top})
+
+        def top(t):
+            return reducer.all_gather_tree(t, *({n: tree[n] for n in t} for tree in (dims, specs, cast)))
         layer_dims = {n: (None if d is None else d - 1) for n, d in dims["layers"].items()}
         layer_specs = {n: P(*sp[1:]) for n, sp in specs["layers"].items()}
-        return {**top, "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs,
-                                                                                  cast["layers"])
+        rest = {n: v for n, v in p.items() if n != "layers" and n not in _late(s, p)}
+        return {**top(rest), "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(
+            lp, layer_dims, layer_specs, cast["layers"]), top
     return full_params
+
+
+def _late(s: Setup, p: dict) -> tuple:
+    """The weights only the head reads (models/transformer.py head_only), gathered after the layers' stack under
+    ZeRO-3 so that their gradient is reduce-scattered before the layers' backward begins (`_head_first`)."""
+    return tuple(n for n in head_only(s.model) if n in p) if s.cfg.train.zero_stage >= 3 else ()
+
+
+@jax.custom_vjp
+def _head_first(x, shards):
+    """Identity; its backward holds the final hidden states' cotangent until the head weights' gradient shards
+    (reduce-scattered already) are done: XLA:TPU would otherwise put that reduce-scatter after the layers'
+    backward and keep the whole float32 head gradient live through it (0.5 GB for a 32k x 4096 head)."""
+    return x, shards
+
+
+_head_first.defvjp(lambda x, shards: ((x, shards), None), lambda _, cts: tuple(jax.lax.optimization_barrier(cts)))
 
 
 def _manual_grads(s: Setup, params, batch, scale):
@@ -118,9 +138,13 @@ def _manual_grads(s: Setup, params, batch, scale):
     full_params = _gathering(s, reducer)
 
     def local_loss(p, mb, scale):
-        full, gather = full_params(p)
+        full, gather, gather_head = full_params(p)
+
+        def before_head(x, full):
+            x, shards = _head_first(x, {n: p[n] for n in _late(s, p)})
+            return x, {**full, **gather_head(shards)}
         return objective(s.model, full, mb, scale, dtype=s.dtype, constrain=constrain, gather=gather,
-                         placement=s.placement)
+                         placement=s.placement, before_head=before_head if _late(s, p) else None)
 
     vg = jax.value_and_grad(local_loss, has_aux=True)
 

@@ -122,9 +122,13 @@ def part_metrics(parts: dict, counts: dict) -> dict:
                                       for k, total in parts["aux"].items()}}
 
 
-def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, **kw):
-    """(what the step differentiates, its parts) of a batch (`head_objective` of its final hidden states and aux)."""
+def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, before_head=None, **kw):
+    """(what the step differentiates, its parts) of a batch (`head_objective` of its final hidden states and aux).
+    `before_head`: (final hidden states, params) -> the same two, as the head reads them (the ZeRO-3 step gathers
+    the head's weights there, trainer/step.py)."""
     x, aux = hidden(c, params, batch, **kw)
+    if before_head is not None:
+        x, params = before_head(x, params)
     return head_objective(c, params, x, aux, batch, scale, kw.get("constrain", _no_constrain))
 
 

@@ -15,10 +15,11 @@ import jax
 import optax
 from meshes import MODEL, Layout
 from models import ModelConfig, abstract_model
-from models.spec import LocalCollectives, family, sparse, widths_over_model
+from models.spec import family, sparse
 from trainer.optim import make_optimizer
 from trainer.parallel.reduction import Decision, decide
 from trainer.plan.schedule_cost import cost
+from trainer.plan.trace import device_view, no_remat, per_row, traced
 from trainer.plan.types import Strategy, executed
 
 
@@ -52,7 +53,7 @@ def _layout(st: Strategy) -> Layout:
 
 def leaf_bytes(mc: ModelConfig, train, st: Strategy, kind: str) -> dict:
     """Bytes per device of every parameter leaf under the `kind` spec (param | grad | opt | compute)."""
-    return _leaf_bytes(_no_remat(mc), train, st.mesh, st.zero, st.rules, kind)
+    return _leaf_bytes(no_remat(mc), train, st.mesh, st.zero, st.rules, kind)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -64,13 +65,9 @@ def _leaf_bytes(mc: ModelConfig, train, mesh, zero: int, rules, kind: str) -> di
     return jax.tree.map(lambda s, lg: _local(s.shape, fn(s.shape, lg), sizes) * s.dtype.itemsize, params, logical)
 
 
-def _no_remat(mc: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(mc, remat="none")
-
-
 def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, float]:
     """(params, grads, optimizer state) bytes per device."""
-    _, _, tx, opt = _abstract(_no_remat(mc), train)
+    _, _, tx, opt = _abstract(no_remat(mc), train)
     p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
     # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3)
     g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
@@ -94,13 +91,13 @@ class Leaf:
 @functools.lru_cache(maxsize=64)
 def decision(mc: ModelConfig, train, st: Strategy) -> Decision:
     """How the trainer reduces each gradient of this layout, and where (trainer/parallel/reduction.py)."""
-    params, logical, _, _ = _abstract(_no_remat(mc), train)
+    params, logical, _, _ = _abstract(no_remat(mc), train)
     return decide(_layout(st), params, logical, st.grad_sync, st.microbatches)
 
 
 def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     """Every parameter with its compute-spec bytes, model split and its gradient's reduction (the trainer's)."""
-    return _leaves(_no_remat(mc), train, Strategy(st.mesh, st.zero, st.microbatches, "none", grad_sync=st.grad_sync,
+    return _leaves(no_remat(mc), train, Strategy(st.mesh, st.zero, st.microbatches, "none", grad_sync=st.grad_sync,
                                                   rules=st.rules))
 
 
@@ -120,135 +117,9 @@ def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     return out
 
 
-def _shard(mc: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
-    """One device's widths under tensor parallelism (heads, kv heads, d_ff, vocab / model; head_dim kept) as a model
-    of those widths, and the kv heads' repeat there. With fewer kv heads than ranks (repeat > 1) every device
-    projects all of them (their weights are replicated), repeats them and attends with its own slice of the
-    repeated heads: one."""
-    replicated = mc.n_kv_heads < tp
-    view = dataclasses.replace(mc, n_heads=mc.n_heads // tp, n_kv_heads=mc.n_kv_heads if replicated else
-                               mc.n_kv_heads // tp, d_ff=mc.d_ff // tp, vocab_size=mc.vocab_size // tp, remat="none")
-    # an MoE's experts and shared expert: each one's hidden units over `model`, as the dense MLP's
-    return dataclasses.replace(view, **widths_over_model(mc, tp)), tp // mc.n_kv_heads if replicated else 1
-
-
-def _device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_qkv: bool):
-    """The layer's kernels as one device of the model runs them, c its widths there: q, k and v projected as the
-    whole model's program does (fused_qkv: written at its shapes, while one device's q and k may be alike); with
-    repeated kv heads, the attention sees only this device's slice of them (what the sharding constraint after the
-    repeat leaves it). cuDNN's fused attention (GPU, bfloat16), which cannot be traced without a GPU, is counted as
-    the blockwise attention of models/kernels/fast_cpu.py: both save q, k, v, the output and one log-sum-exp per query."""
-    from models.kernels.attention import block_for, select
-    from models.kernels.fast_cpu import causal_attention
-    from models.layers import kernels_for
-    kn = kernels_for(c, platform)
-    if dtype is not None and select(c.attention, dtype, platform, kn.name == "fast") == "cudnn":
-        kn = kn._replace(attention=lambda q, k, v, segments=None, **kw: causal_attention(
-            q, k, v, block_for(c.attention_block, platform)))
-    if c.fused_qkv and not fused_qkv:  # a call of three weights is the fused q, k, v: made as the model makes it
-        project = kn.project
-        kn = kn._replace(project=lambda x, ws: project(x, ws[:1]) + project(x, ws[1:]) if len(ws) == 3 else
-                         project(x, ws))
-    if kv_repeat == 1:
-        return kn
-    # the repeat makes n_kv_heads x kv_repeat = mesh.model heads, one per rank
-    return kn._replace(attention=lambda q, k, v, segments=None, **kw: kn.attention(q, k[:, :, :1], v[:, :, :1],
-                                                                                    **kw))
-
-
-def _residuals(fn, *args) -> float:
-    """Bytes JAX saves from fn's forward for its backward, less the weights (already counted as state)."""
-    # jax.ad_checkpoint.print_saved_residuals prints this list; the function behind it returns it
-    from jax._src.ad_checkpoint import saved_residuals
-    return float(sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, where in saved_residuals(fn, *args)
-                     if "argument w" not in where))
-
-
-def _only_half(n: int):
-    """A LayerCall.half that runs only the n-th residual half of a layer (0 attention, 1 MLP), the other as
-    the identity: a family's halves measured through its own layer function."""
-    seen = []
-
-    def half(f):
-        seen.append(f)
-        return f if len(seen) - 1 == n else (lambda p, x: x)
-    return half
-
-
-@functools.lru_cache(maxsize=512)
-def _per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: tuple = (1, "all_gather")
-             ) -> tuple[float, float]:
-    """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
-    without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
-    one, two = (_traced(mc, tp, dtype, platform, what, rows, context) for rows in (1, 2))
-    return 2 * one - two, two - one
-
-
-@functools.lru_cache(maxsize=512)
-def _traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
-            context: tuple = (1, "all_gather")) -> float:
-    """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
-    each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
-    one rank sees them (_OneContextRank: the gathered K/V as large as the row's)."""
-    from models.objectives.cross_entropy import cross_entropy
-    from models.layers import REMAT, rope_for, sublayer_remat
-    from models.spec import family
-    from models.transformer import head, inventory, layer_call
-    (c, repeat), T, dt = _shard(mc, tp), mc.seq_len // context[0], jax.numpy.dtype(dtype)
-    w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
-    D = c.d_model
-    # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
-    # any seq_len or head_dim allocates nothing (as constants they count the same bytes)
-    x = jax.ShapeDtypeStruct((rows, T, D), dt)
-    if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
-        cfg = dataclasses.replace(c, tie_embeddings=False)
-        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
-        return _residuals(lambda x, weights, r=rows: cross_entropy(
-            head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights)
-    weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
-    kn, spec = _device_kernels(c, dt, platform, repeat, mc.fused_qkv), family(c.family)
-    data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
-    half = {"attention": _only_half(0), "mlp": _only_half(1), "sublayer": sublayer_remat}.get(what)
-
-    def fn(x, weights, half=half):
-        call = layer_call(c, rope_for(c, T), kernels=kn, data=data, kv_repeat=repeat)
-        if context[0] > 1:  # as models/transformer.py layer_stack runs it: per-token positions, the trainer's strategy
-            from models.context_parallel.gather import ContextPlan
-            coll, pos = _OneContextRank(context[0]), jax.numpy.arange(T, dtype=jax.numpy.float32)
-            plan = ContextPlan(context[0], context[1], tuple(range(mc.seq_len)))
-            call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
-                              data=data, kv_repeat=repeat, collectives=coll,
-                              attention=plan.attention(kn.attention, coll, pos))
-        run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
-        if what not in ("none", "attention", "mlp", "sublayer"):
-            run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
-        return run(x, weights)
-    return _residuals(fn, x, weights)
-
-
 def _ctx(st: Strategy) -> tuple:
     """(context ranks, their attention strategy) of a layout, as the traced layer takes them."""
     return (st.context, st.context_attention)
-
-
-class _OneContextRank(LocalCollectives):
-    """The collectives (meshes/collectives.py) as one of `ranks` context ranks sees them, for tracing one layer at
-    one device's shapes: a gather over `seq` repeats the rank's block (the gathered K/V are the row's size), every
-    other axis one rank (models/spec.py's local form)."""
-
-    def __init__(self, ranks: int):
-        self.ranks = ranks
-
-    def axis_size(self, logical: str) -> int:
-        return self.ranks if logical == "seq" else 1
-
-    def all_gather(self, x, logical: str, axis: int = 0):
-        return jax.numpy.concatenate([x] * self.ranks, axis) if logical == "seq" else x
-
-    def all_to_all(self, x, logical: str, split_axis: int, concat_axis: int):
-        if logical != "seq":
-            return x
-        return jax.numpy.concatenate(jax.numpy.split(x, self.ranks, split_axis), concat_axis)
 
 
 def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
@@ -256,18 +127,18 @@ def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
     """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
     whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
     if sparse(mc) and what != "head":
-        return _traced(_no_remat(mc), tp, dtype, platform, what, rows, context)
+        return traced(no_remat(mc), tp, dtype, platform, what, rows, context)
     if what == "head":  # traced at a rank's tokens whatever its attention: one trace for every strategy
         context = (context[0], "all_gather")
-    fixed, per = _per_row(_no_remat(mc), tp, dtype, platform, what, context)
+    fixed, per = per_row(no_remat(mc), tp, dtype, platform, what, context)
     return fixed + per * rows
 
 
 def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
     """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device of `platform`, as
     it runs."""
-    fixed, per_row = _per_row(_no_remat(mc), st.model, dtype, platform, executed(st).remat, _ctx(st))
-    return fixed, per_row / (mc.seq_len // st.context)
+    fixed, per_seq = per_row(no_remat(mc), st.model, dtype, platform, executed(st).remat, _ctx(st))
+    return fixed, per_seq / (mc.seq_len // st.context)
 
 
 def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: int, local: bool = False) -> float:
@@ -315,7 +186,7 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
     if not sparse(mc):
         return 0.0
     from models.transformer import inventory
-    c = _shard(mc, st.model)[0]
+    c = device_view(mc, st.model)[0]
     over = st.rules["experts"]  # expert parallelism: a rank's experts alone
     experts = 4.0 * sum(math.prod(p.shape) for k, p in inventory(c)["layers"].items() if "experts" in p.axes) / (
         st.mesh[over] if over else 1)
@@ -328,16 +199,39 @@ def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, plat
 
 
 def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
-    """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's."""
-    if st.remat == "sublayer":
-        return max(_saved(mc, st.model, dtype, platform, half, b, _ctx(st)) for half in ("attention", "mlp"))
-    return _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
+    """What one layer's backward rebuilds under remat: its residuals, or sublayer's larger half's. Under routed
+    expert parallelism the MLP half's are one sender's run's (`_routed_run`), not every choice's."""
+    routed = _routed_run(mc, st, dtype, platform, b)
+    if st.remat != "sublayer" and routed is None:
+        return _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
+    halves = [_saved(mc, st.model, dtype, platform, half, b, _ctx(st)) for half in ("attention", "mlp")]
+    halves[1] = halves[1] if routed is None else routed
+    return max(halves) if st.remat == "sublayer" else sum(halves)
+
+
+def _routed_run(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float | None:
+    """The MLP half's working set where the dropless dispatch is routed (models/kernels/experts.py): the receiver
+    runs its buffer one sender's run of `cap` choices at a time, recomputed for its backward (traced as the half at
+    cap / k tokens, with a rank's experts), beside the buffer of R x cap rows, its outputs and their way back. None
+    where it is not."""
+    from models.families.moe import capacity
+    from models.kernels.experts import buffer_rows
+    over = st.rules["experts"] if sparse(mc) else None
+    if not over or st.mesh[over] < 2 or mc.dispatch_factor <= 0 or capacity(mc, mc.seq_len) is not None:
+        return None
+    R, K = st.mesh[over], mc.n_experts_per_token
+    cap = buffer_rows(b * mc.seq_len // st.context * K, R, mc.dispatch_factor)
+    # traced at one and two runs: the part that does not grow with them is the experts' weights in the compute
+    # dtype, all n_experts of them in the trace, a rank's share of them here
+    one, two = (traced(dataclasses.replace(no_remat(mc), seq_len=max(1, cap // K)), st.model, dtype, platform,
+                       "mlp", r) for r in (1, 2))
+    return (2 * one - two) / R + (two - one) + 3.0 * R * cap * mc.d_model * jax.numpy.dtype(dtype).itemsize
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
     """One layer's float32 weights on one device (what its vjp returns as gradient)."""
     from models.transformer import inventory
-    return 4.0 * sum(math.prod(p.shape) for p in inventory(_shard(mc, tp)[0])["layers"].values())
+    return 4.0 * sum(math.prod(p.shape) for p in inventory(device_view(mc, tp)[0])["layers"].values())
 
 
 def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, platform: str) -> float:
