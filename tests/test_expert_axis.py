@@ -1,6 +1,6 @@
 """An expert-parallel degree of its own (mesh.expert): the batch split over data x expert, an MoE's experts over
 `expert` alone, ZeRO sharding them over `data`; dropless tokens sent to their experts' ranks by all-to-all in buffers
-of model.dispatch_factor x the balanced share (the exact all-gather path where one overflows: moe/overflow).
+of model.dispatch_factor x the balanced share (the exact path, a ring of experts, where one overflows: moe/overflow).
 
 Every layout against one device (SGD, no clipping; loss, grad_norm, aux/..., moe/dropped, moe/overflow and every
 parameter, the router's and the experts' included, 1e-5), the router at a moderate scale (x4) and no z-loss, so that
