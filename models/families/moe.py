@@ -54,8 +54,8 @@ class MoEConfig(ModelConfig):
                                          "(Qwen2-MoE); null: none")
     dispatch_factor: float = key(2.0, f">= -{FLOAT32} and <= {FLOAT32}", "MoE dropless under expert parallelism: "
                                  "each rank's all-to-all buffer per destination holds this x the balanced share of its "
-                                 "choices; a layer where one overflows dispatches by the exact all-gather instead "
-                                 "(logged as moe/overflow); <= 0: always by all-gather")
+                                 "choices; a layer where one overflows dispatches by the exact path, a ring of experts, "
+                                 "instead (logged as moe/overflow); <= 0: always by all-gather")
 
     @property
     def sparse(self) -> bool:
