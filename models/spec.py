@@ -35,6 +35,8 @@ What it may give (a ModelSpec field each; [its default]; who reads it):
               `experts` then maps to that axis)
   expert_collectives  [[]] one layer's forward collectives over the expert-parallel axis (trainer/plan/comm.py)
   dispatch_rows  [one per choice] rows an MoE layer's dispatch holds (trainer/plan/memory.py)
+  dispatch_run  [None] the choices a rank runs at once under a buffered expert-parallel dispatch (the planner's
+              MLP working set, trainer/plan/memory.py)
   experts_line  [""] the train banner's words for the experts' layout (trainer/run/context.py)
   split_keys  [{}] {logical axis: the config's own fields holding a width of it, most specific first}: divided by
               mesh.model in the planner's one-device view (`widths_over_model`), named where mesh.model does not divide
@@ -178,6 +180,10 @@ def one_row_per_choice(c, tokens: int, platform: str) -> int:
     return tokens * (family(c.family).experts_active(c) or 0)
 
 
+def no_dispatch_run(c, tokens: int, ranks: int) -> None:
+    return None
+
+
 def no_experts_line(c, ranks: int, over: str | None) -> str:
     return ""
 
@@ -287,6 +293,9 @@ class ModelSpec:
     expert_collectives: Callable = no_expert_collectives
     # (c, tokens, platform) -> rows the layer's dispatch holds for `tokens` tokens (a sparse model's)
     dispatch_rows: Callable = one_row_per_choice
+    # (c, tokens, ranks) -> the choices a rank runs at once where its dispatch over `ranks` expert-parallel ranks
+    # sends each rank's tokens in buffers and runs them one sender's at a time, or None (every choice at once)
+    dispatch_run: Callable = no_dispatch_run
     # (c, data, split) -> the train banner's words for the experts over `data` ranks, split or replicated ('' none)
     experts_line: Callable = no_experts_line
     # {logical axis: (the config's own fields holding a width of it, most specific first)}

@@ -131,6 +131,15 @@ def context_refusal(c: MoEConfig, context: int) -> str | None:
     return None
 
 
+def dispatch_run(c: MoEConfig, tokens: int, ranks: int) -> int | None:
+    """The choices a rank runs at once where the dropless dispatch over `ranks` expert-parallel ranks is routed
+    (models/kernels/experts.py: one sender's buffer, `buffer_rows` of its tokens' choices), None where it is not
+    (trainer/plan/memory.py)."""
+    if not c.sparse or ranks < 2 or c.dispatch_factor <= 0 or capacity(c, c.seq_len) is not None:
+        return None
+    return buffer_rows(tokens * c.n_experts_per_token, ranks, c.dispatch_factor)
+
+
 def dispatch_rows(c: MoEConfig, tokens: int, platform: str) -> int:
     """Rows the expert MLP's dispatch holds for `tokens` tokens on `platform` (trainer/plan/memory.py): one per
     choice; on CPU (tile_scan) each expert's padded to whole tiles."""
@@ -305,7 +314,8 @@ def checks(c: MoEConfig) -> list:
 # every ModelSpec field of the MoE MLP (models/spec.py's contract): a family with it gives **MOE
 MOE = dict(config=MoEConfig, mlp=moe_half, aux=AUX, aux_counts=aux_counts, aux_weights=aux_weights, checks=checks,
            experts_active=experts_active, experts_over=experts_over, expert_collectives=expert_collectives,
-           dispatch_rows=dispatch_rows, experts_line=experts_line, context_refusal=context_refusal,
+           dispatch_rows=dispatch_rows, dispatch_run=dispatch_run, experts_line=experts_line,
+           context_refusal=context_refusal,
            split_keys={"mlp": ("expert_d_ff", "shared_expert_d_ff")})
 MIXTRAL = register(ModelSpec("mixtral", moe_inventory(llama_inventory), layer, MIXTRAL_HF, **MOE))
 QWEN3_MOE = register(ModelSpec("qwen3_moe", moe_inventory(qwen3_inventory), layer, QWEN3_MOE_HF, **MOE))

@@ -210,21 +210,19 @@ def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int)
 
 
 def _routed_run(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float | None:
-    """The MLP half's working set where the dropless dispatch is routed (models/kernels/experts.py): the receiver
-    runs its buffer one sender's run of `cap` choices at a time, recomputed for its backward (traced as the half at
-    cap / k tokens, with a rank's experts), beside the buffer of R x cap rows, its outputs and their way back. None
-    where it is not."""
-    from models.families.moe import capacity
-    from models.kernels.experts import buffer_rows
+    """The MLP half's working set where the family's dispatch is buffered (ModelSpec.dispatch_run; an MoE's routed
+    dropless dispatch, models/kernels/experts.py): the receiver runs one sender's run of `cap` choices at a time,
+    recomputed for its backward (traced as the half at cap / k tokens, with a rank's experts), beside the buffer
+    of R x cap rows, its outputs and their way back. None where it is not."""
     over = st.rules["experts"] if sparse(mc) else None
-    if not over or st.mesh[over] < 2 or mc.dispatch_factor <= 0 or capacity(mc, mc.seq_len) is not None:
+    spec, R = family(mc.family), st.mesh[over] if over else 1
+    cap = spec.dispatch_run(mc, b * mc.seq_len // st.context, R) if over else None
+    if cap is None:
         return None
-    R, K = st.mesh[over], mc.n_experts_per_token
-    cap = buffer_rows(b * mc.seq_len // st.context * K, R, mc.dispatch_factor)
     # traced at one and two runs: the part that does not grow with them is the experts' weights in the compute
-    # dtype, all n_experts of them in the trace, a rank's share of them here
-    one, two = (traced(dataclasses.replace(no_remat(mc), seq_len=max(1, cap // K)), st.model, dtype, platform,
-                       "mlp", r) for r in (1, 2))
+    # dtype, all of them in the trace, a rank's share of them here
+    one, two = (traced(dataclasses.replace(no_remat(mc), seq_len=max(1, cap // spec.experts_active(mc))), st.model,
+                       dtype, platform, "mlp", r) for r in (1, 2))
     return (2 * one - two) / R + (two - one) + 3.0 * R * cap * mc.d_model * jax.numpy.dtype(dtype).itemsize
 
 
