@@ -15,7 +15,7 @@ from conftest import SGD, TINY
 from models.batch import from_windows
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}
+DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 # (data, stage, model): ZeRO-3 over data with heads split 4 ways; a pipeline over stage (the 3-layer
 # fixture pipelines over 3 stages on 6 devices: 2 stages cannot split 3 layers)
 LAYOUTS = {"1dev": ["mesh.data=1", "mesh.stage=1", "mesh.model=1"],
@@ -43,10 +43,10 @@ def read_folder(d) -> dict:
 
 
 def write_st(path, tensors: dict):
-    """{name: array} as a .safetensors file (F32/BF16), written here independently of trainer code."""
+    """{name: array} as a .safetensors file (F32/BF16/F8_E4M3), written here independently of trainer code."""
     head, off, blobs = {}, 0, []
     for k, a in tensors.items():
-        code = "BF16" if a.dtype == ml_dtypes.bfloat16 else "F32"
+        code = next(k for k, v in DT.items() if a.dtype == v)
         b = np.ascontiguousarray(a).tobytes()
         head[k] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
         off += len(b)

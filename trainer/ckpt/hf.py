@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family, hf_wrapper, leading
-from trainer.ckpt import safetensors as st
+from trainer.ckpt import quantized, safetensors as st
 from trainer.ckpt.store import kind_of
 from trainer.config import model_config, replace
 from trainer.errors import UserError
@@ -166,7 +166,8 @@ def _check_context(mc, positions, where, extendable: bool):
 # ----------------------------------------------------------------------------- tensor layout
 
 def index(path) -> dict[str, st.Tensor]:
-    """Every tensor of an HF folder: model.safetensors, or the files model.safetensors.index.json names."""
+    """Every tensor of an HF folder: model.safetensors, or the files model.safetensors.index.json names; a block-FP8
+    weight and its factors as one float32 tensor (trainer/ckpt/quantized.py)."""
     p = Path(path)
     if (p / INDEX).is_file():
         try:
@@ -186,7 +187,7 @@ def index(path) -> dict[str, st.Tensor]:
     for name, f in (wmap or {}).items():
         if name not in out:
             raise UserError(f"{p / INDEX} places tensor '{name}' in {f}, which does not hold it; save the model again")
-    return out
+    return quantized.dequantized(out, quantized.block_of(_raw_config(p), p / "config.json"), p)
 
 
 def text_tensors(path, have: dict) -> tuple[dict, int]:
@@ -234,7 +235,7 @@ def _read(t: st.Tensor, leaf: Leaf, idx: tuple) -> np.ndarray:
     hf_idx = [slice(None)] * len(leaf.view)
     for j, p in enumerate(leaf.perm):
         hf_idx[p] = idx[j]
-    return np.ascontiguousarray(t.array().reshape(leaf.view)[tuple(hf_idx)].transpose(leaf.perm))
+    return np.ascontiguousarray(t.read(leaf.view, tuple(hf_idx)).transpose(leaf.perm))
 
 
 def load(path, mc, shapes: dict, shardings: dict) -> dict:

@@ -16,7 +16,9 @@ import numpy as np
 
 from trainer.errors import UserError
 
-DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
+F8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)  # a block-quantized weight's values (trainer/ckpt/quantized.py)
+DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
+          "F8_E4M3": F8_E4M3}
 CODES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # the format's own limit on the JSON header
 
@@ -33,6 +35,10 @@ class Tensor(NamedTuple):
         if math.prod(self.shape) == 0:
             return np.zeros(self.shape, self.dtype)
         return np.memmap(self.file, self.dtype, mode="r", offset=self.start, shape=self.shape)
+
+    def read(self, view: tuple, idx: tuple) -> np.ndarray:
+        """The tensor reshaped to `view`, indexed by `idx`: only those bytes are read."""
+        return self.array().reshape(view)[idx]
 
 
 def read_header(path) -> dict[str, Tensor]:
