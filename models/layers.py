@@ -7,6 +7,7 @@ Dimension letters as in models/transformer.py. Families (models/spec.py) build t
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -56,6 +57,42 @@ def rope_inv_freq(E: int, theta: float, scaling=None):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
     return jnp.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(E: int, theta: float, factor: float, original_max: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, truncate: bool = True):
+    """YaRN's E/2 inverse frequencies (transformers' `yarn` rope type): the frequencies that turn fewer than
+    `beta_slow` times over the original context interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times kept, a linear ramp over the dimensions between (its ends rounded outwards where `truncate`)."""
+    def dim_of(turns):  # the dimension whose frequency turns `turns` times over the original context
+        return E * math.log(original_max / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, E - 1)
+    pos = theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E)
+    span = (high + 0.001 if high == low else high) - low  # one dimension: a step, not a division by 0
+    kept = 1 - jnp.clip((jnp.arange(E // 2, dtype=jnp.float32) - low) / span, 0, 1)
+    return 1.0 / (factor * pos) * (1 - kept) + 1.0 / pos * kept
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the original: 0.1 m ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """The factor YaRN multiplies the RoPE tables' cos and sin by: yarn_mscale(factor), or with DeepSeek's two
+    corrections (both set and nonzero) their ratio, yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_softmax_factor(factor: float, mscale_all_dim: float) -> float:
+    """What DeepSeek's attention multiplies its softmax scale (1 / sqrt(query width)) by under YaRN:
+    yarn_mscale(factor, mscale_all_dim) squared."""
+    return yarn_mscale(factor, mscale_all_dim) ** 2
 
 
 def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None, linear: float | None = None):
