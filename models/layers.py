@@ -131,6 +131,21 @@ def apply_rope(x_BTNE, cos_TE2, sin_TE2, offset=0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNE.dtype)
 
 
+def attend(attention, q_BTHE, k_BTKE, v_BTKE, scale: float | None = None, **kw):
+    """`attention` (a LayerCall's: any context strategy, any kernel, each of which takes one width for q, k and v
+    and the scale width ** -0.5) of values of another width than the queries' and keys' (multi-head latent
+    attention's v_head_dim against qk_nope + qk_rope) and of another scale (default the queries' width ** -0.5):
+    all three padded with zeros to the wider width (a zero column adds nothing to a score, and gives an output
+    column that is cut off), the scale folded into the queries."""
+    E, Ev = q_BTHE.shape[-1], v_BTKE.shape[-1]
+    W = max(E, Ev)
+    if scale is not None or W != E:
+        q_BTHE = q_BTHE * jnp.asarray((E ** -0.5 if scale is None else scale) * W ** 0.5, q_BTHE.dtype)
+
+    def pad(x):
+        return x if x.shape[-1] == W else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, W - x.shape[-1]),))
+    return attention(pad(q_BTHE), pad(k_BTKE), pad(v_BTKE), **kw)[..., :Ev]
+
 def project(x_BTD, weights):
     """[x @ w for w in weights], w of shape (D, ...); outputs named for the `dots` remat policy."""
     return [checkpoint_name(jnp.einsum("btd,d...->bt...", x_BTD, w), "projection") for w in weights]
