@@ -55,3 +55,26 @@ def test_latent_attention_equals_transformers(name):
     y = latent_attention(_weights(d, c), jnp.asarray(d["x"]), cos, sin, fn, scale, c["qk_nope_head_dim"],
                          c["rope_interleave"], c["rms_norm_eps"])
     np.testing.assert_allclose(np.asarray(y), d["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["q_lora_interleave_yarn", "q_proj_plain"])
+def test_decoding_from_the_latent_cache_equals_transformers_at_every_position(name):
+    """The cache holds each token's latent and RoPE key (kv_lora_rank + qk_rope_head_dim numbers per token: asserted
+    from its arrays); the attention by the absorbed up-projections, all positions against the cache at once (causal
+    by position) and the last three tokens one at a time against its prefix: transformers' output, within 1e-5."""
+    from models.families.mla import absorbed_attention, latents
+    d = np.load(FIX / f"{name}.npz")
+    c = json.loads(str(d["config"]))
+    p, x, T, Er = _weights(d, c), jnp.asarray(d["x"]), d["x"].shape[1], c["qk_rope_head_dim"]
+    cos, sin = jnp.asarray(d["cos"][:, :Er // 2]), jnp.asarray(d["sin"][:, :Er // 2])
+    kw = dict(scale=float(d["scaling"]), nope=c["qk_nope_head_dim"], interleave=c["rope_interleave"],
+              eps=c["rms_norm_eps"])
+    cache = latents(p, x, cos, sin, c["rope_interleave"], c["rms_norm_eps"])
+    assert [a.shape for a in cache] == [(2, T, c["kv_lora_rank"]), (2, T, Er)]
+    y = absorbed_attention(p, x, cos, sin, cache, jnp.arange(T), jnp.arange(T), **kw)
+    np.testing.assert_allclose(np.asarray(y), d["y"], rtol=1e-5, atol=1e-5)
+    for t in range(T - 3, T):
+        one = tuple(a[:, :t + 1] for a in cache)
+        y = absorbed_attention(p, x[:, t:t + 1], cos[t:t + 1], sin[t:t + 1], one, jnp.arange(t, t + 1),
+                               jnp.arange(t + 1), **kw)
+        np.testing.assert_allclose(np.asarray(y[:, 0]), d["y"][:, t], rtol=1e-5, atol=1e-5, err_msg=f"position {t}")
