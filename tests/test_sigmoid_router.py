@@ -83,3 +83,30 @@ def test_the_balancing_rule_equals_its_reference():
                                                   else 0.0)
     assert got.tobytes() == want.tobytes()
     assert np.array_equal(got[1], bias[1])
+
+
+def test_the_sequence_balance_loss_equals_the_papers_equations_per_document():
+    """DeepSeek-V3 report, eq. 17-20, for each document of a packed batch (padding left out), written out
+    token by token: f_i = X / (k T) sum_t 1(i chosen at t), P_i = 1/T sum_t s_it / sum_j s_jt, the term sum_i f_i P_i."""
+    from models.families.sigmoid_router import sequence_balance
+    rng = np.random.default_rng(3)
+    B, T = 3, 12
+    scores = 1 / (1 + np.exp(-rng.normal(size=(B, T, X)))).astype(np.float32)
+    idx = np.stack([np.stack([rng.choice(X, K, replace=False) for _ in range(T)]) for _ in range(B)]).astype(np.int32)
+    segments = np.array([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12, [0] * 7 + [1] * 5]).astype(np.float32)
+    valid = np.ones((B, T), bool)
+    valid[2, 9:] = False  # the last row's second document padded at its end
+    valid[1, 10:] = False
+    total, docs = 0.0, 0
+    for b in range(B):
+        for d in np.unique(segments[b]):
+            ts = [t for t in range(T) if segments[b, t] == d and valid[b, t]]
+            if not ts:
+                continue
+            docs += 1
+            f = [X / (K * len(ts)) * sum(i in idx[b, t] for t in ts) for i in range(X)]
+            p = [sum(scores[b, t, i] / scores[b, t].sum() for t in ts) / len(ts) for i in range(X)]
+            total += sum(fi * pi for fi, pi in zip(f, p))
+    got, n = sequence_balance(jnp.asarray(scores), jnp.asarray(idx), jnp.asarray(segments), jnp.asarray(valid))
+    assert int(n) == docs == 6
+    np.testing.assert_allclose(float(got), total, rtol=1e-5)

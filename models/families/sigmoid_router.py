@@ -4,7 +4,7 @@ a per-expert correction bias that the choice adds and the weights never see; the
 groups' experts masked with -inf, as transformers' `DeepseekV3TopkRouter`); the chosen experts' unbiased scores,
 renormalised where `norm_topk_prob`, times `routed_scaling_factor`. And the auxiliary-loss-free balancing rule that
 moves the bias after each optimizer step: bias + rate x sign(mean load - load), each layer's experts' loads counted
-over the whole step batch.
+over the whole step batch. And the sequence-wise balance loss, per document.
 
 Letters as in models/families/moe.py: N tokens, X experts, k experts per token, G groups, L layers."""
 from __future__ import annotations
@@ -42,3 +42,23 @@ def balanced_bias(bias_LX, loads_LX, rate: float):
     load gains `rate`, one above loses it, one at the mean keeps its bias (loads: the step's choices per expert)."""
     loads = loads_LX.astype(jnp.float32)
     return bias_LX + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads).astype(bias_LX.dtype)
+
+
+def sequence_balance(scores_BTX, idx_BTK, segments_BT, valid_BT):
+    """DeepSeek-V3's sequence-wise balance loss, per document (a row's tokens of one segment id; a row without
+    documents is one): (its sum over the documents, the documents counted), each document's term
+    sum_i f_i P_i over the experts i, with f_i = X / (k T) x the document's choices of expert i and P_i the mean over
+    its T tokens of expert i's score divided by the token's sum of scores; padding (valid_BT False) counts nowhere.
+    The objective weighs the sum by alpha / the step's documents (one mean over every document of the step)."""
+    B, T, X = scores_BTX.shape
+    K = idx_BTK.shape[-1]
+    valid = valid_BT.astype(jnp.float32)
+    doc = (jnp.arange(B)[:, None] * T + segments_BT.astype(jnp.int32)).reshape(-1)  # (row, segment): one document
+    share = (scores_BTX / jnp.sum(scores_BTX, axis=-1, keepdims=True)) * valid[..., None]
+    chosen = jnp.sum(jax.nn.one_hot(idx_BTK, X, dtype=jnp.float32), axis=2) * valid[..., None]
+    tokens = jax.ops.segment_sum(valid.reshape(-1), doc, num_segments=B * T)  # (documents,)
+    f = jax.ops.segment_sum(chosen.reshape(-1, X), doc, num_segments=B * T)
+    p = jax.ops.segment_sum(share.reshape(-1, X), doc, num_segments=B * T)
+    per_doc = X / K * jnp.sum(f * p, axis=-1) / jnp.maximum(tokens, 1.0) ** 2
+    return jnp.sum(jnp.where(tokens > 0, per_doc, 0.0)), jnp.sum(tokens > 0).astype(jnp.float32)
+
