@@ -20,7 +20,7 @@ def group_limited_top_k(scores_NX, bias_X, n_group: int, topk_group: int, k: int
     scores (N, k)): the k best of scores + bias among the experts of each token's best `topk_group` groups."""
     N, X = scores_NX.shape
     per = X // n_group
-    choice_NX = scores_NX + jax.lax.stop_gradient(bias_X)  # the bias moves the choice, never a gradient
+    choice_NX = scores_NX + bias_X  # the bias moves the choice alone (integers: no gradient reaches it)
     best_NG = top_k(choice_NX.reshape(N * n_group, per), min(2, per))[0].reshape(N, n_group, -1).sum(-1)
     keep_NG = jnp.any(jax.nn.one_hot(top_k(best_NG, topk_group)[1], n_group, dtype=bool), axis=1)
     masked_NX = jnp.where(jnp.repeat(keep_NG, per, axis=1), choice_NX, -jnp.inf)

@@ -35,11 +35,24 @@ class Dequantized(NamedTuple):
     def read(self, view: tuple, idx: tuple) -> np.ndarray:
         """The weight reshaped to `view`, indexed by `idx` (basic slices and integers), as float32: only the float8
         values and factors of those elements are read."""
-        rows, cols = self.weight.shape
-        flat = np.arange(rows * cols, dtype=np.int64).reshape(view)[idx]
-        r, c = np.divmod(flat, cols)
-        values = self.weight.array().reshape(-1)[flat.reshape(-1)].reshape(flat.shape).astype(np.float32)
-        return values * self.scale.array()[r // self.block[0], c // self.block[1]]
+        r, c = np.divmod(_flat_index(view, idx), self.weight.shape[1])  # each element's place in the weight
+        return self.weight.read(view, idx).astype(np.float32) * self.scale.array()[r // self.block[0],
+                                                                                   c // self.block[1]]
+
+
+def _flat_index(view: tuple, idx: tuple) -> np.ndarray:
+    """The row-major flat index, in an array of shape `view`, of each element `idx` (basic slices and integers)
+    selects, shaped as the selection: built from each axis's selected coordinates, the selection's size alone."""
+    idx = tuple(idx) + (slice(None),) * (len(view) - len(idx))
+    strides = np.cumprod((1,) + tuple(view[:0:-1]), dtype=np.int64)[::-1]
+    kept = sum(not isinstance(i, (int, np.integer)) for i in idx)
+    flat, axis = np.zeros((1,) * kept, np.int64), 0
+    for n, i, stride in zip(view, idx, strides):
+        coords = np.arange(n, dtype=np.int64)[i] * stride
+        if coords.ndim:
+            coords, axis = coords.reshape((1,) * axis + (-1,) + (1,) * (kept - axis - 1)), axis + 1
+        flat = flat + coords
+    return flat
 
 
 def block_of(config: dict, where) -> tuple | None:

@@ -214,16 +214,16 @@ def _routed_run(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int
     dropless dispatch, models/kernels/experts.py): the receiver runs one sender's run of `cap` choices at a time,
     recomputed for its backward (traced as the half at cap / k tokens, with a rank's experts), beside the buffer
     of R x cap rows, its outputs and their way back. None where it is not."""
-    over = st.rules["experts"] if sparse(mc) else None
-    spec, R = family(mc.family), st.mesh[over] if over else 1
-    cap = spec.dispatch_run(mc, b * mc.seq_len // st.context, R) if over else None
+    spec, over = family(mc.family), st.rules["experts"]
+    R = st.mesh[over] if over else 1
+    cap = spec.dispatch_run(mc, b * mc.seq_len // st.context, R)
     if cap is None:
         return None
-    # traced at one and two runs: the part that does not grow with them is the experts' weights in the compute
-    # dtype, all of them in the trace, a rank's share of them here
-    one, two = (traced(dataclasses.replace(no_remat(mc), seq_len=max(1, cap // spec.experts_active(mc))), st.model,
-                       dtype, platform, "mlp", r) for r in (1, 2))
-    return (2 * one - two) / R + (two - one) + 3.0 * R * cap * mc.d_model * jax.numpy.dtype(dtype).itemsize
+    # the part that does not grow with the runs is the experts' weights in the compute dtype, all of them in the
+    # trace, a rank's share of them here
+    fixed, per_run = per_row(dataclasses.replace(no_remat(mc), seq_len=max(1, cap // spec.experts_active(mc))),
+                             st.model, dtype, platform, "mlp")
+    return fixed / R + per_run + 3.0 * R * cap * mc.d_model * jax.numpy.dtype(dtype).itemsize
 
 
 def _layer_weight_bytes(mc: ModelConfig, tp: int) -> float:
