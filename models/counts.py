@@ -1,7 +1,8 @@
 """Parameter and FLOP counts, read from the family's inventory (models/spec.py).
 
 FLOP convention (used for MFU everywhere in meshtrain):
-  training FLOPs per token = 6 * N  +  6 * L * T * H * Dh
+  training FLOPs per token = 6 * N  +  6 * L * T * H * Dh   (Dh: (the query/key width + the value width) / 2,
+                                                             the family's qk_v_width / 2: head_dim for most)
   N   = parameters that take part in matmuls (attention and MLP weights of every layer,
         plus the output head; the embedding lookup is a gather and norms are elementwise,
         so neither is counted). A tied head counts its V*D once, as the head.
@@ -23,8 +24,8 @@ from __future__ import annotations
 import math
 
 from models.config import ModelConfig
-from models.spec import family
-from models.transformer import inventory
+from models.spec import family, stacks
+from models.transformer import STACKS, inventory
 
 
 def active_size(c: ModelConfig, p) -> int:
@@ -35,16 +36,27 @@ def active_size(c: ModelConfig, p) -> int:
     return math.prod(p.shape) // p.shape[p.axes.index("experts")] * k
 
 
-def layer_matmul_params(c: ModelConfig) -> int:
-    """Active matmul weights of one layer: its parameters that map the embedding to something or back (two or more
-    dimensions, one of them `embed`), each by `active_size`; biases and norm weights are elementwise."""
-    return sum(active_size(c, p) for p in inventory(c)["layers"].values() if len(p.shape) >= 2 and "embed" in p.axes)
+def _matmul(p) -> bool:
+    """Whether an inventory entry is a matmul weight: two or more dimensions, mapping the embedding to something or
+    back (an `embed` axis) or a low rank up (a first axis of no logical name: latent attention's up-projections);
+    biases and norm weights are elementwise."""
+    return len(p.shape) >= 2 and ("embed" in p.axes or p.axes[0] is None)
+
+
+def layer_matmul_params(c: ModelConfig, stack: str = "layers") -> int:
+    """Active matmul weights of one layer of a stack (models/spec.py `stacks`), each by `active_size`."""
+    return sum(active_size(c, p) for p in inventory(c)[stack].values() if _matmul(p))
+
+
+def stack_matmul_params(c: ModelConfig) -> int:
+    """Active matmul weights of every layer of every stack."""
+    return sum(rows * layer_matmul_params(c, stack) for stack, rows in stacks(c).items())
 
 
 def _all_params(c: ModelConfig, size) -> int:
     inv = inventory(c)
-    outer = sum(math.prod(p.shape) for k, p in inv.items() if k != "layers")
-    return outer + c.n_layers * sum(size(p) for p in inv["layers"].values())
+    outer = sum(math.prod(p.shape) for k, p in inv.items() if k not in STACKS)
+    return outer + sum(rows * sum(size(p) for p in inv[stack].values()) for stack, rows in stacks(c).items())
 
 
 def param_count(c: ModelConfig) -> int:
@@ -59,7 +71,7 @@ def active_param_count(c: ModelConfig) -> int:
 
 def matmul_param_count(c: ModelConfig) -> int:
     """N of the FLOP convention: active layer matmul weights plus the output head (tied or not)."""
-    return c.n_layers * layer_matmul_params(c) + c.d_model * c.vocab_size
+    return stack_matmul_params(c) + c.d_model * c.vocab_size
 
 
 def attended(c: ModelConfig, t: int) -> float:
@@ -77,7 +89,7 @@ def attended(c: ModelConfig, t: int) -> float:
 def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
     """Model training FLOPs per token (the convention above)."""
     t = seq_len or c.seq_len
-    return 6 * matmul_param_count(c) + 12 * c.n_layers * attended(c, t) * c.n_heads * c.head_dim
+    return 6 * matmul_param_count(c) + 6 * c.n_layers * attended(c, t) * c.n_heads * family(c.family).qk_v_width(c)
 
 
 def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
@@ -90,9 +102,12 @@ def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> floa
     weight multiplies its output, which the router's gradient needs (a shared expert's, for its sigmoid gate).
     """
     t = seq_len or c.seq_len
-    attn_fwd = 4 * c.n_layers * attended(c, t) * c.n_heads * c.head_dim
-    experts = any("experts" in p.axes for p in inventory(c)["layers"].values())
-    full = 2 * c.n_layers * (layer_matmul_params(c) - (0 if experts else c.d_model * c.d_ff)) + attn_fwd
-    wo = 2 * c.n_layers * c.n_heads * c.head_dim * c.d_model
+    attn_fwd = 2 * c.n_layers * attended(c, t) * c.n_heads * family(c.family).qk_v_width(c)
+    full = attn_fwd
+    for stack, rows in stacks(c).items():
+        experts = any("experts" in p.axes for p in inventory(c)[stack].values())
+        full += 2 * rows * (layer_matmul_params(c, stack) - (0 if experts else c.d_model * c.d_ff))
+    v_width = family(c.family).qk_v_width(c) - c.head_dim  # the output projection maps H values of this width
+    wo = 2 * c.n_layers * c.n_heads * v_width * c.d_model
     extra = {"none": 0, "full": full, "dots": attn_fwd, "sublayer": full - wo}[c.remat]
     return flops_per_token(c, seq_len) + extra

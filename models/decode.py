@@ -18,21 +18,43 @@ import numpy as np
 from models.config import ModelConfig
 from models.kernels.attention import masked_attention
 from models.layers import kernels_for, rope_for
-from models.spec import LOCAL, LayerCall, family
+from models.spec import LOCAL, LayerCall, family, stacks
 from models.transformer import _identity, _no_constrain, embed, head, inventory
 
 log = logging.getLogger(__name__)
 
 
 def init_cache(c: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """Every layer's cache, {name: (L, B, S, ...)}: the family's own (ModelSpec.decode_cache: latent attention's
+    latent and RoPE key), else the RoPE'd keys and values, k/v (L, B, S, K, E)."""
+    own = family(c.family).decode_cache
+    if own is not None:
+        return own(c, batch, length, dtype)
     # decoding runs on one device: the kv heads are never repeated (Placement.kv_repeat 1)
     shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _stacked(c: ModelConfig, layers: dict) -> dict:
+class CacheView:
+    """One layer's own cache in decoding (LayerCall.cache, for a family with ModelSpec.decode_cache): its arrays
+    {name: (B, S, ...)} in position order, the new tokens' positions `q_pos` (T,) and the slots' `k_pos` (S,); the
+    layer writes its new tokens' entries (`write`) and attends to what it gets back, causal by position."""
+
+    def __init__(self, arrays: dict, pos, T: int):
+        self.arrays, self.pos, self.written = arrays, pos, {}
+        self.q_pos = pos + jnp.arange(T)
+        self.k_pos = jnp.arange(next(iter(arrays.values())).shape[1])
+
+    def write(self, **new) -> dict:
+        """The arrays with the new tokens' entries {name: (B, T, ...)} written at pos.."""
+        self.written = {k: jax.lax.dynamic_update_slice_in_dim(a, new[k].astype(a.dtype), self.pos, axis=1)
+                        for k, a in self.arrays.items()}
+        return self.written
+
+
+def _stacked(c: ModelConfig, layers: dict, stack: str = "layers") -> dict:
     """Layer weights with one leading layers axis (a circular pipeline stores them (V, L/V, ...))."""
-    name, p = next(iter(inventory(c)["layers"].items()))
+    name, p = next(iter(inventory(c)[stack].items()))
     if layers[name].ndim == len(p.shape) + 2:
         return jax.tree.map(lambda w: w.reshape((-1,) + w.shape[2:]), layers)
     return layers
@@ -40,35 +62,45 @@ def _stacked(c: ModelConfig, layers: dict) -> dict:
 
 def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
     """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache). Each layer
-    is the family's layer function (models/transformer.py `layer`, or the family's own), its attention strategy
-    the cache's: it writes the new keys and values and attends to the cache with the mask (window by layer),
-    soft-cap and scale the layer asks for."""
+    is the family's layer function (models/transformer.py `layer`, or the family's own; each stack's, models/spec.py
+    `stacks`), its attention strategy the cache's: it writes the new keys and values and attends to the cache with
+    the mask (window by layer), soft-cap and scale the layer asks for; a family with its own cache
+    (ModelSpec.decode_cache) gets it as LayerCall.cache and writes and reads it itself."""
     spec, kernels = family(c.family), kernels_for(c)
     B, T = tokens_BT.shape
-    rope, attend = (_ring if c.uniform_window else _linear)(c, (B, T), pos, cache["k"].shape[2], dtype)
+    S = next(iter(cache.values())).shape[2]
+    rope, attend = (_ring if c.uniform_window else _linear)(c, (B, T), pos, S, dtype)
     tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
     # the weights the inventory reads as stored (an MoE's router: float32 whatever the compute dtype) stay so
-    stored = {k for k, v in inventory(c)["layers"].items() if v.as_stored}
+    stored = {k for stack in stacks(c) for k, v in inventory(c)[stack].items() if v.as_stored}
 
-    def body(x_BTD, xs):
-        p, i, k_cache, v_cache = xs
+    def body(run, x_BTD, xs):
+        p, i, mine = xs
         p = {k: w if k in stored else jax.tree.map(lambda a: a.astype(dtype), w) for k, w in p.items()}
         new = {}
 
         def attention(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
-            o_BTHE, new["k"], new["v"] = attend(q_BTHE, k_BTKE, v_BTKE, k_cache, v_cache, window, softcap, scale)
+            o_BTHE, new["k"], new["v"] = attend(q_BTHE, k_BTKE, v_BTKE, mine["k"], mine["v"], window, softcap, scale)
             return o_BTHE
 
+        own = CacheView(mine, pos, T) if spec.decode_cache is not None else None
         # one device: the collectives' local form (every logical axis one rank); decoding drops no token
         call = LayerCall(rope, _no_constrain, kernels, _identity, None, attention, i,
-                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL, decoding=True)
-        x_BTD, _ = spec.layer(c, p, x_BTD, call)
-        return x_BTD, (new["k"], new["v"])
+                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL, decoding=True, cache=own)
+        x_BTD, _ = run(c, p, x_BTD, call)
+        return x_BTD, (own.written if own is not None else new)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
-    xs = (_stacked(c, params["layers"]), jnp.arange(c.n_layers, dtype=jnp.int32), cache["k"], cache["v"])
-    x_BTD, (k, v) = jax.lax.scan(body, x_BTD, xs)
-    return head(c, params, x_BTD[:, -1:])[:, 0], {"k": k, "v": v}
+    first, out = spec.first_layers(c), []
+    for stack, rows in stacks(c).items():
+        lo = 0 if stack == "first_layers" else first
+        run = spec.first_layer if stack == "first_layers" else spec.layer
+        xs = (_stacked(c, params[stack], stack), jnp.arange(lo, lo + rows, dtype=jnp.int32),
+              {k: v[lo:lo + rows] for k, v in cache.items()})
+        x_BTD, part = jax.lax.scan(functools.partial(body, run), x_BTD, xs)
+        out.append(part)
+    cache = out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out)
+    return head(c, params, x_BTD[:, -1:])[:, 0], cache
 
 
 def _linear(c: ModelConfig, shape, pos, S: int, dtype):

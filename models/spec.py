@@ -67,6 +67,9 @@ class Param(NamedTuple):
     init: str  # "normal" | "residual" (GPT-2's scaled residual outputs) | "ones"
     decay: bool  # weight decay applies (the optimizer reads it, trainer/optim.py)
     as_stored: bool = False  # read as stored (float32): a ZeRO-3 gather must not cast it first (models/precision.py)
+    # False: state the step sets itself, not a weight (DeepSeek's router bias): no gradient reaches it, the
+    # optimizer leaves it (no state, no decay); checkpoints, layouts and exports carry it as they carry a weight
+    trainable: bool = True
 
 
 class LocalCollectives:
@@ -129,6 +132,8 @@ class LayerCall(NamedTuple):
     collectives: Any = LOCAL
     # KV-cache decoding (models/decode.py): an MoE layer then drops no token whatever its capacity
     decoding: bool = False
+    # decoding a family with its own cache (ModelSpec.decode_cache): this layer's (models/decode.py CacheView)
+    cache: Any = None
 
 
 class Ends(NamedTuple):
@@ -192,50 +197,24 @@ def any_context(c, context: int) -> None:
     return None
 
 
-class Leaf(NamedTuple):
-    """One parameter and its HF tensors: parameter = stack over layers of view.transpose(perm) of each tensor."""
-    path: tuple  # keys into the params dict
-    names: list  # HF names: one per layer for stacked leaves, else one
-    hf_shape: tuple  # each HF tensor's shape (out, in)
-    view: tuple  # the HF tensor reshaped so that a transpose gives meshtrain's per-layer layout
-    perm: tuple
-    stacked: bool
-    # a stacked leaf's leading axes, its tensors (names) in row-major order over them: () for the layers alone,
-    # (layers, experts) for one tensor per expert of each layer
-    lead: tuple = ()
+def no_first(c) -> int:
+    return 0
 
 
-def leading(leaf: Leaf) -> tuple:
-    """The leading axes a leaf's tensors stack into: () unstacked, (layers,) or its own `lead`."""
-    return (leaf.lead or (len(leaf.names),)) if leaf.stacked else ()
+def no_aux_shapes(c) -> dict:
+    return {}
 
 
-def leaf_shape(leaf: Leaf) -> tuple:
-    """The meshtrain parameter's shape (with the leading stacked axes for a stacked leaf)."""
-    return leading(leaf) + tuple(leaf.view[p] for p in leaf.perm)
+def two_heads_wide(c) -> int:
+    return 2 * c.head_dim
 
 
-class HFWrapper(NamedTuple):
-    """A folder of a larger (multimodal) model whose text tower is a family's model: its text config under
-    config.json's `config_key`, its text tensors under one of `renames`' folder prefixes (each read under the
-    family's prefix), the other towers' tensors (`dropped` prefixes) left out. Such a folder exports as the
-    family's own architecture."""
-    architecture: str  # e.g. "Gemma3ForConditionalGeneration"
-    config_key: str  # e.g. "text_config"
-    renames: tuple  # ((folder prefix, family prefix), ...), the first that matches a tensor's name renames it
-    dropped: tuple  # prefixes of the other towers' tensors
+def nothing_after(c, params: dict, aux: dict) -> tuple[dict, dict]:
+    return params, {}
 
 
-class HFAdapter(NamedTuple):
-    """A family's Hugging Face form. Each function raises ValueError (with the config.json field) on what the
-    family cannot compute or express."""
-    architecture: str  # config.json's architectures[0], e.g. "LlamaForCausalLM"
-    check: Callable  # (config.json dict) -> None: refuse features the family does not implement
-    model_keys: Callable  # (config.json dict) -> {model key: (value, config.json key)}
-    leaves: Callable  # (ModelConfig) -> [Leaf]: every parameter and its tensors
-    config: Callable  # (ModelConfig, dtype name) -> config.json dict
-    expressible: Callable = lambda mc: None  # (ModelConfig) -> None: refuse a model HF cannot hold
-    wrappers: tuple = ()  # HFWrapper: larger models whose text tower this family reads
+# the Hugging Face form's types live in models/hf/types.py; importable from here as before
+from models.hf.types import HFAdapter, HFWrapper, Leaf, leading, leaf_shape  # noqa: E402,F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +281,23 @@ class ModelSpec:
     split_keys: dict = dataclasses.field(default_factory=dict, hash=False)  # (the spec stays hashable)
     # (c, context) -> why it cannot run with each row split over `context` ranks, or None
     context_refusal: Callable = any_context
+    # (c) -> how many of the first layers are of another kind (DeepSeek's dense layers before its MoE ones): their
+    # weights a stack of their own under "first_layers" (the inventory's per-layer ones there), run before "layers"
+    # by `first_layer` (same signature as `layer`, the same aux names); 0: one stack
+    first_layers: Callable = no_first
+    first_layer: Callable | None = None
+    # (c) -> {aux name: shape}: the aux outputs that are arrays, not scalars (statistics of weight 0, such as the
+    # experts' loads per MoE layer, (layers, experts)): summed like the others, never logged as they are
+    aux_shapes: Callable = no_aux_shapes
+    # (c, params, the step's aux sums) -> (params, {metric: value}): what the step sets itself after the optimizer's
+    # update (DeepSeek's router bias from the step's expert loads); a step the guard skips keeps the old params
+    after_step: Callable = nothing_after
+    # (c, batch, length, dtype) -> {name: (n_layers, batch, length, ...)}: the decoding cache of a family that keeps
+    # its own (latent attention's latent and RoPE key), which its layers write and read through LayerCall.cache;
+    # None: the RoPE'd keys and values (models/decode.py)
+    decode_cache: Callable | None = None
+    # (c) -> a head's query/key width plus its value width (the attention's FLOPs, models/counts.py): 2 x head_dim
+    qk_v_width: Callable = two_heads_wide
 
 
 FAMILIES: dict[str, ModelSpec] = {}
@@ -314,6 +310,12 @@ def register(spec: ModelSpec) -> ModelSpec:
         raise ValueError(f"family {spec.name}: split_keys {unknown} are not fields of its config; declare them there")
     FAMILIES[spec.name] = spec
     return spec
+
+
+def stacks(c) -> dict:
+    """{stack name: its layers} in the order they run: "first_layers" (where the family has them), then "layers"."""
+    k = family(c.family).first_layers(c)
+    return {**({"first_layers": k} if k else {}), "layers": c.n_layers - k}
 
 
 def family(name: str) -> ModelSpec:

@@ -27,7 +27,9 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
-from models.spec import LOCAL, LayerCall, Param, family
+from models.spec import LOCAL, LayerCall, Param, family, stacks
+
+STACKS = ("first_layers", "layers")
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
 
@@ -49,26 +51,28 @@ def inventory(c: ModelConfig) -> dict:
     return family(c.family).inventory(c)
 
 
-def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None) -> nnx.Param:
+def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None, stack: str = "layers") -> nnx.Param:
     """p as an nnx.Param (with a leading `layers` axis of that many layers), its declarations as metadata."""
     inits = {"normal": nnx.initializers.normal(c.init_std),
              # GPT-2 residual scaling
              "residual": nnx.initializers.normal(c.init_std / (2 * c.n_layers) ** 0.5),
              "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
              "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype)}
-    shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, ("layers",) + p.axes)
+    shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, (stack,) + p.axes)
     return nnx.Param(inits[p.init](rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=p.decay,
-                     as_stored=p.as_stored)
+                     as_stored=p.as_stored, trainable=p.trainable)
 
 
 class Stack(nnx.Module):
     """The decoder layers' weights, stacked on a leading `layers` axis: (L, ...) whatever the parallel layout
     or pipeline schedule, so that any checkpoint restores onto any of them; a schedule that needs another order
-    re-lays them out itself."""
+    re-lays them out itself. A family whose first layers differ (ModelSpec.first_layers) has a second, shorter
+    stack of them, "first_layers", its leading axis `first_layers` (never split over `stage`: they run on the
+    first stage, with the embedding)."""
 
-    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        for name, p in inventory(c)["layers"].items():
-            setattr(self, name, _make(c, p, rngs, c.n_layers))
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs, name: str = "layers"):
+        for key, p in inventory(c)[name].items():
+            setattr(self, key, _make(c, p, rngs, stacks(c)[name], name))
 
 
 class Transformer(nnx.Module):
@@ -77,7 +81,7 @@ class Transformer(nnx.Module):
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c
         for name, p in inventory(c).items():  # in the inventory's order: each draws the next random key
-            setattr(self, name, Stack(c, rngs) if name == "layers" else _make(c, p, rngs))
+            setattr(self, name, Stack(c, rngs, name) if name in STACKS else _make(c, p, rngs))
 
     def __call__(self, tokens_BT, dtype=jnp.float32):
         return forward(self.config, params_of(self), tokens_BT, dtype=dtype)
@@ -111,16 +115,22 @@ def weight_decay_of(model: nnx.Module) -> dict:
     return _metadata_of(model, "weight_decay")
 
 
+def frozen_of(model: nnx.Module) -> dict:
+    """Whether each parameter is state the step sets itself rather than a weight (Param.trainable False)."""
+    return jax.tree.map(lambda t: not t, _metadata_of(model, "trainable"))
+
+
 class Abstract(NamedTuple):
     params: dict  # ShapeDtypeStructs
     logical: dict  # logical axis names
     decay: dict  # weight decay on or off
+    frozen: dict  # not trained: the optimizer leaves it (Param.trainable False)
 
 
 def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
     """Parameter shapes, logical axes and weight-decay declarations, without allocating anything."""
     m = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(seed)))
-    return Abstract(params_of(m), logical_axes_of(m), weight_decay_of(m))
+    return Abstract(params_of(m), logical_axes_of(m), weight_decay_of(m), frozen_of(m))
 
 
 def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
@@ -209,15 +219,16 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
                 gather: Callable[[dict], dict] = _identity, remat: str | None = None, documents=None, index=None,
-                placement: Placement = Placement()):
+                placement: Placement = Placement(), stack: str = "layers"):
     """Run a stack of layers (leading axis = layers), optionally remat'd, scanned or unrolled (c.scan_layers):
-    (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: sum}).
+    (x_BTD, aux), aux the layers' auxiliary outputs summed over the stack ({name: sum}). `stack`: which of the
+    family's stacks (models/spec.py `stacks`) `layers` is: "layers", or "first_layers", run by ModelSpec.first_layer.
 
     `gather` maps one layer's (possibly ZeRO-sharded) weights to the weights it computes with;
     it runs per layer (inside the scan body when scanned), so ZeRO-3 all-gathers one layer at a
     time. `documents` = (segment_ids, positions), each (B, T), or None (one document per row).
     `index` (int32, one per layer of `layers`): each layer's index in the whole stack (a pipeline stage runs a
-    slice of it); None: 0, 1, ... `placement`: the platform whose kernels it runs, the kv heads' repeat, the
+    slice of it); None: 0, 1, ... (after the first layers, for "layers"). `placement`: the platform whose kernels it runs, the kv heads' repeat, the
     collectives its layers get and, under context parallelism (placement.context, models/context_parallel/gather.py), the
     attention strategy the trainer chose, which attends this chunk of each row by the tokens' original positions
     (RoPE too); without, whole rows by index.
@@ -237,21 +248,40 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     half = sublayer_remat if remat == "sublayer" else _identity
     spec = family(c.family)
     tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
-    index = jnp.arange(L, dtype=jnp.int32) if index is None else index
+    first = spec.first_layers(c) if stack == "layers" else 0
+    index = jnp.arange(first, first + L, dtype=jnp.int32) if index is None else index
+    run = spec.first_layer if stack == "first_layers" else spec.layer
 
     def body(x, pi):
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
                           placement.kv_repeat, placement.collectives, attention)
-        return spec.layer(c, gather(p), x, call)
+        return run(c, gather(p), x, call)
 
     if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward
         # pass (remat undone); inside one it cannot, and the barrier only costs.
         body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=not scan)
     if scan:
-        return _scanned(body, layers, index, x_BTD, spec.aux)
+        return _scanned(body, layers, index, x_BTD, aux_zeros(c))
     return _unrolled(body, layers, index, x_BTD, L)
+
+
+def aux_zeros(c: ModelConfig) -> dict:
+    """The layers' aux outputs, zero: float32 scalars, or arrays of the family's aux_shapes."""
+    shapes = family(c.family).aux_shapes(c)
+    return {k: jnp.zeros(shapes.get(k, ()), jnp.float32) for k in family(c.family).aux}
+
+
+def run_stacks(c: ModelConfig, params: dict, x_BTD, *, gather: Callable[[dict], dict] = _identity, **kw):
+    """(x_BTD, aux) of every stack of the model in turn (models/spec.py `stacks`): the first layers where the family
+    has them, whose weights arrive whole (ZeRO-3 gathers them with the embedding), then "layers", each layer's
+    weights through `gather`; kw: layer_stack's."""
+    aux = None
+    if "first_layers" in params:
+        x_BTD, aux = layer_stack(c, params["first_layers"], x_BTD, stack="first_layers", **kw)
+    x_BTD, more = layer_stack(c, params["layers"], x_BTD, gather=gather, **kw)
+    return x_BTD, more if aux is None else _add_aux(aux, more)
 
 
 def _attention_and_rope(c: ModelConfig, kernels: Kernels, placement: Placement, x_BTD, positions):
@@ -272,9 +302,8 @@ def _add_aux(acc, aux):
     return jax.tree.map(jnp.add, acc, aux)
 
 
-def _scanned(body, layers, index, x_BTD, aux_names):
+def _scanned(body, layers, index, x_BTD, aux0):
     """The stack as one lax.scan of `body` (one compiled layer): (x_BTD, the layers' aux outputs summed)."""
-    aux0 = {k: jnp.zeros((), jnp.float32) for k in aux_names}
 
     def step(carry, pi):
         x, aux = body(carry[0], pi)
@@ -343,5 +372,5 @@ def forward(c: ModelConfig, params: dict, tokens_BT, *, dtype=jnp.float32,
             remat: str | None = None, placement: Placement = Placement()):
     """Logits (B, T, V) in float32 for integer tokens (B, T)."""
     x = embed(c, params, tokens_BT, dtype, constrain)
-    x = layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat, placement=placement)[0]
+    x = run_stacks(c, params, x, constrain=constrain, gather=gather, remat=remat, placement=placement)[0]
     return head(c, params, x, constrain)

@@ -244,8 +244,9 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
     """The Llama inventory (models.inventory) is the one list of parameter names: each name is a string literal in
     the family's module and in its Hugging Face adapter, and elsewhere only in the decoder whose default halves and
     head read them (models/transformer.py) and in another family's that extends the inventory
-    (models/families/gemma.py, models/families/moe.py, DeepSeek's latent attention models/families/mla.py, whose
-    output projection is `wo` too), nowhere else in the code (tests aside): not in the trainer's
+    (models/families/gemma.py, models/families/moe.py, DeepSeek's family and adapter models/families/deepseek.py,
+    models/hf/deepseek.py and its latent attention models/families/mla.py, whose norms and output projection keep
+    Llama's names), nowhere else in the code (tests aside): not in the trainer's
     checkpoint, export or planner code. Names that are also logical axes (embed, layers) are exempt."""
     from models import from_preset, inventory
     inv = inventory(from_preset("tiny", tie_embeddings=False))
@@ -258,7 +259,8 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
         others = [f for f in where if f not in ("models/hf/llama.py", "models/families/llama.py")]
         assert {"models/hf/llama.py", "models/families/llama.py"} <= set(where), (name, where)
         assert set(others) <= {"models/transformer.py", "models/families/gemma.py", "models/hf/gemma.py",
-                               "models/families/moe.py", "models/families/mla.py"}, (name, where)
+                               "models/families/moe.py", "models/families/mla.py", "models/families/deepseek.py",
+                               "models/hf/deepseek.py"}, (name, where)
 
 
 def private_model_imports(root: Path = ROOT) -> list[str]:

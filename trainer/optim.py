@@ -25,9 +25,11 @@ def warn_if_no_decay(t) -> None:
                     f"{t.steps - 1}, e.g. train.warmup_steps={t.steps // 10}")
 
 
-def make_optimizer(t, decay: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(t, decay: dict, frozen: dict | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer and its schedule; `decay` says, per parameter (a tree like the parameters', declared
-    where each was created: models.weight_decay_of), whether weight decay applies to it."""
+    where each was created: models.weight_decay_of), whether weight decay applies to it; `frozen`, whether it is
+    state the step sets itself (models.frozen_of: DeepSeek's router bias), which the optimizer leaves (no update, no
+    state: optax.set_to_zero; a model without such state keeps the plain chain and its state's layout)."""
     warmup = warmup_of(t)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
@@ -39,7 +41,20 @@ def make_optimizer(t, decay: dict) -> tuple[optax.GradientTransformation, optax.
     else:
         update = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=decay)
     clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, update), schedule
+    tx = optax.chain(clip, update)
+    if frozen is not None and any(jax.tree.leaves(frozen)):
+        labels = jax.tree.map(lambda f: "frozen" if f else "trained", frozen)
+        tx = optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+    return tx, schedule
+
+
+def map_params(tx, f, opt_state, *rest, transform_non_params=None):
+    """optax.tree_map_params over the optimizer state (f(state leaf, *rest's leaves) on each per-parameter leaf),
+    a frozen parameter's place (optax.MaskedNode: it has no state) kept as it is."""
+    def masked(x):
+        return isinstance(x, optax.MaskedNode)
+    return optax.tree_map_params(tx, lambda v, *r: v if masked(v) else f(v, *r), opt_state, *rest,
+                                 transform_non_params=transform_non_params, is_leaf=masked)
 
 
 def schedule_count(opt_state):

@@ -19,7 +19,7 @@ from trainer.parallel import localsgd
 from trainer.parallel.reduction import Decision, decide
 from trainer.config import Config, compute_dtype, experts_axis, model_config, validate
 from trainer.errors import UserError
-from trainer.optim import make_optimizer
+from trainer.optim import make_optimizer, map_params
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,16 +121,16 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
         int(i) for i in order(mc.seq_len, context, cfg.train.context_load_balance)))
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,
                           Collectives(layout.rules, mesh, platform), plan)
-    pshapes, logical, decay = abstract_model(mc, cfg.train.seed)
+    pshapes, logical, decay, frozen = abstract_model(mc, cfg.train.seed)
     reduction = decide(layout, pshapes, logical, cfg.train.grad_sync, cfg.train.microbatches)
-    tx, schedule = make_optimizer(cfg.train, decay)
+    tx, schedule = make_optimizer(cfg.train, decay, frozen)
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": pshapes,
               "opt_state": jax.eval_shape(tx.init, pshapes), "guard": guard.shapes(cfg.train)}
     opt_param_sh = layout.tree("opt", pshapes, logical)
     shardings = {
         "step": layout.replicated,
         "params": layout.tree("param", pshapes, logical),
-        "opt_state": optax.tree_map_params(tx, lambda _, sh: sh, shapes["opt_state"], opt_param_sh,
+        "opt_state": map_params(tx, lambda _, sh: sh, shapes["opt_state"], opt_param_sh,
                                            transform_non_params=lambda _: layout.replicated),
         "guard": jax.tree.map(lambda _: layout.replicated, shapes["guard"]),
     }

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from models.batch import counted
 from models.objectives.objective import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
+from models.spec import family
 from models.transformer import head_only
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
@@ -194,10 +195,12 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
         grads = _constrain_tree(grads, opt_sh)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = s.tx.update(grads, state["opt_state"], params)
-    params = _constrain_tree(optax.apply_updates(params, updates), s.shardings["params"])
+    # then what the family sets itself from the step's aux sums (DeepSeek's router bias from the experts' loads)
+    params, own = family(s.model.family).after_step(s.model, optax.apply_updates(params, updates), parts["aux"])
+    params = _constrain_tree(params, s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {**part_metrics(parts, aux_counts(s.model, batch)), "grad_norm": grad_norm, "lr": lr,
+    return new, {**part_metrics(parts, aux_counts(s.model, batch)), **own, "grad_norm": grad_norm, "lr": lr,
                  "counted_tokens": counted(batch)}
 
 

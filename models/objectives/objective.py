@@ -12,7 +12,7 @@ from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
 from models.layers import Placement
 from models.spec import family
-from models.transformer import Constrain, _identity, _no_constrain, embed, layer_stack
+from models.transformer import Constrain, _identity, _no_constrain, aux_zeros, embed, run_stacks
 
 
 def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, scale: dict,
@@ -48,7 +48,7 @@ def head_fields(c: ModelConfig) -> tuple:
 def with_aux(value, sums: dict, scale: dict):
     """value plus each aux sum x its scale: the aux terms of the objective."""
     for k, total in sums.items():
-        value = value + total * scale["aux"][k]
+        value = value + jnp.sum(total * scale["aux"][k])  # (an array's, aux_shapes: a statistic, weight 0)
     return value
 
 
@@ -77,8 +77,8 @@ def hidden(c: ModelConfig, params: dict, batch: dict, *, dtype=jnp.float32, cons
            gather=_identity, remat: str | None = None, placement: Placement = Placement()):
     """(the final hidden states (B, T, D), the layers' aux outputs) of a batch."""
     x = embed(c, params, batch["tokens"], dtype, constrain)
-    return layer_stack(c, params["layers"], x, constrain=constrain, gather=gather, remat=remat,
-                       documents=documents_of(c, batch), placement=placement)
+    return run_stacks(c, params, x, constrain=constrain, gather=gather, remat=remat,
+                      documents=documents_of(c, batch), placement=placement)
 
 
 def loss_sum(c: ModelConfig, params: dict, batch: dict, **kw):
@@ -110,16 +110,15 @@ def scales(c: ModelConfig, batch: dict) -> dict:
 def zero_parts(c: ModelConfig) -> dict:
     """`objective`'s parts, all zero: where a path starts adding them up."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    names = family(c.family).aux + (dpo.METRICS if c.dpo is not None else ())
-    return {"loss": z(), "aux": {k: z() for k in names}}
+    return {"loss": z(), "aux": {**aux_zeros(c), **{k: z() for k in (dpo.METRICS if c.dpo is not None else ())}}}
 
 
 def part_metrics(parts: dict, counts: dict) -> dict:
     """The step's metrics of its summed parts: the loss, and each aux output's mean (its sum / its count over the
     step's batch, `aux_counts`, divided once, here) as aux/<name>, or under its own name where that has a "/" (a
-    statistic's, e.g. moe/dropped)."""
+    statistic's, e.g. moe/dropped); an array's (ModelSpec.aux_shapes) is the family's to read (after_step)."""
     return {"loss": parts["loss"], **{k if "/" in k else f"aux/{k}": mean_of(total, counts[k])
-                                      for k, total in parts["aux"].items()}}
+                                      for k, total in parts["aux"].items() if jnp.ndim(total) == 0}}
 
 
 def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, before_head=None, **kw):

@@ -123,7 +123,7 @@ def with_hf_shapes(cfg, tensors: bool = True):
     keys = model_keys(hc, where)
     # a family that reads llama3 RoPE scaling from config.json, on a folder with plain RoPE: a model.rope_scaling
     # extends the folder's context (as Llama 3.1 extended Llama 3's) rather than contradicting it
-    extendable = keys["rope_scaling"] == (None, "rope_scaling")
+    extendable = keys.get("rope_scaling") == (None, "rope_scaling")
     given = dataclasses.asdict(cfg.model)
     for k, (v, hk) in keys.items():
         mine = given[k]
@@ -223,6 +223,11 @@ def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
                             f"{list(shape)}")
     tied_head = {"lm_head.weight"} if mc.tie_embeddings else set()  # a tied head may be saved too: unused
     extra = [n for n in have if n not in want and n not in tied_head and not n.endswith(IGNORED)]
+    prefixes, why = adapter(mc).skipped(mc)
+    if left := [n for n in extra if n.startswith(prefixes)] if prefixes else []:
+        if say:
+            log.info("%s: %s left out (%d tensors: %s...)", path, why, len(left), prefixes[0])
+        extra = [n for n in extra if n not in left]
     if extra:
         raise UserError(f"{path} has tensor '{extra[0]}' that a {adapter(mc).architecture} with its config.json "
                         "does not have"

@@ -120,7 +120,7 @@ def _keep(origin: Path, out: Path):
     special ids, rope scaling and whatever else it holds, unless the run extended its context with RoPE scaling
     (trainer/ckpt/hf.py: then the run's context and scaling); then its generation config and tokenizer files."""
     ours, theirs = (text_config(json.loads((d / "config.json").read_text()), d) for d in (out, origin))
-    scaling = [model_keys(c, d)["rope_scaling"][0] for c, d in ((ours, out), (theirs, origin))]
+    scaling = [model_keys(c, d).get("rope_scaling", (None,))[0] for c, d in ((ours, out), (theirs, origin))]
     extended = scaling[0] is not None and scaling[1] is None
     mine = ("torch_dtype", "dtype") + (CONTEXT_KEYS if extended else ())
     merged = {**ours, **{k: v for k, v in theirs.items() if k not in mine}}

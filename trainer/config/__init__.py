@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
+from models.spec import stacks
 from models.config import own_keys
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
@@ -336,18 +337,21 @@ def _context_checks(t, mc: ModelConfig, context: int, model: int = 1, stage: int
 def _pipeline_checks(t, mc: ModelConfig, stage: int) -> list[tuple[bool, str]]:
     """(ok, message) of the pipeline's keys against one another and against mesh.stage."""
     ops = stage * t.microbatches * t.pipeline_repeats
+    L, first = stacks(mc)["layers"], family(mc.family).first_layers(mc)
+    split = (f"model.n_layers={mc.n_layers} less its {first} first layers (they run on the first stage with the "
+             f"embedding) = {L}" if first else f"model.n_layers={mc.n_layers}")
     return [
-        (mc.n_layers % stage == 0, f"model.n_layers={mc.n_layers} is not divisible by mesh.stage={stage}; "
-                                   f"use a mesh.stage that divides {mc.n_layers}"),
+        (L % stage == 0, f"{split} is not divisible by mesh.stage={stage} (remainder {L % stage}); use a mesh.stage "
+                         f"that divides {L}"),
         (t.pipeline_schedule != "interleaved_1f1b" or t.pipeline_repeats > 1,
          "train.pipeline_schedule=interleaved_1f1b needs train.pipeline_repeats > 1; set it or use 1f1b"),
         (t.pipeline_schedule != "1f1b" or t.pipeline_repeats == 1,
          "train.pipeline_schedule=1f1b runs one repeat; use interleaved_1f1b with train.pipeline_repeats > 1"),
         (t.pipeline_schedule != "interleaved_1f1b" or t.microbatches % max(stage, 1) == 0,
          f"train.pipeline_schedule=interleaved_1f1b needs train.microbatches divisible by mesh.stage={stage}"),
-        (mc.n_layers % (stage * t.pipeline_repeats) == 0,
-         f"model.n_layers={mc.n_layers} is not divisible by mesh.stage x train.pipeline_repeats = "
-         f"{stage} x {t.pipeline_repeats}; choose them so that their product divides n_layers"),
+        (L % (stage * t.pipeline_repeats) == 0,
+         f"{split} is not divisible by mesh.stage x train.pipeline_repeats = {stage} x {t.pipeline_repeats} "
+         f"(remainder {L % (stage * t.pipeline_repeats)}); choose them so that their product divides {L}"),
         (stage == 1 or t.microbatches >= stage,
          f"train.microbatches={t.microbatches} is less than mesh.stage={stage}: the pipeline needs at least "
          f"one microbatch per stage; set train.microbatches >= {stage}"),

@@ -43,7 +43,7 @@ from models.batch import counted, mean_of
 from models.objectives.objective import aux_counts, loss_sum, objective, part_metrics, scales, zero_parts
 from meshes.rules import keep
 from trainer.parallel.collective_costs import bus_factor
-from trainer.optim import schedule_count
+from trainer.optim import map_params, schedule_count
 from trainer.parallel.microbatch import split_microbatches
 from trainer.parallel.reduction import NONE
 
@@ -56,7 +56,7 @@ def owned(tx, reduction, opt_state) -> dict:
     """Whether each replica holds its own copy of each leaf of params and opt_state (a tree of bools each): every
     leaf but those the rules split over the data axis (one array, each rank its slice: never averaged)."""
     params = jax.tree.map(lambda r: r.kind != NONE, reduction.leaves)
-    return {"params": params, "opt_state": optax.tree_map_params(tx, lambda _, mine: mine, opt_state, params,
+    return {"params": params, "opt_state": map_params(tx, lambda _, mine: mine, opt_state, params,
                                                                  transform_non_params=lambda _: True)}
 
 

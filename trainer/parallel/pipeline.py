@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshes import STAGE
 from models.objectives.objective import aux_cotangents, head_fields, head_objective, scales, zero_parts
-from models.spec import family
-from models.transformer import embed, head, layer_stack
+from models.spec import family, stacks
+from models.transformer import aux_zeros, embed, head, layer_stack
 from trainer.parallel import schedules
 from trainer.parallel.circular import circular_blocks
 from trainer.parallel.microbatch import split_microbatches
@@ -129,9 +129,14 @@ def stage_body(st: Stage, blocks, v, h, docs):
 
 
 def embed_microbatch(st: Stage, top, m):
-    """Microbatch m's tokens embedded by `top`'s embedding."""
+    """(microbatch m's tokens embedded by `top`'s embedding, and run through the first layers where the family has
+    a stack of them (models/spec.py `stacks`: they ride with the embedding on the first stage), their aux)."""
     pipe = st.pipe
-    return embed(pipe.model, top, st.mbs["tokens"][m], pipe.dtype, pipe.constrain)
+    x = embed(pipe.model, top, st.mbs["tokens"][m], pipe.dtype, pipe.constrain)
+    if "first_layers" not in top:
+        return x, st.aux0
+    return layer_stack(pipe.model, top["first_layers"], x, constrain=pipe.constrain, remat=pipe.remat,
+                       documents=documents(st, m), placement=pipe.placement, stack="first_layers")
 
 
 def documents(st: Stage, m):
@@ -160,7 +165,9 @@ def fwd(st: Stage, h, m, v):
 
 
 def fwd_embed(st: Stage, h, m, v):
-    return stage_body(st, (st.blocks, st.index), v, embed_microbatch(st, st.top, m), documents(st, m))
+    x, first = embed_microbatch(st, st.top, m)
+    y, aux = stage_body(st, (st.blocks, st.index), v, x, documents(st, m))
+    return y, add_tree(first, aux)
 
 
 # the steps that add to the sums read their inputs as `ins`: see run_if
@@ -188,10 +195,15 @@ def bwd_step(st: Stage, ins, dblk, dh):
 def bwd_embed_step(st: Stage, ins, dblk, dtop):
     """The first stage's backward of block v of microbatch m, through the embedding."""
     blk, top, g, m, v = ins
-    _, vjp = jax.vjp(lambda w, e: stage_body(st, (w, st.index), v, embed_microbatch(st, {**top, "embed": e}, m),
-                                             documents(st, m)), blk, top["embed"])
+    own = [k for k in ("embed", "first_layers") if k in top]  # what the first stage's embedding step reads
+
+    def run(w, e):
+        x, first = embed_microbatch(st, {**top, **e}, m)
+        y, aux = stage_body(st, (w, st.index), v, x, documents(st, m))
+        return y, add_tree(first, aux)
+    _, vjp = jax.vjp(run, blk, {k: top[k] for k in own})
     db, de = vjp((g, st.aux_cot))
-    return add_tree(dblk, db), {**dtop, "embed": dtop["embed"] + de}
+    return add_tree(dblk, db), {**dtop, **add_tree({k: dtop[k] for k in own}, de)}
 
 
 def run_if(st: Stage, pred, f, ins, *state):
@@ -241,7 +253,7 @@ def scan_ticks(st: Stage):
     """(loss, aux, d blocks, d top, logits): every tick of the table on this stage, from empty buffers and sums
     (logits: [(M, B/M, T, V)] with keep_logits, else [])."""
     pipe = st.pipe
-    h0 = jax.eval_shape(functools.partial(embed_microbatch, st), st.top, 0)
+    h0 = jax.eval_shape(functools.partial(embed_microbatch, st), st.top, 0)[0]
     rows = lambda n: jnp.zeros((max(n, 1),) + h0.shape, h0.dtype)  # noqa: E731
     out = [jnp.zeros((pipe.microbatches,) + h0.shape[:-1] + (pipe.model.vocab_size,), jnp.float32)
            ] if pipe.keep_logits else []
@@ -266,9 +278,9 @@ def make_stage(pipe: Pipe, layers, top, mbs, scale):
     blocks, back = stage_blocks(layers, S, V)
     # each layer's index in the whole stack: row r of this stage holds block r*S + stage (trainer/parallel/
     # circular.py; V = 1: the stage's L/S consecutive layers)
-    n = c.n_layers // (S * V)
-    index = (jnp.arange(V)[:, None] * S + jax.lax.axis_index(STAGE)) * n + jnp.arange(n)[None, :]
-    aux0 = {k: jnp.zeros((), jnp.float32) for k in family(c.family).aux}  # the layers' own sums
+    n, first = stacks(c)["layers"] // (S * V), family(c.family).first_layers(c)  # (after the first layers)
+    index = first + (jnp.arange(V)[:, None] * S + jax.lax.axis_index(STAGE)) * n + jnp.arange(n)[None, :]
+    aux0 = aux_zeros(c)  # the layers' own sums
     aux_cot = aux_cotangents(aux0, scale)
     return Stage(pipe, blocks, index, top, mbs, scale, aux0, aux_cot, jax.lax.axis_index(STAGE)), back
 

@@ -45,7 +45,7 @@ def eval_tick(st: Stage, carry, row):
 def scan_eval(st: Stage) -> dict:
     """This stage's evaluation sums (`microbatch_sums`, zero but on the last stage): every tick of the forward
     table."""
-    h0 = jax.eval_shape(functools.partial(embed_microbatch, st), st.top, 0)
+    h0 = jax.eval_shape(functools.partial(embed_microbatch, st), st.top, 0)[0]
     sums0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
                          jax.eval_shape(functools.partial(microbatch_sums, st), h0, st.top, 0))
     xbuf = jnp.zeros((max(st.pipe.plan.n_act, 1),) + h0.shape, h0.dtype)

@@ -16,7 +16,7 @@ import optax
 from meshes import MODEL, Layout
 from models import ModelConfig, abstract_model
 from models.spec import family, sparse
-from trainer.optim import make_optimizer
+from trainer.optim import make_optimizer, map_params
 from trainer.parallel.reduction import Decision, decide
 from trainer.plan.schedule_cost import cost
 from trainer.plan.trace import device_view, no_remat, per_row, traced
@@ -26,8 +26,8 @@ from trainer.plan.types import Strategy, executed
 @functools.lru_cache(maxsize=64)
 def _abstract(mc: ModelConfig, train):
     """Parameter shapes, logical axes and optimizer-state shapes (cached per model and optimizer)."""
-    params, logical, decay = _model_shapes(mc)
-    tx, _ = make_optimizer(train, decay)
+    params, logical, decay, frozen = _model_shapes(mc)
+    tx, _ = make_optimizer(train, decay, frozen)
     return params, logical, tx, jax.eval_shape(tx.init, params)
 
 
@@ -71,7 +71,7 @@ def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, flo
     p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
     # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3)
     g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
-    o = optax.tree_map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
+    o = map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
                               transform_non_params=lambda x: x.size * x.dtype.itemsize)
     return float(p), float(g), float(sum(jax.tree.leaves(o)))
 
