@@ -1,5 +1,6 @@
 """Training the DeepSeek-V3 family (models/families/deepseek.py): every layout against one device (SGD without
-clipping: loss, grad_norm, the parameters and the router bias after the steps, 1e-5), and auxiliary-loss-free
+clipping: loss, grad_norm, the parameters and the router bias after the steps, 1e-5; the sequence-wise balance
+loss, the load-balancing loss and the z-loss weighted in, documents under the context ring), and auxiliary-loss-free
 balancing: the bias update against the rule written out in NumPy on a recorded step's loads, the imbalance lowered
 by 20 steps of it on frozen weights, the bias bit for bit unchanged with the rate at 0."""
 import numpy as np
@@ -16,13 +17,15 @@ DS = ["model.family=deepseek_v3", "model.n_layers=4", "model.first_dense=1", "mo
       "model.shared_experts=1", "model.expert_d_ff=32", "model.q_rank=16", "model.kv_rank=16", "model.nope_dim=8",
       "model.rope_dim=8", "model.v_dim=12", "model.yarn_factor=4", "model.yarn_original=16", "model.yarn_mscale=0.707",
       "model.yarn_mscale_all_dim=1", "model.routed_scale=2.5", "model.bias_rate=0.01", "model.tie_embeddings=false",
+      "model.seq_balance_loss=0.1", "model.router_aux_loss=0.01", "model.router_z_loss=0.001",
       "train.batch_size=8"] + SGD
 LAYOUTS = {
     "zero3_ep_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3",
                        "train.expert_parallel=true"],
     "1f1b_1x2x4": ["mesh.data=1", "mesh.stage=2", "mesh.model=4", "train.microbatches=2",
                    "train.pipeline_schedule=1f1b", "model.n_layers=5"],
-    "ring_context4": ["mesh.data=2", "mesh.stage=1", "mesh.model=1", "mesh.context=4", "train.context_attention=ring"],
+    "ring_context4": ["mesh.data=2", "mesh.stage=1", "mesh.model=1", "mesh.context=4", "train.context_attention=ring",
+                      "data.document_mask=true"],
 }
 
 

@@ -190,7 +190,8 @@ def moe_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):
                        axis=(0, 1, 2))
     row = jax.nn.one_hot(call.index - c.first_dense, c.n_layers - c.first_dense, dtype=jnp.float32)
     seq = router.sequence_balance(scores_BTX, idx_BTK, call.segments if call.segments is not None
-                                  else jnp.ones((B, T), jnp.float32), valid_BT)[0] if c.seq_balance_loss else 0.0
+                                  else jnp.ones((B, T), jnp.float32), valid_BT,
+                                  call.collectives)[0] if c.seq_balance_loss else 0.0
     aux = {"load_balance": balance, "z_loss": z,
            "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)),
            "moe/overflow": jnp.sum(over_N), "seq_balance": jnp.asarray(seq, jnp.float32),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.families.moe import top_k
+from models.spec import LOCAL
 
 
 def group_limited_top_k(scores_NX, bias_X, n_group: int, topk_group: int, k: int):
@@ -44,21 +45,24 @@ def balanced_bias(bias_LX, loads_LX, rate: float):
     return bias_LX + rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads).astype(bias_LX.dtype)
 
 
-def sequence_balance(scores_BTX, idx_BTK, segments_BT, valid_BT):
+def sequence_balance(scores_BTX, idx_BTK, segments_BT, valid_BT, collectives=LOCAL):
     """DeepSeek-V3's sequence-wise balance loss, per document (a row's tokens of one segment id; a row without
     documents is one): (its sum over the documents, the documents counted), each document's term
     sum_i f_i P_i over the experts i, with f_i = X / (k T) x the document's choices of expert i and P_i the mean over
     its T tokens of expert i's score divided by the token's sum of scores; padding (valid_BT False) counts nowhere.
-    The objective weighs the sum by alpha / the step's documents (one mean over every document of the step)."""
+    The objective weighs the sum by alpha / the step's documents (one mean over every document of the step).
+    Where each row's tokens are split over context ranks (`collectives` over `seq`), a document's tokens and choices
+    are counted over the ranks and P_i is this rank's share of its sum: the ranks' terms add up to the document's,
+    each token's gradient from its own rank (as models/families/moe.py router_losses)."""
     B, T, X = scores_BTX.shape
     K = idx_BTK.shape[-1]
+    n = T * collectives.axis_size("seq") + 1  # a row's segment ids, 0 (padding) to its whole length
     valid = valid_BT.astype(jnp.float32)
-    doc = (jnp.arange(B)[:, None] * T + segments_BT.astype(jnp.int32)).reshape(-1)  # (row, segment): one document
+    doc = (jnp.arange(B)[:, None] * n + segments_BT.astype(jnp.int32)).reshape(-1)  # (row, segment): one document
     share = (scores_BTX / jnp.sum(scores_BTX, axis=-1, keepdims=True)) * valid[..., None]
     chosen = jnp.sum(jax.nn.one_hot(idx_BTK, X, dtype=jnp.float32), axis=2) * valid[..., None]
-    tokens = jax.ops.segment_sum(valid.reshape(-1), doc, num_segments=B * T)  # (documents,)
-    f = jax.ops.segment_sum(chosen.reshape(-1, X), doc, num_segments=B * T)
-    p = jax.ops.segment_sum(share.reshape(-1, X), doc, num_segments=B * T)
-    per_doc = X / K * jnp.sum(f * p, axis=-1) / jnp.maximum(tokens, 1.0) ** 2
+    tokens = collectives.psum(jax.ops.segment_sum(valid.reshape(-1), doc, num_segments=B * n), "seq")
+    f = collectives.psum(jax.ops.segment_sum(chosen.reshape(-1, X), doc, num_segments=B * n), "seq")
+    p = jax.ops.segment_sum(share.reshape(-1, X), doc, num_segments=B * n)
+    per_doc = X / K * jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1) / jnp.maximum(tokens, 1.0) ** 2
     return jnp.sum(jnp.where(tokens > 0, per_doc, 0.0)), jnp.sum(tokens > 0).astype(jnp.float32)
-
