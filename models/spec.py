@@ -298,6 +298,10 @@ class ModelSpec:
     decode_cache: Callable | None = None
     # (c) -> a head's query/key width plus its value width (the attention's FLOPs, models/counts.py): 2 x head_dim
     qk_v_width: Callable = two_heads_wide
+    # (c, stack, remat) -> the widths (per token) one layer of that stack all-reduces over `model` per microbatch
+    # (trainer/plan/comm.py); None: Llama's layer (its outputs after wo and w_down, its projection groups' input
+    # gradients, a recomputed one under full remat)
+    tp_reductions: Callable | None = None
 
 
 FAMILIES: dict[str, ModelSpec] = {}

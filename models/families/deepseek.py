@@ -252,6 +252,19 @@ def after_step(c: DeepseekConfig, params: dict, aux: dict) -> tuple[dict, dict]:
     return params, metrics
 
 
+def tp_reductions(c: DeepseekConfig, stack: str, remat: str) -> list:
+    """The widths one layer all-reduces over `model` per microbatch (trainer/plan/comm.py): forward, the attention's
+    output (after wo) and each MLP's partial sums (the dense one; the routed experts' and the shared experts'); in
+    the backward the input gradients of the heads-split up-projections (wq_b of q_rank, or wq of d_model; wkv_b of
+    kv_rank) and of each MLP; full remat recomputes the attention's and the shared experts' outputs (the MoE's routed
+    sum and a dense MLP's output the backward does not read)."""
+    D = c.d_model
+    mlps = 1 if stack == "first_layers" else 1 + bool(c.shared_experts)
+    widths = [D] + [D] * mlps + [c.q_rank or D, c.kv_rank] + [D] * mlps
+    again = 1 + (stack == "layers" and bool(c.shared_experts))  # the attention's output, the shared experts'
+    return widths + ([D] * again if remat == "full" else [])
+
+
 def first_layers(c: DeepseekConfig) -> int:
     return c.first_dense
 
@@ -279,5 +292,5 @@ SPEC = {**MOE, "config": DeepseekConfig, "aux": AUX, "aux_counts": aux_counts, "
 SPEC.pop("mlp")
 DEEPSEEK_V3 = register(ModelSpec("deepseek_v3", inventory, moe_layer, DEEPSEEK_V3_HF, rope=rope,
                                  first_layers=first_layers, first_layer=dense_layer, aux_shapes=aux_shapes, after_step=after_step, decode_cache=decode_cache,
-                                 qk_v_width=lambda c: c.head_dim + c.v_dim,
+                                 qk_v_width=lambda c: c.head_dim + c.v_dim, tp_reductions=tp_reductions,
                                  **SPEC))

@@ -17,6 +17,7 @@ import math
 from meshes import CONTEXT, MODEL, STAGE
 from meshes.collectives import pairwise_ring
 from models import ModelConfig, family
+from models.spec import stacks
 from trainer.parallel.collective_costs import bus_factor
 from trainer.parallel.circular import circular_moves
 from trainer.parallel.reduction import EXPLICIT, PIPELINE
@@ -46,7 +47,18 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
             out += _data_transfers(mc, st, [x for x in ls if x.split and x.left == over], n, a, platform,
                                    where == EXPLICIT, (_ranks(st, over), over))
     out += _expert_transfers(mc, st, n, a) + _context_transfers(mc, st, ls, n, a, platform, mc.documents)
+    out += _aux_tables(mc, st)
     return [t for t in out if t.bytes > 0]
+
+
+def _aux_tables(mc, st: Strategy) -> list[Transfer]:
+    """The layers' aux tables (ModelSpec.aux_shapes: DeepSeek's expert loads, which its router bias moves by after
+    the step) summed over the step's whole batch, once per step: an all-reduce over the batch axes (and `stage`,
+    each stage holding its layers' rows)."""
+    size = 4.0 * sum(math.prod(shape) for shape in family(mc.family).aux_shapes(mc).values())
+    axes = [(ax, k) for ax, k in ((st.batch_axes, st.data * st.context), (STAGE, st.stage)) if k > 1]
+    return [Transfer(ax, "all-reduce", "the layers' aux tables (expert loads) summed over the step's batch",
+                     bus_factor("all-reduce", k) * size) for ax, k in axes if size]
 
 
 def _ranks(st: Strategy, over: str) -> int:
@@ -163,7 +175,7 @@ def _expert_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     ranks = st.mesh[axis] if axis else 1
     if ranks == 1:
         return []
-    uses = st.microbatches * mc.n_layers // st.stage
+    uses = st.microbatches * stacks(mc)["layers"] // st.stage  # the MoE layers (a family's first ones are dense)
     recomputed = st.remat != "none" or st.stage > 1
     out = []
     for kind, what, size, grad, again, *exact in family(mc.family).expert_collectives(mc, n, ranks, a):
@@ -256,7 +268,11 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     # forward: after wo and w_down; backward: the projection groups; full remat recomputes the
     # first (the layer's output is not needed again); `dots` saves the projection outputs instead
     per_layer = 2 + _groups(mc, tp) + (1 if st.remat == "full" else 0)
-    out = [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_layer} per layer and microbatch)",
+    own = family(mc.family).tp_reductions
+    if own is not None:  # the family's own: the widths each layer of each stack all-reduces, in d_model's units
+        units = sum(rows * sum(own(mc, stack, st.remat)) for stack, rows in stacks(mc).items()) / mc.d_model
+        per_layer = units / mc.n_layers
+    out = [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_layer:g} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
     out += [t.times(m * layers) for t in _shared_kv_transfers(mc, tp, n, a)]
     # the vocab-split embedding lookup (forward) and head (backward), plus the loss's per-token sums
@@ -296,7 +312,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     says. Without a wrap (V = 1) the chain has S-1 senders, so a device sends (S-1)/S of that.
     """
     k, S, tp, m, V = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats
-    ticks, body = cost(st.schedule, S, m, V).ticks, mc.n_layers // (S * V)
+    ticks, body = cost(st.schedule, S, m, V).ticks, stacks(mc)["layers"] // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
     top = sum(x.bytes for x in ls if not x.layers)
     reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over every batch axis

@@ -15,7 +15,7 @@ import jax
 import optax
 from meshes import MODEL, Layout
 from models import ModelConfig, abstract_model
-from models.spec import family, sparse
+from models.spec import family, sparse, stacks
 from trainer.optim import make_optimizer, map_params
 from trainer.parallel.reduction import Decision, decide
 from trainer.plan.schedule_cost import cost
@@ -123,15 +123,23 @@ def _ctx(st: Strategy) -> tuple:
 
 
 def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
-           context: tuple = (1, "all_gather")) -> float:
+           context: tuple = (1, "all_gather"), stack: str = "layers") -> float:
     """A dense layer's residuals are linear in its rows; an MoE layer's are not (its experts' rows are padded to
-    whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`."""
-    if sparse(mc) and what != "head":
+    whole tiles, at most ceil(choices / tile) + experts of them): traced at `rows`. `stack`: whose layer
+    (models/spec.py `stacks`; a family's first layers are dense)."""
+    if sparse(mc) and what != "head" and stack == "layers":
         return traced(no_remat(mc), tp, dtype, platform, what, rows, context)
     if what == "head":  # traced at a rank's tokens whatever its attention: one trace for every strategy
         context = (context[0], "all_gather")
-    fixed, per = per_row(no_remat(mc), tp, dtype, platform, what, context)
+    fixed, per = per_row(no_remat(mc), tp, dtype, platform, what, context, stack)
     return fixed + per * rows
+
+
+def _stacks_saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int, context: tuple,
+                  only_first: bool = False) -> float:
+    """_saved of every layer of every stack (of the first layers alone with `only_first`)."""
+    return sum(n * _saved(mc, tp, dtype, platform, what, rows, context, stack) for stack, n in stacks(mc).items()
+               if stack == "first_layers" or not only_first)
 
 
 def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
@@ -168,7 +176,7 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
-        saved = mc.n_layers * _saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st))
+        saved = _stacks_saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st))
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
         return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform)
     return pipeline_activation_bytes(mc, st, b, dtype, platform)
@@ -236,9 +244,11 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str,
     """A pipeline stage's activations for b sequences per microbatch: the stage inputs and cotangents
     its schedule keeps live (trainer/plan/schedule_cost.py) plus one tick's working set."""
     n = b * mc.seq_len // st.context * mc.d_model * jax.numpy.dtype(dtype).itemsize  # one stage input
-    body = mc.n_layers // (st.stage * st.repeats)
-    # a stage body's residuals, rebuilt for its vjp; under sublayer remat its half inputs and one half's
-    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
+    body = stacks(mc)["layers"] // (st.stage * st.repeats)
+    # a stage body's residuals, rebuilt for its vjp (the first stage's with the first layers, which its embedding
+    # step runs); under sublayer remat its half inputs and one half's
+    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st)) + _stacks_saved(
+        mc, st.model, dtype, platform, "none", b, _ctx(st), only_first=True)
     if st.remat == "sublayer":
         recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, _ctx(st)) + _recompute(mc, st, dtype, platform,
                                                                                                  b)
@@ -285,5 +295,5 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) ->
     if zero3:  # gathered layer weights: kept for the backward without remat (or sublayer's), else one layer's
         c_top, c_lay = gather_casts(platform, a)
         top, lay = top * c_top, lay * c_lay
-        out += top + (lay if st.remat in ("none", "sublayer") else lay / mc.n_layers)
+        out += top + (lay if st.remat in ("none", "sublayer") else lay / stacks(mc)["layers"])
     return out

@@ -71,24 +71,24 @@ def only_half(n: int):
 
 
 @functools.lru_cache(maxsize=512)
-def per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: tuple = (1, "all_gather")
-             ) -> tuple[float, float]:
-    """(fixed, per sequence) residual bytes of one layer under a remat policy, of one of its halves
-    without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
-    one, two = (traced(mc, tp, dtype, platform, what, rows, context) for rows in (1, 2))
+def per_row(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, context: tuple = (1, "all_gather"),
+            stack: str = "layers") -> tuple[float, float]:
+    """(fixed, per sequence) residual bytes of one layer (of `stack`, models/spec.py `stacks`) under a remat policy,
+    of one of its halves without remat ("attention", "mlp"), or of the head and loss, on `platform`'s kernels."""
+    one, two = (traced(mc, tp, dtype, platform, what, rows, context, stack) for rows in (1, 2))
     return 2 * one - two, two - one
 
 
 @functools.lru_cache(maxsize=512)
 def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
-            context: tuple = (1, "all_gather")) -> float:
+           context: tuple = (1, "all_gather"), stack: str = "layers") -> float:
     """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
     each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
     one rank sees them (OneContextRank: the gathered K/V as large as the row's)."""
     from models.objectives.cross_entropy import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
-    from models.transformer import head, inventory, layer_call
+    from models.transformer import STACKS, head, inventory, layer_call
     (c, repeat), T, dt = device_view(mc, tp), mc.seq_len // context[0], jax.numpy.dtype(dtype)
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
@@ -97,11 +97,12 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
     x = jax.ShapeDtypeStruct((rows, T, D), dt)
     if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
         cfg = dataclasses.replace(c, tie_embeddings=False)
-        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "layers")}
+        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", *STACKS)}
         return residuals(lambda x, weights, r=rows: cross_entropy(
             head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights)
-    weights = {k: w(p.shape) for k, p in inventory(c)["layers"].items()}  # one layer's, at one device's shapes
+    weights = {k: w(p.shape) for k, p in inventory(c)[stack].items()}  # one layer's, at one device's shapes
     kn, spec = device_kernels(c, dt, platform, repeat, mc.fused_qkv), family(c.family)
+    layer = spec.first_layer if stack == "first_layers" else spec.layer
     data = {k: jax.numpy.asarray(v)[0] for k, v in spec.layer_data(c).items()}  # layer 0's: same shapes
     half = {"attention": only_half(0), "mlp": only_half(1), "sublayer": sublayer_remat}.get(what)
 
@@ -114,7 +115,7 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
             call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
                               data=data, kv_repeat=repeat, collectives=coll,
                               attention=plan.attention(kn.attention, coll, pos))
-        run = lambda x, weights: spec.layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
+        run = lambda x, weights: layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
         if what not in ("none", "attention", "mlp", "sublayer"):
             run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
         return run(x, weights)
