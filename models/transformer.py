@@ -273,14 +273,16 @@ def aux_zeros(c: ModelConfig) -> dict:
     return {k: jnp.zeros(shapes.get(k, ()), jnp.float32) for k in family(c.family).aux}
 
 
-def run_stacks(c: ModelConfig, params: dict, x_BTD, *, gather: Callable[[dict], dict] = _identity, **kw):
+def run_stacks(c: ModelConfig, params: dict, x_BTD, *, gather: Callable[[dict], dict] | dict = _identity, **kw):
     """(x_BTD, aux) of every stack of the model in turn (models/spec.py `stacks`): the first layers where the family
-    has them, whose weights arrive whole (ZeRO-3 gathers them with the embedding), then "layers", each layer's
-    weights through `gather`; kw: layer_stack's."""
+    has them, then "layers", each layer's weights through `gather`: one function for "layers" (the first layers'
+    weights then arrive whole), or {stack: its per-layer gather} (ZeRO-3, trainer/step.py); kw: layer_stack's."""
+    gathers = gather if isinstance(gather, dict) else {"layers": gather}
     aux = None
     if "first_layers" in params:
-        x_BTD, aux = layer_stack(c, params["first_layers"], x_BTD, stack="first_layers", **kw)
-    x_BTD, more = layer_stack(c, params["layers"], x_BTD, gather=gather, **kw)
+        x_BTD, aux = layer_stack(c, params["first_layers"], x_BTD, stack="first_layers",
+                                 gather=gathers.get("first_layers", _identity), **kw)
+    x_BTD, more = layer_stack(c, params["layers"], x_BTD, gather=gathers["layers"], **kw)
     return x_BTD, more if aux is None else _add_aux(aux, more)
 
 

@@ -40,7 +40,7 @@ from models.batch import counted
 from models.objectives.objective import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from models.spec import family
-from models.transformer import head_only
+from models.transformer import STACKS, head_only
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
 from trainer.optim import schedule_count
@@ -90,7 +90,7 @@ def _scattered_shape(shape, dim, k):
 
 
 def _gathering(s: Setup, reducer):
-    """params -> (the weights the layers' stack and the embedding read, whole; the per-layer gather the stack runs;
+    """params -> (the weights the layers' stacks and the embedding read, whole; the per-layer gather each stack runs;
     the gather of the head's weights, run after the stack): ZeRO-3 gathers the non-layer weights outside the scan
     and each layer's inside it (in the compute dtype: half the bytes in bfloat16, the rest as stored); below
     ZeRO-3 all three are as they arrive."""
@@ -104,11 +104,13 @@ def _gathering(s: Setup, reducer):
 
         def top(t):
             return reducer.all_gather_tree(t, *({n: tree[n] for n in t} for tree in (dims, specs, cast)))
-        layer_dims = {n: (None if d is None else d - 1) for n, d in dims["layers"].items()}
-        layer_specs = {n: P(*sp[1:]) for n, sp in specs["layers"].items()}
-        rest = {n: v for n, v in p.items() if n != "layers" and n not in _late(s, p)}
-        return {**top(rest), "layers": p["layers"]}, lambda lp: reducer.all_gather_tree(
-            lp, layer_dims, layer_specs, cast["layers"]), top
+        def per_layer(stack):  # one layer of a stack gathered inside its scan
+            layer_dims = {n: (None if d is None else d - 1) for n, d in dims[stack].items()}
+            layer_specs = {n: P(*sp[1:]) for n, sp in specs[stack].items()}
+            return lambda lp: reducer.all_gather_tree(lp, layer_dims, layer_specs, cast[stack])
+        own = [n for n in STACKS if n in p]
+        rest = {n: v for n, v in p.items() if n not in own and n not in _late(s, p)}
+        return {**top(rest), **{n: p[n] for n in own}}, {n: per_layer(n) for n in own}, top
     return full_params
 
 
