@@ -20,7 +20,7 @@ BLOCK = (24, 40)
 E4M3_MAX = 448.0  # float8 e4m3's largest finite value
 
 
-def _quantized(w: np.ndarray):
+def _quantized(w: np.ndarray, BLOCK=BLOCK):
     """(float8 values, float32 factors) of w in BLOCK-sized blocks, each scaled to e4m3's range (as DeepSeek's)."""
     grid = tuple(-(-n // b) for n, b in zip(w.shape, BLOCK))
     s = np.empty(grid, np.float32)
@@ -33,7 +33,7 @@ def _quantized(w: np.ndarray):
     return q, s
 
 
-def _reference(q: np.ndarray, s: np.ndarray) -> np.ndarray:
+def _reference(q: np.ndarray, s: np.ndarray, BLOCK=BLOCK) -> np.ndarray:
     """The float32 weight: each element its float8 value times its block's factor, element by element."""
     out = np.empty(q.shape, np.float32)
     for r in range(q.shape[0]):
@@ -42,7 +42,7 @@ def _reference(q: np.ndarray, s: np.ndarray) -> np.ndarray:
     return out
 
 
-def _folders(tmp_path, src="gqa_untied_f32"):
+def _folders(tmp_path, src="gqa_untied_f32", block=BLOCK):
     """(the FP8 folder, the folder of its NumPy reference weights), from a float32 fixture."""
     fp8, ref = tmp_path / "fp8", tmp_path / "ref"
     for d in (fp8, ref):
@@ -51,16 +51,16 @@ def _folders(tmp_path, src="gqa_untied_f32"):
     q_tensors, r_tensors = {}, {}
     for name, (_, w) in read_folder(FIX / src).items():
         if name.endswith("proj.weight"):
-            q, s = _quantized(w)
+            q, s = _quantized(w, block)
             q_tensors.update({name: q, name + "_scale_inv": s})
-            r_tensors[name] = _reference(q, s)
+            r_tensors[name] = _reference(q, s, block)
         else:
             q_tensors[name] = r_tensors[name] = w
     write_st(fp8 / "model.safetensors", q_tensors)
     write_st(ref / "model.safetensors", r_tensors)
     c = json.loads((fp8 / "config.json").read_text())
     c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": list(BLOCK)}
+                                "weight_block_size": list(block)}
     (fp8 / "config.json").write_text(json.dumps(c))
     return fp8, ref
 
@@ -74,8 +74,12 @@ def _imported(folder):
     return jax.device_get(init_params(make_setup(cfg, jax.devices()[:4]), folder))
 
 
-def test_fp8_weights_import_as_the_block_reference_bit_for_bit(tmp_path):
-    fp8, ref = _folders(tmp_path)
+@pytest.mark.parametrize("src,block", [("gqa_untied_f32", BLOCK), ("deepseek_v3_f32", (16, 16))])
+def test_fp8_weights_import_as_the_block_reference_bit_for_bit(tmp_path, src, block):
+    """The Llama fixture in blocks of 24 x 40; the DeepSeek-V3 one (tests/fixtures/hf/deepseek_v3_f32: latent
+    attention's projections, the dense MLPs, every expert and the shared expert) in blocks of 16 x 16, every
+    projection 24 to 112 wide and kv_a_proj_with_mqa's 24 rows, q_b_proj's 24 columns cut short at an edge."""
+    fp8, ref = _folders(tmp_path, src, block)
     got, want = _imported(fp8), _imported(ref)
     flat_got, flat_want = jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)
     for (path, a), b in zip(flat_got, flat_want):
