@@ -12,7 +12,7 @@ from models.families.llama import LLAMA  # registers the llama family (the defau
 from models.families.gemma import GEMMA2, GEMMA3  # registers the gemma2 and gemma3 families
 from models.families.mistral import MISTRAL  # registers the mistral family
 from models.families.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE  # registers the mixtral, qwen3_moe and qwen2_moe families
-from models.families.deepseek import DEEPSEEK_V3  # registers the deepseek_v3 family
+from models.families.deepseek import DEEPSEEK_V3, GLM4_MOE_LITE  # registers the deepseek_v3 and glm4_moe_lite families
 from models.families.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
 from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
                                 weight_decay_of)

@@ -10,6 +10,7 @@ dependency: install them in a separate venv, as for scripts/make_hf_fixture.py, 
   kimi_k2_f32            Kimi-K2's shape: one group, 1 dense + 2 MoE layers, config.json's model_type `kimi_k2` (as
                          transformers' kimi_k25 names its text model)
   deepseek_v3_qproj_f32  q_lora_rank null (one q_proj), plain RoPE
+  glm4_moe_lite_f32      GLM-4.7-Flash's form (Glm4MoeLiteForCausalLM): its dense layer by mlp_layer_types, 2 groups
 
 Each folder holds what `save_pretrained` wrote and reference.npz: fixed tokens and transformers' float32 logits, a
 prompt's greedy tokens, a >= 400-token prompt's last logits and greedy tokens, a (4, 24) loss batch with
@@ -26,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+ARCHS = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "glm": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)}
 
 MIN_MARGIN = 1e-3
 # the >= 400-token prompt's routings (429 tokens x each MoE layer) hold margins of 1e-4 at best on any seed tried
@@ -49,6 +52,10 @@ FIXTURES = {
     "deepseek_v3_qproj_f32": dict(cfg=dict(num_hidden_layers=3, first_k_dense_replace=1, n_group=4, topk_group=2,
                                            q_lora_rank=None, rope_interleave=True,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # GLM-4.7-Flash's form: its dense layers by mlp_layer_types
+    "glm4_moe_lite_f32": dict(arch="glm", cfg=dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                                                   n_group=2, topk_group=1, q_lora_rank=24, rope_interleave=True,
+                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 
 
@@ -79,8 +86,11 @@ def margins(logits: np.ndarray, bias: np.ndarray, groups: int, kept: int, k: int
 
 def build(name: str, spec: dict, out: Path, seed: int):
     torch.manual_seed(seed)
-    cfg = DeepseekV3Config(**{**BASE, **spec["cfg"]})
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    config_cls, model_cls = ARCHS[spec.get("arch", "deepseek_v3")]
+    cfg = config_cls(**{**BASE, **spec["cfg"]})
+    model = model_cls(cfg).eval()
+    first = getattr(cfg, "first_k_dense_replace", None)
+    first = first if first is not None else cfg.mlp_layer_types.index("sparse")
     with torch.no_grad():  # random norms and biases, so that a missing or swapped one shows in the logits
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -88,14 +98,14 @@ def build(name: str, spec: dict, out: Path, seed: int):
             elif n.endswith("mlp.gate.weight"):  # router logits of std ~2: sigmoid scores spread over (0, 1)
                 p.copy_(0.25 * torch.randn_like(p))
         for i, layer in enumerate(model.model.layers):
-            if i >= cfg.first_k_dense_replace:
+            if i >= first:
                 b = layer.mlp.gate.e_score_correction_bias
                 lo, hi = (-1.2, 0.1) if i == spec.get("negative_bias_layer") else (-0.1, 0.1)
                 b.copy_(lo + (hi - lo) * torch.rand_like(b))
     d = out / name
     shutil.rmtree(d, ignore_errors=True)
     model.save_pretrained(d, safe_serialization=True)
-    ref = DeepseekV3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32, experts_implementation="eager").eval()
+    ref = model_cls.from_pretrained(d, torch_dtype=torch.float32, experts_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
     prompt = tokens[:1, :6]
@@ -104,7 +114,7 @@ def build(name: str, spec: dict, out: Path, seed: int):
     routed = {}
     ref_hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: routed.setdefault(i, []).append(
         (o[0] if isinstance(o, tuple) else o).detach().reshape(-1, cfg.n_routed_experts).numpy()))
-        for i, layer in enumerate(ref.model.layers) if i >= cfg.first_k_dense_replace]
+        for i, layer in enumerate(ref.model.layers) if i >= first]
     with torch.no_grad():
         logits = ref(tokens).logits.numpy().astype(np.float32)
         opts = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

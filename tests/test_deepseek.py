@@ -2,7 +2,8 @@
 scripts/make_deepseek_fixture.py (tests/fixtures/hf/deepseek_v3_f32: 2 dense + 2 MoE layers, 8 experts in 4 groups,
 top-2 groups, k 2, a shared expert, q_lora_rank, interleaved RoPE under YaRN with mscale != mscale_all_dim, one
 layer's bias mostly negative so that 0.0 group masking would choose otherwise; kimi_k2_f32, one group and Kimi's
-model_type; deepseek_v3_qproj_f32, one q_proj). Logits within 1e-4 on the reference tokens and on a 420-token prompt
+model_type; deepseek_v3_qproj_f32, one q_proj; glm4_moe_lite_f32, GLM-4.7-Flash's Glm4MoeLiteForCausalLM, its
+dense layer named by mlp_layer_types). Logits within 1e-4 on the reference tokens and on a 420-token prompt
 (one program), greedy tokens; decoding from the latent cache; (2,1,4) ZeRO-3 with the experts split; export bitwise;
 an lr-0 step's loss against transformers' cross-entropy."""
 import numpy as np
@@ -42,7 +43,8 @@ def _both_prompts(s, params, ref):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_f32", pytest.param("kimi_k2_f32", marks=pytest.mark.slow),
-                                  pytest.param("deepseek_v3_qproj_f32", marks=pytest.mark.slow)])
+                                  pytest.param("deepseek_v3_qproj_f32", marks=pytest.mark.slow),
+                                  pytest.param("glm4_moe_lite_f32", marks=pytest.mark.slow)])
 def test_one_device_logits_equal_transformers(name):
     s, params = _loaded(name, ONE)
     ref = np.load(FIX / name / "reference.npz")

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 family (`DeepseekV3ForCausalLM`: DeepSeek-V3, R1, V3.1, Kimi-K2): multi-head latent attention
+"""The DeepSeek-V3 family (`DeepseekV3ForCausalLM`: DeepSeek-V3, R1, V3.1, Kimi-K2; `glm4_moe_lite`, the same
+model in GLM-4.7-Flash's Hugging Face form, `Glm4MoeLiteForCausalLM`): multi-head latent attention
 (models/families/mla.py) in every layer; the first `first_dense` layers a dense SwiGLU MLP of d_ff (a stack of their
 own, "first_layers", ModelSpec.first_layers), the rest Mixtures of Experts routed by DeepSeek's router
 (models/families/sigmoid_router.py: sigmoid scores, group-limited choice, a correction bias the weights never see,
@@ -24,7 +25,7 @@ from models.config import DIM, FLOAT32, POSITIVE, key
 from models.families import sigmoid_router as router
 from models.families.mla import absorbed_attention, latent_attention, latents
 from models.families.moe import AUX as MOE_AUX, MOE, MoEConfig, capacity, kept, router_losses
-from models.hf.deepseek import DEEPSEEK_V3_HF
+from models.hf.deepseek import DEEPSEEK_V3_HF, GLM4_MOE_LITE_HF
 from models.kernels.experts import grouped_mlp
 from models.layers import rms_norm, rope_tables, yarn_attention_factor, yarn_inv_freq, yarn_softmax_factor
 from models.spec import LayerCall, ModelSpec, Param, register
@@ -283,14 +284,12 @@ def checks(c: DeepseekConfig) -> list:
         (c.rope_dim % 2 == 0, f"model.rope_dim={c.rope_dim} must be even (RoPE turns pairs)")]
 
 
-def dispatch_rows(c: DeepseekConfig, tokens: int, platform: str) -> int:
-    return MOE["dispatch_rows"](c, tokens, platform)
-
-
 SPEC = {**MOE, "config": DeepseekConfig, "aux": AUX, "aux_counts": aux_counts, "aux_weights": aux_weights,
         "checks": checks, "split_keys": {"mlp": ("expert_d_ff",)}}
 SPEC.pop("mlp")
-DEEPSEEK_V3 = register(ModelSpec("deepseek_v3", inventory, moe_layer, DEEPSEEK_V3_HF, rope=rope,
-                                 first_layers=first_layers, first_layer=dense_layer, aux_shapes=aux_shapes, after_step=after_step, decode_cache=decode_cache,
-                                 qk_v_width=lambda c: c.head_dim + c.v_dim, tp_reductions=tp_reductions,
-                                 **SPEC))
+FAMILY = dict(rope=rope, first_layers=first_layers, first_layer=dense_layer, aux_shapes=aux_shapes,
+              after_step=after_step, decode_cache=decode_cache, qk_v_width=lambda c: c.head_dim + c.v_dim,
+              tp_reductions=tp_reductions, **SPEC)
+DEEPSEEK_V3 = register(ModelSpec("deepseek_v3", inventory, moe_layer, DEEPSEEK_V3_HF, **FAMILY))
+# GLM-4.7-Flash: the same model, its Hugging Face form its own
+GLM4_MOE_LITE = register(ModelSpec("glm4_moe_lite", inventory, moe_layer, GLM4_MOE_LITE_HF, **FAMILY))

@@ -1,5 +1,6 @@
-"""The DeepSeek-V3 family's Hugging Face adapter (`DeepseekV3ForCausalLM`; Kimi-K2's folders name the same
-architecture with model_type `kimi_k2`): config.json <-> the family's keys (models/families/deepseek.py), and the
+"""The DeepSeek-V3 family's Hugging Face adapters (`DeepseekV3ForCausalLM`; Kimi-K2's folders name the same
+architecture with model_type `kimi_k2`; GLM-4.7-Flash's `Glm4MoeLiteForCausalLM`, the same attention, router and
+tensor names with its dense layers named by `mlp_layer_types`): config.json <-> the family's keys (models/families/deepseek.py), and the
 tensors: latent attention's projections, the first layers' dense MLPs (`first_layers`), the MoE layers' router, its
 `e_score_correction_bias`, one tensor per expert stacked into (layers, experts, ...) and the shared experts. A
 folder's multi-token-prediction layer, `model.layers.{num_hidden_layers}.*`, is left out (one log line,
@@ -23,7 +24,7 @@ def check(hc: dict):
                       ("topk_method", "noaux_tc")):
         if hc.get(key, want) != want:
             raise ValueError(f"{key}={hc[key]!r} is not supported; meshtrain's deepseek_v3 computes {key}={want!r}")
-    if hc.get("model_type", "deepseek_v3") not in MODEL_TYPES:
+    if hc.get("model_type", MODEL_TYPES[0]) not in MODEL_TYPES + ("glm4_moe_lite",):
         raise ValueError(f"model_type={hc['model_type']!r} is not one meshtrain reads as {ARCH} "
                          f"({', '.join(MODEL_TYPES)})")
     if int(hc.get("n_routed_experts") or 0) < 2:
@@ -170,3 +171,31 @@ def skipped(mc) -> tuple:
 
 
 DEEPSEEK_V3_HF = HFAdapter(ARCH, check, model_keys, leaves, hf_config, expressible, skipped=skipped)
+
+
+GLM_ARCH = "Glm4MoeLiteForCausalLM"
+
+
+def glm_first_dense(hc: dict) -> int:
+    """GLM-4.7-Flash's dense layers: the leading "dense" entries of mlp_layer_types, every later one "sparse"
+    (transformers' default: the first layer dense)."""
+    types = hc.get("mlp_layer_types") or ["dense"] + ["sparse"] * (int(hc.get("num_hidden_layers", 1)) - 1)
+    k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if any(t != "sparse" for t in types[k:]):
+        raise ValueError(f"mlp_layer_types={types} has a dense layer after a sparse one; meshtrain's deepseek_v3 "
+                         "stack is its dense layers first, then its MoE layers")
+    return k
+
+
+def glm_keys(hc: dict) -> dict:
+    return {**model_keys({**hc, "first_k_dense_replace": None}),
+            "first_dense": (glm_first_dense(hc), "mlp_layer_types")}
+
+
+def glm_config(mc, dtype: str) -> dict:
+    out = {k: v for k, v in hf_config(mc, dtype).items() if k != "first_k_dense_replace"}
+    return {**out, "architectures": [GLM_ARCH], "model_type": "glm4_moe_lite",
+            "mlp_layer_types": ["dense"] * mc.first_dense + ["sparse"] * (mc.n_layers - mc.first_dense)}
+
+
+GLM4_MOE_LITE_HF = HFAdapter(GLM_ARCH, check, glm_keys, leaves, glm_config, expressible, skipped=skipped)
