@@ -346,3 +346,30 @@ def test_dcn_needs_as_many_hosts():
         make_setup(load_config(TINY + ["mesh.data=8", "mesh.dcn_data=2"]))
     with pytest.raises(UserError, match="mesh.dcn_data=3 does not divide mesh.data=8"):
         make_setup(load_config(TINY + ["mesh.data=8", "mesh.dcn_data=3"]))
+
+
+@pytest.mark.slow
+def test_deepseek_loads_are_the_global_batchs(env, tmp_path):
+    """DeepSeek-V3's router bias moves by the loads of the whole step batch: (8,1,1) ZeRO-3 with the experts split
+    over data, 2 processes x 4 devices, logs 1 x 8's losses, grad norms (1e-5) and every MoE layer's max/mean load
+    (moe/imbalance/<layer>, each step's, from the loads the bias moves by: exactly, counts of whole choices) over 5
+    steps at bias rate 1e-2; the bias's own steps follow from those loads (tests/test_deepseek_train.py)."""
+    from test_deepseek_train import DS
+    ds = [o for o in DS if not o.startswith("train.batch_size")] + ["model.bias_rate=0.01", "train.expert_parallel=true"]
+    ref = run_steps(RUN + ds + FSDP + ["train.steps=5"], steps=5, source="synthetic")
+    d = tmp_path / "run"
+    run(env, 2, 4, *RUN, *ds, *FSDP, "train.steps=5", f"run.dir={d}")
+    same_five_steps(ref, d, "deepseek (8,1,1) ZeRO-3 expert parallel over 2 processes vs 1 x 8")
+    recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    got = {r["step"]: [r[f"moe/imbalance/{i}"] for i in (1, 2, 3)] for r in recs if "moe/imbalance/1" in r}
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    one = make_setup(load_config(RUN + ds + FSDP + ["train.steps=5"]))
+    from trainer.step import jit_train_step
+    from conftest import corpus, fresh_state
+    state, step = fresh_state(one), jit_train_step(one)
+    b = Batches(corpus("synthetic"), one.cfg.train.seed, one.cfg.train.batch_size, one.model.seq_len,
+                one.model.vocab_size)
+    with jax.set_mesh(one.mesh):
+        for i in range(5):
+            state, m = step(state, jax.device_put(b.global_train(i), one.batch_sharding()))
+            np.testing.assert_allclose(got[i + 1], [float(m[f"moe/imbalance/{j}"]) for j in (1, 2, 3)], rtol=1e-6)

@@ -52,8 +52,9 @@ class StepMetrics(Plugin):
                            "mfu": self.fpt * tps / peak if peak else None,
                            "hfu": self.hfpt * tps / peak if peak else None,
                            "skipped": int(m["skipped"]), "bad_streak": int(m["bad_streak"]),
-                           # a family's auxiliary outputs (models/spec.py), each its mean over the step
-                           **{k: float(v) for k, v in m.items() if k.startswith("aux/")},
+                           # a family's auxiliary outputs (models/spec.py), each its mean over the step, and its
+                           # statistics (an MoE's moe/dropped, moe/overflow; DeepSeek's moe/imbalance per layer)
+                           **{k: float(v) for k, v in m.items() if k.startswith(("aux/", "moe/"))},
                            **{k: float(m[k]) for k in DPO_METRICS if k in m},  # train.objective=dpo (models/objectives/dpo.py)
                            **({"data_offset": run.offset} if run.offset else {})})
 
