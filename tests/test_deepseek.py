@@ -91,6 +91,7 @@ def test_zero3_expert_parallel_import_gives_transformers_logits_and_exports_bitw
     assert got["first_k_dense_replace"] == 2 and got["n_group"] == 4 and got["rope_parameters"]["mscale"] == 0.707
 
 
+@pytest.mark.slow
 def test_an_lr0_step_loss_equals_transformers_cross_entropy():
     from models.batch import from_windows
     from trainer.step import jit_train_step

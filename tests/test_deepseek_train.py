@@ -58,6 +58,7 @@ def _batch(s):
     return jax.device_put(b.global_train(0), s.batch_sharding())
 
 
+@pytest.mark.slow
 def test_bias_update_is_the_rule_on_the_steps_loads():
     """One step at lr 0: the loads the step recorded (its aux table: each MoE layer's choices per expert, k per token
     over the batch) and the bias after it, bias + rate x sign(mean load - load), written out here."""
@@ -79,6 +80,7 @@ def test_bias_update_is_the_rule_on_the_steps_loads():
     np.testing.assert_allclose([float(m[f"moe/imbalance/{i}"]) for i in (1, 2, 3)], ratio, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_twenty_steps_of_balancing_lower_the_imbalance_and_rate_0_keeps_the_bias():
     """Weights frozen (lr 0), one fixed batch: 20 steps at rate 1e-2. The sign rule moves each bias by a fixed 0.01
     and so circles the balance (the tiny model's scores differ by a few hundredths); over the last 5 steps every MoE
