@@ -30,16 +30,23 @@ def _loaded(name, mesh, *more, T=420):
 
 
 def _both_prompts(s, params, ref):
-    """The reference tokens' logits and the long prompt's last 8, from one forward of a (3, 420) batch (the short rows
-    zero-padded at the end: attention is causal)."""
+    """(the reference tokens' logits, the long prompt's last 8) from one forward of a (4, 427) batch, the short rows
+    zero-padded at the end (attention is causal), against transformers' (max difference each); and the greedy
+    tokens of both prompts read from the same forward, each row the prompt and transformers' greedy tokens but the
+    last (what greedy decoding feeds back): asserted equal to transformers'."""
     from models.transformer import forward
-    long = ref["long_prompt"]
-    rows = np.zeros((3, long.shape[1]), np.int32)
-    rows[:2, :ref["tokens"].shape[1]], rows[2] = ref["tokens"], long[0]
+    long, greedy, long_greedy = ref["long_prompt"], ref["greedy"], ref["long_greedy"]
+    P, L = ref["prompt"].shape[1], long.shape[1]
+    rows = np.zeros((4, L + long_greedy.shape[1] - 1), np.int32)
+    rows[:2, :ref["tokens"].shape[1]] = ref["tokens"]
+    rows[2, :P + greedy.shape[1] - 1] = np.concatenate([ref["prompt"][0], greedy[0, :-1]])
+    rows[3] = np.concatenate([long[0], long_greedy[0, :-1]])
     with jax.set_mesh(s.mesh):
         got = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, rows))
+    np.testing.assert_array_equal(got[2, P - 1:P - 1 + greedy.shape[1]].argmax(-1), greedy[0])
+    np.testing.assert_array_equal(got[3, L - 1:].argmax(-1), long_greedy[0])
     short = np.abs(got[:2, :ref["tokens"].shape[1]] - ref["logits"]).max()
-    return short, np.abs(got[2, -8:] - ref["long_logits"]).max()
+    return short, np.abs(got[3, L - 8:L] - ref["long_logits"]).max()
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_f32", pytest.param("kimi_k2_f32", marks=pytest.mark.slow),

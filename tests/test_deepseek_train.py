@@ -26,6 +26,10 @@ LAYOUTS = {
                    "train.pipeline_schedule=1f1b", "model.n_layers=5"],
     "ring_context4": ["mesh.data=2", "mesh.stage=1", "mesh.model=1", "mesh.context=4", "train.context_attention=ring",
                       "data.document_mask=true"],
+    "gather_context4": ["mesh.data=2", "mesh.stage=1", "mesh.model=1", "mesh.context=4",
+                        "train.context_attention=all_gather"],
+    "a2a_context2_model2": ["mesh.data=2", "mesh.stage=1", "mesh.model=2", "mesh.context=2",
+                            "train.context_attention=all_to_all"],
 }
 
 
