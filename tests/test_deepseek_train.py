@@ -108,3 +108,56 @@ def test_twenty_steps_of_balancing_lower_the_imbalance_and_rate_0_keeps_the_bias
     assert np.abs(bias).max() > 0
     seen0, bias0 = out["0"]
     assert not bias0.any() and (seen0 == seen0[0]).all()
+
+
+@pytest.mark.slow
+def test_checkpoint_carries_the_bias_onto_another_mesh(tmp_path):
+    """The router bias is state the checkpoint carries: a (2,1,4) ZeRO-3 expert-parallel state after a step (the bias
+    moved, no optimizer state for it) saved and restored on (1,2,4) 1F1B (5 layers) bit for bit, every leaf; the
+    restored run's next step moves it as the uninterrupted run's does (bitwise: the same loads)."""
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.config import load_config
+    from trainer.state import make_setup
+    from trainer.step import jit_train_step
+    from conftest import TINY
+    mk = lambda lay: make_setup(load_config(TINY + DS + ["model.n_layers=5"] + [o for o in LAYOUTS[lay] if  # noqa
+                                                                              o != "model.n_layers=5"]))
+    a = mk("zero3_ep_2x1x4")
+    with jax.set_mesh(a.mesh):
+        state, _ = jit_train_step(a)(fresh_state(a), _batch(a))
+    saved = jax.tree.map(np.asarray, state)
+    assert np.abs(saved["params"]["layers"]["router_bias"]).max() > 0
+    c = Checkpointer(a, tmp_path / "run")
+    c.save(1, state)
+    c.close()
+    b = mk("1f1b_1x2x4")
+    c = Checkpointer(b, tmp_path / "run")
+    restored, at = c.restore()
+    c.close()
+    flat = jax.tree_util.tree_leaves_with_path(saved)
+    assert at == 1 and len(flat) == len(jax.tree.leaves(restored))
+    for (path, x), y in zip(flat, jax.tree.leaves(restored)):
+        assert np.array_equal(x, np.asarray(y)), jax.tree_util.keystr(path)
+    with jax.set_mesh(b.mesh):
+        nxt, _ = jit_train_step(b)(restored, _batch(b))
+    with jax.set_mesh(a.mesh):
+        ref, _ = jit_train_step(a)(jax.device_put(saved, a.shardings), _batch(a))
+    np.testing.assert_array_equal(np.asarray(nxt["params"]["layers"]["router_bias"]),
+                                  np.asarray(ref["params"]["layers"]["router_bias"]))
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["train.sync=local_sgd", "mesh.data=8", "train.zero_stage=0"], r"^train.sync=local_sgd with "
+     r"model.family=deepseek_v3 is not supported: .*use train.sync=every_step$"),
+    (["mesh.stage=2", "model.n_layers=4", "train.microbatches=2"], r"^model.n_layers=4 less its 1 first layers .* = 3 "
+     r"is not divisible by mesh.stage=2 \(remainder 1\); use a mesh.stage that divides 3$"),
+    (["model.n_kv_heads=2"], r"model.n_kv_heads=2 must equal model.n_heads=4"),
+    (["model.n_groups=3"], r"model.n_experts=8 is not divisible by model.n_groups=3"),
+])
+def test_what_the_family_refuses_is_one_line(keys, message):
+    from trainer.config import load_config, validate
+    from trainer.errors import UserError
+    from conftest import TINY
+    with pytest.raises(UserError, match=message) as e:
+        validate(load_config(TINY + DS + keys), 8)
+    assert "\n" not in str(e.value)

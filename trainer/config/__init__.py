@@ -16,7 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, MeshError, MeshShape, load_preset, shape_of
 from models import FAMILIES, ModelConfig, family, from_preset
-from models.spec import stacks
+from models.spec import nothing_after, stacks
 from models.config import own_keys
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
@@ -282,6 +282,10 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
+        (t.sync == "every_step" or family(mc.family).after_step is nothing_after,
+         f"train.sync={t.sync} with model.family={mc.family} is not supported: the family sets state after each step "
+         "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "
+         "would each set apart; use train.sync=every_step"),
         *_context_checks(t, mc, shape[CONTEXT], model, stage),
         (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
          "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
