@@ -1,0 +1,30 @@
+"""Multi-token prediction's shifts (DeepSeek-V3's MTP, the coming modules' targets): what depth d of the modules
+reads and predicts at each position of a batch, from the batch's own fields (models/batch.py), so that a target
+never comes from beyond the window, never crosses a packed document's boundary, and never counts a padding or a
+masked (loss-weight 0) token.
+
+At depth d (1, 2, ...) the module at position t reads the token d positions ahead (token t + d, the main model's
+target of position t + d - 1) and predicts the one after it, token t + d + 1: the main model's target of position
+t + d. That target counts with the main loss's weight there (loss_weight[t + d]: its own pair inside one document,
+not masked) where position t + d is inside the window and in position t's document (documents are contiguous runs
+of one segment id, so every token between is in it too); else 0. Positions stay the tokens' own (RoPE)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def _ahead(x_BT, d: int):
+    """x shifted d positions left inside each row: x[:, t + d], zero past the window's end."""
+    return jnp.pad(x_BT[:, d:], ((0, 0), (0, min(d, x_BT.shape[1]))))
+
+
+def shifted(batch: dict, d: int) -> dict:
+    """Depth d's fields of a batch of whole rows: `tokens` (B, T) the token each position's module reads (token
+    t + d; 0 where there is none), `targets` the token it predicts (t + d + 1) and `loss_weight` how much that
+    counts (0 past the window, across a document's boundary, on padding or where the main loss does not count
+    position t + d's target)."""
+    seg = batch["segment_ids"]
+    same = (_ahead(seg, d) == seg) & (seg != 0)
+    inside = jnp.arange(seg.shape[1])[None, :] + d < seg.shape[1]
+    weight = _ahead(batch["loss_weight"].astype(jnp.float32), d) * (same & inside)
+    return {"tokens": _ahead(batch["targets"], d - 1), "targets": _ahead(batch["targets"], d), "loss_weight": weight}
