@@ -28,3 +28,15 @@ def shifted(batch: dict, d: int) -> dict:
     inside = jnp.arange(seg.shape[1])[None, :] + d < seg.shape[1]
     weight = _ahead(batch["loss_weight"].astype(jnp.float32), d) * (same & inside)
     return {"tokens": _ahead(batch["targets"], d - 1), "targets": _ahead(batch["targets"], d), "loss_weight": weight}
+
+
+def depth(c, p: dict, h_BTD, ahead_BTD, call, layer):
+    """One module of depth d on the previous depth's output h (depth 1: the main model's hidden state after its
+    final norm) and the embeddings of the tokens d ahead: [enorm(embedding), hnorm(h)] (the embedding first)
+    projected by eh_proj (2 D, D), one decoder layer of the family (`layer`, on the module's own weights p), then
+    the module's own norm: (its output, the layer's aux). The main model's head turns it into logits."""
+    from models.layers import rms_norm
+    x = jnp.concatenate([rms_norm(ahead_BTD, p["enorm"], c.norm_eps), rms_norm(h_BTD, p["hnorm"], c.norm_eps)], -1)
+    x = jnp.einsum("bte,ed->btd", x, p["eh_proj"].astype(x.dtype))
+    y, aux = layer(c, p, x, call)
+    return rms_norm(y, p["post_norm"], c.norm_eps), aux

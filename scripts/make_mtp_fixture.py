@@ -1,0 +1,64 @@
+"""Build tests/fixtures/mtp/deepseek_d2.npz (needs torch + transformers, in a venv of their own, as
+scripts/make_hf_fixture.py): transformers' multi-token-prediction modules (`transformers.modeling_layers.MtpModel`,
+D = 2) on the DeepSeek-V3 fixture (tests/fixtures/hf/deepseek_v3_f32) as the main model, randomised, and their
+training form written out: depth d at position t reads the token d ahead (token t + d) with the previous depth's
+output (depth 1: the main model's hidden state after its final norm), positions the tokens' own; `forward_layer`
+then `_project_to_logits` give each depth's logits, and the cross-entropy against the token d + 1 ahead over the
+positions that have one. The npz holds the modules' weights under transformers' names (`w/...`), the tokens, each
+depth's logits and loss.
+
+    python scripts/make_mtp_fixture.py
+"""
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DeepseekV3ForCausalLM
+from transformers.modeling_layers import MtpModel
+
+ROOT = Path(__file__).resolve().parents[1]
+D = 2
+
+
+def main():
+    torch.manual_seed(7)
+    main_model = DeepseekV3ForCausalLM.from_pretrained(ROOT / "tests" / "fixtures" / "hf" / "deepseek_v3_f32",
+                                                       torch_dtype=torch.float32, experts_implementation="eager").eval()
+    mtp = MtpModel(main_model, D).eval()
+    own = {n: p for n, p in mtp.named_parameters() if n.startswith("layers.")}
+    with torch.no_grad():
+        for n, p in own.items():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("gate.weight"):
+                p.copy_(0.25 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+        for layer in mtp.layers:
+            b = layer.mtp_block.mlp.gate.e_score_correction_bias
+            b.copy_(-0.1 + 0.2 * torch.rand_like(b))
+    tokens = torch.randint(0, main_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    T = tokens.shape[1]
+    out = {}
+    with torch.no_grad():
+        h = main_model.model(tokens).last_hidden_state  # after the final norm
+        pos = torch.arange(T)[None].expand(2, T)
+        for d in range(1, D + 1):
+            ahead = torch.nn.functional.pad(tokens[:, d:], (0, d))  # token t + d (0 past the window)
+            h = mtp.forward_layer(d - 1, h, pos, None, input_ids=ahead)
+            logits = mtp._project_to_logits(h)
+            n = T - d - 1  # positions with a token d + 1 ahead
+            ce = torch.nn.functional.cross_entropy(logits[:, :n].reshape(-1, logits.shape[-1]),
+                                                   tokens[:, d + 1:].reshape(-1))
+            out[f"logits_{d}"], out[f"loss_{d}"] = logits.numpy().astype(np.float32), np.float64(ce)
+            print(f"depth {d}: loss {float(ce):.6f}")
+        gate = mtp.layers[0].mtp_block.mlp.gate
+        print("router bias in", float(gate.e_score_correction_bias.min()), float(gate.e_score_correction_bias.max()))
+    weights = {f"w/{n}": p.detach().numpy().astype(np.float32) for n, p in mtp.state_dict().items()
+               if n.startswith("layers.")}
+    np.savez_compressed(ROOT / "tests" / "fixtures" / "mtp" / "deepseek_d2.npz", tokens=tokens.numpy().astype(np.int32),
+                        **out, **weights)
+
+
+if __name__ == "__main__":
+    main()

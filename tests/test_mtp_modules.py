@@ -1,0 +1,83 @@
+"""Multi-token prediction's modules (models/objectives/mtp.py `depth`, `shifted`) against transformers' MtpModel
+(D = 2) on the DeepSeek-V3 fixture as the main model (tests/fixtures/mtp/deepseek_d2.npz, made by
+scripts/make_mtp_fixture.py): each depth's logits within 1e-4 and its loss against the token d + 1 ahead within 1e-5,
+the modules' weights laid out here from transformers' tensors. Feeding depth 1 the hidden state before the final
+norm, or concatenating [h, embedding], fails it."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.batch import from_windows
+from models.objectives import mtp
+from test_deepseek import ONE, _loaded
+
+FIX = Path(__file__).parent / "fixtures" / "mtp" / "deepseek_d2.npz"
+
+
+def _module(d, c, i: int) -> dict:
+    """Depth i + 1's weights in meshtrain's layout (a DeepSeek MoE layer's names, and the module's own)."""
+    w = {k[len(f"w/layers.{i}."):]: d[k] for k in d.files if k.startswith(f"w/layers.{i}.")}
+    a, m = "mtp_block.self_attn.", "mtp_block.mlp."
+    H, E, Ev, D, F = c.n_heads, c.head_dim, c.v_dim, c.d_model, c.expert_d_ff
+    gate_up = w[m + "experts.gate_up_proj"]
+    out = {"enorm": w["enorm.weight"], "hnorm": w["hnorm.weight"], "eh_proj": w["eh_proj.weight"].T,
+           "post_norm": w["post_norm.weight"], "attn_norm": w["mtp_block.input_layernorm.weight"],
+           "mlp_norm": w["mtp_block.post_attention_layernorm.weight"],
+           "wq_a": w[a + "q_a_proj.weight"].T, "q_norm": w[a + "q_a_layernorm.weight"],
+           "wq_b": w[a + "q_b_proj.weight"].T.reshape(c.q_rank, H, E),
+           "wkv_a": w[a + "kv_a_proj_with_mqa.weight"].T, "kv_norm": w[a + "kv_a_layernorm.weight"],
+           "wkv_b": w[a + "kv_b_proj.weight"].T.reshape(c.kv_rank, H, c.nope_dim + Ev),
+           "wo": w[a + "o_proj.weight"].T.reshape(H, Ev, D),
+           "router": w[m + "gate.weight"].T, "router_bias": w[m + "gate.e_score_correction_bias"],
+           "expert_gate": gate_up[:, :F].transpose(0, 2, 1), "expert_up": gate_up[:, F:].transpose(0, 2, 1),
+           "expert_down": w[m + "experts.down_proj"].transpose(0, 2, 1),
+           **{f"shared_{n}": w[m + f"shared_experts.{n}_proj.weight"].T for n in ("gate", "up", "down")}}
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def _depths(s, params, d, final_norm_first=True, embed_first=True):
+    """Each depth's (logits (B, T, V), loss) of the fixture's tokens (23 inputs: the window's 24)."""
+    from models.families.deepseek import moe_layer
+    from models.layers import rope_for
+    from models.transformer import embed, final_norm, head_weight, layer_call, run_stacks
+    c = s.model
+    batch = from_windows(d["tokens"])
+    x = embed(c, params, batch["tokens"], jnp.float32)
+    h, _ = run_stacks(c, params, x)
+    h = final_norm(c, params, h) if final_norm_first else h
+    call = layer_call(c, rope_for(c, h.shape[1]), index=c.n_layers)
+    out = []
+    for i in range(2):
+        f = mtp.shifted(batch, i + 1)
+        ahead = embed(c, params, f["tokens"], jnp.float32)
+        p = _module(d, c, i)
+        if not embed_first:
+            p = {**p, "eh_proj": jnp.concatenate([p["eh_proj"][c.d_model:], p["eh_proj"][:c.d_model]])}
+        h, _ = mtp.depth(c, p, h, ahead, call, moe_layer)
+        w, layout = head_weight(c, params)  # the main model's output projection, on the module's normed output
+        logits = jnp.einsum("btd,dv->btv", h, w.T if layout == "vd" else w)
+        logp = jax.nn.log_softmax(logits, -1)
+        nll = -jnp.take_along_axis(logp, f["targets"][..., None], -1)[..., 0]
+        out.append((np.asarray(logits), float(jnp.sum(nll * f["loss_weight"]) / jnp.sum(f["loss_weight"]))))
+    return out
+
+
+def test_depths_equal_transformers_mtp():
+    s, params = _loaded("deepseek_v3_f32", ONE, T=23)
+    d = np.load(FIX)
+    for i, (logits, loss) in enumerate(_depths(s, params, d)):
+        n = 23 - (i + 1)  # the positions whose token d ahead is inside the window
+        assert np.abs(logits[:, :n] - d[f"logits_{i + 1}"][:, :n]).max() < 1e-4, i
+        assert abs(loss - float(d[f"loss_{i + 1}"])) < 1e-5, (i, loss)
+
+
+@pytest.mark.parametrize("wrong", ["pre_norm_hidden", "hidden_first"])
+def test_a_wrong_module_fails(wrong):
+    s, params = _loaded("deepseek_v3_f32", ONE, T=23)
+    d = np.load(FIX)
+    logits, _ = _depths(s, params, d, final_norm_first=wrong != "pre_norm_hidden",
+                        embed_first=wrong != "hidden_first")[0]
+    assert np.abs(logits[:, :22] - d["logits_1"][:, :22]).max() > 1e-3
