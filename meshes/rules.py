@@ -104,6 +104,7 @@ RULES = Rules({
     "vocab": MODEL,
     "layers": STAGE,
     "first_layers": None,  # a family's first layers of another kind (DeepSeek's dense ones): on the first stage
+    "mtp": None,  # the multi-token prediction modules (model.mtp_depth): with the head
     "experts": None,  # an MoE layer's experts: whole on every device (split over `data` by a run's rules)
 })
 # Logical axes that may be smaller than their mesh axis: where the size divides the mesh axis's, the

@@ -77,6 +77,11 @@ class ModelConfig:
     # the float32 logits are never whole; null: tile only when they would exceed 256 MB
     loss_chunk: int | None = key(None, f">= 0 and <= {INT32}", "tokens per cross-entropy chunk "
                                  "(models/objectives/cross_entropy.py); 0: whole logits; null: auto")
+    # multi-token prediction (DeepSeek-V3's MTP, models/objectives/mtp.py): modules predicting 2, 3, ... tokens ahead
+    mtp_depth: int = key(0, ">= 0 and <= 64", "multi-token prediction: modules, each one more token ahead; 0: none",
+                         null=False)
+    mtp_weight: float = key(0.3, f">= 0 and <= {FLOAT32}", "multi-token prediction: the weight of the mean over "
+                            "depths of their losses (logged as aux/mtp_<d>)", null=False)
     init_std: float = 0.02
     # data.document_mask: attention stays inside each token's document (the batch's segment_ids) and RoPE takes each
     # token's position in it (positions); False: one document per row, positions 0..T-1

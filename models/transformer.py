@@ -47,8 +47,17 @@ ATTENTION_OPTIONS = ("bq", "bk", "bv", "q_norm", "k_norm")
 
 
 def inventory(c: ModelConfig) -> dict:
-    """Every parameter of c's family (models/spec.py): {name: Param}, the stack's per-layer ones under "layers"."""
-    return family(c.family).inventory(c)
+    """Every parameter of c's family (models/spec.py): {name: Param}, the stack's per-layer ones under "layers";
+    with model.mtp_depth, the multi-token prediction modules' under "mtp" (per module: a decoder layer of the
+    family, the MoE one of a family with first layers, and enorm, hnorm, eh_proj, post_norm)."""
+    inv = family(c.family).inventory(c)
+    if not c.mtp_depth:
+        return inv
+    D = c.d_model
+    own = {"enorm": Param((D,), ("embed",), "ones", False), "hnorm": Param((D,), ("embed",), "ones", False),
+           "eh_proj": Param((2 * D, D), (None, "embed"), "normal", True),
+           "post_norm": Param((D,), ("embed",), "ones", False)}
+    return {**inv, "mtp": {**inv["layers"], **own}}
 
 
 def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None, stack: str = "layers") -> nnx.Param:
@@ -71,8 +80,9 @@ class Stack(nnx.Module):
     first stage, with the embedding)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs, name: str = "layers"):
+        rows = c.mtp_depth if name == "mtp" else stacks(c)[name]
         for key, p in inventory(c)[name].items():
-            setattr(self, key, _make(c, p, rngs, stacks(c)[name], name))
+            setattr(self, key, _make(c, p, rngs, rows, name))
 
 
 class Transformer(nnx.Module):
@@ -81,7 +91,7 @@ class Transformer(nnx.Module):
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         self.config = c
         for name, p in inventory(c).items():  # in the inventory's order: each draws the next random key
-            setattr(self, name, Stack(c, rngs, name) if name in STACKS else _make(c, p, rngs))
+            setattr(self, name, Stack(c, rngs, name) if name in STACKS + ("mtp",) else _make(c, p, rngs))
 
     def __call__(self, tokens_BT, dtype=jnp.float32):
         return forward(self.config, params_of(self), tokens_BT, dtype=dtype)
@@ -360,9 +370,10 @@ def head_only(c: ModelConfig) -> tuple:
     return () if c.tie_embeddings else ("final_norm", "lm_head")
 
 
-def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constrain):
-    """Final norm and output projection; logits in float32."""
-    x = final_norm(c, params, x_BTD)
+def head(c: ModelConfig, params: dict, x_BTD, constrain: Constrain = _no_constrain, normed: bool = False):
+    """Final norm and output projection; logits in float32. `normed`: x is normed already (a multi-token
+    prediction module's output, its own norm applied): the projection alone."""
+    x = x_BTD if normed else final_norm(c, params, x_BTD)
     w, layout = head_weight(c, params)
     w_DV = w.T if layout == "vd" else w
     logits = jnp.einsum("btd,dv->btv", x, w_DV.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -81,3 +81,23 @@ def test_a_wrong_module_fails(wrong):
     logits, _ = _depths(s, params, d, final_norm_first=wrong != "pre_norm_hidden",
                         embed_first=wrong != "hidden_first")[0]
     assert np.abs(logits[:, :22] - d["logits_1"][:, :22]).max() > 1e-3
+
+
+def test_the_objective_adds_each_depth_as_transformers_computes_it():
+    """model.mtp_depth=2 on the DeepSeek fixture with the modules' weights of transformers' MtpModel: the step's
+    parts hold each depth's cross-entropy sum, whose mean over its counted targets (the metrics' aux/mtp_<d>) is
+    transformers' loss (1e-5); the objective is the main loss plus model.mtp_weight x their mean."""
+    import dataclasses
+    from models.objectives.objective import aux_counts, objective, part_metrics, scales
+    s, params = _loaded("deepseek_v3_f32", ONE, T=23)
+    d = np.load(FIX)
+    c = dataclasses.replace(s.model, mtp_depth=2, mtp_weight=0.3)
+    mods = [_module(d, c, i) for i in range(2)]
+    params = {**params, "mtp": {k: jnp.stack([m[k] for m in mods]) for k in mods[0]}}
+    batch = {k: jnp.asarray(v) for k, v in from_windows(d["tokens"]).items()}
+    value, parts = jax.jit(lambda p, b: objective(c, p, b, scales(c, b)))(params, batch)
+    m = part_metrics(parts, aux_counts(c, batch))
+    for i in (1, 2):
+        assert abs(float(m[f"aux/mtp_{i}"]) - float(d[f"loss_{i}"])) < 1e-5, (i, m)
+    want = float(parts["loss"]) + 0.3 * (float(d["loss_1"]) + float(d["loss_2"])) / 2
+    assert abs(float(value) - want) < 1e-5, (float(value), want)

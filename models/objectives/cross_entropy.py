@@ -177,17 +177,18 @@ def cross_entropy(logits_BTV, targets_BT, weight_BT=None):
 
 
 def head_cross_entropy(c: ModelConfig, params: dict, x_BTD, targets_BT, weight_BT,
-                       constrain: Constrain = _no_constrain, per_token: bool = False):
+                       constrain: Constrain = _no_constrain, per_token: bool = False, normed: bool = False):
     """Sum of weight x cross-entropy of the head on final hidden states (per_token: each target's, (B, T)): the whole
-    logits, or tiled over tokens (c.loss_chunk, `chunk_tokens`) so that they are never materialised whole."""
+    logits, or tiled over tokens (c.loss_chunk, `chunk_tokens`) so that they are never materialised whole. `normed`:
+    x is normed already (a multi-token prediction module's output): the head's projection alone."""
     B, T, D = x_BTD.shape
     n = chunk_tokens(c.loss_chunk, B * T, c.vocab_size)
     if not n:
-        logits = head(c, params, x_BTD, constrain)
+        logits = head(c, params, x_BTD, constrain, normed)
         if not per_token:
             return cross_entropy(logits, targets_BT, weight_BT)
         return (token_losses(logits.reshape(B * T, -1), targets_BT.reshape(-1)) * weight_BT.reshape(-1)).reshape(B, T)
-    x = final_norm(c, params, x_BTD)
+    x = x_BTD if normed else final_norm(c, params, x_BTD)
     w, w_axes = head_weight(c, params)
     ce = tiled_cross_entropy(x.reshape(B * T, D), w, w_axes, targets_BT.reshape(B * T), weight_BT.reshape(B * T), n,
                              constrain, family(c.family).ends(c).cap, per_token=per_token)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from models.spec import family
+
 
 def _ahead(x_BT, d: int):
     """x shifted d positions left inside each row: x[:, t + d], zero past the window's end."""
@@ -40,3 +42,39 @@ def depth(c, p: dict, h_BTD, ahead_BTD, call, layer):
     x = jnp.einsum("bte,ed->btd", x, p["eh_proj"].astype(x.dtype))
     y, aux = layer(c, p, x, call)
     return rms_norm(y, p["post_norm"], c.norm_eps), aux
+
+
+def names(c) -> tuple:
+    """The aux outputs of the modules: mtp_1 .. mtp_D, each depth's cross-entropy sum (logged as aux/mtp_<d>)."""
+    return tuple(f"mtp_{d}" for d in range(1, c.mtp_depth + 1))
+
+
+def counts(c, batch: dict) -> dict:
+    """Each depth's counted targets over a batch (the divisor of its mean)."""
+    return {f"mtp_{d}": jnp.sum(shifted(batch, d)["loss_weight"]) for d in range(1, c.mtp_depth + 1)}
+
+
+def weights(c) -> dict:
+    """Each depth's weight in the objective: model.mtp_weight x the mean over depths."""
+    return {k: c.mtp_weight / c.mtp_depth for k in names(c)}
+
+
+def sums(c, params: dict, x_BTD, batch: dict, constrain) -> dict:
+    """Each depth's cross-entropy sum (weighted by its shifted loss weights) from the main model's last hidden state
+    x (before the final norm): depth 1 on the final norm's output, depth d on depth d - 1's; the embedding and the
+    head the main model's (its projection alone: each module's own norm comes first); documents as the batch has
+    them, positions the tokens' own."""
+    from models.layers import rope_for
+    from models.objectives.cross_entropy import head_cross_entropy
+    from models.transformer import embed, final_norm, layer_call
+    h, T = final_norm(c, params, x_BTD), x_BTD.shape[1]
+    docs = c.documents
+    call = layer_call(c, rope_for(c, T, batch["positions"] if docs else None), constrain,
+                      segments=batch["segment_ids"].astype(jnp.float32) if docs else None, index=c.n_layers)
+    out = {}
+    for d in range(1, c.mtp_depth + 1):
+        f = shifted(batch, d)
+        p = {k: w[d - 1] for k, w in params["mtp"].items()}
+        h, _ = depth(c, p, h, embed(c, params, f["tokens"], x_BTD.dtype, constrain), call, family(c.family).layer)
+        out[f"mtp_{d}"] = head_cross_entropy(c, params, h, f["targets"], f["loss_weight"], constrain, normed=True)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.objectives import dpo
+from models.objectives import dpo, mtp
 from models.objectives.cross_entropy import head_cross_entropy
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
@@ -29,6 +29,8 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
     else:
         ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"], constrain)
         loss = ce * scale["loss"]
+    if c.mtp_depth:  # the multi-token prediction modules' losses, aux terms of their own
+        aux = {**aux, **mtp.sums(c, params, x_BTD, batch, constrain)}
     return with_aux(loss, aux, scale), {"loss": loss, "aux": aux}
 
 
@@ -42,7 +44,9 @@ def dpo_sums(c: ModelConfig, params: dict, x_BTD, batch: dict, constrain: Constr
 
 def head_fields(c: ModelConfig) -> tuple:
     """The batch fields `head_objective` reads (a pipeline's last stage takes only these of its microbatch)."""
-    return ("targets", "loss_weight") + (("segment_ids", "ref_logp") if c.dpo is not None else ())
+    mtp_fields = ("segment_ids", "positions") if c.mtp_depth else ()
+    return ("targets", "loss_weight") + (("segment_ids", "ref_logp") if c.dpo is not None else ()) + tuple(
+        f for f in mtp_fields if c.dpo is None or f != "segment_ids")
 
 
 def with_aux(value, sums: dict, scale: dict):
@@ -90,7 +94,7 @@ def loss_sum(c: ModelConfig, params: dict, batch: dict, **kw):
 def aux_counts(c: ModelConfig, batch: dict) -> dict:
     """Each aux output's count over the step's whole batch, the one source of its mean's divisor (in the objective's
     scale and in the logged metric): the family's aux_counts; DPO's metrics, its pairs (models/objectives/dpo.py)."""
-    counts = family(c.family).aux_counts(c, batch)
+    counts = {**family(c.family).aux_counts(c, batch), **mtp.counts(c, batch)}
     return {**counts, **dict.fromkeys(dpo.METRICS, dpo.counts(batch)[0])} if c.dpo is not None else counts
 
 
@@ -99,7 +103,7 @@ def scales(c: ModelConfig, batch: dict) -> dict:
     its weight (the family's aux_weights; 1 unless given, 0 for a statistic) / each aux output's count (the family's
     aux_counts) for that output (1 where a count is 0)."""
     spec = family(c.family)
-    counts, weights = spec.aux_counts(c, batch), spec.aux_weights(c)
+    counts, weights = {**spec.aux_counts(c, batch), **mtp.counts(c, batch)}, {**spec.aux_weights(c), **mtp.weights(c)}
     out = {"loss": inverse_count(batch), "aux": {k: weights.get(k, 1.0) * mean_of(1.0, n) for k, n in counts.items()}}
     if c.dpo is not None:  # the pairs' mean and the chosen tokens' mean; the metrics are statistics (weight 0)
         out.update(dpo.scales(batch))
@@ -110,7 +114,8 @@ def scales(c: ModelConfig, batch: dict) -> dict:
 def zero_parts(c: ModelConfig) -> dict:
     """`objective`'s parts, all zero: where a path starts adding them up."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return {"loss": z(), "aux": {**aux_zeros(c), **{k: z() for k in (dpo.METRICS if c.dpo is not None else ())}}}
+    return {"loss": z(), "aux": {**aux_zeros(c), **{k: z() for k in mtp.names(c) + (dpo.METRICS if c.dpo is not None
+                                                                                     else ())}}}
 
 
 def part_metrics(parts: dict, counts: dict) -> dict:

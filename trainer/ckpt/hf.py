@@ -245,6 +245,9 @@ def _read(t: st.Tensor, leaf: Leaf, idx: tuple) -> np.ndarray:
 
 def load(path, mc, shapes: dict, shardings: dict) -> dict:
     """Parameters of an HF folder as arrays with `shardings`, of `shapes`' dtypes, read slice by slice."""
+    if mc.mtp_depth:
+        raise UserError(f"model.mtp_depth={mc.mtp_depth} with a Hugging Face model.init_from is not supported yet "
+                        "(the folder's multi-token-prediction layer is not read); set model.mtp_depth=0")
     have = check_tensors(path, mc, say=True)
     out: dict = {}
     for leaf in leaves(mc):
