@@ -58,6 +58,44 @@ def main():
                if n.startswith("layers.")}
     np.savez_compressed(ROOT / "tests" / "fixtures" / "mtp" / "deepseek_d2.npz", tokens=tokens.numpy().astype(np.int32),
                         **out, **weights)
+    release_folder(main_model, mtp)
+
+
+def release_folder(main_model, mtp):
+    """tests/fixtures/hf/deepseek_v3_mtp_f32: the DeepSeek fixture with the modules written as DeepSeek's release
+    writes its MTP layer, `model.layers.{L + i}.*`: the decoder layer's tensors under the main layers' names (one
+    tensor per expert), enorm, hnorm, eh_proj, shared_head.norm (transformers' post_norm) and the release's copies
+    of the main model's embed_tokens and head (shared_head.head); config.json's num_nextn_predict_layers = D."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    src = ROOT / "tests" / "fixtures" / "hf" / "deepseek_v3_f32"
+    dst = ROOT / "tests" / "fixtures" / "hf" / "deepseek_v3_mtp_f32"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    (dst / "reference.npz").unlink()
+    tensors = load_file(dst / "model.safetensors")
+    L = main_model.config.num_hidden_layers
+    for i, layer in enumerate(mtp.layers):
+        pre = f"model.layers.{L + i}."
+        for n, t in layer.state_dict().items():
+            n = n.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+            if n.endswith("experts.gate_up_proj"):
+                F = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    tensors[pre + f"mlp.experts.{e}.gate_proj.weight"] = t[e, :F].contiguous()
+                    tensors[pre + f"mlp.experts.{e}.up_proj.weight"] = t[e, F:].contiguous()
+            elif n.endswith("experts.down_proj"):
+                for e in range(t.shape[0]):
+                    tensors[pre + f"mlp.experts.{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                tensors[pre + n] = t.detach().contiguous()
+        tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((dst / "config.json").read_text())
+    c["num_nextn_predict_layers"] = len(mtp.layers)
+    (dst / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,31 @@ def test_the_objective_adds_each_depth_as_transformers_computes_it():
         assert abs(float(m[f"aux/mtp_{i}"]) - float(d[f"loss_{i}"])) < 1e-5, (i, m)
     want = float(parts["loss"]) + 0.3 * (float(d["loss_1"]) + float(d["loss_2"])) / 2
     assert abs(float(value) - want) < 1e-5, (float(value), want)
+
+
+def test_a_release_folder_imports_its_modules_and_exports_bitwise(tmp_path):
+    """tests/fixtures/hf/deepseek_v3_mtp_f32, the modules written as DeepSeek's release writes them
+    (model.layers.{4,5}.*, one tensor per expert, shared_head.norm, and copies of embed_tokens and the head), imported
+    with model.mtp_depth=2 on (2,1,4) ZeRO-3 with the experts split: each depth's loss is transformers' (1e-5);
+    exported from that run, every tensor of the folder, the copies included, bitwise."""
+    from hf_check import cli, read_folder
+    from models.objectives.objective import aux_counts, objective, part_metrics, scales
+    from test_deepseek import EP
+    from trainer.ckpt.checkpoint import Checkpointer
+    from trainer.ckpt.initial import state_from_params
+    s, params = _loaded("deepseek_v3_mtp_f32", EP, "model.mtp_depth=2", T=23)
+    d = np.load(FIX)
+    batch = jax.device_put(from_windows(np.concatenate([d["tokens"]] * 2)), s.batch_sharding())
+    with jax.set_mesh(s.mesh):
+        _, parts = jax.jit(lambda p, b: objective(s.model, p, b, scales(s.model, b)))(params, batch)
+    m = part_metrics(parts, aux_counts(s.model, batch))
+    for i in (1, 2):
+        assert abs(float(m[f"aux/mtp_{i}"]) - float(d[f"loss_{i}"])) < 1e-5, (i, m)
+    ck = Checkpointer(s, tmp_path / "run", log=lambda m: None)
+    ck.save(1, state_from_params(s, params))
+    ck.close()
+    assert cli("export", "--format", "hf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")) == 0
+    src, got = read_folder(FIX.parents[1] / "hf" / "deepseek_v3_mtp_f32"), read_folder(tmp_path / "hf")
+    assert sorted(got) == sorted(src) and any(".5.shared_head.head." in k for k in got)
+    for k, (code, a) in src.items():
+        assert got[k][0] == code and got[k][1].tobytes() == a.tobytes(), k

@@ -123,13 +123,27 @@ def leaves(mc) -> list[Leaf]:
                "router_bias": (f"model.layers.{i}.mlp.gate.e_score_correction_bias", (X,), (X,), (0,))}
         return {**out, **(mlp(SHARED, S, i, "mlp.shared_experts") if S else {})}
 
+    def module(i):  # a multi-token-prediction module: an MoE layer and its own weights (DeepSeek's release names)
+        own = {"enorm": ("enorm", (D,), (D,), (0,)), "hnorm": ("hnorm", (D,), (D,), (0,)),
+               "eh_proj": ("eh_proj", (D, 2 * D), (D, 2 * D), (1, 0)),
+               "post_norm": ("shared_head.norm", (D,), (D,), (0,))}
+        return {**moe(i), **{m: (f"model.layers.{i}.{n}.weight", *rest) for m, (n, *rest) in own.items()}}
+
     out = [Leaf(("embed",), ["model.embed_tokens.weight"], (V, D), (V, D), (0, 1), False)]
     out += _stack("first_layers", range(k), dense) if k else []
-    out += _stack("layers", range(k, L), moe)
-    for m, n in EXPERTS.items():
-        shape = (D, F) if m == "expert_down" else (F, D)
-        out.append(Leaf(("layers", m), [f"model.layers.{i}.mlp.experts.{e}.{n}.weight" for i in range(k, L)
-                                        for e in range(X)], shape, shape, (1, 0), True, (L - k, X)))
+    stacks = [("layers", range(k, L), moe)] + ([("mtp", range(L, L + mc.mtp_depth), module)] if mc.mtp_depth else [])
+    for stack, rows, table in stacks:
+        out += _stack(stack, rows, table)
+        for m, n in EXPERTS.items():
+            shape = (D, F) if m == "expert_down" else (F, D)
+            out.append(Leaf((stack, m), [f"model.layers.{i}.mlp.experts.{e}.{n}.weight" for i in rows
+                                         for e in range(X)], shape, shape, (1, 0), True, (len(rows), X)))
+    for i in range(L, L + mc.mtp_depth):  # the release's copies of the embedding and the head in each module
+        out.append(Leaf(("embed",), [f"model.layers.{i}.embed_tokens.weight"], (V, D), (V, D), (0, 1), False,
+                        copy=True))
+        if not mc.tie_embeddings:
+            out.append(Leaf(("lm_head",), [f"model.layers.{i}.shared_head.head.weight"], (V, D), (V, D), (1, 0),
+                            False, copy=True))
     out.append(Leaf(("final_norm",), ["model.norm.weight"], (D,), (D,), (0,), False))
     if not mc.tie_embeddings:
         out.append(Leaf(("lm_head",), ["lm_head.weight"], (V, D), (V, D), (1, 0), False))
@@ -151,6 +165,7 @@ def hf_config(mc, dtype: str) -> dict:
             "head_dim": mc.rope_dim, "n_group": mc.n_groups, "topk_group": mc.groups_kept,
             "num_experts_per_tok": mc.n_experts_per_token, "first_k_dense_replace": mc.first_dense,
             "norm_topk_prob": mc.norm_topk_prob, "rope_interleave": mc.rope_interleave, "hidden_act": "silu",
+            "num_nextn_predict_layers": mc.mtp_depth,
             "max_position_embeddings": mc.seq_len, "rms_norm_eps": mc.norm_eps, "rope_theta": mc.rope_theta,
             "rope_scaling": rope if mc.yarn_factor else None, "rope_parameters": rope,
             "tie_word_embeddings": mc.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
@@ -167,7 +182,8 @@ def expressible(mc):
 
 def skipped(mc) -> tuple:
     """(tensor name prefixes a folder may hold that the model leaves out, why): the multi-token-prediction layer."""
-    return (f"model.layers.{mc.n_layers}.",), "its multi-token-prediction layer"
+    first = mc.n_layers + mc.mtp_depth  # the modules model.mtp_depth asks for are read; the rest left out
+    return tuple(f"model.layers.{i}." for i in range(first, first + 16)), "its multi-token-prediction layers"
 
 
 DEEPSEEK_V3_HF = HFAdapter(ARCH, check, model_keys, leaves, hf_config, expressible, skipped=skipped)

@@ -17,6 +17,9 @@ class Leaf(NamedTuple):
     # a stacked leaf's leading axes, its tensors (names) in row-major order over them: () for the layers alone,
     # (layers, experts) for one tensor per expert of each layer
     lead: tuple = ()
+    # a copy a folder may carry of another leaf's parameter (DeepSeek's MTP layer's embed_tokens and shared_head.head):
+    # not required on import nor read; export writes it equal to the parameter
+    copy: bool = False
 
 
 def leading(leaf: Leaf) -> tuple:

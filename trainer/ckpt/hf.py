@@ -215,7 +215,10 @@ def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
         log.info("%s: the text model of a %s read; its other towers (%d tensors) are left out", path,
                  _raw_config(path)["architectures"][0], dropped)
     want = {n: lf.hf_shape for lf in leaves(mc) for n in lf.names}
+    copies = {n for lf in leaves(mc) if lf.copy for n in lf.names}
     for n, shape in want.items():
+        if n not in have and n in copies:
+            continue
         if n not in have:
             raise UserError(f"{path} lacks tensor '{n}' (shape {list(shape)}); the folder is incomplete")
         if have[n].shape != shape:
@@ -245,12 +248,12 @@ def _read(t: st.Tensor, leaf: Leaf, idx: tuple) -> np.ndarray:
 
 def load(path, mc, shapes: dict, shardings: dict) -> dict:
     """Parameters of an HF folder as arrays with `shardings`, of `shapes`' dtypes, read slice by slice."""
-    if mc.mtp_depth:
-        raise UserError(f"model.mtp_depth={mc.mtp_depth} with a Hugging Face model.init_from is not supported yet "
-                        "(the folder's multi-token-prediction layer is not read); set model.mtp_depth=0")
+    if mc.mtp_depth and not any(lf.path[0] == "mtp" for lf in leaves(mc)):
+        raise UserError(f"model.mtp_depth={mc.mtp_depth} with a {adapter(mc).architecture} model.init_from is not "
+                        "supported (its adapter reads no multi-token-prediction layer); set model.mtp_depth=0")
     have = check_tensors(path, mc, say=True)
     out: dict = {}
-    for leaf in leaves(mc):
+    for leaf in (lf for lf in leaves(mc) if not lf.copy):
         target, sh = _get(shapes, leaf.path), _get(shardings, leaf.path)
 
         def piece(idx, leaf=leaf, dtype=target.dtype):
