@@ -190,8 +190,11 @@ def loss_and_grads(s: Setup, params, batch, scale=None):
 def train_step(s: Setup, state: dict, batch: jax.Array):
     """One optimizer step. Pure: (state, batch) -> (state, metrics)."""
     params = state["params"]
-    batch = s.in_context_order(batch)  # each row's tokens in its context ranks' order (identity without)
-    parts, grads = loss_and_grads(s, params, batch)  # the mean over the step's counted tokens, the aux sums
+    # the step's divisions and counts from the rows in their own order (a document's or a depth's count reads
+    # neighbouring tokens), then each row's tokens in its context ranks' order (identity without)
+    scale, counts = scales(s.model, batch), aux_counts(s.model, batch)
+    batch = s.in_context_order(batch)
+    parts, grads = loss_and_grads(s, params, batch, scale)  # the mean over the step's counted tokens, the aux sums
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
         grads = _constrain_tree(grads, opt_sh)
@@ -202,7 +205,7 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     params = _constrain_tree(params, s.shardings["params"])
     new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     lr = s.schedule(schedule_count(state["opt_state"]))  # the rate this update used
-    return new, {**part_metrics(parts, aux_counts(s.model, batch)), **own, "grad_norm": grad_norm, "lr": lr,
+    return new, {**part_metrics(parts, counts), **own, "grad_norm": grad_norm, "lr": lr,
                  "counted_tokens": counted(batch)}
 
 

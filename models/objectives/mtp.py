@@ -59,21 +59,41 @@ def weights(c) -> dict:
     return {k: c.mtp_weight / c.mtp_depth for k in names(c)}
 
 
-def sums(c, params: dict, x_BTD, batch: dict, constrain) -> dict:
+def local_shifted(batch: dict, d: int, placement) -> dict:
+    """`shifted` of the rows this code holds: under context parallelism (placement.context) each row's chunk, whose
+    depth-d fields read tokens of the next ranks' chunks: the rows' small fields gathered over `seq` and put back in
+    their original order, shifted whole, and this chunk's positions taken."""
+    plan = placement.context
+    if plan is None:
+        return shifted(batch, d)
+    T, n = batch["targets"].shape[1], len(plan.order)
+    idx_T = plan.positions(placement.collectives, T).astype(jnp.int32)  # the original index of each token held
+    gather = (lambda x, axis: x) if T == n else (lambda x, axis: placement.collectives.all_gather(x, "seq", axis))
+    idx_n = gather(idx_T, 0)
+    rows = {k: jnp.zeros(batch[k].shape[:1] + (n,), batch[k].dtype).at[:, idx_n].set(gather(batch[k], 1))
+            for k in ("targets", "loss_weight", "segment_ids")}
+    return {k: v[:, idx_T] for k, v in shifted(rows, d).items()}
+
+
+def sums(c, params: dict, x_BTD, batch: dict, constrain, placement) -> dict:
     """Each depth's cross-entropy sum (weighted by its shifted loss weights) from the main model's last hidden state
     x (before the final norm): depth 1 on the final norm's output, depth d on depth d - 1's; the embedding and the
     head the main model's (its projection alone: each module's own norm comes first); documents as the batch has
-    them, positions the tokens' own."""
-    from models.layers import rope_for
+    them, positions the tokens' own; the layer's kernels, collectives and attention strategy (context parallelism's)
+    the placement's, as the main stack's."""
+    from models.layers import kernels_for
     from models.objectives.cross_entropy import head_cross_entropy
-    from models.transformer import embed, final_norm, layer_call
-    h, T = final_norm(c, params, x_BTD), x_BTD.shape[1]
+    from models.transformer import _attention_and_rope, embed, final_norm, layer_call
+    h = final_norm(c, params, x_BTD)
     docs = c.documents
-    call = layer_call(c, rope_for(c, T, batch["positions"] if docs else None), constrain,
-                      segments=batch["segment_ids"].astype(jnp.float32) if docs else None, index=c.n_layers)
+    kernels = kernels_for(c, placement.platform)
+    attention, rope = _attention_and_rope(c, kernels, placement, x_BTD, batch["positions"] if docs else None)
+    call = layer_call(c, rope, constrain, kernels, segments=batch["segment_ids"].astype(jnp.float32) if docs else None,
+                      index=c.n_layers, kv_repeat=placement.kv_repeat, collectives=placement.collectives,
+                      attention=attention)
     out = {}
     for d in range(1, c.mtp_depth + 1):
-        f = shifted(batch, d)
+        f = local_shifted(batch, d, placement)
         p = {k: w[d - 1] for k, w in params["mtp"].items()}
         h, _ = depth(c, p, h, embed(c, params, f["tokens"], x_BTD.dtype, constrain), call, family(c.family).layer)
         out[f"mtp_{d}"] = head_cross_entropy(c, params, h, f["targets"], f["loss_weight"], constrain, normed=True)

@@ -16,7 +16,7 @@ from models.transformer import Constrain, _identity, _no_constrain, aux_zeros, e
 
 
 def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, scale: dict,
-                   constrain: Constrain = _no_constrain):
+                   constrain: Constrain = _no_constrain, placement: Placement = Placement()):
     """(what the step differentiates, its parts) of a batch's final hidden states and its layers' aux outputs: the
     head's term (the token loss sum x scale["loss"], or DPO's pair loss / pairs + sft_weight x chosen token loss /
     chosen tokens) plus each aux sum x its scale (its weight / its count: a statistic's, DPO's metrics', is 0);
@@ -30,7 +30,7 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
         ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"], constrain)
         loss = ce * scale["loss"]
     if c.mtp_depth:  # the multi-token prediction modules' losses, aux terms of their own
-        aux = {**aux, **mtp.sums(c, params, x_BTD, batch, constrain)}
+        aux = {**aux, **mtp.sums(c, params, x_BTD, batch, constrain, placement)}
     return with_aux(loss, aux, scale), {"loss": loss, "aux": aux}
 
 
@@ -133,7 +133,8 @@ def objective(c: ModelConfig, params: dict, batch: dict, scale: dict, before_hea
     x, aux = hidden(c, params, batch, **kw)
     if before_head is not None:
         x, params = before_head(x, params)
-    return head_objective(c, params, x, aux, batch, scale, kw.get("constrain", _no_constrain))
+    return head_objective(c, params, x, aux, batch, scale, kw.get("constrain", _no_constrain),
+                          kw.get("placement", Placement()))
 
 
 def documents_of(c: ModelConfig, batch: dict):

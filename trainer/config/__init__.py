@@ -282,10 +282,9 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *_pipeline_checks(t, mc, stage),
         (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        (not mc.mtp_depth or (shape[CONTEXT] == 1 and t.objective != "dpo"),
-         f"model.mtp_depth={mc.mtp_depth} runs without context parallelism, with the token loss, for now "
-         f"(mesh.context={shape[CONTEXT]}, train.objective={t.objective}); set mesh.context=1 and train.objective=lm, "
-         "or model.mtp_depth=0"),
+        (not mc.mtp_depth or t.objective != "dpo",
+         f"model.mtp_depth={mc.mtp_depth} with train.objective=dpo is not supported: the modules add token losses; "
+         "set model.mtp_depth=0 or train.objective=lm"),
         (t.sync == "every_step" or family(mc.family).after_step is nothing_after,
          f"train.sync={t.sync} with model.family={mc.family} is not supported: the family sets state after each step "
          "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "

@@ -149,7 +149,7 @@ def microbatch_objective(st: Stage, y, top, m):
     statistics, models/objectives/objective.py `head_objective`; the layers' aux enter through `aux_cotangents`)."""
     pipe = st.pipe
     mb = {k: st.mbs[k][m] for k in head_fields(pipe.model)}
-    return head_objective(pipe.model, top, y, {}, mb, st.scale, pipe.constrain)
+    return head_objective(pipe.model, top, y, {}, mb, st.scale, pipe.constrain, pipe.placement)
 
 
 # The forward runs in a conditional (output only), one of these three branches. The steps that add to
