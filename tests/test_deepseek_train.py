@@ -161,3 +161,24 @@ def test_what_the_family_refuses_is_one_line(keys, message):
     with pytest.raises(UserError, match=message) as e:
         validate(load_config(TINY + DS + keys), 8)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_prediction_modules_bias_moves_by_its_own_loads():
+    """model.mtp_depth=1: the loads table gains the module's row (every token's k choices in its MoE layer); one
+    step at lr 0 moves the module's router bias by the rule on that row, the main layers' by theirs."""
+    from trainer.step import jit_train_step, loss_and_grads
+    s = _setup("train.lr=0", "model.mtp_depth=1")
+    state, batch = fresh_state(s), _batch(s)
+    before = {k: np.asarray(state["params"][k]["router_bias"], np.float64) for k in ("layers", "mtp")}
+    with jax.set_mesh(s.mesh):
+        parts, _ = jax.jit(lambda p, b: loss_and_grads(s, p, b))(state["params"], batch)
+        new, m = jit_train_step(s)(state, batch)
+    loads = np.asarray(parts["aux"]["moe/loads"])
+    B, T = batch["tokens"].shape
+    assert loads.shape == (4, 8)
+    np.testing.assert_array_equal(loads.sum(-1), [B * T * 2] * 4)
+    rule = lambda b, l: b + 0.01 * np.sign(l.mean(-1, keepdims=True) - l)  # noqa: E731
+    for k, rows in (("layers", loads[:3]), ("mtp", loads[3:])):
+        np.testing.assert_allclose(np.asarray(new["params"][k]["router_bias"]), rule(before[k], rows), atol=1e-9)
+    assert "moe/imbalance/4" in m and float(m["aux/mtp_1"]) > 0

@@ -189,7 +189,8 @@ def moe_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):
     balance, z = router_losses(c, logits_BTX, share_BTX, idx_BTK, valid_BT, call.collectives)
     chosen_X = jnp.sum(jax.nn.one_hot(idx_BTK, X, dtype=jnp.float32) * (keep_BTK & valid_BT[..., None])[..., None],
                        axis=(0, 1, 2))
-    row = jax.nn.one_hot(call.index - c.first_dense, c.n_layers - c.first_dense, dtype=jnp.float32)
+    # this layer's row of the loads table: the MoE layers', then the multi-token prediction modules' (index n_layers on)
+    row = jax.nn.one_hot(call.index - c.first_dense, c.n_layers - c.first_dense + c.mtp_depth, dtype=jnp.float32)
     seq = router.sequence_balance(scores_BTX, idx_BTK, call.segments if call.segments is not None
                                   else jnp.ones((B, T), jnp.float32), valid_BT,
                                   call.collectives)[0] if c.seq_balance_loss else 0.0
@@ -217,7 +218,8 @@ def dense_layer(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):
 
 
 def aux_shapes(c: DeepseekConfig) -> dict:
-    return {"moe/loads": (c.n_layers - c.first_dense, c.n_experts)}
+    """The loads table: a row per MoE layer, then one per multi-token prediction module (model.mtp_depth)."""
+    return {"moe/loads": (c.n_layers - c.first_dense + c.mtp_depth, c.n_experts)}
 
 
 def aux_counts(c: DeepseekConfig, batch: dict) -> dict:
@@ -246,10 +248,12 @@ def after_step(c: DeepseekConfig, params: dict, aux: dict) -> tuple[dict, dict]:
     ratio = jnp.max(loads, axis=-1) / jnp.maximum(jnp.mean(loads, axis=-1), 1e-30)
     metrics = {"moe/imbalance": jnp.max(ratio), **{f"moe/imbalance/{c.first_dense + i}": ratio[i]
                                                      for i in range(loads.shape[0])}}
-    if c.bias_rate > 0:
-        layers = params["layers"]
-        bias = router.balanced_bias(layers["router_bias"], loads, c.bias_rate)
-        params = {**params, "layers": {**layers, "router_bias": bias}}
+    if c.bias_rate > 0:  # each stack's bias by its own rows: the MoE layers', the modules' (their own loads)
+        L = c.n_layers - c.first_dense
+        for stack, rows in (("layers", loads[:L]), ("mtp", loads[L:])):
+            if stack in params:
+                bias = router.balanced_bias(params[stack]["router_bias"], rows, c.bias_rate)
+                params = {**params, stack: {**params[stack], "router_bias": bias}}
     return params, metrics
 
 

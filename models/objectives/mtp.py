@@ -91,10 +91,13 @@ def sums(c, params: dict, x_BTD, batch: dict, constrain, placement) -> dict:
     call = layer_call(c, rope, constrain, kernels, segments=batch["segment_ids"].astype(jnp.float32) if docs else None,
                       index=c.n_layers, kv_repeat=placement.kv_repeat, collectives=placement.collectives,
                       attention=attention)
-    out = {}
+    out, tables = {}, family(c.family).aux_shapes(c)
     for d in range(1, c.mtp_depth + 1):
         f = local_shifted(batch, d, placement)
         p = {k: w[d - 1] for k, w in params["mtp"].items()}
-        h, _ = depth(c, p, h, embed(c, params, f["tokens"], x_BTD.dtype, constrain), call, family(c.family).layer)
+        h, aux = depth(c, p, h, embed(c, params, f["tokens"], x_BTD.dtype, constrain),
+                       call._replace(index=c.n_layers + d - 1), family(c.family).layer)
         out[f"mtp_{d}"] = head_cross_entropy(c, params, h, f["targets"], f["loss_weight"], constrain, normed=True)
+        for k in tables:  # the module's rows of the layers' tables (DeepSeek's loads, which move its own bias)
+            out[k] = out[k] + aux[k] if k in out else aux[k]
     return out

@@ -30,7 +30,8 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
         ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"], constrain)
         loss = ce * scale["loss"]
     if c.mtp_depth:  # the multi-token prediction modules' losses, aux terms of their own
-        aux = {**aux, **mtp.sums(c, params, x_BTD, batch, constrain, placement)}
+        more = mtp.sums(c, params, x_BTD, batch, constrain, placement)  # a table's rows add to the layers'
+        aux = {**aux, **{k: aux[k] + v if k in aux else v for k, v in more.items()}}
     return with_aux(loss, aux, scale), {"loss": loss, "aux": aux}
 
 
