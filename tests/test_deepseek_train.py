@@ -63,21 +63,29 @@ def _batch(s):
 
 
 @pytest.mark.slow
-def test_bias_update_is_the_rule_on_the_steps_loads():
-    """One step at lr 0: the loads the step recorded (its aux table: each MoE layer's choices per expert, k per token
-    over the batch) and the bias after it, bias + rate x sign(mean load - load), written out here."""
+def _one_step(*keys):
+    """(each stack's bias before, the loads the step recorded, the state after, the metrics) of one step on one
+    device; every row of the loads (an MoE layer's or a prediction module's) holds every token's 2 choices."""
     from trainer.step import jit_train_step, loss_and_grads
-    s = _setup("train.lr=0")
+    s = _setup(*keys)
     state, batch = fresh_state(s), _batch(s)
-    before = np.asarray(state["params"]["layers"]["router_bias"], np.float64)  # (the step donates the state)
+    before = {k: np.asarray(state["params"][k]["router_bias"], np.float64)  # (the step donates the state)
+              for k in ("layers", "mtp") if k in state["params"]}
     with jax.set_mesh(s.mesh):
         parts, _ = jax.jit(lambda p, b: loss_and_grads(s, p, b))(state["params"], batch)
         new, m = jit_train_step(s)(state, batch)
     loads = np.asarray(parts["aux"]["moe/loads"])
     B, T = batch["tokens"].shape
-    assert loads.shape == (3, 8)
-    np.testing.assert_array_equal(loads.sum(-1), [B * T * 2] * 3)  # every token's 2 choices, in each MoE layer
-    want = before + 0.01 * np.sign(loads.mean(-1, keepdims=True) - loads)
+    assert loads.shape == (3 + s.model.mtp_depth, 8)
+    np.testing.assert_array_equal(loads.sum(-1), [B * T * 2] * loads.shape[0])
+    return before, loads, new, m
+
+
+def test_bias_update_is_the_rule_on_the_steps_loads():
+    """One step at lr 0: the loads the step recorded (its aux table: each MoE layer's choices per expert, k per token
+    over the batch) and the bias after it, bias + rate x sign(mean load - load), written out here."""
+    before, loads, new, m = _one_step("train.lr=0")
+    want = before["layers"] + 0.01 * np.sign(loads.mean(-1, keepdims=True) - loads)
     np.testing.assert_allclose(np.asarray(new["params"]["layers"]["router_bias"]), want, rtol=0, atol=1e-9)
     ratio = loads.max(-1) / loads.mean(-1)
     np.testing.assert_allclose(float(m["moe/imbalance"]), ratio.max(), rtol=1e-6)
@@ -167,17 +175,7 @@ def test_what_the_family_refuses_is_one_line(keys, message):
 def test_a_prediction_modules_bias_moves_by_its_own_loads():
     """model.mtp_depth=1: the loads table gains the module's row (every token's k choices in its MoE layer); one
     step at lr 0 moves the module's router bias by the rule on that row, the main layers' by theirs."""
-    from trainer.step import jit_train_step, loss_and_grads
-    s = _setup("train.lr=0", "model.mtp_depth=1")
-    state, batch = fresh_state(s), _batch(s)
-    before = {k: np.asarray(state["params"][k]["router_bias"], np.float64) for k in ("layers", "mtp")}
-    with jax.set_mesh(s.mesh):
-        parts, _ = jax.jit(lambda p, b: loss_and_grads(s, p, b))(state["params"], batch)
-        new, m = jit_train_step(s)(state, batch)
-    loads = np.asarray(parts["aux"]["moe/loads"])
-    B, T = batch["tokens"].shape
-    assert loads.shape == (4, 8)
-    np.testing.assert_array_equal(loads.sum(-1), [B * T * 2] * 4)
+    before, loads, new, m = _one_step("train.lr=0", "model.mtp_depth=1")
     rule = lambda b, l: b + 0.01 * np.sign(l.mean(-1, keepdims=True) - l)  # noqa: E731
     for k, rows in (("layers", loads[:3]), ("mtp", loads[3:])):
         np.testing.assert_allclose(np.asarray(new["params"][k]["router_bias"]), rule(before[k], rows), atol=1e-9)
