@@ -21,7 +21,7 @@ LAYOUTS = {"zero3_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train
                                       "train.context_attention=ring"],
            "a2a_context2_data2": ["mesh.data=2", "mesh.model=1", "mesh.context=2", "model.n_heads=8",
                                   "train.context_attention=all_to_all"]}
-DEFAULT = ("zero3_2x1x4", "ring_balanced_context4")
+DEFAULT = ("ring_balanced_context4",)  # the issue's share of the default run; the rest behind -m slow
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k in DEFAULT else pytest.mark.slow)

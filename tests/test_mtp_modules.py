@@ -74,6 +74,7 @@ def test_depths_equal_transformers_mtp():
         assert abs(loss - float(d[f"loss_{i + 1}"])) < 1e-5, (i, loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", ["pre_norm_hidden", "hidden_first"])
 def test_a_wrong_module_fails(wrong):
     s, params = _loaded("deepseek_v3_f32", ONE, T=23)
@@ -83,6 +84,7 @@ def test_a_wrong_module_fails(wrong):
     assert np.abs(logits[:, :22] - d["logits_1"][:, :22]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_the_objective_adds_each_depth_as_transformers_computes_it():
     """model.mtp_depth=2 on the DeepSeek fixture with the modules' weights of transformers' MtpModel: the step's
     parts hold each depth's cross-entropy sum, whose mean over its counted targets (the metrics' aux/mtp_<d>) is
@@ -103,6 +105,7 @@ def test_the_objective_adds_each_depth_as_transformers_computes_it():
     assert abs(float(value) - want) < 1e-5, (float(value), want)
 
 
+@pytest.mark.slow
 def test_a_release_folder_imports_its_modules_and_exports_bitwise(tmp_path):
     """tests/fixtures/hf/deepseek_v3_mtp_f32, the modules written as DeepSeek's release writes them
     (model.layers.{4,5}.*, one tensor per expert, shared_head.norm, and copies of embed_tokens and the head), imported
