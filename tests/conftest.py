@@ -117,6 +117,17 @@ def _single(overrides, steps):
     return r.losses, r.params, r.grad_norms
 
 
+def equals_one_device(over, steps=3):
+    """Train `over` and its 1-device run (the context strategy key dropped with the mesh) `steps` SGD steps: the
+    losses and grad norms within 1e-5, every parameter within 1e-5 (max_rel); returns the layout's Run."""
+    r = run_steps(over, steps=steps)
+    losses, params, norms = single_device([o for o in over if not o.startswith("train.context_attention")], steps)
+    np.testing.assert_allclose(r.losses, losses, rtol=1e-5)
+    np.testing.assert_allclose(r.grad_norms, norms, rtol=1e-5)
+    assert max_rel(r.params, params) < 1e-5
+    return r, params
+
+
 def max_rel(a_tree, b_tree):
     """Largest per-tensor relative difference ||a - b|| / ||b|| over a pytree."""
     pairs = zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree))

@@ -8,7 +8,7 @@ import pytest
 
 import jax
 
-from conftest import SGD, fresh_state, max_rel, run_steps, single_device
+from conftest import SGD, equals_one_device, fresh_state
 
 # 1 dense + 3 MoE layers (4 of them over 2 stages would leave 3 MoE layers to split: see the pipeline case), 8
 # experts in 4 groups (2 kept), k 2, a shared expert, q_lora, interleaved RoPE under YaRN
@@ -36,12 +36,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "zero3_ep_2x1x4" else pytest.mark.slow)
                                     for k in LAYOUTS])
 def test_layout_equals_one_device(layout):
-    over = DS + LAYOUTS[layout]
-    r = run_steps(over, steps=3)
-    losses, params, norms = single_device([o for o in over if not o.startswith("train.context_attention")], steps=3)
-    np.testing.assert_allclose(r.losses, losses, rtol=1e-5)
-    np.testing.assert_allclose(r.grad_norms, norms, rtol=1e-5)
-    assert max_rel(r.params, params) < 1e-5
+    r, params = equals_one_device(DS + LAYOUTS[layout])
     bias = r.params["layers"]["router_bias"]
     np.testing.assert_array_equal(bias, params["layers"]["router_bias"])
     assert np.abs(bias).max() > 0  # the bias moved: 3 steps of +-0.01 per expert
