@@ -60,22 +60,17 @@ def _stacked(c: ModelConfig, layers: dict, stack: str = "layers") -> dict:
     return layers
 
 
-def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
-    """Run tokens at positions pos..pos+T-1 against the cache: (last position's logits (B, V), cache). Each layer
-    is the family's layer function (models/transformer.py `layer`, or the family's own; each stack's, models/spec.py
-    `stacks`), its attention strategy the cache's: it writes the new keys and values and attends to the cache with
-    the mask (window by layer), soft-cap and scale the layer asks for; a family with its own cache
-    (ModelSpec.decode_cache) gets it as LayerCall.cache and writes and reads it itself."""
+def layer_runner(c: ModelConfig, rope, attend, pos, T: int, dtype):
+    """run(layer, p, x, i, mine, data): one layer function (the family's, or a multi-token-prediction module) on
+    weights p against its cache `mine`: it writes the new tokens' keys and values (or, for a family with its own
+    cache, ModelSpec.decode_cache, gets it as LayerCall.cache) and attends with the mask (window by layer), soft-cap
+    and scale the layer asks for; (x, the layer's cache written). `data`: the layer's tables (default: layer i's)."""
     spec, kernels = family(c.family), kernels_for(c)
-    B, T = tokens_BT.shape
-    S = next(iter(cache.values())).shape[2]
-    rope, attend = (_ring if c.uniform_window else _linear)(c, (B, T), pos, S, dtype)
     tables = {k: jnp.asarray(v) for k, v in spec.layer_data(c).items()}
     # the weights the inventory reads as stored (an MoE's router: float32 whatever the compute dtype) stay so
     stored = {k for stack in stacks(c) for k, v in inventory(c)[stack].items() if v.as_stored}
 
-    def body(run, x_BTD, xs):
-        p, i, mine = xs
+    def run(layer, p, x_BTD, i, mine, data=None):
         p = {k: w if k in stored else jax.tree.map(lambda a: a.astype(dtype), w) for k, w in p.items()}
         new = {}
 
@@ -86,20 +81,44 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
         own = CacheView(mine, pos, T) if spec.decode_cache is not None else None
         # one device: the collectives' local form (every logical axis one rank); decoding drops no token
         call = LayerCall(rope, _no_constrain, kernels, _identity, None, attention, i,
-                         {k: v[i] for k, v in tables.items()}, collectives=LOCAL, decoding=True, cache=own)
-        x_BTD, _ = run(c, p, x_BTD, call)
+                         {k: v[i] for k, v in tables.items()} if data is None else data, collectives=LOCAL,
+                         decoding=True, cache=own)
+        x_BTD, _ = layer(c, p, x_BTD, call)
         return x_BTD, (own.written if own is not None else new)
+
+    return run
+
+
+def hidden(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32, linear: bool = False):
+    """Run tokens at positions pos..pos+T-1 against the cache: (the last layer's output (B, T, D), before the final
+    norm; cache). Each layer is the family's layer function (models/transformer.py `layer`, or the family's own; each
+    stack's, models/spec.py `stacks`) through `layer_runner`. `linear`: a cache in position order even for a
+    sliding window (speculative decoding's, whose rejected drafts must not take a ring's slots)."""
+    spec = family(c.family)
+    B, T = tokens_BT.shape
+    S = next(iter(cache.values())).shape[2]
+    rope, attend = (_ring if c.uniform_window and not linear else _linear)(c, (B, T), pos, S, dtype)
+    run = layer_runner(c, rope, attend, pos, T, dtype)
+
+    def body(layer, x_BTD, xs):
+        p, i, mine = xs
+        return run(layer, p, x_BTD, i, mine)
 
     x_BTD = embed(c, params, tokens_BT, dtype)
     first, out = spec.first_layers(c), []
     for stack, rows in stacks(c).items():
         lo = 0 if stack == "first_layers" else first
-        run = spec.first_layer if stack == "first_layers" else spec.layer
+        layer = spec.first_layer if stack == "first_layers" else spec.layer
         xs = (_stacked(c, params[stack], stack), jnp.arange(lo, lo + rows, dtype=jnp.int32),
               {k: v[lo:lo + rows] for k, v in cache.items()})
-        x_BTD, part = jax.lax.scan(functools.partial(body, run), x_BTD, xs)
+        x_BTD, part = jax.lax.scan(functools.partial(body, layer), x_BTD, xs)
         out.append(part)
-    cache = out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out)
+    return x_BTD, (out[0] if len(out) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *out))
+
+
+def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32):
+    """`hidden`, then the last position's logits (B, V): (logits, cache)."""
+    x_BTD, cache = hidden(c, params, tokens_BT, pos, cache, dtype)
     return head(c, params, x_BTD[:, -1:])[:, 0], cache
 
 

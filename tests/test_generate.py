@@ -207,8 +207,8 @@ def test_a_run_on_prepared_text_sees_the_bos_in_its_data_and_in_generate(ref, tm
     assert np.fromfile(out, np.uint16).tolist() == case["prompt_ids"] + [EOT]
     load = trainer.ckpt.params.load_params
 
-    def trained_on_it(run_dir, step, shardings):  # FIX's weights, with the config of a run trained on the .bin
-        params, cfg = load(run_dir, step, shardings)
+    def trained_on_it(run_dir, step, shardings, **kw):  # FIX's weights, with the config of a run trained on the .bin
+        params, cfg = load(run_dir, step, shardings, **kw)
         return params, replace(cfg, data={"source": str(out), "tokenizer": str(FIX / "tokenizer.json")})
     monkeypatch.setattr(trainer.ckpt.params, "load_params", trained_on_it)
     # what the model is prompted with, not what it says: a step that ends at once spares the compiles

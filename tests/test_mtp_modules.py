@@ -39,30 +39,35 @@ def _module(d, c, i: int) -> dict:
 
 
 def _depths(s, params, d, final_norm_first=True, embed_first=True):
-    """Each depth's (logits (B, T, V), loss) of the fixture's tokens (23 inputs: the window's 24)."""
+    """Each depth's (logits (B, T, V), loss) of the fixture's tokens (23 inputs: the window's 24), in one program."""
+    batch = from_windows(d["tokens"])
+    mods = [_module(d, s.model, i) for i in range(2)]
+    logits, losses = jax.jit(_program, static_argnums=(0, 4, 5))(s.model, params, mods, batch, final_norm_first,
+                                                                  embed_first)
+    return [(np.asarray(a), float(b)) for a, b in zip(logits, losses)]
+
+
+def _program(c, params, mods, batch, final_norm_first, embed_first):
     from models.families.deepseek import moe_layer
     from models.layers import rope_for
     from models.transformer import embed, final_norm, head_weight, layer_call, run_stacks
-    c = s.model
-    batch = from_windows(d["tokens"])
     x = embed(c, params, batch["tokens"], jnp.float32)
     h, _ = run_stacks(c, params, x)
     h = final_norm(c, params, h) if final_norm_first else h
     call = layer_call(c, rope_for(c, h.shape[1]), index=c.n_layers)
-    out = []
-    for i in range(2):
+    logits, losses = [], []
+    for i, p in enumerate(mods):
         f = mtp.shifted(batch, i + 1)
         ahead = embed(c, params, f["tokens"], jnp.float32)
-        p = _module(d, c, i)
         if not embed_first:
             p = {**p, "eh_proj": jnp.concatenate([p["eh_proj"][c.d_model:], p["eh_proj"][:c.d_model]])}
         h, _ = mtp.depth(c, p, h, ahead, call, moe_layer)
         w, layout = head_weight(c, params)  # the main model's output projection, on the module's normed output
-        logits = jnp.einsum("btd,dv->btv", h, w.T if layout == "vd" else w)
-        logp = jax.nn.log_softmax(logits, -1)
-        nll = -jnp.take_along_axis(logp, f["targets"][..., None], -1)[..., 0]
-        out.append((np.asarray(logits), float(jnp.sum(nll * f["loss_weight"]) / jnp.sum(f["loss_weight"]))))
-    return out
+        out = jnp.einsum("btd,dv->btv", h, w.T if layout == "vd" else w)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(out, -1), f["targets"][..., None], -1)[..., 0]
+        logits.append(out)
+        losses.append(jnp.sum(nll * f["loss_weight"]) / jnp.sum(f["loss_weight"]))
+    return logits, losses
 
 
 def test_depths_equal_transformers_mtp():
@@ -132,3 +137,28 @@ def test_a_release_folder_imports_its_modules_and_exports_bitwise(tmp_path):
     assert sorted(got) == sorted(src) and any(".5.shared_head.head." in k for k in got)
     for k, (code, a) in src.items():
         assert got[k][0] == code and got[k][1].tobytes() == a.tobytes(), k
+
+
+@pytest.mark.slow
+def test_with_mtp_off_the_folders_modules_come_back_untouched(tmp_path):
+    """The release folder fine-tuned with model.mtp_depth=0 (one SGD step through the CLI, on 8 devices with the
+    experts split) and exported: the main model's tensors moved, the MTP layers' (model.layers.4.*, .5.*, their
+    copies included) come back bitwise as the folder had them, and config.json still declares them."""
+    import json
+    from conftest import SGD, TINY
+    from hf_check import cli, read_folder
+    from test_deepseek import EP
+    src = FIX.parents[1] / "hf" / "deepseek_v3_mtp_f32"
+    run = tmp_path / "run"
+    assert cli("train", *TINY, *SGD, *EP, f"model.init_from={src}", "model.mtp_depth=0", "train.steps=1",
+               "train.batch_size=4", "model.seq_len=32", f"run.dir={run}") == 0
+    assert cli("export", "--format", "hf", "--run", str(run), "--out", str(tmp_path / "hf")) == 0
+    before, after = read_folder(src), read_folder(tmp_path / "hf")
+    assert sorted(after) == sorted(before)
+    mtp_names = [k for k in before if k.startswith(("model.layers.4.", "model.layers.5."))]
+    assert len(mtp_names) > 20
+    for k in mtp_names:
+        assert after[k][0] == before[k][0] and after[k][1].tobytes() == before[k][1].tobytes(), k
+    assert after["model.layers.3.self_attn.o_proj.weight"][1].tobytes() != \
+        before["model.layers.3.self_attn.o_proj.weight"][1].tobytes()  # training moved the main model
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 2

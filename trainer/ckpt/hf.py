@@ -226,16 +226,38 @@ def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
                             f"{list(shape)}")
     tied_head = {"lm_head.weight"} if mc.tie_embeddings else set()  # a tied head may be saved too: unused
     extra = [n for n in have if n not in want and n not in tied_head and not n.endswith(IGNORED)]
-    prefixes, why = adapter(mc).skipped(mc)
-    if left := [n for n in extra if n.startswith(prefixes)] if prefixes else []:
+    if left := left_out(have, mc):
         if say:
-            log.info("%s: %s left out (%d tensors: %s...)", path, why, len(left), prefixes[0])
+            log.info("%s: %s left out (%d tensors: %s...); kept as they are for the export", path,
+                     adapter(mc).skipped(mc)[1], len(left), left[0])
         extra = [n for n in extra if n not in left]
     if extra:
         raise UserError(f"{path} has tensor '{extra[0]}' that a {adapter(mc).architecture} with its config.json "
                         "does not have"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     return have
+
+
+def mtp_layers(path, mc) -> int:
+    """How many multi-token-prediction layers the folder holds, by its tensors (not its config.json: a folder saved
+    by transformers declares one and holds none): the largest D whose modules' tensors are all there."""
+    have, _ = text_tensors(path, index(path))
+    depth = 0
+    while depth < 16:
+        deeper = dataclasses.replace(mc, mtp_depth=depth + 1)
+        names = [n for lf in leaves(deeper) if lf.path[0] == "mtp" for n in lf.names]
+        if not names or any(n not in have for n in names):
+            break
+        depth += 1
+    return depth
+
+
+def left_out(have: dict, mc) -> list[str]:
+    """The folder's tensors the model leaves out as its adapter says it may (HFAdapter.skipped: DeepSeek's
+    multi-token-prediction layers past model.mtp_depth), in the folder's order."""
+    prefixes = adapter(mc).skipped(mc)[0]
+    want = {n for lf in leaves(mc) for n in lf.names}
+    return [n for n in have if n.startswith(prefixes) and n not in want] if prefixes else []
 
 
 def _read(t: st.Tensor, leaf: Leaf, idx: tuple) -> np.ndarray:
@@ -302,9 +324,13 @@ ORIGIN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "chat_template.jinja", "chat_template.json")
 
 
-def keep_origin(folder, run_dir):
-    """Copy an HF folder's config, generation config and tokenizer files (not its weights) into run_dir/ORIGIN,
-    whole or not at all: what `export --format hf` and `generate` keep of the model whatever becomes of it."""
+KEPT = "kept.safetensors"  # in run_dir/ORIGIN: the folder's tensors the model left out, as they were
+
+
+def keep_origin(folder, run_dir, mc=None):
+    """Copy an HF folder's config, generation config and tokenizer files into run_dir/ORIGIN, with (given the model
+    mc) the tensors the model leaves out (`left_out`: DeepSeek's MTP layer with model.mtp_depth=0) as KEPT, whole
+    or not at all: what `export --format hf` and `generate` keep of the model whatever becomes of it."""
     src, dst = Path(folder), Path(run_dir) / ORIGIN
     if dst.is_dir():
         return dst
@@ -314,8 +340,16 @@ def keep_origin(folder, run_dir):
     for name in ORIGIN_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, tmp / name)
+    have = text_tensors(src, index(src))[0] if mc is not None else {}
+    if kept := left_out(have, mc) if have else []:
+        st.write(tmp / KEPT, [(n, have[n].shape, have[n].dtype) for n in kept], lambda n: have[n].array())
     tmp.rename(dst)
     return dst
+
+
+def kept_tensors(origin: Path | None) -> dict[str, st.Tensor]:
+    """The tensors keep_origin kept (none where the model left none out)."""
+    return st.read_header(origin / KEPT) if origin is not None and (origin / KEPT).is_file() else {}
 
 
 def origin_of(cfg, run_dir=None) -> Path | None:

@@ -12,8 +12,8 @@ import numpy as np
 
 from trainer.ckpt import safetensors as st
 from models.spec import leaf_shape, leading
-from trainer.ckpt.hf import (INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, leaves, model_keys, origin_of,
-                             text_config)
+from trainer.ckpt.hf import (INDEX, MAX_SHARD_BYTES, ORIGIN_FILES, _get, adapter, kept_tensors, leaves, model_keys,
+                             origin_of, text_config)
 from trainer.config.paths import check
 from trainer.data import remote
 from trainer.data.sidecars import data_sidecar, local_tokenizer, read_beside
@@ -63,17 +63,18 @@ def _host(x: jax.Array, i: tuple = ()) -> np.ndarray:
     return out
 
 
-def _plan(mc, dtype: np.dtype, max_bytes: int):
-    """[(file, [(name, shape, dtype)])] in order, a new file whenever the next tensor would pass max_bytes."""
+def _plan(mc, dtype: np.dtype, max_bytes: int, kept: dict):
+    """[(file, [(name, shape, dtype)])] in order, a new file whenever the next tensor would pass max_bytes; the
+    model's tensors, then those kept as the origin folder had them (their own dtype)."""
     files, cur, size = [], [], 0
-    for leaf in leaves(mc):
-        for name in leaf.names:
-            n = math.prod(leaf.hf_shape) * dtype.itemsize
-            if cur and size + n > max_bytes:
-                files.append(cur)
-                cur, size = [], 0
-            cur.append((name, leaf.hf_shape, dtype))
-            size += n
+    named = [(n, leaf.hf_shape, dtype) for leaf in leaves(mc) for n in leaf.names]
+    for name, shape, dt in named + [(n, t.shape, t.dtype) for n, t in kept.items()]:
+        n = math.prod(shape) * dt.itemsize
+        if cur and size + n > max_bytes:
+            files.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape, dt))
+        size += n
     files.append(cur)
     if len(files) == 1:
         return [("model.safetensors", files[0])]
@@ -90,9 +91,9 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
     _unused_out(str(out))  # before the parameters are read
     params, cfg, step = load_params_at(check(run_dir, "--run"), step)  # split over the local devices, never whole on one
     mc = model_config(cfg)
+    origin = origin_of(cfg, run_dir)
     with staged(out, last=("config.json",)) as stage:
-        write_hf(params, mc, stage, dtype, max_shard_bytes, f"run '{run_dir}'", step)
-        origin = origin_of(cfg, run_dir)
+        write_hf(params, mc, stage, dtype, max_shard_bytes, f"run '{run_dir}'", step, kept_tensors(origin))
         if origin is not None and jax.process_index() == 0:  # started from an HF folder: what it said of the model
             _keep(origin, stage)
         if cfg.data.tokenizer and jax.process_index() == 0:  # trained on `meshtrain prepare` data
@@ -158,8 +159,10 @@ def _write_tokenizer(path: str, out: Path, mc, template: str | None = None):
 
 
 def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-             where: str = "parameters", step: int | None = None) -> Path:
-    """Write (sharded) parameters of the model mc to `out` as an HF folder."""
+             where: str = "parameters", step: int | None = None, kept: dict | None = None) -> Path:
+    """Write (sharded) parameters of the model mc to `out` as an HF folder, with the `kept` tensors (trainer/ckpt/
+    hf.py kept_tensors: those the model left out of its origin folder) as they were."""
+    kept = kept or {}
     out = Path(out)
     check_expressible(mc, params, where)
     np_dtype = st.DTYPES["BF16" if dtype == "bfloat16" else "F32"] if dtype else np.dtype(
@@ -170,12 +173,14 @@ def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: i
                for leaf in leaves(mc) for i, n in enumerate(leaf.names)}
 
     def fill(name):
+        if name in kept:
+            return kept[name].array()
         leaf, i = by_name[name]
         a = _host(_get(params, leaf.path), i)
         inv = tuple(int(k) for k in np.argsort(leaf.perm))  # meshtrain layout -> the HF view, then (out, in)
         return a.transpose(inv).reshape(leaf.hf_shape).astype(np_dtype, copy=False)
 
-    files = _plan(mc, np_dtype, max_shard_bytes)
+    files = _plan(mc, np_dtype, max_shard_bytes, kept)
     write = jax.process_index() == 0
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -104,20 +104,21 @@ def _load_export(path: Path, shardings, target=None, target_cfg: Config | None =
     return params, cfg, meta["step"]
 
 
-def load_params(run_dir, step: int | None = None, shardings=None):
+def load_params(run_dir, step: int | None = None, shardings=None, mtp_present: bool = False):
     """(params, Config) of a run's checkpoint (the newest valid one by default) or of an export, read
-    straight into `shardings` (a tree, one Sharding for every leaf, or None: split over local devices)."""
-    return load_params_at(run_dir, step, shardings)[:2]
+    straight into `shardings` (a tree, one Sharding for every leaf, or None: split over local devices).
+    `mtp_present`: an HF folder's multi-token-prediction layers are read, as many as it holds."""
+    return load_params_at(run_dir, step, shardings, mtp_present)[:2]
 
 
-def load_params_at(run_dir, step: int | None = None, shardings=None):
+def load_params_at(run_dir, step: int | None = None, shardings=None, mtp_present: bool = False):
     """load_params, plus the step the parameters come from."""
     path = path_of(run_dir)
     kind = kind_of(path)
     if kind == "export":
         return _load_export(path, shardings)
     if kind == "hf":
-        return _load_hf(path, shardings)
+        return _load_hf(path, shardings, mtp_present)
     if kind is None:
         raise UserError(f"'{run_dir}' holds no checkpoints ({path / SUBDIR} is missing) and is not an export; "
                         "give the run.dir of a run that saved checkpoints")
@@ -150,9 +151,10 @@ def load_params_at(run_dir, step: int | None = None, shardings=None):
     return found + (step,)
 
 
-def _load_hf(path: Path, shardings):
+def _load_hf(path: Path, shardings, mtp_present: bool = False):
     """(params, Config, 0) of a Hugging Face model folder; its tokenizer.json, when there, is the config's
-    data.tokenizer (so that `meshtrain generate` encodes and decodes with it)."""
+    data.tokenizer (so that `meshtrain generate` encodes and decodes with it); with `mtp_present`, its
+    multi-token-prediction layers too (model.mtp_depth: as many as it holds)."""
     from trainer.ckpt import hf
     from trainer.config import load_config, replace
     from trainer.ckpt.sources import resolve
@@ -161,6 +163,8 @@ def _load_hf(path: Path, shardings):
     if context and context < model_config(cfg).seq_len:
         cfg = replace(cfg, model={"seq_len": context})
     cfg = resolve(cfg)
+    if mtp_present:
+        cfg = replace(cfg, model={"mtp_depth": hf.mtp_layers(path, model_config(cfg))})
     if (path / "tokenizer.json").is_file():
         cfg = replace(cfg, data={"tokenizer": str(path / "tokenizer.json")})
     shapes = _shape_tree(cfg)[0]

@@ -229,7 +229,7 @@ class Run:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 (self.dir / "config.yaml").write_text(to_yaml(cfg))
                 if cfg.model.init_from and kind_of(cfg.model.init_from) == "hf":  # context, special ids, tokenizer
-                    keep_origin(cfg.model.init_from, self.dir)
+                    keep_origin(cfg.model.init_from, self.dir, self.s.model)
             except OSError as e:
                 raise _not_writable(cfg.run.dir, e.strerror) from None
         self.writer = MetricsWriter(self.dir, enabled=self.main, resume_step=self.start)

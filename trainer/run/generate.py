@@ -38,9 +38,11 @@ class Completion:
     ids: list[int]  # the new tokens, the stop token last where one stopped them (as transformers returns them)
     text: str  # what was printed of them: without the stop token or stop text
     stopped: bool  # False: --tokens ran out
+    stats: object = None  # --speculative: what the drafts did (models/speculative.py Stats)
 
 
-def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int, chat: bool, system, stops):
+def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int, chat: bool, system, stops,
+           speculative: bool = False):
     check(run_dir, "--run")
     if not remote.is_url(run_dir) and not Path(run_dir).is_dir():  # a URL: load_params says what it lacks
         raise UserError(f"--run '{run_dir}' is not a directory; give the run.dir of a trained run")
@@ -54,21 +56,25 @@ def _check(run_dir: str, n_tokens: int, temperature: float, top_k: int, chat: bo
         raise UserError("--system is a chat's system message; add --chat (the prompt becomes the user's message)")
     if any(not s for s in stops):
         raise UserError("--stop '' is empty; give a token of the tokenizer (e.g. '<|im_end|>') or a text")
+    if speculative and temperature != 0:
+        raise UserError(f"--speculative decodes greedily (the main model's greedy output, drafted by its "
+                        f"multi-token-prediction modules); drop --temperature {temperature} or set it to 0")
 
 
 def generate_text(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8,
                   top_k: int = 40, seed: int = 0, step: int | None = None, out=None, chat: bool = False,
-                  system: str | None = None, stops: tuple[str, ...] = ()) -> str:
+                  system: str | None = None, stops: tuple[str, ...] = (), speculative: bool = False) -> str:
     """Write the prompt (not with `chat`) and up to n_tokens sampled tokens to `out` as they come; return the new
-    text."""
-    return completion(run_dir, prompt, n_tokens, temperature, top_k, seed, step, out, chat, system, stops).text
+    text. `speculative`: greedy, drafted by the model's multi-token-prediction modules (models/speculative.py)."""
+    return completion(run_dir, prompt, n_tokens, temperature, top_k, seed, step, out, chat, system, stops,
+                      speculative).text
 
 
 def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                seed: int = 0, step: int | None = None, out=None, chat: bool = False, system: str | None = None,
-               stops: tuple[str, ...] = ()) -> Completion:
-    """generate_text, returning the token ids as well."""
-    _check(run_dir, n_tokens, temperature, top_k, chat, system, stops)
+               stops: tuple[str, ...] = (), speculative: bool = False) -> Completion:
+    """generate_text, returning the token ids as well (and, speculative, the drafts' Stats as .stats)."""
+    _check(run_dir, n_tokens, temperature, top_k, chat, system, stops, speculative)
     import jax
     from models.decode import fit_prompt, generate
     from trainer.config import model_config
@@ -76,7 +82,8 @@ def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature:
     from trainer.ckpt.params import load_params
     out = out or sys.stdout
     # one local device holds the weights whatever mesh saved them; decoding is one sequence
-    params, cfg = load_params(run_dir, step, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    params, cfg = load_params(run_dir, step, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
+                              mtp_present=speculative)
     if cfg.data.source.endswith(".bin") and not cfg.data.tokenizer:
         raise UserError(f"run '{run_dir}' was trained on token ids ({cfg.data.source}) with no tokenizer recorded; "
                         "generate decodes bytes, so use a run trained on text or on `meshtrain prepare` data")
@@ -89,12 +96,34 @@ def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature:
     kept = fit_prompt(np.asarray([ids], np.int32), context)  # its warning comes before anything is printed
     if not chat:
         out.write(prompt)
-    tokens = (int(t[0]) for t in generate(mc, params, kept, n_tokens, temperature=temperature, top_k=top_k,
-                                          seed=seed, context=context, vocab=codec.vocab))
+    stats = None
+    if speculative:
+        tokens, stats = _drafted(run_dir, mc, params, kept, n_tokens, context, codec.vocab)
+    else:
+        tokens = (int(t[0]) for t in generate(mc, params, kept, n_tokens, temperature=temperature, top_k=top_k,
+                                              seed=seed, context=context, vocab=codec.vocab))
     new, text, stopped = _stream(tokens, codec.decoder(), stop_ids, stop_texts, out)
     out.write("\n")
     out.flush()
-    return Completion(ids, new, text, stopped)
+    if stats is not None:
+        log.info("generate --speculative: %d of %d drafts accepted (acceptance rate %.3f); %d tokens in %d forwards "
+                 "of the main model (%.2f tokens per forward, the prompt's included)", stats.accepted, stats.drafted,
+                 stats.acceptance, stats.tokens, stats.forwards, stats.per_forward)
+    return Completion(ids, new, text, stopped, stats)
+
+
+def _drafted(run_dir: str, mc, params: dict, kept, n_tokens: int, context: int, vocab: int):
+    """(the tokens, Stats) of speculative decoding with the model's multi-token-prediction modules as drafts."""
+    from models.speculative import Stats, speculative
+    if not mc.mtp_depth:
+        raise UserError(f"--speculative drafts with the model's multi-token-prediction modules, and '{run_dir}' has "
+                        "none (model.mtp_depth=0, or an HF folder without model.layers.<num_hidden_layers>.*); train "
+                        "with model.mtp_depth=1, or drop --speculative")
+    if kept.shape[1] + n_tokens > context:
+        raise UserError(f"--speculative keeps the prompt ({kept.shape[1]} tokens) and --tokens {n_tokens} in the "
+                        f"model's context of {context} positions; lower --tokens to {context - kept.shape[1]} or less")
+    stats = Stats()
+    return speculative(mc, params, kept[0], n_tokens, stats, vocab=vocab), stats
 
 
 def _stream(tokens, decoder, stop_ids: set, stop_texts: tuple, out) -> tuple[list[int], str, bool]:
