@@ -70,21 +70,21 @@ def _verify_fn(c: ModelConfig, dtype):
 
 
 @functools.lru_cache(maxsize=8)
-def _module_fn(c: ModelConfig, dtype, d: int):
-    """Module d on its read tokens (1, T) and depth d-1's outputs (1, T, D) at pos..: (its greedy predictions (1, T),
-    its outputs after its own norm (1, T, D), its cache)."""
-    def module(params, tokens_BT, h_BTD, pos, cache, n_ids):
+def _module_fn(c: ModelConfig, dtype):
+    """Module d (traced: one program serves every depth) on its read tokens (1, T) and depth d-1's outputs (1, T, D)
+    at pos..: (its greedy predictions (1, T), its outputs after its own norm (1, T, D), its cache)."""
+    def module(params, d, tokens_BT, h_BTD, pos, cache, n_ids):
         B, T = tokens_BT.shape
         S = next(iter(cache.values())).shape[2]
         rope, attend = _linear(c, (B, T), pos, S, dtype)
         run = layer_runner(c, rope, attend, pos, T, dtype)
-        p = {k: w[d - 1] for k, w in params["mtp"].items()}
+        p = {k: jax.lax.dynamic_index_in_dim(w, d - 1, keepdims=False) for k, w in params["mtp"].items()}
         ahead = embed(c, params, tokens_BT, dtype)
         step = functools.partial(_module_layer, ahead=ahead, layer=family(c.family).layer)
         # as in training (models/objectives/mtp.py sums): layer index n_layers + d - 1, no per-layer tables
         h_BTD, mine = run(step, p, h_BTD.astype(dtype), c.n_layers + d - 1, {k: v[0] for k, v in cache.items()}, {})
         return _greedy(head(c, params, h_BTD, normed=True), n_ids), h_BTD, {k: v[None] for k, v in mine.items()}
-    return jax.jit(module, donate_argnums=4)
+    return jax.jit(module, donate_argnums=5)
 
 
 def _module_layer(c, p, h_BTD, call, *, ahead, layer):
@@ -147,8 +147,8 @@ def _catch_up(c, dt, params, caches, H, g, A: int, n_ids) -> list[int]:
         tokens[0, :T] = read
         h = np.zeros((1, L, c.d_model), np.float32)
         h[0, :T] = H[d - 1][lo:lo + T]
-        pred, out, caches[d - 1] = _module_fn(c, dt, d)(params, jnp.asarray(tokens), jnp.asarray(h), jnp.int32(lo),
-                                                       caches[d - 1], n_ids)
+        pred, out, caches[d - 1] = _module_fn(c, dt)(params, jnp.int32(d), jnp.asarray(tokens), jnp.asarray(h),
+                                                     jnp.int32(lo), caches[d - 1], n_ids)
         if d < D:
             H[d][lo:lo + T] = np.asarray(out[0, :T], np.float32)
         drafts.append(int(pred[0, T - 1]))

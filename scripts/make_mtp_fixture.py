@@ -5,7 +5,8 @@ training form written out: depth d at position t reads the token d ahead (token 
 output (depth 1: the main model's hidden state after its final norm), positions the tokens' own; `forward_layer`
 then `_project_to_logits` give each depth's logits, and the cross-entropy against the token d + 1 ahead over the
 positions that have one. The npz holds the modules' weights under transformers' names (`w/...`), the tokens, each
-depth's logits and loss.
+depth's logits and loss, and the depth-1 logits of MtpModel(main, 1) built apart with the first module's weights
+(`d1_logits_1`).
 
     python scripts/make_mtp_fixture.py
 """
@@ -52,6 +53,13 @@ def main():
                                                    tokens[:, d + 1:].reshape(-1))
             out[f"logits_{d}"], out[f"loss_{d}"] = logits.numpy().astype(np.float32), np.float64(ce)
             print(f"depth {d}: loss {float(ce):.6f}")
+        # D = 1: its own MtpModel, holding the first module's weights: the same depth-1 logits
+        one = MtpModel(main_model, 1).eval()
+        one.layers[0].load_state_dict(mtp.layers[0].state_dict())
+        ahead = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+        h1 = one.forward_layer(0, main_model.model(tokens).last_hidden_state, pos, None, input_ids=ahead)
+        out["d1_logits_1"] = one._project_to_logits(h1).numpy().astype(np.float32)
+        print("D = 1 against depth 1 of D = 2:", float(np.abs(out["d1_logits_1"] - out["logits_1"]).max()))
         gate = mtp.layers[0].mtp_block.mlp.gate
         print("router bias in", float(gate.e_score_correction_bias.min()), float(gate.e_score_correction_bias.max()))
     weights = {f"w/{n}": p.detach().numpy().astype(np.float32) for n, p in mtp.state_dict().items()

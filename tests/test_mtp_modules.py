@@ -1,5 +1,5 @@
 """Multi-token prediction's modules (models/objectives/mtp.py `depth`, `shifted`) against transformers' MtpModel
-(D = 2) on the DeepSeek-V3 fixture as the main model (tests/fixtures/mtp/deepseek_d2.npz, made by
+(D = 2, and D = 1 for the first depth) on the DeepSeek-V3 fixture as the main model (tests/fixtures/mtp/deepseek_d2.npz, made by
 scripts/make_mtp_fixture.py): each depth's logits within 1e-4 and its loss against the token d + 1 ahead within 1e-5,
 the modules' weights laid out here from transformers' tensors. Feeding depth 1 the hidden state before the final
 norm, or concatenating [h, embedding], fails it."""
@@ -77,6 +77,8 @@ def test_depths_equal_transformers_mtp():
         n = 23 - (i + 1)  # the positions whose token d ahead is inside the window
         assert np.abs(logits[:, :n] - d[f"logits_{i + 1}"][:, :n]).max() < 1e-4, i
         assert abs(loss - float(d[f"loss_{i + 1}"])) < 1e-5, (i, loss)
+        if i == 0:  # transformers' MtpModel(main, 1), built apart with the first module's weights
+            assert np.abs(logits[:, :n] - d["d1_logits_1"][:, :n]).max() < 1e-4
 
 
 @pytest.mark.slow
