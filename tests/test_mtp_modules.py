@@ -164,3 +164,20 @@ def test_with_mtp_off_the_folders_modules_come_back_untouched(tmp_path):
     assert after["model.layers.3.self_attn.o_proj.weight"][1].tobytes() != \
         before["model.layers.3.self_attn.o_proj.weight"][1].tobytes()  # training moved the main model
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 2
+
+
+def test_a_folder_that_declares_modules_and_holds_none(tmp_path):
+    """As transformers saves a DeepSeek-V3 (config.json's num_nextn_predict_layers 1, no model.layers.4.*): read by its
+    tensors, MTP off imports it, and model.mtp_depth=1 is refused in one line naming what it holds."""
+    import json
+    import shutil
+    from trainer.errors import UserError
+    d = tmp_path / "saved"
+    shutil.copytree(FIX.parents[1] / "hf" / "deepseek_v3_f32", d)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "num_nextn_predict_layers": 1}))
+    s, params = _loaded(d, ONE, T=16)
+    assert "mtp" not in params and s.model.mtp_depth == 0
+    with pytest.raises(UserError, match=r"^model.mtp_depth=1: .* holds 0 multi-token-prediction layers \(by its "
+                                        r"tensors; its config.json declares 1\); set model.mtp_depth=0 or less$"):
+        _loaded(d, ONE, "model.mtp_depth=1", T=16)

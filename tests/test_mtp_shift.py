@@ -153,6 +153,7 @@ def test_losses_and_gradients_equal_the_documents_run_by_hand():
     assert abs(float(v) - float(rv)) < 1e-5 and max_rel(g, rg) < 1e-5, (float(v), float(rv), max_rel(g, rg))
 
 
+@pytest.mark.slow
 def test_targets_counted_across_documents_fail_the_hand_computation(monkeypatch):
     from conftest import max_rel
     windows, batch = _batch()

@@ -211,6 +211,10 @@ def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
     """The folder's tensors, checked against the model that mc describes (names and shapes); with `say`, one
     log line for a wrapped model's towers left out."""
     have, dropped = text_tensors(path, index(path))
+    if mc.mtp_depth and (held := _mtp_depth(have, mc)) < mc.mtp_depth:
+        declared = text_config(_raw_config(path), path).get("num_nextn_predict_layers", 0)
+        raise UserError(f"model.mtp_depth={mc.mtp_depth}: {path} holds {held} multi-token-prediction layers (by its "
+                        f"tensors; its config.json declares {declared}); set model.mtp_depth={held} or less")
     if dropped and say:
         log.info("%s: the text model of a %s read; its other towers (%d tensors) are left out", path,
                  _raw_config(path)["architectures"][0], dropped)
@@ -240,12 +244,16 @@ def check_tensors(path, mc, say: bool = False) -> dict[str, st.Tensor]:
 
 def mtp_layers(path, mc) -> int:
     """How many multi-token-prediction layers the folder holds, by its tensors (not its config.json: a folder saved
-    by transformers declares one and holds none): the largest D whose modules' tensors are all there."""
-    have, _ = text_tensors(path, index(path))
+    by transformers declares one and holds none)."""
+    return _mtp_depth(text_tensors(path, index(path))[0], mc)
+
+
+def _mtp_depth(have: dict, mc) -> int:
+    """The largest D whose modules' tensors (those the adapter reads for model.mtp_depth=D) are all in `have`."""
     depth = 0
     while depth < 16:
-        deeper = dataclasses.replace(mc, mtp_depth=depth + 1)
-        names = [n for lf in leaves(deeper) if lf.path[0] == "mtp" for n in lf.names]
+        names = [n for lf in leaves(dataclasses.replace(mc, mtp_depth=depth + 1)) if lf.path[0] == "mtp"
+                 for n in lf.names]
         if not names or any(n not in have for n in names):
             break
         depth += 1
