@@ -9,6 +9,7 @@ FLOP convention (used for MFU everywhere in meshtrain):
   6   = 2 FLOPs per multiply-add x (1 forward + 2 backward).
   attention: QK^T and PV are 2 * 2 * T * Dh FLOPs per head per token forward; x3 for
         training gives 12 * L * T * H * Dh; causal masking halves the useful work -> 6.
+Multi-token prediction (model.mtp_depth = D) adds D layers (each with its eh_proj, 2D x D) and D more heads.
 Remat recomputation is not model FLOPs; `hardware_flops_per_token` adds it.
 The matmul weights are the inventory's per-layer parameters with an `embed` axis and at least one other (norm
 weights and biases are elementwise). A Mixture of Experts counts its active weights: an expert weight (axis
@@ -48,15 +49,21 @@ def layer_matmul_params(c: ModelConfig, stack: str = "layers") -> int:
     return sum(active_size(c, p) for p in inventory(c)[stack].values() if _matmul(p))
 
 
+def with_modules(c: ModelConfig) -> dict:
+    """`stacks`, and the multi-token-prediction modules (model.mtp_depth) as a stack "mtp" of that many layers (each
+    a decoder layer with its eh_proj)."""
+    return {**stacks(c), **({"mtp": c.mtp_depth} if c.mtp_depth else {})}
+
+
 def stack_matmul_params(c: ModelConfig) -> int:
-    """Active matmul weights of every layer of every stack."""
-    return sum(rows * layer_matmul_params(c, stack) for stack, rows in stacks(c).items())
+    """Active matmul weights of every layer of every stack, the prediction modules' included."""
+    return sum(rows * layer_matmul_params(c, stack) for stack, rows in with_modules(c).items())
 
 
 def _all_params(c: ModelConfig, size) -> int:
     inv = inventory(c)
-    outer = sum(math.prod(p.shape) for k, p in inv.items() if k not in STACKS)
-    return outer + sum(rows * sum(size(p) for p in inv[stack].values()) for stack, rows in stacks(c).items())
+    outer = sum(math.prod(p.shape) for k, p in inv.items() if k not in STACKS + ("mtp",))
+    return outer + sum(rows * sum(size(p) for p in inv[stack].values()) for stack, rows in with_modules(c).items())
 
 
 def param_count(c: ModelConfig) -> int:
@@ -70,8 +77,9 @@ def active_param_count(c: ModelConfig) -> int:
 
 
 def matmul_param_count(c: ModelConfig) -> int:
-    """N of the FLOP convention: active layer matmul weights plus the output head (tied or not)."""
-    return stack_matmul_params(c) + c.d_model * c.vocab_size
+    """N of the FLOP convention: active layer matmul weights plus the output head (tied or not), which each
+    prediction module runs once more."""
+    return stack_matmul_params(c) + (1 + c.mtp_depth) * c.d_model * c.vocab_size
 
 
 def attended(c: ModelConfig, t: int) -> float:
@@ -89,7 +97,8 @@ def attended(c: ModelConfig, t: int) -> float:
 def flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:
     """Model training FLOPs per token (the convention above)."""
     t = seq_len or c.seq_len
-    return 6 * matmul_param_count(c) + 6 * c.n_layers * attended(c, t) * c.n_heads * family(c.family).qk_v_width(c)
+    layers = c.n_layers + c.mtp_depth  # each prediction module's layer attends as the stack's do
+    return 6 * matmul_param_count(c) + 6 * layers * attended(c, t) * c.n_heads * family(c.family).qk_v_width(c)
 
 
 def hardware_flops_per_token(c: ModelConfig, seq_len: int | None = None) -> float:

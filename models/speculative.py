@@ -53,6 +53,11 @@ class Stats:
         """New tokens per forward of the main model."""
         return self.tokens / self.forwards if self.forwards else 0.0
 
+    def summary(self) -> str:
+        return (f"generate --speculative: {self.accepted} of {self.drafted} drafts accepted (acceptance rate "
+                f"{self.acceptance:.3f}); {self.tokens} tokens in {self.forwards} forwards of the main model "
+                f"({self.per_forward:.2f} tokens per forward, the prompt's included)")
+
 
 def _greedy(logits, n_ids):
     known = jnp.arange(logits.shape[-1]) < n_ids  # a padded vocabulary's last rows are no token's

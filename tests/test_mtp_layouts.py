@@ -69,3 +69,25 @@ def test_deepseek_modules_with_the_experts_split_equal_one_device():
     for k in ("layers", "mtp"):
         np.testing.assert_array_equal(r.params[k]["router_bias"], params[k]["router_bias"])
     assert np.abs(r.params["mtp"]["router_bias"]).max() > 0
+
+
+def test_counts_and_the_planner_see_the_modules(capsys):
+    """param_count is the initialized tree's size with the modules in it; the FLOPs per token grow by each module's
+    layer, eh_proj and head (6 x their matmul weights + the layer's attention, written out here); `meshtrain plan`
+    plans such a model (its memory check runs before every training start)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from hf_check import cli
+    from models import Transformer, from_preset, params_of
+    from models.counts import flops_per_token, param_count
+    c = from_preset("tiny", mtp_depth=2)
+    shapes = jax.eval_shape(lambda: params_of(Transformer(c, rngs=nnx.Rngs(0))))
+    assert param_count(c) == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    D, F, H, E, K, V, T = c.d_model, c.d_ff, c.n_heads, c.head_dim, c.n_kv_heads, c.vocab_size, c.seq_len
+    layer = D * H * E * 2 + 2 * D * K * E + 3 * D * F  # q, o; k, v; gate, up, down
+    module = 6 * (layer + 2 * D * D + D * V) + 6 * T * H * E  # the convention: 6 L T H Dh for attention
+    plain = from_preset("tiny")
+    assert abs(flops_per_token(c) - flops_per_token(plain) - 2 * module) < 1e-6 * flops_per_token(c)
+    assert cli("plan", "model.preset=tiny", "model.mtp_depth=2") == 0
+    assert "activations" in capsys.readouterr().out

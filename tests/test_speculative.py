@@ -83,3 +83,22 @@ def test_trained_module_drafts_at_its_teacher_forced_accuracy():
     print({k: (s.acceptance, s.per_forward) for k, s in rates.items()})
     assert rates["trained"].acceptance > rates["reinit"].acceptance
     assert rates["trained"].per_forward > 1.2
+
+
+@pytest.mark.slow
+def test_the_cli_trains_modules_and_drafts_with_them(tmp_path, capfd):
+    """`meshtrain train ... model.mtp_depth=1` (planner, memory check, metrics with aux/mtp_1), then `meshtrain
+    generate --speculative`: the plain greedy text, and the drafts' line on stderr."""
+    import json
+    from conftest import TINY
+    from hf_check import cli
+    run = tmp_path / "run"
+    assert cli("train", *TINY, "model.mtp_depth=1", "train.steps=30", f"run.dir={run}") == 0
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("aux/mtp_1" in x for x in lines)
+    capfd.readouterr()
+    assert cli("generate", "--run", str(run), "--prompt", "def ", "--tokens", "20", "--temperature", "0") == 0
+    plain = capfd.readouterr().out
+    assert cli("generate", "--run", str(run), "--prompt", "def ", "--tokens", "20", "--speculative") == 0
+    got = capfd.readouterr()
+    assert got.out == plain and "drafts accepted (acceptance rate" in got.err

@@ -140,10 +140,12 @@ def _generate(args: list[str]) -> int:
                    "prediction modules and verifying with the main model (its greedy output exactly); logs the "
                    "acceptance rate and the tokens per forward")
     ns = p.parse_args(args)
-    from trainer.run.generate import generate_text
+    from trainer.run.generate import completion
     temperature = ns.temperature if ns.temperature is not None else 0.0 if ns.speculative else 0.8
-    generate_text(ns.run, ns.prompt, ns.tokens, temperature, ns.top_k, ns.seed, ns.step, chat=ns.chat,
-                  system=ns.system, stops=tuple(ns.stop), speculative=ns.speculative)
+    done = completion(ns.run, ns.prompt, ns.tokens, temperature, ns.top_k, ns.seed, ns.step, chat=ns.chat,
+                      system=ns.system, stops=tuple(ns.stop), speculative=ns.speculative)
+    if done.stats is not None:  # what the drafts did, on stderr: stdout is the text
+        print(done.stats.summary(), file=sys.stderr)
     return 0
 
 

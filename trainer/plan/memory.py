@@ -178,8 +178,20 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     if st.stage == 1:
         saved = _stacks_saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st))
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
-        return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform)
-    return pipeline_activation_bytes(mc, st, b, dtype, platform)
+        return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform) \
+            + module_bytes(mc, st, dtype, platform, b)
+    return pipeline_activation_bytes(mc, st, b, dtype, platform) + module_bytes(mc, st, dtype, platform, b)
+
+
+def module_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int) -> float:
+    """The multi-token-prediction modules' residuals at b sequences per device (on the last stage): per depth, its
+    decoder layer's (never rematerialized), its head's and loss's, and its concatenated, projected input."""
+    if not mc.mtp_depth:
+        return 0.0
+    N = b * mc.seq_len // st.context
+    own = 3.0 * N * mc.d_model * jax.numpy.dtype(dtype).itemsize  # [enorm(e), hnorm(h)] (2D) and eh_proj's output
+    layer = _saved(mc, st.model, dtype, platform, "none", b, _ctx(st), "mtp")
+    return mc.mtp_depth * (layer + head_bytes(mc, st, dtype, platform, b) + own)
 
 
 def expert_working_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str, platform: str) -> float:

@@ -97,7 +97,7 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
     x = jax.ShapeDtypeStruct((rows, T, D), dt)
     if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
         cfg = dataclasses.replace(c, tie_embeddings=False)
-        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", *STACKS)}
+        weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "mtp", *STACKS)}
         return residuals(lambda x, weights, r=rows: cross_entropy(
             head(cfg, weights, x), jax.numpy.zeros((r, T), jax.numpy.int32)), x, weights)
     weights = {k: w(p.shape) for k, p in inventory(c)[stack].items()}  # one layer's, at one device's shapes

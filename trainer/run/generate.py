@@ -94,6 +94,8 @@ def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature:
     ids = codec.chat(run_dir, prompt, system) if chat else codec.encode(prompt)
     stop_ids, stop_texts = _stops(codec, origin, stops)
     kept = fit_prompt(np.asarray([ids], np.int32), context)  # its warning comes before anything is printed
+    if speculative:
+        _check_drafts(run_dir, mc, kept, n_tokens, context)
     if not chat:
         out.write(prompt)
     stats = None
@@ -105,16 +107,11 @@ def completion(run_dir: str, prompt: str = "", n_tokens: int = 256, temperature:
     new, text, stopped = _stream(tokens, codec.decoder(), stop_ids, stop_texts, out)
     out.write("\n")
     out.flush()
-    if stats is not None:
-        log.info("generate --speculative: %d of %d drafts accepted (acceptance rate %.3f); %d tokens in %d forwards "
-                 "of the main model (%.2f tokens per forward, the prompt's included)", stats.accepted, stats.drafted,
-                 stats.acceptance, stats.tokens, stats.forwards, stats.per_forward)
     return Completion(ids, new, text, stopped, stats)
 
 
-def _drafted(run_dir: str, mc, params: dict, kept, n_tokens: int, context: int, vocab: int):
-    """(the tokens, Stats) of speculative decoding with the model's multi-token-prediction modules as drafts."""
-    from models.speculative import Stats, speculative
+def _check_drafts(run_dir: str, mc, kept, n_tokens: int, context: int):
+    """A one-line error unless the model has modules to draft with and the prompt and tokens fit its context."""
     if not mc.mtp_depth:
         raise UserError(f"--speculative drafts with the model's multi-token-prediction modules, and '{run_dir}' has "
                         "none (model.mtp_depth=0, or an HF folder without model.layers.<num_hidden_layers>.*); train "
@@ -122,6 +119,11 @@ def _drafted(run_dir: str, mc, params: dict, kept, n_tokens: int, context: int, 
     if kept.shape[1] + n_tokens > context:
         raise UserError(f"--speculative keeps the prompt ({kept.shape[1]} tokens) and --tokens {n_tokens} in the "
                         f"model's context of {context} positions; lower --tokens to {context - kept.shape[1]} or less")
+
+
+def _drafted(run_dir: str, mc, params: dict, kept, n_tokens: int, context: int, vocab: int):
+    """(the tokens, Stats) of speculative decoding with the model's multi-token-prediction modules as drafts."""
+    from models.speculative import Stats, speculative
     stats = Stats()
     return speculative(mc, params, kept[0], n_tokens, stats, vocab=vocab), stats
 
