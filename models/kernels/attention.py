@@ -69,10 +69,12 @@ def reset_warnings():
     _warn_positions.cache_clear()
 
 
-def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask, softcap=None, scale=None):
+def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask, softcap=None, scale=None, sinks=None):
     """Attention written out: scores (float32) scaled by `scale` (default head_dim ** -0.5), soft-capped as
     softcap * tanh(scores / softcap), masked where `mask` (broadcast against (B, K, G, T, S)) is False, softmax,
-    values. For what the fused kernels do not take: a soft-cap, another scale, a window that differs by layer."""
+    values. `sinks` (H,): each head's learned sink logit (gpt-oss), one more term in every query's softmax
+    denominator that takes no value. For what the fused kernels do not take: a soft-cap, another scale, a window
+    that differs by layer, sinks."""
     B, T, H, E = q_BTHE.shape
     K = k_BSKE.shape[2]
     q = q_BTHE.reshape(B, T, K, H // K, E)
@@ -80,8 +82,13 @@ def masked_attention(q_BTHE, k_BSKE, v_BSKE, mask, softcap=None, scale=None):
     s = s * (E ** -0.5 if scale is None else scale)
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1).astype(v_BSKE.dtype)
-    return jnp.einsum("bkgts,bske->btkge", p, v_BSKE).reshape(B, T, H, E)
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:  # the sink's column joins the softmax, then is dropped
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1, 1), s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], -1), axis=-1)[..., :-1]
+    return jnp.einsum("bkgts,bske->btkge", p.astype(v_BSKE.dtype), v_BSKE).reshape(B, T, H, E)
 
 
 def causal_mask(T: int, segments=None, window=None):
@@ -123,7 +130,7 @@ GLOBAL = 2 ** 30  # a traced window that means every causal key (a mixed stack's
 
 def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, platform: str | None = None,
               cpu_fast: bool = True, segments=None, window: int | None = None, softcap=None, scale=None,
-              windows: tuple | None = None, positions=None):
+              windows: tuple | None = None, positions=None, sinks=None):
     """Causal attention by implementation: "manual" (models/kernels/fast_cpu.py), "xla", "cudnn" or "auto" (`select`);
     with segments (B, T), inside each token's segment only; with a window, over the keys fewer than `window`
     positions before each query (itself included) only. `scale`: the scores' (default head_dim ** -0.5);
@@ -131,7 +138,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
     that takes one of the static `windows` (None: every key) runs that window's own kernel, picked at run time.
     `positions` = (the queries' (Tq,), the keys' (S,), float32): causality and windows by those positions, not by
     index (a chunk of a sequence against keys gathered from elsewhere: context parallelism, models/context_parallel/gather.py);
-    segments then a pair (the queries' (B, Tq), the keys' (B, S)). Without, whole sequences as they were."""
+    segments then a pair (the queries' (B, Tq), the keys' (B, S)). Without, whole sequences as they were.
+    `sinks` (H,): per-head attention sinks (masked_attention's), on the written-out path for now."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     if scale is not None and softcap is None:  # the kernels' own scale, the rest folded into q
@@ -139,15 +147,15 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
         scale = None
     if softcap is None and windows is not None and not isinstance(window, (int, type(None))):
         kw = dict(impl=impl, block=block, platform=platform, cpu_fast=cpu_fast, segments=segments,
-                  positions=positions)
+                  positions=positions, sinks=sinks)
         branches = [functools.partial(attention, window=w, **kw) for w in windows]
         index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
         return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
-    if softcap is not None or scale is not None or not isinstance(window, (int, type(None))):
-        with jax.named_scope("attention_masked"):  # Gemma's: no fused kernel takes these
+    if softcap is not None or scale is not None or sinks is not None or not isinstance(window, (int, type(None))):
+        with jax.named_scope("attention_masked"):  # Gemma's and gpt-oss's: no fused kernel takes these yet
             mask = (causal_mask(q_BTHE.shape[1], segments, window) if positions is None
                     else position_mask(positions, segments, window))
-            return masked_attention(q_BTHE, k_BTKE, v_BTKE, mask, softcap, scale)
+            return masked_attention(q_BTHE, k_BTKE, v_BTKE, mask, softcap, scale, sinks)
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
     if segments is not None and "segments" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "document masks (segment_ids)")
