@@ -2,7 +2,8 @@
 value), models/kernels/attention.py `attention(..., sinks=)`, against a reference written here: for each query,
 p_j = exp(s_j) / (sum over its visible keys of exp(s_k) + exp(sink_h)), out = sum_j p_j v_j, with packed documents,
 a sliding window and grouped KV heads; forward (checked position by position in NumPy, float64) and the gradients
-of q, k, v and the sinks (against the same formula in jnp) within 1e-5."""
+of q, k, v and the sinks (against the same formula in jnp) within 1e-5: XLA's path (the softmax with the sink's
+column), the CPU fast path's causal blocks and the loops kernel for long rows, each with its own backward."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,11 +55,28 @@ def _formula(q, k, v, sinks, window):
     return jnp.einsum("bhts,bshe->bthe", p, vv)
 
 
+def _loops(q, k, v, z, segments, window):
+    """The CPU loops kernel for long rows (models/kernels/flash_cpu.py) called directly, in tiles of 4."""
+    from models.kernels.fast_cpu import _group, _kv, _ungroup
+    from models.kernels.flash_cpu import flash, flash_sinks
+    args = (_group(q, K), _kv(k), _kv(v))
+    if z is None:
+        return _ungroup(flash(*args, 1.0 / E ** 0.5, 4, segments, window))
+    return _ungroup(flash_sinks(*args, z.reshape(K, -1), 1.0 / E ** 0.5, 4, segments, window))
+
+
+KERNELS = {"xla": lambda q, k, v, z, seg, w: attention(q, k, v, impl="xla", segments=seg, window=w, sinks=z),
+           # the CPU fast path, causal blocks of 4 with its hand-written backward
+           "manual": lambda q, k, v, z, seg, w: attention(q, k, v, impl="manual", block=4, segments=seg, window=w,
+                                                          sinks=z),
+           "loops": _loops}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("window", [None, 4])
-def test_sinks_equal_the_softmax_written_out(window):
+def test_sinks_equal_the_softmax_written_out(kernel, window):
     q, k, v, sinks = _inputs()
-    ours = lambda q, k, v, z: attention(q, k, v, impl="xla", segments=jnp.asarray(SEG), window=window,  # noqa
-                                        sinks=z)
+    ours = lambda q, k, v, z: KERNELS[kernel](q, k, v, z, jnp.asarray(SEG), window)  # noqa: E731
     got = np.asarray(ours(q, k, v, sinks))
     np.testing.assert_allclose(got, _by_hand(q, k, v, sinks, window), atol=1e-5)
     assert np.abs(got - np.asarray(ours(q, k, v, None))).max() > 1e-2  # the sinks matter here

@@ -151,12 +151,14 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
         branches = [functools.partial(attention, window=w, **kw) for w in windows]
         index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
         return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
-    if softcap is not None or scale is not None or sinks is not None or not isinstance(window, (int, type(None))):
-        with jax.named_scope("attention_masked"):  # Gemma's and gpt-oss's: no fused kernel takes these yet
+    chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
+    manual_sinks = sinks is not None and chosen == "manual" and positions is None  # the CPU kernels take sinks
+    if softcap is not None or scale is not None or (sinks is not None and not manual_sinks) \
+            or not isinstance(window, (int, type(None))):
+        with jax.named_scope("attention_masked"):  # Gemma's, and sinks where no fused kernel takes them yet
             mask = (causal_mask(q_BTHE.shape[1], segments, window) if positions is None
                     else position_mask(positions, segments, window))
             return masked_attention(q_BTHE, k_BTKE, v_BTKE, mask, softcap, scale, sinks)
-    chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
     if segments is not None and "segments" not in FEATURES[chosen]:
         _warn_unsupported(chosen, "document masks (segment_ids)")
         chosen = "xla"
@@ -176,7 +178,7 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
             chosen = "xla"
     with jax.named_scope(f"attention_{chosen}"):
         if chosen == "manual":
-            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments, window, positions)
+            return causal_attention(q_BTHE, k_BTKE, v_BTKE, block, segments, window, positions, sinks)
         if positions is not None:
             mask = position_mask(positions, segments, window or None)[:, 0]  # (B or 1, 1, Tq, S)
             return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, implementation=chosen)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from models.kernels.flash_cpu import LOOPS_FROM, TILE, flash, with_backward
+from models.kernels.flash_cpu import LOOPS_FROM, TILE, flash, flash_sinks, with_backward, with_sinks
 
 # ----------------------------------------------------------------------------- projections
 
@@ -191,6 +191,7 @@ def _attention_bwd(scale, block, window, res, do):
 
 
 _attention = with_backward(_forward, _attention_bwd)
+_attention_sinks = with_sinks(_forward, _attention_bwd)
 
 
 # ----------------------------------------------------------------------------- a chunk of a row, by position
@@ -261,21 +262,29 @@ def _chunk_attention_bwd(scale, block, window, res, do):
 _chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
 
 
-def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None, positions=None):
+def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None, positions=None,
+                     sinks=None):
     """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring.
     segments (B, T): each token's document; attention then stays inside it (the same blocks: a block's
     keys of other documents are masked like its future ones). window: a query sees only the keys fewer than
     `window` positions before it, itself included (Mistral's sliding window); a block skips the keys no query of
     it sees. positions = (the queries' (Tq,), the keys' (S,), float32): causality (and the window) by those
     positions, k and v holding S keys, segments then a pair ((B, Tq), (B, S)): every block takes every key (the
-    positions are traced: no block can be skipped), the blocks run one at a time in a scan (_chunk_forward)."""
+    positions are traced: no block can be skipped), the blocks run one at a time in a scan (_chunk_forward).
+    sinks (H,): each head's attention sink (flash_cpu.py `with_sinks`), whole rows only for now."""
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
     q, k, v = _group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE)
     if positions is None:
         T = q_BTHE.shape[1]
         loops = T >= LOOPS_FROM and T % TILE == 0
-        return _ungroup((flash if loops else _attention)(q, k, v, 1.0 / E ** 0.5, TILE if loops else block,
-                                                           segments, window or None))
+        n = TILE if loops else block
+        if sinks is not None:
+            z = sinks.reshape(K, -1)
+            return _ungroup((flash_sinks if loops else _attention_sinks)(q, k, v, z, 1.0 / E ** 0.5, n, segments,
+                                                                        window or None))
+        return _ungroup((flash if loops else _attention)(q, k, v, 1.0 / E ** 0.5, n, segments, window or None))
+    if sinks is not None:
+        raise NotImplementedError("attention sinks on a chunk of a row (context parallelism) are not built yet")
     T = q_BTHE.shape[1]
     block = block if 0 < block < T and T % block == 0 else T
     return _ungroup(_chunk_attention(q, k, v, 1.0 / E ** 0.5, block, segments, window or None, positions))

@@ -84,6 +84,32 @@ def with_backward(forward, backward):
     return f
 
 
+def with_sinks(forward, backward):
+    """f(q, k, v, sinks (K, G), scale, block, seg, window) of a whole-row kernel pair (`with_backward`'s): each head's
+    sink logit joins every query's softmax denominator. The kernel's output o and log-sum-exp L become
+    o' = o exp(L - L') and L' = logaddexp(L, sink), and its own backward on (o', L') is the sinked softmax's: P' =
+    exp(S - L') holds the sink in its denominator, dS = P' (dP - rowsum(dO o')). The sink's gradient is
+    -sum over rows and queries of exp(sink - L') rowsum(dO o') (d o' / d sink = -p_sink o')."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 7))
+    def f(q, k, v, z, scale, block, seg, window):
+        return f_fwd(q, k, v, z, scale, block, seg, window)[0]
+
+    def f_fwd(q, k, v, z, scale, block, seg, window):
+        o, lse = forward(q, k, v, scale, block, seg, window)
+        sunk = jnp.logaddexp(lse, z.astype(jnp.float32)[None, :, :, None])
+        o = (o.astype(jnp.float32) * jnp.exp(lse - sunk)[..., None]).astype(q.dtype)
+        return o, (q, k, v, o, sunk, seg, z)
+
+    def f_bwd(scale, block, window, res, do):
+        q, k, v, o, sunk, seg, z = res
+        dq, dk, dv, dseg = backward(scale, block, window, (q, k, v, o, sunk, seg), do)
+        d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, K, G, T)
+        dz = -jnp.sum(jnp.exp(z.astype(jnp.float32)[None, :, :, None] - sunk) * d, axis=(0, 3))
+        return dq, dk, dv, dz.astype(z.dtype), dseg
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def _backward(scale, n, window, res, do):
     q, k, v, o, lse, seg = res
     tiles = q.shape[3] // n
@@ -113,5 +139,6 @@ def _backward(scale, n, window, res, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None if seg is None else jnp.zeros_like(seg)
 
 
-# causal attention (B, K, G, T, E) of T a multiple of the tile n; as fast_cpu's `_attention`
+# causal attention (B, K, G, T, E) of T a multiple of the tile n; as fast_cpu's `_attention`; with sinks
 flash = with_backward(_forward, _backward)
+flash_sinks = with_sinks(_forward, _backward)
