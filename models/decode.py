@@ -74,8 +74,10 @@ def layer_runner(c: ModelConfig, rope, attend, pos, T: int, dtype):
         p = {k: w if k in stored else jax.tree.map(lambda a: a.astype(dtype), w) for k, w in p.items()}
         new = {}
 
-        def attention(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None):
-            o_BTHE, new["k"], new["v"] = attend(q_BTHE, k_BTKE, v_BTKE, mine["k"], mine["v"], window, softcap, scale)
+        def attention(q_BTHE, k_BTKE, v_BTKE, segments=None, window=None, softcap=None, scale=None, windows=None,
+                      sinks=None):
+            o_BTHE, new["k"], new["v"] = attend(q_BTHE, k_BTKE, v_BTKE, mine["k"], mine["v"], window, softcap, scale,
+                                                sinks)
             return o_BTHE
 
         own = CacheView(mine, pos, T) if spec.decode_cache is not None else None
@@ -97,7 +99,7 @@ def hidden(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     spec = family(c.family)
     B, T = tokens_BT.shape
     S = next(iter(cache.values())).shape[2]
-    rope, attend = (_ring if c.uniform_window and not linear else _linear)(c, (B, T), pos, S, dtype)
+    rope, attend = (_ring if c.uniform_window and not linear else position_cache)(c, (B, T), pos, S, dtype)
     run = layer_runner(c, rope, attend, pos, T, dtype)
 
     def body(layer, x_BTD, xs):
@@ -122,7 +124,7 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     return head(c, params, x_BTD[:, -1:])[:, 0], cache
 
 
-def _linear(c: ModelConfig, shape, pos, S: int, dtype):
+def position_cache(c: ModelConfig, shape, pos, S: int, dtype):
     """(RoPE tables, attend) for a cache of S slots in position order: the new keys are written at pos.., and a
     query at pos + t sees slots 0..pos + t (its own key is written first), within its layer's window if it has one
     (a mixed stack's local layers)."""
@@ -130,15 +132,15 @@ def _linear(c: ModelConfig, shape, pos, S: int, dtype):
     q_pos = pos + jnp.arange(T)
     ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE, window=None, softcap=None, scale=None):
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE, window=None, softcap=None, scale=None, sinks=None):
         k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
         keys, values = k_BSKE.astype(dtype), v_BSKE.astype(dtype)
-        if window is None and softcap is None and scale is None:
+        if window is None and softcap is None and scale is None and sinks is None:
             o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None])
         else:
             keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
-            o = masked_attention(q_BTHE, keys, values, keep, softcap, scale)
+            o = masked_attention(q_BTHE, keys, values, keep, softcap, scale, sinks)
         return o, k_BSKE, v_BSKE
 
     return rope_for(c, T, jnp.broadcast_to(q_pos, (B, T))), attend
@@ -158,14 +160,14 @@ def _ring(c: ModelConfig, shape, pos, R: int, dtype):
     m = min(T, R)
     slots = jnp.mod(q_pos[T - m:], R)
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, k_BRKE, v_BRKE, window=None, softcap=None, scale=None):
+    def attend(q_BTHE, k_BTKE, v_BTKE, k_BRKE, v_BRKE, window=None, softcap=None, scale=None, sinks=None):
         # every layer has the window W (a uniform window): the ring holds it
         keys = jnp.concatenate([k_BRKE.astype(dtype), k_BTKE], axis=1)
         values = jnp.concatenate([v_BRKE.astype(dtype), v_BTKE], axis=1)
-        if softcap is None and scale is None:
+        if softcap is None and scale is None and sinks is None:
             o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=mask_11TK)
         else:
-            o = masked_attention(q_BTHE, keys, values, mask_11TK[0, 0], softcap, scale)
+            o = masked_attention(q_BTHE, keys, values, mask_11TK[0, 0], softcap, scale, sinks)
         k_BRKE = k_BRKE.at[:, slots].set(k_BTKE[:, T - m:].astype(k_BRKE.dtype))
         v_BRKE = v_BRKE.at[:, slots].set(v_BTKE[:, T - m:].astype(v_BRKE.dtype))
         return o, k_BRKE, v_BRKE

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from models.decode import _linear, hidden, init_cache, layer_runner
+from models.decode import position_cache, hidden, init_cache, layer_runner
 from models.objectives import mtp
 from models.spec import family
 from models.transformer import embed, final_norm, head
@@ -81,7 +81,7 @@ def _module_fn(c: ModelConfig, dtype):
     def module(params, d, tokens_BT, h_BTD, pos, cache, n_ids):
         B, T = tokens_BT.shape
         S = next(iter(cache.values())).shape[2]
-        rope, attend = _linear(c, (B, T), pos, S, dtype)
+        rope, attend = position_cache(c, (B, T), pos, S, dtype)
         run = layer_runner(c, rope, attend, pos, T, dtype)
         p = {k: jax.lax.dynamic_index_in_dim(w, d - 1, keepdims=False) for k, w in params["mtp"].items()}
         ahead = embed(c, params, tokens_BT, dtype)

@@ -22,18 +22,18 @@ def _inputs():
     return q, k, v, sinks
 
 
-def _visible(window):
+def _visible(window, seg=SEG):
     """(B, T, T) whether query t sees key s: causal, same document, inside the window."""
     t, s = np.arange(T)[:, None], np.arange(T)[None, :]
     keep = (t >= s) & ((t - s) < window if window else True)
-    return keep[None] & (SEG[:, :, None] == SEG[:, None, :])
+    return keep[None] & (seg[:, :, None] == seg[:, None, :])
 
 
-def _by_hand(q, k, v, sinks, window):
+def _by_hand(q, k, v, sinks, window, seg=SEG):
     """The forward query by query (float64)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    out, seen = np.zeros((B, T, H, E)), _visible(window)
-    for b in range(B):
+    out, seen = np.zeros(q.shape), _visible(window, seg)
+    for b in range(q.shape[0]):
         for t in range(T):
             for h in range(H):
                 kv = h // (H // K)
@@ -56,13 +56,9 @@ def _formula(q, k, v, sinks, window):
 
 
 def _loops(q, k, v, z, segments, window):
-    """The CPU loops kernel for long rows (models/kernels/flash_cpu.py) called directly, in tiles of 4."""
-    from models.kernels.fast_cpu import _group, _kv, _ungroup
-    from models.kernels.flash_cpu import flash, flash_sinks
-    args = (_group(q, K), _kv(k), _kv(v))
-    if z is None:
-        return _ungroup(flash(*args, 1.0 / E ** 0.5, 4, segments, window))
-    return _ungroup(flash_sinks(*args, z.reshape(K, -1), 1.0 / E ** 0.5, 4, segments, window))
+    """The CPU loops kernel for long rows (models/kernels/flash_cpu.py), in tiles of 4."""
+    from models.kernels.fast_cpu import causal_attention
+    return causal_attention(q, k, v, segments=segments, window=window, sinks=z, loops=4)
 
 
 KERNELS = {"xla": lambda q, k, v, z, seg, w: attention(q, k, v, impl="xla", segments=seg, window=w, sinks=z),
@@ -86,3 +82,23 @@ def test_sinks_equal_the_softmax_written_out(kernel, window):
     for g, w, name in zip(grads, want, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, err_msg=name)
     assert np.abs(np.asarray(grads[3])).min() > 1e-4  # every head's sink gets a gradient
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_decoding_with_a_cache_keeps_the_sinks(window):
+    """models/decode.py's attention against a cache in position order: a prefill of 8 tokens, then one token at a
+    time, each output the whole row's (by the hand reference above) at its position."""
+    from models.config import from_preset
+    from models.decode import position_cache
+    q, k, v, sinks = _inputs()
+    q, k, v = q[:1], k[:1], v[:1]  # row 0 as one document
+    want = _by_hand(q, k, v, sinks, window, np.ones((1, T), np.int64))[0]
+    c = from_preset("tiny", n_heads=H, n_kv_heads=K, head_dim=E)
+    cache_k, cache_v = jnp.zeros((1, T, K, E)), jnp.zeros((1, T, K, E))
+    pos = 0
+    for n in (8, 1, 1, 1, 1):
+        _, attend = position_cache(c, (1, n), pos, T, jnp.float32)
+        o, cache_k, cache_v = attend(q[:, pos:pos + n], k[:, pos:pos + n], v[:, pos:pos + n], cache_k, cache_v,
+                                     window, None, None, jnp.asarray(sinks))
+        np.testing.assert_allclose(np.asarray(o[0]), want[pos:pos + n], atol=1e-5)
+        pos += n

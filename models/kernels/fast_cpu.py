@@ -263,7 +263,7 @@ _chunk_attention.defvjp(_chunk_attention_fwd, _chunk_attention_bwd)
 
 
 def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, window=None, positions=None,
-                     sinks=None):
+                     sinks=None, loops: int | None = None):
     """Causal attention output (B, T, H, E) in causal query blocks of `block`; see the module docstring.
     segments (B, T): each token's document; attention then stays inside it (the same blocks: a block's
     keys of other documents are masked like its future ones). window: a query sees only the keys fewer than
@@ -271,13 +271,15 @@ def causal_attention(q_BTHE, k_BTKE, v_BTKE, block: int = 128, segments=None, wi
     it sees. positions = (the queries' (Tq,), the keys' (S,), float32): causality (and the window) by those
     positions, k and v holding S keys, segments then a pair ((B, Tq), (B, S)): every block takes every key (the
     positions are traced: no block can be skipped), the blocks run one at a time in a scan (_chunk_forward).
-    sinks (H,): each head's attention sink (flash_cpu.py `with_sinks`), whole rows only for now."""
+    sinks (H,): each head's attention sink (flash_cpu.py `with_sinks`), whole rows only for now. `loops`: run the
+    loops kernel in tiles of that many (default: from LOOPS_FROM tokens on, in tiles of TILE)."""
     K, E = k_BTKE.shape[2], q_BTHE.shape[-1]
     q, k, v = _group(q_BTHE, K), _kv(k_BTKE), _kv(v_BTKE)
     if positions is None:
         T = q_BTHE.shape[1]
-        loops = T >= LOOPS_FROM and T % TILE == 0
-        n = TILE if loops else block
+        long = T >= LOOPS_FROM and T % TILE == 0
+        n = loops or (TILE if long else block)
+        loops = bool(loops) or long
         if sinks is not None:
             z = sinks.reshape(K, -1)
             return _ungroup((flash_sinks if loops else _attention_sinks)(q, k, v, z, 1.0 / E ** 0.5, n, segments,
