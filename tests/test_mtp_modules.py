@@ -181,3 +181,33 @@ def test_a_folder_that_declares_modules_and_holds_none(tmp_path):
     with pytest.raises(UserError, match=r"^model.mtp_depth=1: .* holds 0 multi-token-prediction layers \(by its "
                                         r"tensors; its config.json declares 1\); set model.mtp_depth=0 or less$"):
         _loaded(d, ONE, "model.mtp_depth=1", T=16)
+
+
+@pytest.mark.slow
+def test_one_step_with_the_modules_then_export_holds_what_trained(tmp_path):
+    """The release folder trained one SGD step with model.mtp_depth=2 (CLI, (2,1,4) ZeRO-3 with the experts split),
+    exported: every tensor is the checkpoint's parameter bitwise (the modules' included, read back by a fresh import of
+    the export), the modules' copies of embed_tokens and shared_head.head equal the trained main model's, and the
+    modules moved."""
+    from conftest import SGD, TINY
+    from hf_check import cli, read_folder
+    from test_deepseek import EP
+    from trainer.ckpt.params import load_params
+    src = FIX.parents[1] / "hf" / "deepseek_v3_mtp_f32"
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert cli("train", *TINY, *SGD, *EP, f"model.init_from={src}", "model.mtp_depth=2", "train.steps=1",
+               "train.batch_size=4", "model.seq_len=32", f"run.dir={run}") == 0
+    assert cli("export", "--format", "hf", "--run", str(run), "--out", str(out)) == 0
+    got = read_folder(out)
+    for i in (4, 5):
+        assert got[f"model.layers.{i}.embed_tokens.weight"][1].tobytes() == got["model.embed_tokens.weight"][1].tobytes()
+        assert got[f"model.layers.{i}.shared_head.head.weight"][1].tobytes() == got["lm_head.weight"][1].tobytes()
+    assert got["model.layers.4.eh_proj.weight"][1].tobytes() != read_folder(src)["model.layers.4.eh_proj.weight"][1].tobytes()
+    trained, _ = load_params(str(run), None, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    back, cfg = load_params(str(out), None, jax.sharding.SingleDeviceSharding(jax.devices()[0]), mtp_present=True)
+    assert cfg.model.mtp_depth == 2
+    flat = lambda t: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(t)}  # noqa
+    a, b = flat(trained), flat(back)
+    assert sorted(a) == sorted(b) and any("mtp" in k for k in a)
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), k
