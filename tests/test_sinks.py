@@ -24,7 +24,8 @@ def _inputs():
 
 def _visible(window, seg=SEG):
     """(B, T, T) whether query t sees key s: causal, same document, inside the window."""
-    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    n = seg.shape[1]
+    t, s = np.arange(n)[:, None], np.arange(n)[None, :]
     keep = (t >= s) & ((t - s) < window if window else True)
     return keep[None] & (seg[:, :, None] == seg[:, None, :])
 
@@ -44,11 +45,11 @@ def _by_hand(q, k, v, sinks, window, seg=SEG):
     return out
 
 
-def _formula(q, k, v, sinks, window):
+def _formula(q, k, v, sinks, window, seg=SEG):
     """The same in jnp, for the gradients: exp of the scores less their max, the sink's term in the denominator."""
     kk, vv = (jnp.repeat(a, H // K, axis=2) for a in (k, v))
     s = jnp.einsum("bthe,bshe->bhts", q, kk) / np.sqrt(E)
-    seen = jnp.asarray(_visible(window))[:, None]
+    seen = jnp.asarray(_visible(window, seg))[:, None]
     m = jnp.maximum(jnp.max(jnp.where(seen, s, -jnp.inf), -1, keepdims=True), sinks[None, :, None, None])
     e = jnp.where(seen, jnp.exp(s - m), 0.0)
     p = e / (e.sum(-1, keepdims=True) + jnp.exp(sinks[None, :, None, None] - m))
@@ -102,3 +103,41 @@ def test_decoding_with_a_cache_keeps_the_sinks(window):
                                      window, None, None, jnp.asarray(sinks))
         np.testing.assert_allclose(np.asarray(o[0]), want[pos:pos + n], atol=1e-5)
         pos += n
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring", "all_to_all"])
+def test_context_parallel_sinks_enter_each_softmax_once(strategy):
+    """Rows of 16 split over 4 context ranks, balanced (each rank two chunks), documents and a window: each
+    strategy's output and gradients (the sinks' summed over the ranks) equal the hand formula; the ring merges its
+    blocks first and adds the sink once."""
+    import functools
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from meshes import RULES, Collectives, build_mesh
+    from models.context_parallel.gather import ContextPlan, order
+    n = 16
+    seg = np.array([[1] * 6 + [2] * 10, [1] * 11 + [2] * 5])
+    mesh = build_mesh(jax.devices()[:4], data=1, context=4)
+    coll = Collectives(RULES.replace(seq="context"), mesh)
+    perm = order(n, 4, True)
+    plan = ContextPlan(4, strategy, tuple(int(i) for i in perm))
+    kernel = functools.partial(attention, impl="manual", block=4, platform="cpu", window=5)
+    r = np.random.default_rng(2)
+    q, k, v, ct = (jnp.asarray(r.normal(size=sh), jnp.float32) for sh in
+                   ((B, n, H, E), (B, n, K, E), (B, n, K, E), (B, n, H, E)))
+    sinks = jnp.asarray([-1.0, 0.5, 2.0, 0.0], jnp.float32)
+    split = NamedSharding(mesh, P(None, "context"))
+
+    def chunked(q, k, v, z):
+        args = [jax.lax.with_sharding_constraint(a[:, perm], split) for a in (q, k, v)]
+        s = jax.lax.with_sharding_constraint(jnp.asarray(seg)[:, perm], split)
+        o = plan.attention(kernel, coll, plan.positions(coll, n))(*args, segments=s, sinks=z)
+        return jnp.zeros_like(o).at[:, perm].set(o)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(chunked)(q, k, v, sinks)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(chunked(*a) * ct), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    want = _formula(q, k, v, sinks, 5, seg)
+    want_g = jax.grad(lambda *a: jnp.sum(_formula(*a, 5, seg) * ct), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    for g, w, name in zip(grads, want_g, ("q", "k", "v", "sinks")):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, err_msg=name)

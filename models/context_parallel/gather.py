@@ -25,6 +25,7 @@ import numpy as np
 
 from models.context_parallel.blockwise import Q, KV, blockwise
 from models.kernels import flash_blocks as fb
+from models.kernels.flash_cpu import sink_grad, sunk
 
 STRATEGIES = ("all_gather", "all_to_all", "ring")
 
@@ -86,23 +87,25 @@ def _row(coll, runs, k, v, pos, seg):
     return g(k, 2), g(v, 2), g(pos, 0), g(seg, 1)
 
 
-def _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window):
+def _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window, z):
     scale, softcap, tile = opts
     kk, vv, pk, sk = _row(coll, runs, k, v, pos, seg)
     o, lse = fb.forward(q, kk, vv, fb.Mask(pos, pk, seg, sk, window), scale, softcap, tile)
     o = o.astype(q.dtype)
+    if z is not None:  # the sinks join each query's softmax once, over the whole row's keys
+        o, lse = sunk(o, lse, z)
     # the rank's own q, k, v, output and log-sum-exp: the backward gathers K and V again (autodiff would keep the
     # row's)
-    return o, (q, k, v, o, lse, pos, seg, window)
+    return o, (q, k, v, o, lse, pos, seg, window, z)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gathered(coll, opts, runs, q, k, v, pos, seg, window):
-    return _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window)[0]
+def _gathered(coll, opts, runs, q, k, v, pos, seg, window, z):
+    return _gathered_fwd(coll, opts, runs, q, k, v, pos, seg, window, z)[0]
 
 
 def _gathered_bwd(coll, opts, runs, res, do):
-    q, k, v, o, lse, pos, seg, window = res
+    q, k, v, o, lse, pos, seg, window, z = res
     scale, softcap, tile = opts
     kk, vv, pk, sk = _row(coll, runs, k, v, pos, seg)
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
@@ -111,7 +114,8 @@ def _gathered_bwd(coll, opts, runs, res, do):
     dq, dk, dv = fb.backward(q, kk, vv, fb.Mask(pos, pk, seg, sk, window), scale, lse, do, d, softcap, tile=tile)
     dk, dv = (coll.reduce_scatter(_take(x, runs[1], 2), "seq", 2) for x in (dk, dv))
     zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
-    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window)
+    dz = None if z is None else sink_grad(o, lse, z, do)
+    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window), dz
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -125,8 +129,8 @@ def all_gather(kernel, coll, positions_T, order_T):
     again and reduce-scatters dK and dV."""
     runs = (_runs(np.argsort(order_T)), _runs(order_T))  # the gathered row into position order, and back
 
-    def core(opts, q, k, v, pos, seg, window):
-        return _gathered(coll, opts, runs, q, k, v, pos, seg, window)
+    def core(opts, q, k, v, pos, seg, window, z):
+        return _gathered(coll, opts, runs, q, k, v, pos, seg, window, z)
     return blockwise(kernel, coll, positions_T, core)
 
 
@@ -145,17 +149,22 @@ def all_to_all(kernel, coll, order_T):
     Needs each rank's heads to split over the context ranks (config validation)."""
     back = np.argsort(order_T)  # the reordered row's index of each original position
 
-    def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, **options):
-        def rank(q, k, v, *seg):
+    def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, sinks=None, **options):
+        def rank(q, k, v, *more):
+            seg, z = (more[0] if segments is not None else None), (more[-1] if sinks is not None else None)
             C = coll.axis_size("seq")
             k, v = _repeat_for(k, C), _repeat_for(v, C)
             # block j of the heads to rank j; each rank's chunk arrives as block i of the row: the reordered row
             q, k, v = (coll.all_to_all(x, "seq", 2, 1)[:, back] for x in (q, k, v))
-            whole = coll.all_gather(seg[0], "seq", 1)[:, back] if seg else None
+            whole = coll.all_gather(seg, "seq", 1)[:, back] if seg is not None else None
+            if z is not None:  # the sinks of the rank's block of heads
+                options["sinks"] = z.reshape(C, -1)[coll.axis_index("seq")]
             o = kernel(q, k, v, segments=whole, **options)
             return coll.all_to_all(o[:, order_T], "seq", 1, 2)
         args, axes = (q_BTHE, k_BTKE, v_BTKE), (Q, KV, KV)
         if segments is not None:
             args, axes = args + (segments,), axes + (("batch", "seq"),)
+        if sinks is not None:
+            args, axes = args + (sinks,), axes + (("heads",),)
         return coll.region(rank, axes, Q)(*args)
     return attend

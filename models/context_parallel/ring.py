@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from models.context_parallel.blockwise import blockwise
 from models.kernels import flash_blocks as fb
+from models.kernels.flash_cpu import sink_grad, sunk
 
 
 def _shift(coll, xs):
@@ -91,13 +92,15 @@ def _forward(coll, opts, q, k, v, pos, seg, window):
 # the window is an argument, not an option: a stack whose layers differ in window (Gemma's) traces it, and a
 # custom_vjp's non-differentiable arguments may hold no tracer
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(coll, opts, q, k, v, pos, seg, window):
-    return _forward(coll, opts, q, k, v, pos, seg, window)[0]
+def _ring(coll, opts, q, k, v, pos, seg, window, z):
+    return _ring_fwd(coll, opts, q, k, v, pos, seg, window, z)[0]
 
 
-def _ring_fwd(coll, opts, q, k, v, pos, seg, window):
+def _ring_fwd(coll, opts, q, k, v, pos, seg, window, z):
     o, lse = _forward(coll, opts, q, k, v, pos, seg, window)
-    return o, (q, k, v, o, lse, pos, seg, window)
+    if z is not None:  # the sinks join the merged softmax once, after every block
+        o, lse = sunk(o, lse, z)
+    return o, (q, k, v, o, lse, pos, seg, window, z)
 
 
 def _grads(opts, q, block, pos, seg, window, lse, do, d, dq, own=False):
@@ -132,7 +135,7 @@ def _grads(opts, q, block, pos, seg, window, lse, do, d, dq, own=False):
 
 
 def _ring_bwd(coll, opts, res, do):
-    q, k, v, o, lse, pos, seg, window = res
+    q, k, v, o, lse, pos, seg, window, z = res
     C = coll.axis_size("seq")
     d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     dq, dk, dv = _grads(opts, q, (k, v, pos, seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)),
@@ -151,7 +154,8 @@ def _ring_bwd(coll, opts, res, do):
     else:
         dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
     zeros = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731
-    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window)
+    dz = None if z is None else sink_grad(o, lse, z, do)
+    return dq.astype(q.dtype), dk, dv, zeros(pos), zeros(seg), zeros(window), dz
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -162,6 +166,6 @@ def ring(kernel, coll, positions_T, balanced: bool = False):
     axis (models/context_parallel/blockwise.py: `kernel`'s window and block read, a family's options
     taken). `balanced`: the ranks hold the head-tail order (gather.py `order`), whose halves the steps skip."""
 
-    def core(opts, q, k, v, pos, seg, window):
-        return _ring(coll, opts + (balanced,), q, k, v, pos, seg, window)
+    def core(opts, q, k, v, pos, seg, window, z):
+        return _ring(coll, opts + (balanced,), q, k, v, pos, seg, window, z)
     return blockwise(kernel, coll, positions_T, core)

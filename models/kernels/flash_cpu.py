@@ -84,6 +84,21 @@ def with_backward(forward, backward):
     return f
 
 
+def sunk(o, lse, z):
+    """(o', L') of a row's attention output o and log-sum-exp L (B, K, G, T) with each head's sink logit z (K, G)
+    joining every query's softmax: L' = logaddexp(L, z), o' = o exp(L - L'). A backward that takes (o', L') for
+    (o, L) is the sinked softmax's (its P = exp(S - L') holds the sink in the denominator)."""
+    out = jnp.logaddexp(lse, z.astype(jnp.float32)[None, :, :, None])
+    return (o.astype(jnp.float32) * jnp.exp(lse - out)[..., None]).astype(o.dtype), out
+
+
+def sink_grad(o, lse, z, do):
+    """The sinks' gradient (K, G) from (o', L') and the output's cotangent: -sum over rows and queries of
+    exp(z - L') rowsum(dO o') (d o' / d z = -p_sink o')."""
+    d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(z.astype(jnp.float32)[None, :, :, None] - lse) * d, axis=(0, 3)).astype(z.dtype)
+
+
 def with_sinks(forward, backward):
     """f(q, k, v, sinks (K, G), scale, block, seg, window) of a whole-row kernel pair (`with_backward`'s): each head's
     sink logit joins every query's softmax denominator. The kernel's output o and log-sum-exp L become
@@ -95,17 +110,13 @@ def with_sinks(forward, backward):
         return f_fwd(q, k, v, z, scale, block, seg, window)[0]
 
     def f_fwd(q, k, v, z, scale, block, seg, window):
-        o, lse = forward(q, k, v, scale, block, seg, window)
-        sunk = jnp.logaddexp(lse, z.astype(jnp.float32)[None, :, :, None])
-        o = (o.astype(jnp.float32) * jnp.exp(lse - sunk)[..., None]).astype(q.dtype)
-        return o, (q, k, v, o, sunk, seg, z)
+        o, lse = sunk(*forward(q, k, v, scale, block, seg, window), z)
+        return o, (q, k, v, o, lse, seg, z)
 
     def f_bwd(scale, block, window, res, do):
-        q, k, v, o, sunk, seg, z = res
-        dq, dk, dv, dseg = backward(scale, block, window, (q, k, v, o, sunk, seg), do)
-        d = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, K, G, T)
-        dz = -jnp.sum(jnp.exp(z.astype(jnp.float32)[None, :, :, None] - sunk) * d, axis=(0, 3))
-        return dq, dk, dv, dz.astype(z.dtype), dseg
+        q, k, v, o, lse, seg, z = res
+        dq, dk, dv, dseg = backward(scale, block, window, (q, k, v, o, lse, seg), do)
+        return dq, dk, dv, sink_grad(o, lse, z, do), dseg
     f.defvjp(f_fwd, f_bwd)
     return f
 
