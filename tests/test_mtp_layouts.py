@@ -1,7 +1,7 @@
 """Multi-token prediction (model.mtp_depth) trained on a layout against one device: 2 modules on the tiny Llama at
 weight 0.5, packed documents and the tiled loss, (2,1,4) ZeRO-3 with tensor parallelism (and (1,4,2) 1F1B, the modules
 on the last stage with the head, behind -m slow) and a load-balanced ring over 4 context ranks (each depth's targets
-read from the next chunks, models/objectives/mtp.py local_shifted; all-to-all over 2 x data 2 behind -m slow): loss,
+read from the next chunks, models/objectives/mtp.py local_rows; all-to-all over 2 x data 2 behind -m slow): loss,
 grad_norm (the modules' gradients in it: a wrong depth scale shows) and every parameter, the modules' included,
 within 1e-5 after 3 SGD steps. Reading each chunk's shifts from the chunk alone fails the ring case (grad_norm 4.9%
 off)."""

@@ -59,20 +59,26 @@ def weights(c) -> dict:
     return {k: c.mtp_weight / c.mtp_depth for k in names(c)}
 
 
-def local_shifted(batch: dict, d: int, placement) -> dict:
-    """`shifted` of the rows this code holds: under context parallelism (placement.context) each row's chunk, whose
-    depth-d fields read tokens of the next ranks' chunks: the rows' small fields gathered over `seq` and put back in
-    their original order, shifted whole, and this chunk's positions taken."""
+def local_rows(batch: dict, placement):
+    """(the rows' fields `shifted` reads, whole and in their original order; the original index of each token this
+    code holds, or None): under context parallelism (placement.context) each row's chunk reads tokens of the next
+    ranks' chunks, so the small fields are gathered over `seq` once and put back in order."""
     plan = placement.context
     if plan is None:
-        return shifted(batch, d)
+        return batch, None
     T, n = batch["targets"].shape[1], len(plan.order)
-    idx_T = plan.positions(placement.collectives, T).astype(jnp.int32)  # the original index of each token held
+    idx_T = plan.positions(placement.collectives, T).astype(jnp.int32)
     gather = (lambda x, axis: x) if T == n else (lambda x, axis: placement.collectives.all_gather(x, "seq", axis))
     idx_n = gather(idx_T, 0)
     rows = {k: jnp.zeros(batch[k].shape[:1] + (n,), batch[k].dtype).at[:, idx_n].set(gather(batch[k], 1))
             for k in ("targets", "loss_weight", "segment_ids")}
-    return {k: v[:, idx_T] for k, v in shifted(rows, d).items()}
+    return rows, idx_T
+
+
+def local_shifted(rows: dict, d: int, idx_T) -> dict:
+    """`shifted` of `local_rows`' rows, at this code's tokens (all of them without context parallelism)."""
+    f = shifted(rows, d)
+    return f if idx_T is None else {k: v[:, idx_T] for k, v in f.items()}
 
 
 def sums(c, params: dict, x_BTD, batch: dict, constrain, placement) -> dict:
@@ -92,8 +98,9 @@ def sums(c, params: dict, x_BTD, batch: dict, constrain, placement) -> dict:
                       index=c.n_layers, kv_repeat=placement.kv_repeat, collectives=placement.collectives,
                       attention=attention)
     out, tables = {}, family(c.family).aux_shapes(c)
+    rows, idx_T = local_rows(batch, placement)  # gathered once for every depth
     for d in range(1, c.mtp_depth + 1):
-        f = local_shifted(batch, d, placement)
+        f = local_shifted(rows, d, idx_T)
         p = {k: w[d - 1] for k, w in params["mtp"].items()}
         h, aux = depth(c, p, h, embed(c, params, f["tokens"], x_BTD.dtype, constrain),
                        call._replace(index=c.n_layers + d - 1), family(c.family).layer)
