@@ -14,10 +14,11 @@ from models.families.mistral import MISTRAL  # registers the mistral family
 from models.families.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE  # registers the mixtral, qwen3_moe and qwen2_moe families
 from models.families.deepseek import DEEPSEEK_V3, GLM4_MOE_LITE  # registers the deepseek_v3 and glm4_moe_lite families
 from models.families.qwen import QWEN2, QWEN3  # registers the qwen2 and qwen3 families
+from models.families.gpt_oss import GPT_OSS  # registers the gpt_oss family
 from models.transformer import (Transformer, abstract_model, forward, inventory, logical_axes_of, params_of,
                                 weight_decay_of)
 
-__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "LLAMA", "MISTRAL", "MIXTRAL", "PRESETS", "QWEN2", "QWEN2_MOE", "QWEN3",
+__all__ = ["FAMILIES", "GEMMA2", "GEMMA3", "GPT_OSS", "LLAMA", "MISTRAL", "MIXTRAL", "PRESETS", "QWEN2", "QWEN2_MOE", "QWEN3",
            "QWEN3_MOE", "REMAT_POLICIES", "ModelConfig", "ModelSpec", "Param", "Placement", "Transformer",
            "abstract_model", "compute_dtypes", "family", "flops_per_token", "forward", "from_preset",
            "hardware_flops_per_token", "inventory", "logical_axes_of", "loss_fn", "loss_sum", "matmul_param_count",

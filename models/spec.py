@@ -213,6 +213,14 @@ def nothing_after(c, params: dict, aux: dict) -> tuple[dict, dict]:
     return params, {}
 
 
+def no_aux_objective(c, aux: dict, collectives) -> dict:
+    return {}
+
+
+def any_batch(c) -> None:
+    return None
+
+
 # the Hugging Face form's types live in models/hf/types.py; importable from here as before
 from models.hf.types import HFAdapter, HFWrapper, Leaf, leading, leaf_shape  # noqa: E402,F401
 
@@ -302,6 +310,13 @@ class ModelSpec:
     # (trainer/plan/comm.py); None: Llama's layer (its outputs after wo and w_down, its projection groups' input
     # gradients, a recomputed one under full remat)
     tp_reductions: Callable | None = None
+    # (c, this objective's aux sums, the collectives) -> {aux name: value} replacing those aux sums (the layers return 0
+    # for them) before the objective weights them: terms that are not sums over rows (gpt-oss's pooled balancing
+    # loss), exact where the objective sees the step's whole batch (`whole_batch` says when it must)
+    aux_objective: Callable = no_aux_objective
+    # (c) -> why the model's objective needs the step's whole batch in one piece (trainer/config then refuses
+    # train.microbatches > 1 and pipelines), or None
+    whole_batch: Callable = any_batch
 
 
 FAMILIES: dict[str, ModelSpec] = {}

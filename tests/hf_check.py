@@ -15,7 +15,7 @@ from conftest import SGD, TINY
 from models.batch import from_windows
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
-DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+DT = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8}
 # (data, stage, model): ZeRO-3 over data with heads split 4 ways; a pipeline over stage (the 3-layer
 # fixture pipelines over 3 stages on 6 devices: 2 stages cannot split 3 layers)
 LAYOUTS = {"1dev": ["mesh.data=1", "mesh.stage=1", "mesh.model=1"],

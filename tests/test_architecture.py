@@ -246,7 +246,7 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
     head read them (models/transformer.py) and in another family's that extends the inventory
     (models/families/gemma.py, models/families/moe.py, DeepSeek's family and adapter models/families/deepseek.py,
     models/hf/deepseek.py and its latent attention models/families/mla.py, whose norms and output projection keep
-    Llama's names), nowhere else in the code (tests aside): not in the trainer's
+    Llama's names; gpt-oss's family and adapter), nowhere else in the code (tests aside): not in the trainer's
     checkpoint, export or planner code. Names that are also logical axes (embed, layers) are exempt."""
     from models import from_preset, inventory
     inv = inventory(from_preset("tiny", tie_embeddings=False))
@@ -260,7 +260,7 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
         assert {"models/hf/llama.py", "models/families/llama.py"} <= set(where), (name, where)
         assert set(others) <= {"models/transformer.py", "models/families/gemma.py", "models/hf/gemma.py",
                                "models/families/moe.py", "models/families/mla.py", "models/families/deepseek.py",
-                               "models/hf/deepseek.py"}, (name, where)
+                               "models/hf/deepseek.py", "models/families/gpt_oss.py", "models/hf/gpt_oss.py"}, (name, where)
 
 
 def private_model_imports(root: Path = ROOT) -> list[str]:

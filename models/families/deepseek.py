@@ -27,7 +27,8 @@ from models.families.mla import absorbed_attention, latent_attention, latents
 from models.families.moe import AUX as MOE_AUX, MOE, MoEConfig, capacity, kept, router_losses
 from models.hf.deepseek import DEEPSEEK_V3_HF, GLM4_MOE_LITE_HF
 from models.kernels.experts import grouped_mlp
-from models.layers import rms_norm, rope_tables, yarn_attention_factor, yarn_inv_freq, yarn_softmax_factor
+from models.config import YarnConfig
+from models.layers import rms_norm, yarn_rope, yarn_softmax_factor
 from models.spec import LayerCall, ModelSpec, Param, register
 from models.transformer import mlp_half as dense_half
 
@@ -36,7 +37,7 @@ MLA_KEYS = ("attn_norm", "wq", "wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeepseekConfig(MoEConfig):
+class DeepseekConfig(MoEConfig, YarnConfig):
     """DeepSeek-V3's model: the MoE keys (n_experts, n_experts_per_token, expert_d_ff: moe_intermediate_size,
     norm_topk_prob, capacity_factor, dispatch_factor, router_aux_loss, router_z_loss) and these."""
     first_dense: int = key(0, ">= 0 and <= 65536", "DeepSeek: the first layers with a dense MLP of d_ff "
@@ -56,15 +57,6 @@ class DeepseekConfig(MoEConfig):
     rope_dim: int = key(64, DIM, "MLA: the RoPE'd width (qk_rope_head_dim), its key shared by the heads")
     v_dim: int = key(128, DIM, "MLA: each head's value width (v_head_dim)")
     rope_interleave: bool = key(True, None, "MLA: RoPE on interleaved pairs (DeepSeek's weights)")
-    yarn_factor: float | None = key(None, POSITIVE, "YaRN: the context's factor over the original; null: plain RoPE")
-    yarn_original: int = key(4096, DIM, "YaRN: original_max_position_embeddings")
-    yarn_beta_fast: float = key(32.0, POSITIVE, "YaRN: beta_fast")
-    yarn_beta_slow: float = key(1.0, POSITIVE, "YaRN: beta_slow")
-    yarn_mscale: float = key(1.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale (DeepSeek's cos/sin correction)")
-    yarn_mscale_all_dim: float = key(0.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale_all_dim (DeepSeek's softmax "
-                                     "correction)")
-    yarn_truncate: bool = key(True, None, "YaRN: the ramp's ends rounded outwards (truncate)")
-
     def __post_init__(self):
         object.__setattr__(self, "head_dim", self.nope_dim + self.rope_dim)  # the queries' and keys' width
         super().__post_init__()
@@ -123,14 +115,7 @@ def softmax_scale(c: DeepseekConfig) -> float:
 
 def rope(c: DeepseekConfig, T: int, positions_BT=None) -> tuple:
     """(cos, sin) of the RoPE'd part (rope_dim wide): plain, or YaRN's frequencies with its cos/sin factor."""
-    if not c.yarn_factor:
-        return rope_tables(T, c.rope_dim, c.rope_theta, None, positions_BT)
-    inv = yarn_inv_freq(c.rope_dim, c.rope_theta, c.yarn_factor, c.yarn_original, c.yarn_beta_fast,
-                        c.yarn_beta_slow, c.yarn_truncate)
-    factor = yarn_attention_factor(c.yarn_factor, c.yarn_mscale, c.yarn_mscale_all_dim)
-    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
-    ang = pos[..., None] * inv
-    return jnp.cos(ang) * factor, jnp.sin(ang) * factor
+    return yarn_rope(c, c.rope_dim, T, positions_BT)
 
 
 def attention_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):

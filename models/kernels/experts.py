@@ -20,11 +20,28 @@ from models.kernels.moe_tpu import megablox
 from models.spec import LOCAL
 
 
-def all_experts(h_ND, idx_NK, w_NK, weights, silu):
+def swiglu(silu, gate, up):
+    """SwiGLU's gated unit, silu(gate) x up: the formulations' `glu` unless grouped_mlp is given another."""
+    return silu(gate) * up
+
+
+def _split(weights):
+    """(gate, up, down, (the gate's bias, the up's) (X, F) or None) of a formulation's weights (gate, up, down[, the
+    two biases]; the down projection's bias is grouped_mlp's, added once after the sum over the mlp slices)."""
+    return weights[0], weights[1], weights[2], (tuple(weights[3:5]) if len(weights) > 3 else None)
+
+
+def _hidden(glu, g, u, biases, b_at):
+    """glu of the gate and up projections plus their biases at `b_at` (the rows' experts) where there are biases."""
+    return glu(g, u) if biases is None else glu(*(v + b[b_at].astype(v.dtype) for v, b in zip((g, u), biases)))
+
+
+def all_experts(h_ND, idx_NK, w_NK, weights, glu):
     """Every expert on every token, each output weighted by the token's weight for it (0 unless chosen)."""
-    gate, up, down = weights
+    gate, up, down, biases = _split(weights)
     comb_NX = jnp.einsum("nk,nkx->nx", w_NK, jax.nn.one_hot(idx_NK, gate.shape[0], dtype=w_NK.dtype))
-    a_XNF = silu(jnp.einsum("nd,xdf->xnf", h_ND, gate)) * jnp.einsum("nd,xdf->xnf", h_ND, up)
+    a_XNF = _hidden(glu, jnp.einsum("nd,xdf->xnf", h_ND, gate), jnp.einsum("nd,xdf->xnf", h_ND, up), biases,
+                    (jnp.arange(gate.shape[0])[:, None],))
     return jnp.einsum("xnf,xfd->nd", a_XNF * comb_NX.T[:, :, None], down)
 
 
@@ -36,14 +53,15 @@ def _by_expert(idx_NK, keep_NK, X: int):
     return order_M, e_M[order_M], jnp.sum(jax.nn.one_hot(e_M, X, dtype=jnp.int32), axis=0)
 
 
-def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+def ragged(h_ND, idx_NK, keep_NK, w_NK, weights, glu):
     """The choices sorted by expert, each expert's rows through its weights by jax.lax.ragged_dot."""
-    gate, up, down = weights
+    gate, up, down, biases = _split(weights)
     K = idx_NK.shape[1]
-    order_M, _, sizes_X = _by_expert(idx_NK, keep_NK, gate.shape[0])
+    order_M, e_M, sizes_X = _by_expert(idx_NK, keep_NK, gate.shape[0])
     token_M = order_M // K
     x_MD = h_ND[token_M]
-    a_MF = silu(jax.lax.ragged_dot(x_MD, gate, sizes_X)) * jax.lax.ragged_dot(x_MD, up, sizes_X)
+    a_MF = _hidden(glu, jax.lax.ragged_dot(x_MD, gate, sizes_X), jax.lax.ragged_dot(x_MD, up, sizes_X), biases,
+                   jnp.minimum(e_M, gate.shape[0] - 1))
     y_MD = jax.lax.ragged_dot(a_MF, down, sizes_X) * w_NK.reshape(-1)[order_M][:, None]
     return jnp.zeros_like(h_ND).at[token_M].add(y_MD)
 
@@ -73,92 +91,97 @@ def _tiles(idx_NK, keep_NK, X: int, t: int):
     return order_M, row_M, tile_expert, nT
 
 
-def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
+def tiles(h_ND, idx_NK, keep_NK, w_NK, weights, glu, t: int = TILE):
     """Sorted and padded to tiles of t rows (_tiles); every tile through its expert's weights, gathered
     per tile, in one batched matmul."""
-    gate, up, down = weights
+    gate, up, down, biases = _split(weights)
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
     x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
     x_JtD = x_PD.reshape(nT, t, D)
-    a_JtF = silu(jnp.einsum("jtd,jdf->jtf", x_JtD, gate[tile_expert])) * jnp.einsum("jtd,jdf->jtf", x_JtD,
-                                                                                   up[tile_expert])
+    a_JtF = _hidden(glu, jnp.einsum("jtd,jdf->jtf", x_JtD, gate[tile_expert]),
+                    jnp.einsum("jtd,jdf->jtf", x_JtD, up[tile_expert]), biases, (tile_expert[:, None],))
     y_PD = jnp.einsum("jtf,jfd->jtd", a_JtF, down[tile_expert]).reshape(nT * t, D)
     y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
     return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
 
 
-def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, silu, t: int = TILE):
+def tile_scan(h_ND, idx_NK, keep_NK, w_NK, weights, glu, t: int = TILE):
     """As `tiles`, the tiles run one at a time by lax.scan, each indexing its expert's weights (no per-tile copy of
     the weights, forward or backward: `_expert_tiles`)."""
-    gate, up, down = weights
+    gate, up, down, biases = _split(weights)
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     order_M, row_M, tile_expert, nT = _tiles(idx_NK, keep_NK, gate.shape[0], t)
     x_PD = jnp.zeros((nT * t, D), h_ND.dtype).at[row_M].set(h_ND[order_M // K], mode="drop")
-    y_PD = _expert_tiles(silu, x_PD.reshape(nT, t, D), tile_expert, gate, up, down).reshape(nT * t, D)
+    y_PD = _expert_tiles(glu, x_PD.reshape(nT, t, D), tile_expert, gate, up, down, biases).reshape(nT * t, D)
     y_MD = y_PD.at[row_M].get(mode="fill", fill_value=0) * w_NK.reshape(-1)[order_M][:, None]
     return jnp.zeros_like(h_ND).at[order_M // K].add(y_MD)
 
 
-def _tile_mlp(silu, x_tD, g_DF, u_DF):
-    h_tF, u_tF = x_tD @ g_DF, x_tD @ u_DF
-    return silu(h_tF) * u_tF, (h_tF, u_tF)
+def _tile_mlp(glu, x_tD, g_DF, u_DF, b):
+    h_tF, u_tF = (x_tD @ g_DF, x_tD @ u_DF) if b is None else (x_tD @ g_DF + b[0], x_tD @ u_DF + b[1])
+    return glu(h_tF, u_tF), (h_tF, u_tF)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _expert_tiles(silu, x_JtD, e_J, gate, up, down):
-    """Tile j of rows (J, t, D) through expert e_J[j]'s SwiGLU MLP, by lax.scan. Autodiff of the scan would save
-    each tile's slice of the weights and stack each tile's weight gradient (J copies of an expert's weights);
-    here the backward scan adds each tile's weight gradients into the experts' in place, and keeps only the
-    tiles' two (t, F) hidden projections."""
-    return _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down)[0]
+def _expert_tiles(glu, x_JtD, e_J, gate, up, down, biases=None):
+    """Tile j of rows (J, t, D) through expert e_J[j]'s gated MLP (`glu` of the gate and up projections, each with
+    its bias where `biases` holds the two (X, F)), by lax.scan. Autodiff of the scan would save each tile's slice of
+    the weights and stack each tile's weight gradient (J copies of an expert's weights); here the backward scan adds
+    each tile's weight gradients into the experts' in place, and keeps only the tiles' two (t, F) hidden
+    projections."""
+    return _expert_tiles_fwd(glu, x_JtD, e_J, gate, up, down, biases)[0]
 
 
-def _expert_tiles_fwd(silu, x_JtD, e_J, gate, up, down):
+def _expert_tiles_fwd(glu, x_JtD, e_J, gate, up, down, biases=None):
     def one(_, xe):
         x_tD, e = xe
-        a_tF, hu = _tile_mlp(silu, x_tD, gate[e], up[e])
+        a_tF, hu = _tile_mlp(glu, x_tD, gate[e], up[e], None if biases is None else (biases[0][e], biases[1][e]))
         return None, (a_tF @ down[e], hu)
     y_JtD, hu_J = jax.lax.scan(one, None, (x_JtD, e_J))[1]
-    return y_JtD, (x_JtD, e_J, gate, up, down, hu_J)
+    return y_JtD, (x_JtD, e_J, gate, up, down, biases, hu_J)
 
 
-def _expert_tiles_bwd(silu, res, dy_JtD):
-    x_JtD, e_J, gate, up, down, hu_J = res
+def _expert_tiles_bwd(glu, res, dy_JtD):
+    x_JtD, e_J, gate, up, down, biases, hu_J = res
+    ws = (gate, up, down) + (() if biases is None else tuple(biases))
 
     def one(grads, xs):
         x_tD, e, (h_tF, u_tF), dy_tD = xs
-        (s_tF, silu_vjp) = jax.vjp(silu, h_tF)
-        da_tF = dy_tD @ down[e].T
-        dh_tF, du_tF = silu_vjp(da_tF * u_tF)[0], da_tF * s_tF
+        a_tF, glu_vjp = jax.vjp(glu, h_tF, u_tF)
+        dh_tF, du_tF = glu_vjp(dy_tD @ down[e].T)
         f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)  # summed over tiles in float32
-        dg, du, dd = grads
-        dg = dg.at[e].add(f32(x_tD.T, dh_tF))
-        du = du.at[e].add(f32(x_tD.T, du_tF))
-        dd = dd.at[e].add(f32((s_tF * u_tF).T, dy_tD))
-        return (dg, du, dd), dh_tF @ gate[e].T + du_tF @ up[e].T
-    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
-    grads, dx_JtD = jax.lax.scan(one, zeros, (x_JtD, e_J, hu_J, dy_JtD))
-    return (dx_JtD, None, *(g.astype(w.dtype) for g, w in zip(grads, (gate, up, down))))
+        new = [f32(x_tD.T, dh_tF), f32(x_tD.T, du_tF), f32(a_tF.T, dy_tD)]
+        if biases is not None:  # a padding row's cotangent is zero: it adds nothing
+            new += [jnp.sum(dh_tF.astype(jnp.float32), axis=0), jnp.sum(du_tF.astype(jnp.float32), axis=0)]
+        return tuple(g.at[e].add(n) for g, n in zip(grads, new)), dh_tF @ gate[e].T + du_tF @ up[e].T
+    grads, dx_JtD = jax.lax.scan(one, tuple(jnp.zeros(w.shape, jnp.float32) for w in ws), (x_JtD, e_J, hu_J, dy_JtD))
+    grads = tuple(g.astype(w.dtype) for g, w in zip(grads, ws))
+    return (dx_JtD, None, *grads[:3], None if biases is None else grads[3:])
 
 
 _expert_tiles.defvjp(_expert_tiles_fwd, _expert_tiles_bwd)
 
 
-FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, w, ws, f), "ragged_dot": ragged,
-                "tiles": tiles, "tile_scan": tile_scan, "megablox": megablox}
+FORMULATIONS = {"all_experts": lambda h, i, k, w, ws, f: all_experts(h, i, jnp.where(k, w, 0), ws, f),
+                "ragged_dot": ragged, "tiles": tiles, "tile_scan": tile_scan, "megablox": megablox}
 # the formulation each platform runs (scripts/bench/moe_formulations.py measured the CPU's; docs/performance.md);
 # `megablox`: the TPU's Pallas kernel (models/kernels/moe_tpu.py), in Pallas's interpreter off TPU
 BY_PLATFORM = {"cpu": "tile_scan", "gpu": "ragged_dot", "tpu": "megablox"}
 TOKENS, CHOICES = ("batch", "embed"), ("batch", None)
-IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES,
-           (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed")))
+# the experts' weights (gate, up, down) and, where they have biases, the gate's, the up's and the down's
+WEIGHT_AXES = (("experts", "embed", "mlp"), ("experts", "embed", "mlp"), ("experts", "mlp", "embed"),
+               ("experts", "mlp"), ("experts", "mlp"), ("experts", "embed"))
+IN_AXES = (TOKENS, CHOICES, CHOICES, CHOICES, WEIGHT_AXES[:3])
 
 
 def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu", impl: str | None = None,
                 collectives=LOCAL, slots: tuple | None = None, routed: float | None = None, overflow: bool = False,
-                recompute: bool = False):
-    """sum over each token's kept choices of weight x SwiGLU expert(h): the platform's formulation, or `impl`.
+                recompute: bool = False, glu=None):
+    """sum over each token's kept choices of weight x expert(h), each expert a gated MLP: SwiGLU (`silu`) or `glu`
+    (gate, up) -> hidden units (gpt-oss's clamped one), `weights` (gate, up, down) or with their biases after them
+    ((X, F), (X, F), (X, D): the down projection's added once per choice, after the sum over the hidden units'
+    slices, weighted as its output); the platform's formulation, or `impl`.
     Where the run's rules split the experts over a mesh axis (expert parallelism), each rank's tokens reach the ranks
     holding their experts: with a capacity (`slots`: (each choice's slot (N, k), slots per expert per row, tokens
     per row)) by all-to-all in fixed per-row slots; dropless, with `routed` (a buffer factor > 0) sent to their
@@ -167,6 +190,7 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     1 where the token's rank dispatched by the exact path because some buffer overflowed, else 0). `recompute` (a
     remat policy): the routed buffers' runs recomputed for their backward one at a time (_by_sender)."""
     name = impl or BY_PLATFORM.get(platform, "ragged_dot")
+    glu = glu or functools.partial(swiglu, silu)
     fn = FORMULATIONS[name]
     if name == "megablox":
         fn = functools.partial(fn, interpret=platform != "tpu")
@@ -176,18 +200,25 @@ def grouped_mlp(h_ND, idx_NK, keep_NK, w_NK, weights, silu, platform: str = "cpu
     # bytes at (8,1,1), tests/test_moe_plan.py), through its slice of the experts' hidden units, the down
     # projection's partial sums added over `mlp` once, after the combine (N x D, not N x k x D)
     def rank(h, i, k, w, ws, slot):
-        over = jnp.zeros((), jnp.float32)
+        over, b_down = jnp.zeros((), jnp.float32), ws[5] if len(ws) > 5 else None
+        ws = ws[:5]
         if collectives.axis_size("experts") == 1:
-            y = fn(h, i, k, w, ws, silu)
+            y = fn(h, i, k, w, ws, glu)
         elif slots is None and routed and routed > 0:  # TPU: by ragged all-to-all
-            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, silu, routed, platform == "tpu", recompute)
+            y, over = _experts_routed(fn, collectives, h, i, k, w, ws, glu, routed, platform == "tpu", recompute)
         elif slots is None:
-            y = _experts_gathered(fn, collectives, h, i, k, w, ws, silu)
+            y = _experts_gathered(fn, collectives, h, i, k, w, ws, glu)
         else:
-            y = _experts_all_to_all(collectives, h, i, k, w, ws, silu, slot, *slots[1:])
-        return collectives.psum(y, "mlp"), jnp.broadcast_to(over, h.shape[:1])
+            y = _experts_all_to_all(collectives, h, i, k, w, ws, glu, slot, *slots[1:])
+        y = collectives.psum(y, "mlp")
+        if b_down is not None:  # every expert's (X, D) on each rank: a choice's expert may be another rank's
+            if collectives.axis_size("experts") > 1:
+                b_down = collectives.all_gather(b_down, logical="experts", axis=0)
+            y = y + jnp.einsum("nk,nkd->nd", jnp.where(k, w, 0), b_down[i].astype(w.dtype)).astype(y.dtype)
+        return y, jnp.broadcast_to(over, h.shape[:1])
     slot_NK = jnp.zeros_like(idx_NK) if slots is None else slots[0]
-    y, over_N = collectives.region(rank, IN_AXES + (CHOICES,), (TOKENS, ("batch",)))(
+    axes = IN_AXES[:4] + (WEIGHT_AXES[:len(weights)], CHOICES)
+    y, over_N = collectives.region(rank, axes, (TOKENS, ("batch",)))(
         h_ND, idx_NK, keep_NK, w_NK, tuple(weights), slot_NK)
     return (y, over_N) if overflow else y
 
@@ -198,7 +229,7 @@ def _local_choices(coll, idx_NK, keep_NK, El: int):
     return jnp.clip(local_NK, 0, El - 1), keep_NK & (local_NK >= 0) & (local_NK < El)
 
 
-def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
+def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, glu):
     """Dropless expert parallelism: every rank's tokens and choices gathered over `experts` (in rank order: the
     batch's order, so each expert sees its tokens in the order one device does), this rank's experts run on the
     choices of them, the results summed over the ranks and scattered back to the tokens' ranks (no buffer sized by
@@ -208,11 +239,11 @@ def _experts_gathered(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu):
     # a choice that is not kept (padding) travels as expert X, held by no rank
     h, idx, w = gather(h_ND), gather(jnp.where(keep_NK, idx_NK, X)), gather(w_NK)
     local, mine = _local_choices(coll, idx, jnp.ones(idx.shape, bool), weights[0].shape[0])
-    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, silu)
+    y = fn(h, local, mine, jnp.where(mine, w, 0), weights, glu)
     return coll.reduce_scatter(y, "experts", 0)
 
 
-def _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: int):
+def _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, glu, chunk: int):
     """Dropless expert parallelism in a ring (MaxText's "ring of experts"), the exact path of _experts_routed: R
     steps, each rank running its experts on the block of tokens it holds (its own first), adding their outputs to
     the block's accumulator, and passing block and accumulator on to the next rank (a collective-permute); after R
@@ -222,7 +253,7 @@ def _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: i
     El, R = weights[0].shape[0], coll.axis_size("experts")
     (N, D), K = h_ND.shape, idx_NK.shape[1]
     t = next(t for t in range(max(1, min(N, chunk // K)), 0, -1) if N % t == 0)  # tokens per run
-    run = jax.checkpoint(lambda a: fn(*a, weights, silu))
+    run = jax.checkpoint(lambda a: fn(*a, weights, glu))
     every = jnp.ones(idx_NK.shape, bool)
 
     def step(carry, _):
@@ -236,7 +267,7 @@ def _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, chunk: i
     return jax.lax.scan(step, carry, None, length=R)[0][3]
 
 
-def _by_sender(fn, R: int, x, e, w, weights, silu, recompute: bool = False):
+def _by_sender(fn, R: int, x, e, w, weights, glu, recompute: bool = False):
     """fn on a received buffer of R senders' runs (x (R cap, D), each row's expert there e (El: no row), weight w),
     one sender's run at a time (lax.map): the experts' working set, their hidden units of every row (F wide) kept
     for the backward and the backward's own, that of cap rows, not of R x cap; `recompute`: nothing kept, each run's
@@ -246,19 +277,19 @@ def _by_sender(fn, R: int, x, e, w, weights, silu, recompute: bool = False):
     def one(a):
         x, e, w = a
         mine = e < El
-        return fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, silu)
+        return fn(x, jnp.minimum(e, El - 1)[:, None], mine[:, None], jnp.where(mine, w, 0)[:, None], weights, glu)
     one = jax.checkpoint(one) if recompute else one
     return jax.lax.map(one, tuple(v.reshape((R, -1) + v.shape[1:]) for v in (x, e, w))).reshape(
         (x.shape[0],) + x.shape[1:])
 
 
-def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_NK, C: int, T: int):
+def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, glu, slot_NK, C: int, T: int):
     """Expert parallelism with a capacity (GShard's dispatch): each rank's kept choices written into a buffer of C
     slots per expert per row, (X, rows, C, D), whose experts' blocks go to the ranks holding them by all-to-all over
     `experts`; each rank runs its experts on every slot it received (an empty slot is zeros and gives zeros), and
     the results come back by the reverse all-to-all and are combined with the routing weights. Bytes known before
     the step: X x rows x C x D each way."""
-    gate, up, down = weights
+    gate, up, down, biases = _split(weights)
     (N, D), K, El, R = h_ND.shape, idx_NK.shape[1], gate.shape[0], coll.axis_size("experts")
     X, B = El * R, N // T
     row_NK = jnp.broadcast_to((jnp.arange(N) // T)[:, None], (N, K))
@@ -267,7 +298,8 @@ def _experts_all_to_all(coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, slot_N
     buf = jnp.zeros((X * B * C, D), h_ND.dtype).at[at_NK.reshape(-1)].set(h_ND[token_NK.reshape(-1)], mode="drop")
     got = coll.all_to_all(buf.reshape(X, B, C, D), "experts", 0, 1)  # (El, R B, C, D): my experts' slots
     x = got.reshape(El, R * B * C, D)
-    a = silu(jnp.einsum("end,edf->enf", x, gate)) * jnp.einsum("end,edf->enf", x, up)
+    a = _hidden(glu, jnp.einsum("end,edf->enf", x, gate), jnp.einsum("end,edf->enf", x, up), biases,
+                (jnp.arange(El)[:, None],))
     y = jnp.einsum("enf,efd->end", a, down).reshape(El, R * B, C, D)
     back = coll.all_to_all(y, "experts", 1, 0).reshape(X * B * C, D)  # (X, B, C, D): my tokens' outputs
     y_NKD = back.at[at_NK].get(mode="fill", fill_value=0)
@@ -296,7 +328,7 @@ def routes(dest_M, R: int, cap: int):
     return order, sizes, offsets, slot, jnp.any(sizes > cap)
 
 
-def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor: float, ragged: bool = False,
+def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, glu, factor: float, ragged: bool = False,
                     recompute: bool = False):
     """Dropless expert parallelism by all-to-all: each kept choice's token sent to the rank holding its expert in a
     buffer of buffer_rows(M, R, factor) rows per destination (with its expert there and its routing weight), that
@@ -319,7 +351,7 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     def routed():
         if ragged:
             return _ragged_routed(fn, coll, h_ND[token], idx_NK.reshape(-1)[order] - d * El, w_NK.reshape(-1)[order],
-                                  token, jnp.minimum(sizes, cap), offsets, cap, N, weights, silu, recompute)
+                                  token, jnp.minimum(sizes, cap), offsets, cap, N, weights, glu, recompute)
 
         def put(x, fill):
             return jnp.full((R * cap,) + x.shape[1:], fill, x.dtype).at[at].set(x, mode="drop")
@@ -328,13 +360,13 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
         x = there(put(h_ND[token], 0))
         e = there(put(idx_NK.reshape(-1)[order] - d * El, El))  # the expert among the receiver's El; El: no row
         w = there(put(w_NK.reshape(-1)[order], 0))
-        y = _by_sender(fn, R, x, e, w, weights, silu, recompute)
+        y = _by_sender(fn, R, x, e, w, weights, glu, recompute)
         back = there(y)  # each row home, where it was sent from
         return jnp.zeros((N, D), y.dtype).at[token].add(back.at[at].get(mode="fill", fill_value=0))
 
     # the exact path recomputed whole for its backward: linearized, a conditional's every branch returns the
     # residuals of both (the untaken one's zeros), and the ring's (its R steps' blocks) would be held every layer
-    ring = jax.checkpoint(lambda: _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, cap))
+    ring = jax.checkpoint(lambda: _experts_ring(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, glu, cap))
 
     def exact():
         with jax.named_scope(EXACT_SCOPE):  # its collectives named so (trainer/plan/hlo.py lists them apart)
@@ -343,7 +375,7 @@ def _experts_routed(fn, coll, h_ND, idx_NK, keep_NK, w_NK, weights, silu, factor
     return jax.lax.cond(taken, exact, routed), taken.astype(jnp.float32)
 
 
-def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, N: int, weights, silu,
+def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, N: int, weights, glu,
                    recompute: bool = False):
     """_experts_routed's exchange by ragged all-to-alls (TPU): the choices sorted by destination (x, their expert
     there e, weight w; rows past the last run are not sent) go as runs `sizes` from `offsets` (routes') to each
@@ -360,7 +392,7 @@ def _ragged_routed(fn, coll, x_MD, e_M, w_M, token_M, sizes, offsets, cap: int, 
         out = jnp.full((R * cap,) + v.shape[1:], fill, v.dtype)
         return coll.ragged_all_to_all(v, out, offsets, sizes, there, recv, "experts", cap)
     x, e, w = send(x_MD, 0), send(e_M, El), send(w_M, 0)
-    y = _by_sender(fn, R, x, e, w, weights, silu, recompute)
+    y = _by_sender(fn, R, x, e, w, weights, glu, recompute)
     starts = jnp.arange(R, dtype=jnp.int32) * cap
     back = coll.ragged_all_to_all(y, jnp.zeros((x_MD.shape[0],) + y.shape[1:], y.dtype), starts, recv, home, sizes,
                                   "experts", cap)

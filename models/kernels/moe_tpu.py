@@ -36,10 +36,12 @@ def grouped(lhs_PK, rhs_XKN, sizes, interpret: bool):
     return gmm(lhs_PK, rhs_XKN, sizes, lhs_PK.dtype, tiling, None, None, False, interpret)
 
 
-def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, interpret: bool = False):
+def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, glu, interpret: bool = False):
     """One rank's part: its tokens' choices through its slice of every expert, weighted and combined (models/kernels/experts.py's
-    grouped_mlp runs it in its region and adds the partial sums over `mlp`)."""
-    gate, up, down = weights
+    grouped_mlp runs it in its region and adds the partial sums over `mlp`). Where the experts have biases (gpt-oss)
+    each sorted row's are gathered by its expert and added to the grouped matmuls' outputs, outside the kernel (gmm
+    takes none), with `glu` (the clamp too) on them."""
+    gate, up, down = weights[:3]
     (N, _), K, X = h_ND.shape, idx_NK.shape[1], gate.shape[0]
     M = N * K
     P = -(-M // TILE) * TILE
@@ -49,6 +51,10 @@ def megablox(h_ND, idx_NK, keep_NK, w_NK, weights, silu, interpret: bool = False
     token_M = order_M // K
     x_PD = jnp.pad(h_ND[token_M], ((0, P - M), (0, 0)))
     run = functools.partial(grouped, sizes=sizes, interpret=interpret)
-    a_PF = silu(run(x_PD, gate)) * run(x_PD, up)
+    g_PF, u_PF = run(x_PD, gate), run(x_PD, up)
+    if len(weights) > 3:  # the padding rows take the last expert's: their outputs are cut off below
+        e_P = jnp.pad(jnp.minimum(e_M[order_M], X - 1), (0, P - M), constant_values=X - 1)
+        g_PF, u_PF = (v + b[e_P].astype(v.dtype) for v, b in zip((g_PF, u_PF), weights[3:5]))
+    a_PF = glu(g_PF, u_PF)
     y_MD = run(a_PF, down)[:M] * w_NK.reshape(-1)[order_M][:, None]
     return jnp.zeros_like(h_ND).at[token_M].add(y_MD)

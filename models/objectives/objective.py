@@ -32,6 +32,7 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
     if c.mtp_depth:  # the multi-token prediction modules' losses, aux terms of their own
         more = mtp.sums(c, params, x_BTD, batch, constrain, placement)  # a table's rows add to the layers'
         aux = {**aux, **{k: aux[k] + v if k in aux else v for k, v in more.items()}}
+    aux = {**aux, **family(c.family).aux_objective(c, aux, placement.collectives)}  # gpt-oss's pooled balance
     return with_aux(loss, aux, scale), {"loss": loss, "aux": aux}
 
 

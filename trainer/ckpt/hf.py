@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from models.spec import HFAdapter, Leaf, ModelSpec, family, hf_family, hf_wrapper, leading
-from trainer.ckpt import quantized, safetensors as st
+from trainer.ckpt import mxfp4, quantized, safetensors as st
 from trainer.ckpt.store import kind_of
 from trainer.config import model_config, replace
 from trainer.errors import UserError
@@ -187,7 +187,9 @@ def index(path) -> dict[str, st.Tensor]:
     for name, f in (wmap or {}).items():
         if name not in out:
             raise UserError(f"{p / INDEX} places tensor '{name}' in {f}, which does not hold it; save the model again")
-    return quantized.dequantized(out, quantized.block_of(_raw_config(p), p / "config.json"), p)
+    config = _raw_config(p)
+    out = quantized.dequantized(out, quantized.block_of(config, p / "config.json"), p)
+    return mxfp4.packed(out, p) if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4" else out
 
 
 def text_tensors(path, have: dict) -> tuple[dict, int]:

@@ -59,7 +59,7 @@ def block_of(config: dict, where) -> tuple | None:
     """The (rows, cols) block of a folder's FP8 weights (config.json's quantization_config), None where it declares
     none; a scheme meshtrain does not read is a one-line error."""
     q = config.get("quantization_config")
-    if q is None:
+    if q is None or (isinstance(q, dict) and q.get("quant_method") == "mxfp4"):  # mxfp4: trainer/ckpt/mxfp4.py
         return None
     method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
     if method != "fp8" or fmt != "e4m3" or not (isinstance(block, list) and len(block) == 2

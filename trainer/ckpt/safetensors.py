@@ -18,7 +18,7 @@ from trainer.errors import UserError
 
 F8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)  # a block-quantized weight's values (trainer/ckpt/quantized.py)
 DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
-          "F8_E4M3": F8_E4M3}
+          "F8_E4M3": F8_E4M3, "U8": np.dtype(np.uint8)}  # U8: MXFP4's blocks and scales (trainer/ckpt/mxfp4.py)
 CODES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # the format's own limit on the JSON header
 

@@ -81,8 +81,7 @@ def _unknown(node, where: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _schema(name: str | None):
-    """The structured (typed) OmegaConf node of one section (None: of the whole config), made once: merging into
-    it copies it."""
+    """The structured (typed) OmegaConf node of one section (None: the whole config), made once (a merge copies it)."""
     return OmegaConf.structured(SECTIONS[name] if name else Config)
 
 
@@ -290,6 +289,9 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "
          "would each set apart; use train.sync=every_step"),
         *_context_checks(t, mc, shape[CONTEXT], model, stage),
+        *[(t.microbatches == 1 and stage == 1 and t.sync == "every_step", f"{why} needs the step's whole batch in one "
+           f"objective: set train.microbatches=1, mesh.stage=1, train.sync=every_step (now {t.microbatches}, {stage}, "
+           f"{t.sync}), or the weight to 0") for why in [family(mc.family).whole_batch(mc)] if why],
         (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
          "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
          "or model.init_from (the reference is then the model training starts from)"),
