@@ -260,7 +260,8 @@ def test_each_parameter_name_is_written_in_the_family_module_and_its_hf_adapter(
         assert {"models/hf/llama.py", "models/families/llama.py"} <= set(where), (name, where)
         assert set(others) <= {"models/transformer.py", "models/families/gemma.py", "models/hf/gemma.py",
                                "models/families/moe.py", "models/families/mla.py", "models/families/deepseek.py",
-                               "models/hf/deepseek.py", "models/families/gpt_oss.py", "models/hf/gpt_oss.py"}, (name, where)
+                               "models/hf/deepseek.py", "models/families/gpt_oss.py",
+                               "models/hf/gpt_oss.py"}, (name, where)
 
 
 def private_model_imports(root: Path = ROOT) -> list[str]:

@@ -337,7 +337,8 @@ def test_both_losses_move_the_router():
     (["model.n_experts=1", "model.capacity_factor=1.25"],
      r"^model.capacity_factor=1.25 needs model.n_experts > 1 \(it is 1: a dense MLP drops nothing\); set "
      r"n_experts or leave capacity_factor at 0$"),
-    (["model.family=llama", "model.n_experts=4"], r"^model.n_experts is a key of deepseek_v3, glm4_moe_lite, mixtral, qwen2_moe, qwen3_moe, "
+    (["model.family=llama", "model.n_experts=4"], r"^model.n_experts is a key of deepseek_v3, "
+                                                       r"glm4_moe_lite, gpt_oss, mixtral, qwen2_moe, qwen3_moe, "
                                                    r"not of model.family='llama'"),
 ])
 def test_bad_input_is_one_line(keys, message):

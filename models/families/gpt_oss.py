@@ -166,7 +166,8 @@ def aux_counts(c: GptOssConfig, batch: dict) -> dict:
 
 def aux_weights(c: GptOssConfig) -> dict:
     """The pooled balancing loss and the z-loss weighted; the rest statistics."""
-    return {"load_balance": c.router_aux_loss, "z_loss": c.router_z_loss, "moe/dropped": 0.0, "moe/overflow": 0.0, **dict.fromkeys(BALANCE, 0.0)}
+    return {"load_balance": c.router_aux_loss, "z_loss": c.router_z_loss, "moe/dropped": 0.0, "moe/overflow": 0.0,
+            **dict.fromkeys(BALANCE, 0.0)}
 
 
 def aux_shapes(c: GptOssConfig) -> dict:
