@@ -150,8 +150,12 @@ def all_to_all(kernel, coll, order_T):
     back = np.argsort(order_T)  # the reordered row's index of each original position
 
     def attend(q_BTHE, k_BTKE, v_BTKE, segments=None, sinks=None, **options):
+        traced = options.get("window") is not None and not isinstance(options["window"], int)
+
         def rank(q, k, v, *more):
             seg, z = (more[0] if segments is not None else None), (more[-1] if sinks is not None else None)
+            if traced:  # a stack whose layers differ in window: this layer's, an argument (a closure's tracer
+                options["window"] = more[1 if segments is not None else 0]  # belongs to the mesh outside)
             C = coll.axis_size("seq")
             k, v = _repeat_for(k, C), _repeat_for(v, C)
             # block j of the heads to rank j; each rank's chunk arrives as block i of the row: the reordered row
@@ -164,6 +168,8 @@ def all_to_all(kernel, coll, order_T):
         args, axes = (q_BTHE, k_BTKE, v_BTKE), (Q, KV, KV)
         if segments is not None:
             args, axes = args + (segments,), axes + (("batch", "seq"),)
+        if traced:
+            args, axes = args + (options["window"],), axes + ((),)
         if sinks is not None:
             args, axes = args + (sinks,), axes + (("heads",),)
         return coll.region(rank, axes, Q)(*args)

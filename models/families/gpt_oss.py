@@ -66,9 +66,9 @@ def inventory(c: GptOssConfig) -> dict:
                   bk=Param((K, E), ("kv_heads", "head_dim"), "zeros", False),
                   bv=Param((K, E), ("kv_heads", "head_dim"), "zeros", False),
                   bo=Param((D,), ("embed",), "zeros", False),
-                  sinks=Param((H,), ("heads",), "zeros", False, as_stored=True),
+                  sinks=Param((H,), ("heads",), "normal", False, as_stored=True),  # as transformers' init
                   router=Param((D, X), ("embed", None), "normal", False, as_stored=True),
-                  b_router=Param((X,), (None,), "zeros", False, as_stored=True),
+                  b_router=Param((X,), (None,), "normal", False, as_stored=True),
                   expert_gate_up=Param((X, D, 2, F), ("experts", "embed", None, "mlp"), "normal", True),
                   b_gate_up=Param((X, 2, F), ("experts", None, "mlp"), "zeros", False),
                   expert_down=Param((X, F, D), ("experts", "mlp", "embed"), "residual", True),
