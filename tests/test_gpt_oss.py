@@ -81,6 +81,7 @@ def test_mxfp4_import_equals_the_format_and_its_logits_transformers():
         assert got.shape[-1] == F
 
 
+@pytest.mark.slow
 def test_an_lr0_step_loss_and_balancing_term_equal_transformers():
     """With model.router_aux_loss at the fixture's coefficient (HF's output_router_logits on): the step's token loss
     is transformers' cross-entropy and its aux/load_balance the pooled term transformers adds (over every layer's

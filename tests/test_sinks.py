@@ -70,7 +70,7 @@ KERNELS = {"xla": lambda q, k, v, z, seg, w: attention(q, k, v, impl="xla", segm
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 4])  # the window's in the default run
 def test_sinks_equal_the_softmax_written_out(kernel, window):
     q, k, v, sinks = _inputs()
     ours = lambda q, k, v, z: KERNELS[kernel](q, k, v, z, jnp.asarray(SEG), window)  # noqa: E731
