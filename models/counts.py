@@ -38,10 +38,11 @@ def active_size(c: ModelConfig, p) -> int:
 
 
 def _matmul(p) -> bool:
-    """Whether an inventory entry is a matmul weight: two or more dimensions, mapping the embedding to something or
-    back (an `embed` axis) or a low rank up (a first axis of no logical name: latent attention's up-projections);
-    biases and norm weights are elementwise."""
-    return len(p.shape) >= 2 and ("embed" in p.axes or p.axes[0] is None)
+    """Whether an inventory entry is a matmul weight: two or more dimensions besides an `experts` one, mapping the
+    embedding to something or back (an `embed` axis) or a low rank up (a first axis of no logical name: latent
+    attention's up-projections); biases (an expert's (X, D) too) and norm weights are elementwise."""
+    dims = [a for a in p.axes if a != "experts"]
+    return len(dims) >= 2 and ("embed" in p.axes or p.axes[0] is None)
 
 
 def layer_matmul_params(c: ModelConfig, stack: str = "layers") -> int:

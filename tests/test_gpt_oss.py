@@ -107,3 +107,24 @@ def test_the_balancing_loss_with_accumulation_is_refused_in_one_line():
         validate(load_config(TINY + ["model.family=gpt_oss", "model.router_aux_loss=0.01", "train.microbatches=2"]),
                  8)
     assert "\n" not in str(e.value)
+
+
+def test_counts_take_the_windows_and_the_active_experts():
+    """FLOPs per token and active parameters written out for a gpt-oss shape: every layer's q/k/v/o and router, k of
+    the X experts' gate, up and down (their biases, the sinks and norms elementwise: not counted), the head; the
+    attention's keys per query T/2 on a full layer, w - w^2/2T on a sliding one (w < T)."""
+    from models import flops_per_token
+    from models.config import from_preset
+    from models.counts import active_param_count, param_count
+    c = from_preset("tiny", family="gpt_oss", n_layers=4, local_layers=(True, False, True, False), window=8,
+                    n_experts=8, n_experts_per_token=2, expert_d_ff=48, tie_embeddings=False, seq_len=32)
+    D, H, K, E, X, k, F, V, L, T, w = 64, 8, 4, 8, 8, 2, 48, 256, 4, 32, 8
+    attn = D * H * E + 2 * D * K * E + H * E * D
+    N = L * (attn + D * X + k * 3 * D * F) + D * V
+    keys = (2 * (w - w * w / (2 * T)) + 2 * T / 2) / 4
+    assert flops_per_token(c) == pytest.approx(6 * N + 6 * L * keys * H * 2 * E, rel=1e-12)
+    biases = L * (H * E + 2 * K * E + D + H + X + X * 2 * F + X * D)
+    norms = L * 2 * D + D
+    every = L * (attn + D * X + X * 3 * D * F) + 2 * D * V + biases + norms
+    assert param_count(c) == every
+    assert active_param_count(c) == every - L * (X - k) * (3 * D * F + 2 * F + D)
