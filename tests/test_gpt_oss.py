@@ -128,3 +128,28 @@ def test_counts_take_the_windows_and_the_active_experts():
     every = L * (attn + D * X + X * 3 * D * F) + 2 * D * V + biases + norms
     assert param_count(c) == every
     assert active_param_count(c) == every - L * (X - k) * (3 * D * F + 2 * F + D)
+
+
+@pytest.mark.slow
+def test_cache_decoding_gives_transformers_greedy_tokens():
+    """models/decode.py on the fixture (its sliding and full layers on one full-length cache, each layer's window
+    masked, the sinks in every query's softmax): the prompt prefilled, then one token at a time; each step's logits
+    the training forward's at that position (1e-4), the tokens transformers' greedy ones."""
+    import jax.numpy as jnp
+    from models.decode import extend, init_cache
+    from models.transformer import forward
+    s, params = _loaded("gpt_oss_f32", ONE, T=32)
+    c, ref = s.model, np.load(FIX / "gpt_oss_f32" / "reference.npz")
+    prompt, greedy = ref["prompt"], ref["greedy"]
+    seq = np.concatenate([prompt, greedy], 1)
+    full = np.asarray(jax.jit(lambda p, t: forward(c, p, t))(params, seq))[0]
+    step = jax.jit(lambda p, t, pos, cache: extend(c, p, t, pos, cache))
+    logits, cache = step(params, prompt, jnp.int32(0), init_cache(c, 1, seq.shape[1]))
+    got, tokens = [np.asarray(logits[0])], []
+    for i in range(greedy.shape[1]):
+        tokens.append(int(np.argmax(got[-1])))
+        P = prompt.shape[1] + i
+        logits, cache = step(params, seq[:, P:P + 1], jnp.int32(P), cache)
+        got.append(np.asarray(logits[0]))
+    np.testing.assert_array_equal(tokens, greedy[0])
+    assert np.abs(np.stack(got[:-1]) - full[prompt.shape[1] - 1:-1]).max() < 1e-4
