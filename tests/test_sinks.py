@@ -141,3 +141,11 @@ def test_context_parallel_sinks_enter_each_softmax_once(strategy):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     for g, w, name in zip(grads, want_g, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, err_msg=name)
+
+
+def test_cudnn_with_sinks_runs_the_manual_kernel():
+    """cuDNN's fused kernel takes no sink: asked for it with sinks (as a GPU's bfloat16 auto does), the blockwise
+    manual kernel runs instead (here on CPU, where cuDNN could not run at all), exact by the hand formula."""
+    q, k, v, sinks = _inputs()
+    got = attention(q, k, v, impl="cudnn", block=4, segments=jnp.asarray(SEG), window=4, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), _by_hand(q, k, v, sinks, 4), atol=1e-5)

@@ -139,7 +139,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
     `positions` = (the queries' (Tq,), the keys' (S,), float32): causality and windows by those positions, not by
     index (a chunk of a sequence against keys gathered from elsewhere: context parallelism, models/context_parallel/gather.py);
     segments then a pair (the queries' (B, Tq), the keys' (B, S)). Without, whole sequences as they were.
-    `sinks` (H,): per-head attention sinks (masked_attention's), on the written-out path for now."""
+    `sinks` (H,): per-head attention sinks (masked_attention's): the manual kernels take them, cuDNN's none (the
+    manual kernel runs instead), XLA's by the written-out softmax."""
     # "xla"/"cudnn" are jax.nn.dot_product_attention's (its own default, None, is XLA's: it never
     # picks cuDNN). An auto cuDNN that refuses the inputs falls back to XLA's and says why, once.
     if scale is not None and softcap is None:  # the kernels' own scale, the rest folded into q
@@ -152,9 +153,12 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
         index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
         return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
-    manual_sinks = sinks is not None and chosen == "manual" and positions is None  # the CPU kernels take sinks
-    if softcap is not None or scale is not None or (sinks is not None and not manual_sinks) \
-            or not isinstance(window, (int, type(None))):
+    if sinks is not None and chosen == "cudnn":  # cuDNN's kernel takes no sink: the blockwise kernel takes them
+        chosen = "manual"
+    # the manual kernels take sinks; jax.nn's attention's log-sum-exp residual carries no gradient (its q, k
+    # gradients through o x sigmoid(lse - sink) come out 0): XLA's takes them by the written-out softmax
+    takes_sinks = sinks is None or (positions is None and chosen == "manual")
+    if softcap is not None or scale is not None or not takes_sinks or not isinstance(window, (int, type(None))):
         with jax.named_scope("attention_masked"):  # Gemma's, and sinks where no fused kernel takes them yet
             mask = (causal_mask(q_BTHE.shape[1], segments, window) if positions is None
                     else position_mask(positions, segments, window))
@@ -186,3 +190,4 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
         local = {"local_window_size": (window - 1, 0)} if window else {}
         return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, mask=mask, is_causal=True,
                                             implementation=chosen, **local)
+
