@@ -107,20 +107,6 @@ class ModelConfig:
         return self.n_heads == self.n_kv_heads
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class YarnConfig(ModelConfig):
-    """YaRN's keys (transformers' `yarn` rope type), for a family whose config takes them (DeepSeek-V3, gpt-oss): the
-    RoPE tables models/layers.py `yarn_rope` builds."""
-    yarn_factor: float | None = key(None, POSITIVE, "YaRN: the context's factor over the original; null: plain RoPE")
-    yarn_original: int = key(4096, DIM, "YaRN: original_max_position_embeddings")
-    yarn_beta_fast: float = key(32.0, POSITIVE, "YaRN: beta_fast")
-    yarn_beta_slow: float = key(1.0, POSITIVE, "YaRN: beta_slow")
-    yarn_mscale: float = key(1.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale (DeepSeek's cos/sin correction)")
-    yarn_mscale_all_dim: float = key(0.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale_all_dim (DeepSeek's softmax "
-                                     "correction)")
-    yarn_truncate: bool = key(True, None, "YaRN: the ramp's ends rounded outwards (truncate; gpt-oss sets false)")
-
-
 def config_class(family: str) -> type:
     """The config class of a family: its own (ModelSpec.config), else ModelConfig."""
     spec = FAMILIES.get(family)

@@ -106,19 +106,6 @@ def rope_tables(T: int, E: int, theta: float, scaling=None, positions_BT=None, l
     return jnp.cos(ang), jnp.sin(ang)
 
 
-def yarn_rope(c, E: int, T: int, positions_BT=None) -> tuple:
-    """(cos, sin) of E RoPE'd dimensions for a config with YaRN's keys (models/config.py YarnConfig): plain RoPE of
-    c.rope_theta where c.yarn_factor is null, else YaRN's frequencies with its cos/sin factor."""
-    if not c.yarn_factor:
-        return rope_tables(T, E, c.rope_theta, None, positions_BT)
-    inv = yarn_inv_freq(E, c.rope_theta, c.yarn_factor, c.yarn_original, c.yarn_beta_fast, c.yarn_beta_slow,
-                        c.yarn_truncate)
-    factor = yarn_attention_factor(c.yarn_factor, c.yarn_mscale, c.yarn_mscale_all_dim)
-    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
-    ang = pos[..., None] * inv
-    return jnp.cos(ang) * factor, jnp.sin(ang) * factor
-
-
 def rope_for(c: ModelConfig, T: int, positions_BT=None) -> tuple:
     """The RoPE tables a layer of c gets (LayerCall.rope): its family's (ModelSpec.rope: Gemma 3's per layer kind),
     else (cos, sin) of c.rope_theta and c.rope_scaling."""

@@ -101,7 +101,8 @@ BAD = {
     "no_config": (lambda d: (d / "config.json").unlink(), "has no config.json of a Hugging Face model folder"),
     "unknown_arch": (lambda d: edit_config(d, architectures=["GPTNeoXForCausalLM"]),
                      "describes GPTNeoXForCausalLM; meshtrain imports DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
-                     "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Glm4MoeLiteForCausalLM, LlamaForCausalLM, "
+                     "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Glm4MoeLiteForCausalLM, GptOssForCausalLM, "
+                     "LlamaForCausalLM, "
                      "MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
                      "Qwen3MoeForCausalLM"),
     "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),

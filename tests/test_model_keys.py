@@ -86,8 +86,11 @@ def family_reads(root: Path, allowed: dict[str, set[str]]) -> list[str]:
 
 
 def _declared_by(name: str) -> list[type]:
-    """The model config classes whose own body declares `name` (a subclass inherits, it does not declare)."""
-    classes = {ModelConfig} | {s.config for s in FAMILIES.values() if s.config is not None}
+    """The model config classes whose own body declares `name` (a subclass inherits, it does not declare), and the
+    mixins of keys several families share (a family config's base that is not a ModelConfig: YaRN's, local_layers)."""
+    configs = {s.config for s in FAMILIES.values() if s.config is not None}
+    mixins = {b for c in configs for b in c.__mro__ if b is not object and not issubclass(b, ModelConfig)}
+    classes = {ModelConfig} | configs | mixins
     return [c for c in classes if name in c.__dict__.get("__annotations__", {})]
 
 
@@ -106,7 +109,7 @@ def test_each_model_key_is_declared_once_and_the_section_is_written_from_it():
             "dispatch_factor", "first_dense", "shared_experts", "n_groups", "groups_kept", "routed_scale", "bias_rate",
             "seq_balance_loss", "q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim", "rope_interleave", "yarn_factor",
             "yarn_original", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
-            "yarn_truncate"} == families
+            "yarn_truncate", "swiglu_limit", "swiglu_alpha"} == families
     assert {k: _declared_by(k) for k in keys if len(_declared_by(k)) != (k not in trainer_only)} == {}
     # the section's meaning of each key is the declaring field's, and null stands for the model's default
     rows = {s.key.split(".", 1)[1]: s for s in specs(Config) if s.key.startswith("model.")}

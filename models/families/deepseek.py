@@ -27,8 +27,7 @@ from models.families.mla import absorbed_attention, latent_attention, latents
 from models.families.moe import AUX as MOE_AUX, MOE, MoEConfig, capacity, kept, router_losses
 from models.hf.deepseek import DEEPSEEK_V3_HF, GLM4_MOE_LITE_HF
 from models.kernels.experts import grouped_mlp
-from models.config import YarnConfig
-from models.layers import rms_norm, yarn_rope, yarn_softmax_factor
+from models.layers import rms_norm, rope_tables, yarn_attention_factor, yarn_inv_freq, yarn_softmax_factor
 from models.spec import LayerCall, ModelSpec, Param, register
 from models.transformer import mlp_half as dense_half
 
@@ -37,7 +36,21 @@ MLA_KEYS = ("attn_norm", "wq", "wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeepseekConfig(MoEConfig, YarnConfig):
+class YarnKeys:
+    """YaRN's keys (transformers' `yarn` rope type), declared once for the family configs that take them (DeepSeek-V3's,
+    gpt-oss's, each with ModelConfig): the RoPE tables `yarn_rope` builds."""
+    yarn_factor: float | None = key(None, POSITIVE, "YaRN: the context's factor over the original; null: plain RoPE")
+    yarn_original: int = key(4096, DIM, "YaRN: original_max_position_embeddings")
+    yarn_beta_fast: float = key(32.0, POSITIVE, "YaRN: beta_fast")
+    yarn_beta_slow: float = key(1.0, POSITIVE, "YaRN: beta_slow")
+    yarn_mscale: float = key(1.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale (DeepSeek's cos/sin correction)")
+    yarn_mscale_all_dim: float = key(0.0, f">= 0 and <= {FLOAT32}", "YaRN: mscale_all_dim (DeepSeek's softmax "
+                                     "correction)")
+    yarn_truncate: bool = key(True, None, "YaRN: the ramp's ends rounded outwards (truncate; gpt-oss sets false)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepseekConfig(MoEConfig, YarnKeys):
     """DeepSeek-V3's model: the MoE keys (n_experts, n_experts_per_token, expert_d_ff: moe_intermediate_size,
     norm_topk_prob, capacity_factor, dispatch_factor, router_aux_loss, router_z_loss) and these."""
     first_dense: int = key(0, ">= 0 and <= 65536", "DeepSeek: the first layers with a dense MLP of d_ff "
@@ -103,6 +116,19 @@ def inventory(c: DeepseekConfig) -> dict:
         out["lm_head"] = Param((D, V), ("embed", "vocab"), "normal", True, as_stored=True)
     out["final_norm"] = Param((D,), ("embed",), "ones", False, as_stored=True)
     return out
+
+
+def yarn_rope(c, E: int, T: int, positions_BT=None) -> tuple:
+    """(cos, sin) of E RoPE'd dimensions for a config with YaRN's keys (YarnKeys): plain RoPE of
+    c.rope_theta where c.yarn_factor is null, else YaRN's frequencies with its cos/sin factor."""
+    if not c.yarn_factor:
+        return rope_tables(T, E, c.rope_theta, None, positions_BT)
+    inv = yarn_inv_freq(E, c.rope_theta, c.yarn_factor, c.yarn_original, c.yarn_beta_fast, c.yarn_beta_slow,
+                        c.yarn_truncate)
+    factor = yarn_attention_factor(c.yarn_factor, c.yarn_mscale, c.yarn_mscale_all_dim)
+    pos = jnp.arange(T, dtype=jnp.float32) if positions_BT is None else positions_BT.astype(jnp.float32)
+    ang = pos[..., None] * inv
+    return jnp.cos(ang) * factor, jnp.sin(ang) * factor
 
 
 def softmax_scale(c: DeepseekConfig) -> float:

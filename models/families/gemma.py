@@ -34,12 +34,24 @@ from models.transformer import layer, qkv, repeat_kv
 # A Gemma trained from scratch computes as Gemma does (sqrt(d) embeddings, (1 + w) norms); the keys an HF folder may
 # leave null (the soft-caps, the window) stay the config's (null: none), as they cannot mean both "unset" and "off"
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Gemma2Config(ModelConfig):
-    """Gemma 2's model (and Gemma 3's): the shared keys and these."""
+class LocalLayers:
+    """The key of a stack whose layers are local (sliding-window) or global by layer, declared once for the family
+    configs that take it (Gemma 2's and 3's, gpt-oss's, each with ModelConfig); its layer_data and windows below."""
     # True where a layer is local (attends through `window`), False where global; None: every layer alike (`window`,
     # if set, for all of them)
-    local_layers: tuple[bool, ...] | None = key(None, None, "Gemma: per layer, true local (model.window) or false "
-                                                "global; null: every layer alike")
+    local_layers: tuple[bool, ...] | None = key(None, None, "Gemma, gpt-oss: per layer, true local (model.window) "
+                                                "or false global (HF's layer_types); null: every layer alike")
+
+
+def as_tuple(c: LocalLayers):
+    """local_layers as a tuple of bools however given (a list from YAML); a config's __post_init__ calls it."""
+    if c.local_layers is not None:
+        object.__setattr__(c, "local_layers", tuple(bool(x) for x in c.local_layers))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemma2Config(ModelConfig, LocalLayers):
+    """Gemma 2's model (and Gemma 3's): the shared keys and these."""
     attn_softcap: float | None = key(None, POSITIVE, "Gemma: attention scores soft-capped at this; null: none")
     final_softcap: float | None = key(None, POSITIVE, "Gemma: output logits soft-capped at this; null: none")
     # query_pre_attn_scalar: scores scaled by query_scale ** -0.5 instead of head_dim ** -0.5
@@ -49,8 +61,7 @@ class Gemma2Config(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.local_layers is not None:
-            object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
+        as_tuple(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

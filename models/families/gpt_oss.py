@@ -3,8 +3,8 @@
   - attention: biases on q, k, v and the output projection; a learned sink per head (`sinks` (H,): one more logit
     in every query's softmax, taking no value; every attention path takes it, models/kernels/attention.py); sliding-
     window (model.window, 128 in the release) and full layers alternating (model.local_layers, HF's layer_types:
-    per-layer data of the spec, so the stack stays one scanned stack); RoPE YaRN-scaled (models/config.py
-    YarnConfig; the release sets truncate false);
+    per-layer data of the spec, so the stack stays one scanned stack); RoPE YaRN-scaled (models/families/deepseek.py
+    YarnKeys; the release sets truncate false);
   - the router: logits with a bias, the k largest chosen and their softmax the weights (model.router topk_softmax);
   - the experts: gate and up (one `gate_up_proj` in HF, interleaved; here (X, D, 2, F), gate first) and down, each
     with a bias, through the clamped SwiGLU: gate clamped above at swiglu_limit, up to +-swiglu_limit, out
@@ -24,14 +24,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.config import FLOAT32, POSITIVE, YarnConfig, key
-from models.families.gemma import layer_data as local_data, windows as local_windows
+from models.config import FLOAT32, POSITIVE, key
+from models.families.deepseek import YarnKeys, yarn_rope
+from models.families.gemma import LocalLayers, as_tuple, layer_data as local_data, windows as local_windows
 from models.families.llama import llama_inventory
 from models.families.moe import MOE, MoEConfig, capacity, kept, route
 from models.hf.gpt_oss import GPT_OSS_HF
 from models.kernels.attention import GLOBAL
 from models.kernels.experts import grouped_mlp
-from models.layers import rms_norm, yarn_rope
+from models.layers import rms_norm
 from models.spec import LayerCall, ModelSpec, Param, register
 from models.transformer import layer, qkv, repeat_kv
 
@@ -43,19 +44,16 @@ ATTENTION = ("attn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "sinks
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GptOssConfig(MoEConfig, YarnConfig):
-    """gpt-oss's model: the MoE keys (router topk_softmax; router_aux_loss the pooled balancing loss's weight), YaRN's
-    and these."""
-    local_layers: tuple[bool, ...] | None = key(None, None, "gpt-oss: per layer, true sliding (model.window) or "
-                                                "false full (HF layer_types); null: every layer alike")
+class GptOssConfig(MoEConfig, YarnKeys, LocalLayers):
+    """gpt-oss's model: the MoE keys (router topk_softmax; router_aux_loss the pooled balancing loss's weight), YaRN's,
+    local_layers (true: a sliding layer) and these."""
     swiglu_limit: float = key(7.0, POSITIVE, "gpt-oss experts: gate clamped above at this, up to +-this")
     swiglu_alpha: float = key(1.702, f">= 0 and <= {FLOAT32}", "gpt-oss experts: out = (up + 1) x gate x "
                               "sigmoid(alpha x gate)")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.local_layers is not None:
-            object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
+        as_tuple(self)
 
 
 def inventory(c: GptOssConfig) -> dict:

@@ -153,10 +153,8 @@ def attention(q_BTHE, k_BTKE, v_BTKE, impl: str = "auto", block: int = 128, plat
         index = jnp.argmax(jnp.stack([window == (w or GLOBAL) for w in windows]))
         return jax.lax.switch(index, branches, q_BTHE, k_BTKE, v_BTKE)
     chosen = select(impl, q_BTHE.dtype, platform or jax.devices()[0].platform, cpu_fast)
-    if sinks is not None and chosen == "cudnn":  # cuDNN's kernel takes no sink: the blockwise kernel takes them
-        chosen = "manual"
-    # the manual kernels take sinks; jax.nn's attention's log-sum-exp residual carries no gradient (its q, k
-    # gradients through o x sigmoid(lse - sink) come out 0): XLA's takes them by the written-out softmax
+    chosen = "manual" if sinks is not None and chosen == "cudnn" else chosen  # cuDNN's takes no sink
+    # only the manual kernels take sinks (jax.nn's log-sum-exp residual carries no gradient): XLA's writes them out
     takes_sinks = sinks is None or (positions is None and chosen == "manual")
     if softcap is not None or scale is not None or not takes_sinks or not isinstance(window, (int, type(None))):
         with jax.named_scope("attention_masked"):  # Gemma's, and sinks where no fused kernel takes them yet
