@@ -15,6 +15,9 @@ GO = ["model.family=gpt_oss", "model.n_layers=4", "model.n_experts=8", "model.n_
 LAYOUTS = {
     "zero3_ep_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3",
                        "train.expert_parallel=true", "model.router_aux_loss=0.05"],
+    # a capacity: each rank's kept choices in fixed slots, all-to-all to the experts' ranks (the biases there too)
+    "capacity_ep_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3",
+                          "train.expert_parallel=true", "model.capacity_factor=1.0"],
     "1f1b_1x4x2": ["mesh.data=1", "mesh.stage=4", "mesh.model=2", "train.microbatches=4",
                    "train.pipeline_schedule=1f1b"],
     "ring_context4": ["mesh.data=2", "mesh.stage=1", "mesh.model=1", "mesh.context=4", "train.context_attention=ring"],
