@@ -6,6 +6,8 @@ model_type; deepseek_v3_qproj_f32, one q_proj; glm4_moe_lite_f32, GLM-4.7-Flash'
 dense layer named by mlp_layer_types). Logits within 1e-4 on the reference tokens and on a 420-token prompt
 (one program), greedy tokens; decoding from the latent cache; (2,1,4) ZeRO-3 with the experts split; export bitwise;
 an lr-0 step's loss against transformers' cross-entropy."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -29,12 +31,18 @@ def _loaded(name, mesh, *more, T=420):
     return s, init_params(s, cfg.model.init_from)
 
 
+@functools.lru_cache(maxsize=None)
+def _forward(c):
+    """The forward of model config c, jitted once (fixtures of one config, a float and a quantized folder, share it)."""
+    from models.transformer import forward
+    return jax.jit(functools.partial(forward, c))
+
+
 def _both_prompts(s, params, ref):
     """(the reference tokens' logits, the long prompt's last 8) from one forward of a (4, 427) batch, the short rows
     zero-padded at the end (attention is causal), against transformers' (max difference each); and the greedy
     tokens of both prompts read from the same forward, each row the prompt and transformers' greedy tokens but the
     last (what greedy decoding feeds back): asserted equal to transformers'."""
-    from models.transformer import forward
     long, greedy, long_greedy = ref["long_prompt"], ref["greedy"], ref["long_greedy"]
     P, L = ref["prompt"].shape[1], long.shape[1]
     rows = np.zeros((4, L + long_greedy.shape[1] - 1), np.int32)
@@ -42,7 +50,7 @@ def _both_prompts(s, params, ref):
     rows[2, :P + greedy.shape[1] - 1] = np.concatenate([ref["prompt"][0], greedy[0, :-1]])
     rows[3] = np.concatenate([long[0], long_greedy[0, :-1]])
     with jax.set_mesh(s.mesh):
-        got = np.asarray(jax.jit(lambda p, t: forward(s.model, p, t))(params, rows))
+        got = np.asarray(_forward(s.model)(params, rows))
     np.testing.assert_array_equal(got[2, P - 1:P - 1 + greedy.shape[1]].argmax(-1), greedy[0])
     np.testing.assert_array_equal(got[3, L - 1:].argmax(-1), long_greedy[0])
     short = np.abs(got[:2, :ref["tokens"].shape[1]] - ref["logits"]).max()

@@ -85,7 +85,7 @@ def test_sinks_equal_the_softmax_written_out(kernel, window):
     assert np.abs(np.asarray(grads[3])).min() > 1e-4  # every head's sink gets a gradient
 
 
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 3])
 def test_decoding_with_a_cache_keeps_the_sinks(window):
     """models/decode.py's attention against a cache in position order: a prefill of 8 tokens, then one token at a
     time, each output the whole row's (by the hand reference above) at its position."""
@@ -105,7 +105,7 @@ def test_decoding_with_a_cache_keeps_the_sinks(window):
         pos += n
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring", "all_to_all"])
+@pytest.mark.parametrize("strategy", [pytest.param("all_gather", marks=pytest.mark.slow), "ring", "all_to_all"])
 def test_context_parallel_sinks_enter_each_softmax_once(strategy):
     """Rows of 16 split over 4 context ranks, balanced (each rank two chunks), documents and a window: each
     strategy's output and gradients (the sinks' summed over the ranks) equal the hand formula; the ring merges its
