@@ -18,6 +18,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.kernels.attention import masked_attention
 from models.layers import kernels_for, rope_for
+from models.lora import A as LORA_A, layer_splits, merged
 from models.spec import LOCAL, LayerCall, family, stacks
 from models.transformer import _identity, _no_constrain, embed, head, inventory
 
@@ -70,7 +71,10 @@ def layer_runner(c: ModelConfig, rope, attend, pos, T: int, dtype):
     # the weights the inventory reads as stored (an MoE's router: float32 whatever the compute dtype) stay so
     stored = {k for stack in stacks(c) for k, v in inventory(c)[stack].items() if v.as_stored}
 
+    splits = layer_splits(c)
+
     def run(layer, p, x_BTD, i, mine, data=None):
+        p = merged(c, p, splits) if splits and any(k.endswith(LORA_A) for k in p) else p  # an MTP module: no adapter
         p = {k: w if k in stored else jax.tree.map(lambda a: a.astype(dtype), w) for k, w in p.items()}
         new = {}
 

@@ -27,6 +27,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
+from models.lora import kaiming_a, layer_splits, merged, with_adapters
 from models.spec import LOCAL, LayerCall, Param, family, stacks
 
 STACKS = ("first_layers", "layers")
@@ -51,6 +52,8 @@ def inventory(c: ModelConfig) -> dict:
     with model.mtp_depth, the multi-token prediction modules' under "mtp" (per module: a decoder layer of the
     family, the MoE one of a family with first layers, and enorm, hnorm, eh_proj, post_norm)."""
     inv = family(c.family).inventory(c)
+    if c.lora is not None:  # the base frozen, the adapters beside their weights, peft's modules_to_save trained
+        inv = with_adapters(c, inv)
     if not c.mtp_depth:
         return inv
     D = c.d_model
@@ -66,7 +69,8 @@ def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None, s
              # GPT-2 residual scaling
              "residual": nnx.initializers.normal(c.init_std / (2 * c.n_layers) ** 0.5),
              "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
-             "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype)}
+             "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype),
+             "lora_a": kaiming_a}
     shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, (stack,) + p.axes)
     return nnx.Param(inits[p.init](rngs.params(), shape, jnp.float32), logical_axes=axes, weight_decay=p.decay,
                      as_stored=p.as_stored, trainable=p.trainable)
@@ -262,11 +266,13 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     index = jnp.arange(first, first + L, dtype=jnp.int32) if index is None else index
     run = spec.first_layer if stack == "first_layers" else spec.layer
 
+    splits = layer_splits(c) if stack == "layers" else {}
+
     def body(x, pi):
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
                           placement.kv_repeat, placement.collectives, attention)
-        return run(c, gather(p), x, call)
+        return run(c, merged(c, gather(p), splits), x, call)
 
     if remat in REMAT:
         # prevent_cse: outside a scan, XLA's CSE could merge the recomputation with the forward

@@ -99,7 +99,7 @@ def test_each_model_key_is_declared_once_and_the_section_is_written_from_it():
     same_name = collections.Counter(k.split(".")[-1] for k in all_keys())  # mesh.preset is a key of its own
     found = declarations()
     assert {k: found.get(k, []) for k in keys if len(found.get(k, [])) != same_name[k]} == {}
-    trainer_only = {"preset", "init_from"}
+    trainer_only = {"preset", "init_from"} | {k for k in keys if k.startswith("lora.")}  # model.lora: the trainer's
     shared = [f.name for f in ModelConfig.__dataclass_fields__.values() if is_key(f)]
     families = {k for name in FAMILIES for k in own_keys(name)}
     assert sorted(keys) == sorted(trainer_only | set(shared) | families) and not set(shared) & families

@@ -40,6 +40,7 @@ from models.batch import counted
 from models.objectives.objective import aux_counts, dpo_eval_sums, loss_sum, objective, part_metrics, scales, zero_parts
 from models.precision import compute_dtypes
 from models.spec import family
+from models.frozen import frozen_stopped, frozen_zeroed
 from models.transformer import STACKS, head_only
 from trainer import guard
 from trainer.parallel import localsgd, pipeline, pipeline_eval, reduction
@@ -61,8 +62,8 @@ def uses_manual_sync(s: Setup) -> bool:
 
 def _auto_grads(s: Setup, params, batch, scale):
     constrain = s.layout.constrainer()
-    vg = jax.value_and_grad(lambda p, b: objective(s.model, p, b, scale, dtype=s.dtype, constrain=constrain,
-                                                   placement=s.placement), has_aux=True)
+    vg = jax.value_and_grad(lambda p, b: objective(s.model, frozen_stopped(s.model, p), b, scale, dtype=s.dtype,
+                                                   constrain=constrain, placement=s.placement), has_aux=True)
     m = s.cfg.train.microbatches
     if m == 1:
         (_, parts), g = vg(params, batch)
@@ -141,6 +142,7 @@ def _manual_grads(s: Setup, params, batch, scale):
     full_params = _gathering(s, reducer)
 
     def local_loss(p, mb, scale):
+        p = frozen_stopped(s.model, p)
         full, gather, gather_head = full_params(p)
 
         def before_head(x, full):
@@ -195,6 +197,7 @@ def train_step(s: Setup, state: dict, batch: jax.Array):
     scale, counts = scales(s.model, batch), aux_counts(s.model, batch)
     batch = s.in_context_order(batch)
     parts, grads = loss_and_grads(s, params, batch, scale)  # the mean over the step's counted tokens, the aux sums
+    grads = frozen_zeroed(s.model, grads)  # a frozen weight's (a LoRA base's embedding or head): not a gradient
     opt_sh = s.layout.tree("opt", s.param_shapes, s.logical)
     if s.cfg.train.zero_stage >= 1:  # update only this device's slice of the optimizer state
         grads = _constrain_tree(grads, opt_sh)

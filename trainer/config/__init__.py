@@ -21,7 +21,7 @@ from models.config import own_keys
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
-from trainer.config.dpo import ignored_dpo
+from trainer.config.dpo import ignored_dpo, lora_checks, lora_of
 from trainer.config.experts import axis_of
 from trainer.config.mixture_entries import ignored_source
 from trainer.config.paths import check_layer
@@ -223,7 +223,7 @@ def model_config(cfg: Config) -> ModelConfig:
     (null, or a switch set false: a checkpoint's config written before the families had configs of their own holds
     every family's keys so)."""
     m = cfg.model
-    over = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("preset", "init_from")}
+    over = {k: v for k, v in dataclasses.asdict(m).items() if k not in ("preset", "init_from", "lora")}
     if m.rope_scaling is not None:  # hashable, the original context length an int
         f, lo, hi, n = m.rope_scaling
         over["rope_scaling"] = (float(f), float(lo), float(hi), int(n))
@@ -237,7 +237,7 @@ def model_config(cfg: Config) -> ModelConfig:
     d = cfg.dpo
     pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight), d.reference_mode == "online") \
         if cfg.train.objective == "dpo" else None
-    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref)
+    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref, lora=lora_of(m.lora))
 
 
 @functools.lru_cache(maxsize=8)
@@ -288,7 +288,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          f"train.sync={t.sync} with model.family={mc.family} is not supported: the family sets state after each step "
          "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "
          "would each set apart; use train.sync=every_step"),
-        *_context_checks(t, mc, shape[CONTEXT], model, stage),
+        *_context_checks(t, mc, shape[CONTEXT], model, stage), *lora_checks(mc, t),
         *[(t.microbatches == 1 and stage == 1 and t.sync == "every_step", f"{why} needs the step's whole batch in one "
            f"objective: set train.microbatches=1, mesh.stage=1, train.sync=every_step (now {t.microbatches}, {stage}, "
            f"{t.sync}), or the weight to 0") for why in [family(mc.family).whole_batch(mc)] if why],

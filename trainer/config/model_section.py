@@ -43,8 +43,26 @@ FORMS = {
 # the trainer's own keys, before and after the model's
 FIRST = [("preset", str, setting("small", PRESETS, "the shapes (models/config.py); explicit model.* keys override "
                                  "them"))]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """model.lora: low-rank adapters on a frozen base (models/lora.py; docs/lora.md)."""
+    rank: int = setting(0, f">= 0 and <= {DIM.split('<= ')[1]}", "the adapters' rank; 0: no adapters (every weight "
+                        "trained)")
+    alpha: float = setting(16.0, f"> 0 and <= {FLOAT32}", "the adapters' output x alpha / rank (peft's lora_alpha)")
+    dropout: float = setting(0.0, ">= 0 and < 1", "dropout of the adapters' input (peft's lora_dropout)")
+    use_rslora: bool = setting(False, None, "scale alpha / sqrt(rank) (rank-stabilised LoRA)")
+    targets: List[str] = setting(["q_proj", "v_proj"], None, "the projections adapted, by the family's Hugging Face "
+                                 "module names (q_proj, down_proj, ...), or all-linear")
+    modules: List[str] = setting([], None, "whole weights trained beside the adapters (peft's modules_to_save): "
+                                 "embed, lm_head")
+    init_from: Optional[str] = setting(None, None, "a peft adapter folder the adapters start from")
+
+
 LAST = [("init_from", Optional[str], setting(None, None, "parameters from `meshtrain export`, a run, or a Hugging "
-                                             "Face model folder"))]
+                                             "Face model folder")),
+        ("lora", LoraSection, dataclasses.field(default_factory=LoraSection))]
 
 
 def _config_type(hint):

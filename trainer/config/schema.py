@@ -101,6 +101,8 @@ def text_lists(node, root) -> None:
     given = OmegaConf.to_container(node, resolve=False) or {}
     for s in specs(root):
         section, _, name = s.key.partition(".")
+        if "." in name:  # a section's own section: no list key of that form there
+            continue
         value = given.get(section, {}).get(name) if isinstance(given.get(section), dict) else None
         if isinstance(s.allowed, Form) and typing.get_args(s.type) == (str,) and isinstance(value, str) \
                 and not value.startswith("${"):
@@ -162,8 +164,10 @@ def check_choice(name: str, value, choices) -> None:
 def check_ranges(cfg) -> None:
     """Every key of a config (an instance of a schema) against its allowed values: the one range check."""
     for s in specs(type(cfg)):
-        section, _, leaf = s.key.partition(".")
-        check_value(s, getattr(getattr(cfg, section), leaf))
+        node = cfg
+        for part in s.key.split("."):  # a section's own section too (model.lora.rank)
+            node = getattr(node, part)
+        check_value(s, node)
 
 
 def help_text(root, prefix: str = "") -> str:

@@ -1,0 +1,136 @@
+"""Low-rank adapters (LoRA, as peft computes them): for each chosen projection W (out x in in Hugging Face's terms),
+y = W x + scale B A x, A (r, in) drawn as peft draws it (Kaiming-uniform), B (out, r) zero (step 0 is the base),
+scale = alpha / r (alpha / sqrt(r) with use_rslora). The base is frozen: only the adapters (and model.lora.modules,
+whole weights trained too, peft's modules_to_save) are trained.
+
+Which projections: named as the family's Hugging Face adapter names them (`q_proj`, `down_proj`, ...; "all-linear":
+every projection of a decoder layer), found through its leaves (models/hf/), so that every family with an adapter
+takes them. Each adapter lives in its layer's stack beside its base weight, `<weight>_lora_a` with the base's input
+axes (and its logical names) and the rank last, `<weight>_lora_b` the rank first and the base's output axes: sharded,
+gathered (ZeRO-3), pipelined and checkpointed as the base weight is, on every layout. A layer's weights are merged as
+the layer runs (`merged`: W + scale (A B) laid out as W, the base behind a stop-gradient), so every family's layer
+function, kernel and context strategy runs unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from models.spec import Param
+
+A, B = "_lora_a", "_lora_b"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """model.lora: the rank (0: off), alpha, dropout (of the adapters' input), rsLoRA's scale, the target projections
+    (HF module names, or "all-linear"), the whole weights trained beside (embed, lm_head)."""
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    rslora: bool = False
+    targets: tuple = ("q_proj", "v_proj")
+    modules: tuple = ()
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def hf_module(name: str) -> str:
+    """The module name peft targets of an HF tensor name: 'model.layers.3.self_attn.q_proj.weight' -> 'q_proj'."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+
+
+def targets(c, leaves) -> dict:
+    """{stack param name: (HF module name, the Leaf)} of the projections model.lora adapts: each stacked 2-D HF weight
+    of a decoder layer whose module name is a target (every one for "all-linear"); a target the family has not is a
+    ValueError naming the ones it has."""
+    lora = c.lora
+    layer = {lf.path[1]: lf for lf in leaves if lf.stacked and lf.path[0] == "layers" and len(lf.hf_shape) == 2
+             and lf.names[0].endswith(".weight") and not lf.lead}
+    have = {hf_module(lf.names[0]): k for k, lf in layer.items() if "norm" not in hf_module(lf.names[0])}
+    wanted = tuple(have) if "all-linear" in lora.targets else lora.targets
+    if missing := [t for t in wanted if t not in have]:
+        raise ValueError(f"model.lora.targets names {', '.join(missing)}, which {c.family} has not; its projections: "
+                         f"{', '.join(sorted(have))} (or all-linear)")
+    return {have[t]: (t, layer[have[t]]) for t in wanted}
+
+
+def split_axes(leaf) -> tuple[list[int], list[int]]:
+    """(the base parameter's axes that are HF's input, those that are its output) of a 2-D (out, in) HF weight: the
+    leaf's view splits out into its first view axes and in into the rest; the parameter is the view transposed."""
+    out, k = leaf.hf_shape[0], 0
+    while math.prod(leaf.view[:k]) != out:
+        k += 1
+    # per-layer parameter axis j is view axis leaf.perm[j]
+    return [j for j, v in enumerate(leaf.perm) if v >= k], [j for j, v in enumerate(leaf.perm) if v < k]
+
+
+def adapter_params(c, base: dict, leaves) -> dict:
+    """The adapters' inventory entries of a stack's base params: A (input axes..., r), B (r, output axes...), each
+    axis the base's logical name, trainable, not decayed (peft's default: the optimizer decays what the run decays;
+    meshtrain decays matmul weights, so these are)."""
+    out = {}
+    for k, (_, leaf) in targets(c, leaves).items():
+        p = base[k]
+        ins, outs = split_axes(leaf)
+        r = c.lora.rank
+        out[k + A] = Param(tuple(p.shape[j] for j in ins) + (r,), tuple(p.axes[j] for j in ins) + (None,),
+                           "lora_a", True)
+        out[k + B] = Param((r,) + tuple(p.shape[j] for j in outs), (None,) + tuple(p.axes[j] for j in outs),
+                           "zeros", True)
+    return out
+
+
+def kaiming_a(key, shape, dtype):
+    """peft's A: torch's kaiming_uniform_(a=sqrt(5)) of an (r, in) weight, bound 1 / sqrt(in)."""
+    fan_in = math.prod(shape[:-1])
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def delta(a, b, ins: list[int], outs: list[int]):
+    """A B laid out as the base parameter: A (ins..., r), B (r, outs...) -> (ins..., outs...) transposed to the
+    parameter's axis order."""
+    d = jnp.tensordot(a, b, axes=1)
+    order = ins + outs
+    return jnp.transpose(d, [order.index(j) for j in range(len(order))])
+
+
+def merged(c, layer: dict, splits: dict) -> dict:
+    """One layer's weights (no leading layers axis) with each adapted weight W + scale A B and the adapters dropped;
+    the base behind a stop-gradient (frozen). `splits`: {param: (input axes, output axes)} (`layer_splits`)."""
+    if not splits:
+        return layer
+    out = {k: v for k, v in layer.items() if not k.endswith((A, B))}
+    for k, (ins, outs) in splits.items():
+        w = jax.lax.stop_gradient(layer[k])
+        d = delta(layer[k + A].astype(w.dtype), layer[k + B].astype(w.dtype), ins, outs)
+        out[k] = w + jnp.asarray(c.lora.scale, w.dtype) * d
+    return out
+
+
+def layer_splits(c) -> dict:
+    """{adapted stack param: (its input axes, its output axes)} of c's model.lora ({} without)."""
+    if c.lora is None:
+        return {}
+    from models.spec import family
+    leaves = family(c.family).hf.leaves(c)
+    return {k: split_axes(leaf) for k, (_, leaf) in targets(c, leaves).items()}
+
+
+def with_adapters(c, inv: dict) -> dict:
+    """A family's inventory with every weight frozen but model.lora's modules, and the adapters in the layers'
+    stack."""
+    from models.spec import family
+
+    def freeze(name, p):
+        return p if name in c.lora.modules else p._replace(trainable=False)
+    out = {k: ({n: freeze(n, q) for n, q in v.items()} if isinstance(v, dict) else freeze(k, v)) for k, v in inv.items()}
+    out["layers"] = {**out["layers"], **adapter_params(c, inv["layers"], family(c.family).hf.leaves(c))}
+    return out

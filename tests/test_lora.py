@@ -1,0 +1,46 @@
+"""LoRA (models/lora.py): adapters on a frozen base trained on a layout against one device (SGD without clipping:
+loss, grad_norm and every parameter, the adapters', within 1e-5), the base bit for bit what it was."""
+import numpy as np
+import pytest
+
+from conftest import SGD, TINY, equals_one_device, run_steps
+
+LORA = TINY + SGD + ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,v_proj,o_proj,down_proj]",
+                     "data.document_mask=true", "model.tie_embeddings=false"]
+LAYOUTS = {"zero3_2x1x4": ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3"],
+           "1f1b_1x4x2": ["mesh.data=1", "mesh.stage=4", "mesh.model=2", "model.n_layers=4", "train.microbatches=4",
+                          "train.pipeline_schedule=1f1b"],
+           "context2_2x1x2": ["mesh.data=2", "mesh.stage=1", "mesh.model=2", "mesh.context=2",
+                              "train.context_attention=ring"]}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "zero3_2x1x4" else pytest.mark.slow)
+                                    for k in LAYOUTS])
+def test_layout_equals_one_device_and_the_base_stays(layout):
+    over = LORA + LAYOUTS[layout]
+    r, _ = equals_one_device(over)
+    start = run_steps(over + ["train.lr=0"], steps=1).params  # the same initial state, not moved
+    for k, v in r.params["layers"].items():
+        if k.endswith(("_lora_a", "_lora_b")):
+            continue
+        np.testing.assert_array_equal(v, start["layers"][k], err_msg=k)
+    for k in ("embed", "final_norm", "lm_head"):
+        np.testing.assert_array_equal(r.params[k], start[k], err_msg=k)
+    moved = np.abs(r.params["layers"]["wq_lora_b"]).max()
+    assert moved > 0  # B left zero at the start, trained
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["model.lora.targets=[q_proj,qkv_proj]"], r"^model.lora.targets names qkv_proj, which llama has not; its "
+     r"projections: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or all-linear\)$"),
+    (["model.lora.rank=65"], r"^model.lora.rank=65 exceeds the smallest adapted projection's width 32; use a rank "
+     r"of at most 32$"),
+    (["model.lora.rank=-1"], r"^model.lora.rank=-1"),
+    (["model.lora.dropout=0.1"], r"^model.lora.dropout=0.1 is not supported yet; set 0$"),
+])
+def test_bad_lora_input_is_one_line(keys, message):
+    from trainer.config import load_config, validate
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match=message) as e:
+        validate(load_config(TINY + ["model.lora.rank=4"] + keys), 8)
+    assert "\n" not in str(e.value)
