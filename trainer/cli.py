@@ -94,15 +94,20 @@ def _export(args: list[str]) -> int:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     p.add_argument("--out", required=True, help="new directory to write")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast the parameters (default: as saved)")
-    p.add_argument("--format", choices=("orbax", "hf"), default="orbax",
-                   help="orbax (default; meshtrain reads it) or hf: a Hugging Face folder of the family (safetensors)")
+    p.add_argument("--format", choices=("orbax", "hf", "peft"), default="orbax",
+                   help="orbax (default; meshtrain reads it), hf: a Hugging Face folder of the family (safetensors), "
+                        "peft: a LoRA run's adapters as peft writes them")
+    p.add_argument("--merge", action="store_true", help="hf of a LoRA run: the adapters merged into the weights")
     ns = p.parse_args(args)
     if ns.format == "hf":
         from trainer.ckpt.hf_export import export_hf
-        out = export_hf(ns.run, ns.out, ns.step, ns.dtype)
+        out = export_hf(ns.run, ns.out, ns.step, ns.dtype, merge=ns.merge)
+    elif ns.format == "peft":
+        from trainer.ckpt.hf_export import export_peft
+        out = export_peft(ns.run, ns.out, ns.step)
     else:
         out = export(ns.run, ns.out, ns.step, ns.dtype)
-    print(f"exported parameters to {out}" + (" (Hugging Face)" if ns.format == "hf" else ""))
+    print(f"exported parameters to {out}" + {"hf": " (Hugging Face)", "peft": " (peft adapters)"}.get(ns.format, ""))
     return 0
 
 

@@ -2,6 +2,8 @@
 (config.json, generation_config.json, safetensors), gathered one tensor at a time."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import shutil
@@ -81,16 +83,30 @@ def _plan(mc, dtype: np.dtype, max_bytes: int, kept: dict):
     return [(f"model-{k + 1:05d}-of-{len(files):05d}.safetensors", f) for k, f in enumerate(files)]
 
 
+def params_mesh(params):
+    """The mesh the (sharded) parameters lie on."""
+    return jax.tree.leaves(params)[0].sharding.mesh
+
+
 def export_hf(run_dir, out, step: int | None = None, dtype: str | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path | str:
+              max_shard_bytes: int = MAX_SHARD_BYTES, merge: bool = False) -> Path | str:
     """Write a checkpoint's parameters (newest by default) to `out` (a new folder, or a URL) as an HF folder; a
-    failure (a tokenizer that cannot be read, ...) writes nothing."""
+    failure (a tokenizer that cannot be read, ...) writes nothing. A LoRA run's with `merge`: its adapters merged
+    into their weights (trainer/ckpt/peft.py)."""
     from trainer.ckpt.params import load_params_at
     from trainer.ckpt.tools import _unused_out, staged
     from trainer.config import model_config
     _unused_out(str(out))  # before the parameters are read
     params, cfg, step = load_params_at(check(run_dir, "--run"), step)  # split over the local devices, never whole on one
     mc = model_config(cfg)
+    if mc.lora is not None:  # a plain model of the family: each adapted weight with its adapter merged in
+        if not merge:
+            raise UserError(f"--run {run_dir} trained adapters (model.lora): export them with --format peft, or the "
+                            "merged model with --format hf --merge")
+        from trainer.ckpt.peft import merged_params
+        with jax.set_mesh(params_mesh(params)):
+            params = jax.jit(lambda p: merged_params(p, mc))(params)
+        mc = dataclasses.replace(mc, lora=None)
     origin = origin_of(cfg, run_dir)
     with staged(out, last=("config.json",)) as stage:
         write_hf(params, mc, stage, dtype, max_shard_bytes, f"run '{run_dir}'", step, kept_tensors(origin))
@@ -203,3 +219,19 @@ def write_hf(params: dict, mc, out, dtype: str | None = None, max_shard_bytes: i
                      "weight_map": {n: f for f, e in files for n, _, _ in e}}
             (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def export_peft(run_dir, out, step: int | None = None) -> Path:
+    """`meshtrain export --format peft`: a LoRA run's adapters (newest checkpoint by default) as a peft folder."""
+    from trainer.ckpt.params import load_params_at
+    from trainer.ckpt.tools import _unused_out
+    from trainer.config import model_config
+    _unused_out(str(out))
+    params, cfg, step = load_params_at(run_dir, step)
+    mc = model_config(cfg)
+    if mc.lora is None:
+        raise UserError(f"--run {run_dir} trained no adapters (model.lora.rank is 0); export it with --format hf")
+    if jax.process_index() == 0:
+        from trainer.ckpt.peft import write_peft
+        write_peft(params, mc, Path(out), cfg.model.init_from)
+    return Path(out)

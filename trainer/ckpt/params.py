@@ -196,7 +196,11 @@ def init_params(s, path) -> dict:
         params = _load_export(p, shardings, target, s.cfg)[0]
     elif kind == "hf":
         from trainer.ckpt.hf import load as load_hf
-        return load_hf(p, model_config(s.cfg), target, shardings)  # already in target's dtypes
+        params = load_hf(p, model_config(s.cfg), target, shardings)  # already in target's dtypes
+        if s.model.lora is None:
+            return params
+        from trainer.ckpt.peft import with_adapters
+        return with_adapters(s, params)  # the base from the folder, the adapters fresh or from model.lora.init_from
     elif kind == "run" and list_steps(p):
         step = list_steps(p)[-1]
         meta = read_meta(p, step)

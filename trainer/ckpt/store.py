@@ -210,7 +210,7 @@ def config_dict(cfg: Config) -> dict:
     preset cannot change what a checkpoint's config describes)."""
     d = OmegaConf.to_container(OmegaConf.structured(cfg))
     resolved = dataclasses.asdict(model_config(cfg))
-    d["model"].update({k: resolved[k] for k in d["model"] if k in resolved})
+    d["model"].update({k: resolved[k] for k in d["model"] if k in resolved and k != "lora"})  # lora: its section's
     return d
 
 
