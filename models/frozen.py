@@ -32,3 +32,13 @@ def frozen_stopped(c: ModelConfig, params: dict) -> dict:
 def frozen_zeroed(c: ModelConfig, grads: dict) -> dict:
     """A gradient tree with each frozen weight's zero (a path that differentiated it anyway: a pipeline's)."""
     return _on_frozen(c, grads, jnp.zeros_like)
+
+
+def trained_only(c: ModelConfig, tree: dict) -> dict:
+    """tree (shaped like the params) without the frozen weights' leaves: what of a gradient the step keeps."""
+    inv = inventory(c)
+
+    def keep(p):
+        return getattr(p, "trainable", True)
+    return {k: ({n: w for n, w in v.items() if keep(inv[k][n])} if isinstance(v, dict) else v)
+            for k, v in tree.items() if isinstance(v, dict) or keep(inv[k])}

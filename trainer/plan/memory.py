@@ -69,8 +69,10 @@ def state_bytes(mc: ModelConfig, train, st: Strategy) -> tuple[float, float, flo
     """(params, grads, optimizer state) bytes per device."""
     _, _, tx, opt = _abstract(no_remat(mc), train)
     p = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "param")))
-    # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3)
-    g = sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
+    # a pipeline's gradients come back as the data-parallel step's do (reduce-scattered under ZeRO-2/3); a frozen
+    # weight (a LoRA base) has none: the step never computes it
+    frozen = _model_shapes(no_remat(mc))[3]
+    g = sum(0 if f else b for b, f in zip(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")), jax.tree.leaves(frozen)))
     o = map_params(tx, lambda _, b: b, opt, leaf_bytes(mc, train, st, "opt"),
                               transform_non_params=lambda x: x.size * x.dtype.itemsize)
     return float(p), float(g), float(sum(jax.tree.leaves(o)))

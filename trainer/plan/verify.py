@@ -92,6 +92,7 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     (a TPU topology compiled ahead of time)."""
     from trainer.state import make_setup
     from models.objectives.objective import zero_parts
+    from models.frozen import trained_only
     from trainer.step import jit_train_step, loss_and_grads
     if devices is None:  # a fully given mesh uses the first devices it needs
         from meshes import devices_named
@@ -104,9 +105,12 @@ def measure(cfg, devices=None, grads: bool = True, options: dict | None = None) 
     with jax.set_mesh(s.mesh):
         step = jit_train_step(s).lower(state, batch).compile(options)
         g_bytes = None
-        if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss and aux scalars)
-            grad_fn = jax.jit(functools.partial(loss_and_grads, s),
-                              in_shardings=(s.shardings["params"], s.batch_sharding()))
+        if grads:  # the gradients as loss_and_grads returns them (its outputs, less the loss and aux scalars; a
+            # frozen weight's, zero and never kept by the step, left out)
+            def grad_fn(p, b):
+                parts, g = loss_and_grads(s, p, b)
+                return parts, trained_only(s.model, g)
+            grad_fn = jax.jit(grad_fn, in_shardings=(s.shardings["params"], s.batch_sharding()))
             g_mem = grad_fn.lower(state["params"], batch).compile(options).memory_analysis()
             g_bytes = g_mem.output_size_in_bytes - 4 * len(jax.tree.leaves(zero_parts(s.model)))
     fp = Footprint.of(step)
