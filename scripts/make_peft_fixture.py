@@ -7,6 +7,9 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
                      random, B non-zero); reference.npz: PeftModel's logits on (2, 24) tokens and the last 8 of a
                      420-token prompt
   peft_r4_rslora     the same with use_rslora (scale alpha / sqrt(r))
+  peft_mixtral_r4    an adapter peft drew (B non-zero, r 4) on the attention of tests/fixtures/hf/mixtral_e4k2_f32 (4
+                     experts, k 2; the experts' own projections are not adapted: meshtrain refuses them for now), and
+                     PeftModel's logits of it
   trained            meshtrain's own: 3 SGD steps of LoRA (r 4, alpha 8, q/v/o/down_proj) from llama_base on (2,1,4)
                      ZeRO-3 (the command below, run by this script with --meshtrain's Python), exported with
                      `meshtrain export --format peft`, then loaded by PeftModel.from_pretrained: its logits on the
@@ -81,6 +84,24 @@ def peft_made(d: Path, out: Path, rslora: bool):
     print(f"{name.name}: moves the logits by {moved:.3f}")
 
 
+def peft_moe(out: Path):
+    """peft's adapter on the attention of an MoE fixture, and PeftModel's logits of it."""
+    from transformers import MixtralForCausalLM
+    d = ROOT / "tests" / "fixtures" / "hf" / "mixtral_e4k2_f32"
+    torch.manual_seed(17)
+    load = lambda: MixtralForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager")  # noqa
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                     init_lora_weights=False, task_type="CAUSAL_LM")
+    name = out / "peft_mixtral_r4"
+    shutil.rmtree(name, ignore_errors=True)
+    get_peft_model(load(), cfg).save_pretrained(name)
+    ref = logits_of(PeftModel.from_pretrained(load(), name).eval(), 256)
+    moved = float(np.abs(ref["logits"] - logits_of(load().eval(), 256)["logits"]).max())
+    assert moved > 1e-2, moved
+    np.savez_compressed(name / "reference.npz", moved=np.float64(moved), **ref)
+    print(f"{name.name}: moves the logits by {moved:.3f}")
+
+
 def trained(d: Path, out: Path, python: str):
     """meshtrain's LoRA run from the base, its peft export loaded by peft, its merged export by transformers."""
     t = out / "trained"
@@ -111,14 +132,17 @@ def trained(d: Path, out: Path, python: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "peft"))
-    ap.add_argument("--meshtrain", default=str(ROOT / ".venv" / "bin" / "python"), help="the Python with meshtrain")
+    ap.add_argument("--meshtrain", default=str(ROOT / ".venv" / "bin" / "python"),
+                    help="the Python with meshtrain (none: leave trained/ as it is)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     d = base(out)
     peft_made(d, out, False)
     peft_made(d, out, True)
-    trained(d, out, args.meshtrain)
+    peft_moe(out)
+    if args.meshtrain != "none":
+        trained(d, out, args.meshtrain)
     import peft
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                                    "peft": peft.__version__}, indent=1) + "\n")

@@ -22,15 +22,16 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,v
 ONE = ["mesh.data=1", "mesh.stage=1", "mesh.model=1"]
 
 
-def _logits(over, ref):
+def _logits(over, ref, mesh=ONE):
     """The logits of the reference tokens and of the long prompt's last 8, from one forward of both (the short rows
-    zero-padded at the end: attention is causal), under the config `over` (its parameters as init_params reads them)."""
+    zero-padded at the end: attention is causal), under the config `over` (its parameters as init_params reads them)
+    on the layout `mesh`."""
     from models.transformer import forward
     from trainer import load_config, resolve
     from trainer.ckpt.params import init_params
     from trainer.state import make_setup
-    cfg = resolve(load_config(TINY + ONE + ["train.batch_size=4", "model.seq_len=420", *over]))
-    s = make_setup(cfg, jax.devices()[:1])
+    cfg = resolve(load_config(TINY + mesh + ["train.batch_size=4", "model.seq_len=420", *over]))
+    s = make_setup(cfg, jax.devices()[:int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))])
     params = init_params(s, cfg.model.init_from)
     long, T = ref["long_prompt"], ref["tokens"].shape[1]
     rows = np.zeros((3, long.shape[1]), np.int32)
@@ -46,6 +47,19 @@ def test_an_adapter_peft_made_gives_peft_logits(name):
     rs = ["model.lora.use_rslora=true"] if "rslora" in name else []
     short, long = _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, *rs,
                            f"model.lora.init_from={FIX / name}"], ref)
+    assert float(ref["moved"]) > 1e-2
+    assert np.abs(short - ref["logits"]).max() < 1e-4 and np.abs(long - ref["long_logits"]).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_an_moe_adapter_with_the_experts_split_gives_peft_logits():
+    """peft's adapter on the attention of a Mixtral (4 experts, k 2), read into (2,1,4) ZeRO-3 with the experts split
+    over data: peft's logits (1e-4)."""
+    ref = np.load(FIX / "peft_mixtral_r4" / "reference.npz")
+    ep = ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3", "train.expert_parallel=true"]
+    short, long = _logits([f"model.init_from={Path(__file__).parent / 'fixtures' / 'hf' / 'mixtral_e4k2_f32'}",
+                           "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj]",
+                           f"model.lora.init_from={FIX / 'peft_mixtral_r4'}"], ref, ep)
     assert float(ref["moved"]) > 1e-2
     assert np.abs(short - ref["logits"]).max() < 1e-4 and np.abs(long - ref["long_logits"]).max() < 1e-4
 
