@@ -34,6 +34,7 @@ class Lora:
     rslora: bool = False
     targets: tuple = ("q_proj", "v_proj")
     modules: tuple = ()
+    base_dtype: str = "float32"  # the frozen base's storage (bfloat16: half its bytes); adapters float32
 
     @property
     def scale(self) -> float:
@@ -109,8 +110,9 @@ def merged(c, layer: dict, splits: dict) -> dict:
         return layer
     out = {k: v for k, v in layer.items() if not k.endswith((A, B))}
     for k, (ins, outs) in splits.items():
-        w = jax.lax.stop_gradient(layer[k])
-        d = delta(layer[k + A].astype(w.dtype), layer[k + B].astype(w.dtype), ins, outs)
+        a = layer[k + A]
+        w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))  # a bfloat16 base
+        d = delta(a.astype(w.dtype), layer[k + B].astype(w.dtype), ins, outs)
         out[k] = w + jnp.asarray(c.lora.scale, w.dtype) * d
     return out
 
@@ -134,3 +136,11 @@ def with_adapters(c, inv: dict) -> dict:
     out = {k: ({n: freeze(n, q) for n, q in v.items()} if isinstance(v, dict) else freeze(k, v)) for k, v in inv.items()}
     out["layers"] = {**out["layers"], **adapter_params(c, inv["layers"], family(c.family).hf.leaves(c))}
     return out
+
+
+def stored_dtype(c, p):
+    """The dtype parameter p is held in: a frozen base weight (not one read as stored, a router's) in
+    model.lora.base_dtype, every other float32."""
+    if c.lora is not None and not p.trainable and not p.as_stored and c.lora.base_dtype == "bfloat16":
+        return jnp.bfloat16
+    return jnp.float32

@@ -44,3 +44,19 @@ def test_bad_lora_input_is_one_line(keys, message):
     with pytest.raises(UserError, match=message) as e:
         validate(load_config(TINY + ["model.lora.rank=4"] + keys), 8)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_the_7b_lora_step_on_tpu_holds_at_most_half_of_full_fine_tuning():
+    """XLA:TPU's per-chip bytes (arguments + temp) of the 7B's step on v5p:2x2x2, ZeRO-3 over 8 chips, batch 8 x 4096,
+    bfloat16, full remat: LoRA of rank 16 on every projection (the base float32, as full fine-tuning's weights) at most
+    half of full fine-tuning's (docs/lora.md quotes both)."""
+    from trainer.config import load_config
+    from trainer.plan.aot import compile_for
+    base = ["model.preset=7b", "model.remat=full", "train.zero_stage=3", "mesh.data=8", "train.batch_size=8",
+            "train.dtype=bfloat16"]
+    full = compile_for(load_config(base), "v5p:2x2x2")
+    lora = compile_for(load_config(base + ["model.lora.rank=16", "model.lora.targets=[all-linear]"]), "v5p:2x2x2")
+    print(f"per chip: full fine-tuning {full.total_bytes:,}, LoRA {lora.total_bytes:,}")
+    assert lora.total_bytes <= 0.5 * full.total_bytes

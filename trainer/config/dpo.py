@@ -23,7 +23,7 @@ def lora_of(section):
     if not section.rank:
         return None
     return Lora(int(section.rank), float(section.alpha), float(section.dropout), bool(section.use_rslora),
-                tuple(section.targets), tuple(section.modules))
+                tuple(section.targets), tuple(section.modules), section.base_dtype)
 
 
 def lora_checks(mc, t) -> list:

@@ -58,6 +58,8 @@ class LoraSection:
     modules: List[str] = setting([], None, "whole weights trained beside the adapters (peft's modules_to_save): "
                                  "embed, lm_head")
     init_from: Optional[str] = setting(None, None, "a peft adapter folder the adapters start from")
+    base_dtype: str = setting("float32", ("float32", "bfloat16"), "the frozen base's storage (bfloat16: half its "
+                              "bytes; the adapters and their state float32)")
 
 
 LAST = [("init_from", Optional[str], setting(None, None, "parameters from `meshtrain export`, a run, or a Hugging "
