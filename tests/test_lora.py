@@ -37,6 +37,8 @@ def test_layout_equals_one_device_and_the_base_stays(layout):
      r"of at most 32$"),
     (["model.lora.rank=-1"], r"^model.lora.rank=-1"),
     (["model.lora.dropout=0.1"], r"^model.lora.dropout=0.1 is not supported yet; set 0$"),
+    (["model.lora.rank=0", "model.lora.init_from=/some/adapter"], r"^model.lora.init_from=/some/adapter with "
+     r"model.lora.rank=0 \(no adapters\); set model.lora.rank to the adapter's r$"),
 ])
 def test_bad_lora_input_is_one_line(keys, message):
     from trainer.config import load_config, validate

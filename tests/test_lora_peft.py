@@ -158,3 +158,38 @@ def test_sft_with_lora_on_conversations_learns_and_exports(tmp_path):
     a = np.asarray(jax.jit(lambda p: forward(s.model, p, tokens))(back))
     b = np.asarray(jax.jit(lambda p: forward(s.model, p, tokens))(jax.device_get(params)))
     assert np.abs(a - b).max() < 1e-5
+
+
+@pytest.mark.parametrize("key,value", [("use_dora", True), ("lora_bias", True), ("layers_to_transform", [0]),
+                                       ("trainable_token_indices", [5]), ("rank_pattern", {"q_proj": 8}),
+                                       ("alpha_pattern", {"q_proj": 16}), ("r", 8), ("target_modules", ["q_proj"])])
+def test_a_refused_adapter_setting_is_one_line(tmp_path, key, value):
+    """An adapter_config.json setting meshtrain does not compute, or one that differs from model.lora's, stops the
+    run in one line naming the key, before any weight is read."""
+    import shutil
+    from trainer.errors import UserError
+    d = tmp_path / "adapter"
+    shutil.copytree(FIX / "peft_r4", d)
+    c = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**c, key: value}))
+    with pytest.raises(UserError, match=rf"adapter_config.json: {key}=") as e:
+        _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, f"model.lora.init_from={d}"],
+                np.load(FIX / "peft_r4" / "reference.npz"))
+    assert "\n" not in str(e.value)
+
+
+def test_an_adapter_of_other_shapes_is_one_line(tmp_path):
+    """An adapter whose tensor does not fit the model's projection (another model's): one line naming the tensor."""
+    import shutil
+    from hf_check import read_st, write_st
+    from trainer.errors import UserError
+    d = tmp_path / "adapter"
+    shutil.copytree(FIX / "peft_r4", d)
+    tensors = {k: a for k, (_, a) in read_st(d / "adapter_model.safetensors").items()}
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[name] = tensors[name][:, :32].copy()  # another model's hidden width
+    write_st(d / "adapter_model.safetensors", tensors)
+    with pytest.raises(UserError, match=rf"'{name}' \[4, 32\] does not fit the model's") as e:
+        _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, f"model.lora.init_from={d}"],
+                np.load(FIX / "peft_r4" / "reference.npz"))
+    assert "\n" not in str(e.value)

@@ -26,11 +26,12 @@ def lora_of(section):
                 tuple(section.targets), tuple(section.modules), section.base_dtype)
 
 
-def lora_checks(mc, t) -> list:
+def lora_checks(mc, t, section) -> list:
     """(ok, message) of model.lora against the model and the train keys."""
     lora = mc.lora
     if lora is None:
-        return []
+        return [(not section.init_from, f"model.lora.init_from={section.init_from} with model.lora.rank=0 (no "
+                 "adapters); set model.lora.rank to the adapter's r")]
     from models.lora import targets
     from models.spec import family
     spec = family(mc.family)
