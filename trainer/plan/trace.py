@@ -115,11 +115,22 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
             call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
                               data=data, kv_repeat=repeat, collectives=coll,
                               attention=plan.attention(kn.attention, coll, pos))
-        run = lambda x, weights: layer(c, weights, x, call._replace(half=half) if half else call)[0]  # noqa
+        run = lambda x, weights: layer(c, trained(c, stack, weights), x, call._replace(half=half) if half  # noqa
+                                       else call)[0]
         if what not in ("none", "attention", "mlp", "sublayer"):
             run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
         return run(x, weights)
     return residuals(fn, x, weights)
+
+
+def trained(c, stack: str, weights: dict) -> dict:
+    """One layer's weights as the step runs them: a frozen one behind a stop-gradient, LoRA's adapters merged into
+    their weights (models/lora.py): its backward keeps what the step's does."""
+    from models.lora import layer_splits, merged
+    from models.transformer import inventory
+    inv = inventory(c)[stack]
+    weights = {k: v if inv[k].trainable else jax.lax.stop_gradient(v) for k, v in weights.items()}
+    return merged(c, weights, layer_splits(c) if stack == "layers" else {})
 
 
 class OneContextRank(LocalCollectives):
