@@ -10,6 +10,8 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
   peft_mixtral_r4    an adapter peft drew (B non-zero, r 4) on the attention of tests/fixtures/hf/mixtral_e4k2_f32 (4
                      experts, k 2; the experts' own projections are not adapted: meshtrain refuses them for now), and
                      PeftModel's logits of it
+  trained_mixtral    the same of tests/fixtures/hf/mixtral_e4k2_f32, the experts split over data, its attention
+                     adapted
   trained            meshtrain's own: 3 SGD steps of LoRA (r 4, alpha 8, q/v/o/down_proj) from llama_base on (2,1,4)
                      ZeRO-3 (the command below, run by this script with --meshtrain's Python), exported with
                      `meshtrain export --format peft`, then loaded by PeftModel.from_pretrained: its logits on the
@@ -102,28 +104,31 @@ def peft_moe(out: Path):
     print(f"{name.name}: moves the logits by {moved:.3f}")
 
 
-def trained(d: Path, out: Path, python: str):
+def trained(d: Path, out: Path, python: str, name: str = "trained", extra: tuple = (), cls=LlamaForCausalLM,
+            load: dict | None = None):
     """meshtrain's LoRA run from the base, its peft export loaded by peft, its merged export by transformers."""
-    t = out / "trained"
+    t, load = out / name, load or {}
+    command = TRAIN + list(extra)
     shutil.rmtree(t, ignore_errors=True)
     run = t / "run"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    subprocess.run([python, "-m", "trainer.cli", "train", f"model.init_from={d}", f"run.dir={run}", *TRAIN],
+    subprocess.run([python, "-m", "trainer.cli", "train", f"model.init_from={d}", f"run.dir={run}", *command],
                    check=True, cwd=ROOT, env=env)
     subprocess.run([python, "-m", "trainer.cli", "export", "--run", str(run), "--format", "peft", "--out",
                     str(t / "adapter")], check=True, cwd=ROOT, env=env)
     subprocess.run([python, "-m", "trainer.cli", "export", "--run", str(run), "--format", "hf", "--merge", "--out",
                     str(t / "merged")], check=True, cwd=ROOT, env=env)
     shutil.rmtree(run)
-    (t / "command.json").write_text(json.dumps(TRAIN, indent=1) + "\n")
+    (t / "command.json").write_text(json.dumps(command, indent=1) + "\n")
     config = json.loads((t / "adapter" / "adapter_config.json").read_text())
     print("adapter_config.json:", config)
-    loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(d, dtype=torch.float32), t / "adapter").eval()
+    loaded = PeftModel.from_pretrained(cls.from_pretrained(d, dtype=torch.float32, **load), t / "adapter").eval()
     ref = logits_of(loaded, 256)
-    merged = logits_of(LlamaForCausalLM.from_pretrained(t / "merged", dtype=torch.float32).eval(), 256)
-    moved = float(np.abs(ref["logits"] - np.load(d / "reference.npz")["logits"]).max())
+    merged = logits_of(cls.from_pretrained(t / "merged", dtype=torch.float32, **load).eval(), 256)
+    moved = float(np.abs(ref["logits"] - logits_of(cls.from_pretrained(d, dtype=torch.float32, **load).eval(),
+                                                   256)["logits"]).max())
     gap = float(np.abs(merged["logits"] - ref["logits"]).max())
-    print(f"trained: peft's logits move {moved:.3f} from the base's; merged vs peft {gap:.2e}")
+    print(f"{name}: peft's logits move {moved:.3f} from the base's; merged vs peft {gap:.2e}")
     shutil.rmtree(t / "merged")  # the merged export is the test's to make again
     np.savez_compressed(t / "reference.npz", moved=np.float64(moved), merged_logits=merged["logits"],
                         merged_long_logits=merged["long_logits"], **ref)
@@ -143,6 +148,10 @@ def main():
     peft_moe(out)
     if args.meshtrain != "none":
         trained(d, out, args.meshtrain)
+        from transformers import MixtralForCausalLM
+        trained(ROOT / "tests" / "fixtures" / "hf" / "mixtral_e4k2_f32", out, args.meshtrain, "trained_mixtral",
+                ("train.expert_parallel=true", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj]"), MixtralForCausalLM,
+                {"experts_implementation": "eager"})
     import peft
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                                    "peft": peft.__version__}, indent=1) + "\n")
