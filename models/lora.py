@@ -27,7 +27,7 @@ A, B = "_lora_a", "_lora_b"
 @dataclasses.dataclass(frozen=True)
 class Lora:
     """model.lora: the rank (0: off), alpha, dropout (of the adapters' input), rsLoRA's scale, the target projections
-    (HF module names, or "all-linear"), the whole weights trained beside (embed, lm_head)."""
+    (HF module names, or "all-linear"), the whole weights trained beside (HF module names: embed_tokens, lm_head)."""
     rank: int
     alpha: float
     dropout: float = 0.0
@@ -126,13 +126,24 @@ def layer_splits(c) -> dict:
     return {k: split_axes(leaf) for k, (_, leaf) in targets(c, leaves).items()}
 
 
+def saved_modules(c, leaves) -> dict:
+    """{param name: its Leaf} of model.lora.modules (peft's modules_to_save, by HF module name: embed_tokens,
+    lm_head): whole weights outside the layers, trained; a name the family has not is a ValueError naming its own."""
+    whole = {hf_module(lf.names[0]): lf for lf in leaves if not lf.stacked and not lf.copy and len(lf.hf_shape) == 2}
+    if missing := [m for m in c.lora.modules if m not in whole]:
+        raise ValueError(f"model.lora.modules names {', '.join(missing)}, which {c.family} has not; its whole weights: "
+                         f"{', '.join(sorted(whole))}")
+    return {whole[m].path[0]: whole[m] for m in c.lora.modules}
+
+
 def with_adapters(c, inv: dict) -> dict:
     """A family's inventory with every weight frozen but model.lora's modules, and the adapters in the layers'
     stack."""
     from models.spec import family
+    trained = saved_modules(c, family(c.family).hf.leaves(c))
 
     def freeze(name, p):
-        return p if name in c.lora.modules else p._replace(trainable=False)
+        return p if name in trained else p._replace(trainable=False)
     out = {k: ({n: freeze(n, q) for n, q in v.items()} if isinstance(v, dict) else freeze(k, v)) for k, v in inv.items()}
     out["layers"] = {**out["layers"], **adapter_params(c, inv["layers"], family(c.family).hf.leaves(c))}
     return out

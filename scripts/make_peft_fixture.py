@@ -7,6 +7,7 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
                      random, B non-zero); reference.npz: PeftModel's logits on (2, 24) tokens and the last 8 of a
                      420-token prompt
   peft_r4_rslora     the same with use_rslora (scale alpha / sqrt(r))
+  peft_r4_lm_head    the same with modules_to_save lm_head and embed_tokens, their copies moved by noise
   peft_mixtral_r4    an adapter peft drew (B non-zero, r 4) on the attention of tests/fixtures/hf/mixtral_e4k2_f32 (4
                      experts, k 2; the experts' own projections are not adapted: meshtrain refuses them for now), and
                      PeftModel's logits of it
@@ -67,14 +68,19 @@ def base(out: Path) -> Path:
     return d
 
 
-def peft_made(d: Path, out: Path, rslora: bool):
-    """An adapter drawn by peft (B non-zero), saved, and PeftModel's logits of it."""
-    torch.manual_seed(13 + rslora)
+def peft_made(d: Path, out: Path, rslora: bool, saved: tuple = ()):
+    """An adapter drawn by peft (B non-zero; the modules_to_save copies moved by noise), saved, and PeftModel's
+    logits of it."""
+    torch.manual_seed(13 + rslora + 2 * len(saved))
     model = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, use_rslora=rslora,
-                     task_type="CAUSAL_LM")
+                     task_type="CAUSAL_LM", modules_to_save=list(saved) or None)
     peft_model = get_peft_model(model, cfg).eval()
-    name = out / ("peft_r4_rslora" if rslora else "peft_r4")
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(0.05 * torch.randn_like(p))
+    name = out / ("peft_r4_rslora" if rslora else "peft_r4_lm_head" if saved else "peft_r4")
     shutil.rmtree(name, ignore_errors=True)
     peft_model.save_pretrained(name)
     loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(d, dtype=torch.float32), name).eval()
@@ -145,6 +151,7 @@ def main():
     d = base(out)
     peft_made(d, out, False)
     peft_made(d, out, True)
+    peft_made(d, out, False, ("lm_head", "embed_tokens"))
     peft_moe(out)
     if args.meshtrain != "none":
         trained(d, out, args.meshtrain)

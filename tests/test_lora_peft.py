@@ -40,10 +40,14 @@ def _logits(over, ref, mesh=ONE):
     return got[:2, :T], got[2, -8:]
 
 
-@pytest.mark.parametrize("name", ["peft_r4", pytest.param("peft_r4_rslora", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["peft_r4", pytest.param("peft_r4_rslora", marks=pytest.mark.slow),
+                                  pytest.param("peft_r4_lm_head", marks=pytest.mark.slow)])
 def test_an_adapter_peft_made_gives_peft_logits(name):
+    """peft's adapter (B non-zero; with rsLoRA; with modules_to_save, their copies moved) read by model.lora.init_from:
+    peft's logits (1e-4)."""
     ref = np.load(FIX / name / "reference.npz")
     rs = ["model.lora.use_rslora=true"] if "rslora" in name else []
+    rs += ["model.lora.modules=[lm_head,embed_tokens]"] if "lm_head" in name else []
     short, long = _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, *rs,
                            f"model.lora.init_from={FIX / name}"], ref)
     assert float(ref["moved"]) > 1e-2
@@ -98,9 +102,10 @@ def test_a_trained_adapter_exports_to_peft_and_merged(tmp_path, name):
 
 @pytest.mark.slow
 def test_sft_with_lora_on_conversations_learns_and_exports(tmp_path):
-    """LoRA (rank 8, every projection) on the generate fixture's Llama, trained 20 steps on the chat fixture's
-    conversations (their assistant turns only): the last logged loss below the first by more than 0.5 nats; the
-    adapter exported with --format peft and read back by model.lora.init_from gives the run's own logits (1e-5)."""
+    """LoRA (rank 8, every projection, the tied embedding trained whole) on the generate fixture's Llama, trained 20
+    steps on the chat fixture's conversations (their assistant turns only): the last logged loss below the first by
+    more than 0.5 nats; the adapter exported with --format peft (the embedding as modules_to_save) and read back by
+    model.lora.init_from gives the run's own logits (1e-5)."""
     from hf_check import cli
     from models.transformer import forward
     from trainer import load_config, resolve
@@ -110,7 +115,8 @@ def test_sft_with_lora_on_conversations_learns_and_exports(tmp_path):
     data, run = tmp_path / "chats.bin", tmp_path / "run"
     assert cli("prepare", str(chats / "conversations.jsonl"), "--out", str(data), "--tokenizer", str(gen),
                "--no-progress", "--heldout", "0") == 0
-    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[all-linear]"]
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[all-linear]",
+            "model.lora.modules=[embed_tokens]"]  # the (tied) embedding trained whole, exported as modules_to_save
     assert cli("train", f"data.source={data}", f"model.init_from={gen}", f"run.dir={run}", "train.steps=20",
                "train.batch_size=8", "model.seq_len=128", "train.lr=3e-3", "train.warmup_steps=2", "train.eval_every=0",
                "run.log_every=1", "run.progress=false", "data.document_mask=true", *lora) == 0

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.lora import A, B, split_axes, targets
+from models.lora import A, B, hf_module, saved_modules, split_axes, targets
 from models.spec import family
 from trainer.ckpt import safetensors as st
 from trainer.errors import UserError
@@ -67,6 +67,9 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
         for i in range(a_all.shape[0]):
             na, nb = _names(leaf, i)
             tensors[na], tensors[nb] = to_peft(a_all[i], b_all[i], leaf)
+    for k, leaf in saved_modules(mc, family(mc.family).hf.leaves(mc)).items():  # peft's modules_to_save, whole
+        w = _host(params[k])
+        tensors[PREFIX + leaf.names[0]] = w.transpose(tuple(np.argsort(leaf.perm))).reshape(leaf.hf_shape)
     out.mkdir(parents=True, exist_ok=True)
     st.write(out / WEIGHTS, [(n, t.shape, np.float32) for n, t in tensors.items()], lambda n: tensors[n],
              {"format": "pt"})
@@ -94,6 +97,10 @@ def check_config(folder: Path, mc) -> dict:
             raise UserError(f"{folder / CONFIG}: {key}={cfg[key]!r} is not supported (meshtrain computes {key}="
                             f"{want!r}); give an adapter without it")
     lora = mc.lora
+    saved = sorted(cfg.get("modules_to_save") or [])
+    if saved != sorted(lora.modules):
+        raise UserError(f"{folder / CONFIG}: modules_to_save={saved} but model.lora.modules={sorted(lora.modules)}; set "
+                        f"model.lora.modules=[{','.join(saved)}]")
     theirs = {"r": (lora.rank, "model.lora.rank"), "lora_alpha": (lora.alpha, "model.lora.alpha"),
               "use_rslora": (lora.rslora, "model.lora.use_rslora")}
     for key, (mine, name) in theirs.items():
@@ -131,6 +138,12 @@ def read_peft(folder, mc, shapes: dict) -> dict:
             rows_a.append(a)
             rows_b.append(b)
         out[k + A], out[k + B] = np.stack(rows_a), np.stack(rows_b)
+    for k, leaf in saved_modules(mc, family(mc.family).hf.leaves(mc)).items():
+        name = PREFIX + leaf.names[0]
+        if name not in have or tuple(have[name].shape) != tuple(leaf.hf_shape):
+            raise UserError(f"{folder / WEIGHTS} lacks '{name}' {list(leaf.hf_shape)} of modules_to_save; give the "
+                            "adapter of this model")
+        out[k] = have[name].array().reshape(leaf.view).transpose(leaf.perm)
     return out
 
 
@@ -157,6 +170,8 @@ def with_adapters(s, params: dict) -> dict:
     if folder:
         got = read_peft(folder, mc, shapes)
         fresh = {k: jax.device_put(got[k].astype(shapes["layers"][k].dtype), shardings["layers"][k]) for k in names}
+        whole = {k: jax.device_put(v.astype(shapes[k].dtype), shardings[k]) for k, v in got.items() if k in shapes}
+        return {**params, **whole, "layers": {**params["layers"], **fresh}}  # modules_to_save as the adapter holds them
     else:
         keys = jax.random.split(jax.random.key(s.cfg.train.seed + 7919), len(names))
 

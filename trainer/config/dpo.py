@@ -32,7 +32,7 @@ def lora_checks(mc, t, section) -> list:
     if lora is None:
         return [(not section.init_from, f"model.lora.init_from={section.init_from} with model.lora.rank=0 (no "
                  "adapters); set model.lora.rank to the adapter's r")]
-    from models.lora import targets
+    from models.lora import saved_modules, targets
     from models.spec import family
     spec = family(mc.family)
     if spec.hf is None:
@@ -40,6 +40,7 @@ def lora_checks(mc, t, section) -> list:
                  "a Hugging Face adapter, which this family has not")]
     try:
         chosen = targets(mc, spec.hf.leaves(mc))
+        saved_modules(mc, spec.hf.leaves(mc))
     except ValueError as e:
         return [(False, str(e))]
     small = min(min(leaf.hf_shape) for _, leaf in chosen.values())

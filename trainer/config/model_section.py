@@ -55,8 +55,8 @@ class LoraSection:
     use_rslora: bool = setting(False, None, "scale alpha / sqrt(rank) (rank-stabilised LoRA)")
     targets: List[str] = setting(["q_proj", "v_proj"], None, "the projections adapted, by the family's Hugging Face "
                                  "module names (q_proj, down_proj, ...), or all-linear")
-    modules: List[str] = setting([], None, "whole weights trained beside the adapters (peft's modules_to_save): "
-                                 "embed, lm_head")
+    modules: List[str] = setting([], None, "whole weights trained beside the adapters (peft's modules_to_save), by "
+                                 "HF module name: embed_tokens, lm_head")
     init_from: Optional[str] = setting(None, None, "a peft adapter folder the adapters start from")
     base_dtype: str = setting("float32", ("float32", "bfloat16"), "the frozen base's storage (bfloat16: half its "
                               "bytes; the adapters and their state float32)")

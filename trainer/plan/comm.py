@@ -198,7 +198,7 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
     axes)) over the axes left to leaves the rules split over one of them (no embedding, no loss there)."""
     (k, over), m, zero, tp = split or (st.data * st.context, st.batch_axes), st.microbatches, st.zero, st.model
     ar, ag = bus_factor("all-reduce", k), bus_factor("all-gather", k)
-    grads = sum(x.bytes for x in ls)
+    grads = sum(x.bytes for x in ls if not x.frozen)  # a frozen weight (a LoRA base) has no gradient to reduce
     zeroed = sum(x.bytes for x in ls if x.zero)
     wire = 0.5 if st.grad_sync == "ring_bf16" else 1.0
     out = []
@@ -216,11 +216,11 @@ def _data_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: 
 
         if zero >= 2:
             out += [Transfer(over, "reduce-scatter", "gradient reduce-scatter, every microbatch",
-                             m * ag * whole(lambda x: x.zero) * wire, m),
+                             m * ag * whole(lambda x: x.zero and not x.frozen) * wire, m),
                     Transfer(MODEL, "all-gather", "model-split gradients gathered before their reduce-scatter",
-                             m * bus_factor("all-gather", tp) * over_model(lambda x: x.zero), m),
+                             m * bus_factor("all-gather", tp) * over_model(lambda x: x.zero and not x.frozen), m),
                     Transfer(over, "all-reduce", "all-reduce of leaves too small to shard",
-                             m * ar * sum(x.bytes for x in ls if not x.zero), m)]
+                             m * ar * sum(x.bytes for x in ls if not x.zero and not x.frozen), m)]
         else:
             out.append(Transfer(over, "all-reduce", f"gradient all-reduce ({st.grad_sync}), once per step",
                                 ar * grads * wire, 1))

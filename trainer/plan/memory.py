@@ -88,6 +88,7 @@ class Leaf:
     zero: bool  # has a dimension ZeRO shards over the batch axes it is summed over
     split: bool = False  # its rules split it over a batch axis (experts over `expert`): never reduced over that
     left: str = ""  # where split: the batch axes it is summed (and ZeRO-sharded) over, named (Strategy.axes_left)
+    frozen: bool = False  # no gradient (a LoRA base, models/frozen.py): never reduced, still gathered under ZeRO-3
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,15 +108,16 @@ def leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
 def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     """leaves of a layout reduced to what places the weights and decides their reduction (mesh, ZeRO, rules,
     microbatches, gradient sync). Shared: read it, never change it."""
-    params, _, _, _ = _abstract(mc, train)
+    params, frozen = _abstract(mc, train)[0], _model_shapes(mc)[3]
     full = leaf_bytes(mc, train, st, "compute")
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     out = []
-    for (path, _), r, b in zip(flat, jax.tree.leaves(decision(mc, train, st).leaves), jax.tree.leaves(full)):
+    for (path, _), r, b, f in zip(flat, jax.tree.leaves(decision(mc, train, st).leaves), jax.tree.leaves(full),
+                                  jax.tree.leaves(frozen)):
         ways = math.prod(st.model for e in r.spec if e == MODEL or (isinstance(e, tuple) and MODEL in e))
         name = jax.tree_util.keystr(path)
         out.append(Leaf(name, name.startswith("['layers']"), float(b), ways, r.dim is not None, bool(r.split),
-                        st.axes_left(r.split) if r.split else ""))
+                        st.axes_left(r.split) if r.split else "", bool(f)))
     return out
 
 
@@ -295,7 +297,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) ->
     if st.stage > 1:  # ZeRO-3 gathers one repeat of the stage's layers
         # under ZeRO-2/3 the step's whole gradient accumulates before its reduce-scatter; its shard is
         # already state (XLA's scratch grows by about nothing from ZeRO-1 to ZeRO-2)
-        whole = sum(x.bytes for x in ls) - sum(jax.tree.leaves(leaf_bytes(mc, train, st, "grad")))
+        whole = sum(x.bytes for x in ls if not x.frozen) - state_bytes(mc, train, st)[1]
         # circular schedule: the stage's layers re-laid out in circular order, and their gradient (the
         # table executor accumulates it in circular order; moved back, it is the gradient counted above)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
@@ -305,7 +307,7 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) ->
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
         # each layer's inside the scan, so its whole gradient never exists)
-        out += sum(x.bytes for x in ls)
+        out += sum(x.bytes for x in ls if not x.frozen)
     if zero3:  # gathered layer weights: kept for the backward without remat (or sublayer's), else one layer's
         c_top, c_lay = gather_casts(platform, a)
         top, lay = top * c_top, lay * c_lay
