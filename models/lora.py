@@ -22,6 +22,9 @@ import jax.numpy as jnp
 from models.spec import Param
 
 A, B = "_lora_a", "_lora_b"
+# peft's target_parameters of transformers 5's packed experts ((E, 2F, D) gate then up, (E, D, F) down) and the
+# adapters meshtrain holds for them: gate/up share one A (X, D, r) and one B (X, r, 2, F); down A (X, F, r), B (X, r, D)
+EXPERTS = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +58,7 @@ def targets(c, leaves) -> dict:
     layer = {lf.path[1]: lf for lf in leaves if lf.stacked and lf.path[0] == "layers" and len(lf.hf_shape) == 2
              and lf.names[0].endswith(".weight") and not lf.lead}
     have = {hf_module(lf.names[0]): k for k, lf in layer.items() if "norm" not in hf_module(lf.names[0])}
-    wanted = tuple(have) if "all-linear" in lora.targets else lora.targets
+    wanted = tuple(have) if "all-linear" in lora.targets else tuple(t for t in lora.targets if t not in EXPERTS)
     if missing := [t for t in wanted if t not in have]:
         raise ValueError(f"model.lora.targets names {', '.join(missing)}, which {c.family} has not; its projections: "
                          f"{', '.join(sorted(have))} (or all-linear)")
@@ -88,11 +91,58 @@ def adapter_params(c, base: dict, leaves) -> dict:
     return out
 
 
-def kaiming_a(key, shape, dtype):
-    """peft's A: torch's kaiming_uniform_(a=sqrt(5)) of an (r, in) weight, bound 1 / sqrt(in)."""
-    fan_in = math.prod(shape[:-1])
-    bound = 1.0 / math.sqrt(fan_in)
+def expert_targets(c) -> tuple:
+    """The packed-expert parameters model.lora adapts (EXPERTS' keys), of a family whose experts are expert_gate,
+    expert_up and expert_down; a family without them is a ValueError."""
+    chosen = tuple(t for t in c.lora.targets if t in EXPERTS)
+    if chosen:
+        from models.spec import family
+        layers = family(c.family).inventory(c)["layers"]
+        if not {"expert_gate", "expert_up", "expert_down"} <= set(layers):
+            raise ValueError(f"model.lora.targets names {', '.join(chosen)}, but {c.family} has no experts of gate, up "
+                             "and down projections")
+    return chosen
+
+
+def expert_params(c, base: dict) -> dict:
+    """The packed experts' adapters (EXPERTS), their axes the experts' logical names."""
+    out, r = {}, c.lora.rank
+    for t in expert_targets(c):
+        if EXPERTS[t] == "experts_gate_up":
+            X, D, F = base["expert_gate"].shape
+            out["experts_gate_up" + A] = Param((X, D, r), ("experts", "embed", None), "lora_a_experts", True)
+            out["experts_gate_up" + B] = Param((X, r, 2, F), ("experts", None, None, "mlp"), "zeros", True)
+        else:
+            X, F, D = base["expert_down"].shape
+            out["experts_down" + A] = Param((X, F, r), ("experts", "mlp", None), "lora_a_experts", True)
+            out["experts_down" + B] = Param((X, r, D), ("experts", None, "embed"), "zeros", True)
+    return out
+
+
+def merged_experts(c, layer: dict, out: dict) -> dict:
+    """`out` with the experts' adapters (one layer's) merged into expert_gate, expert_up and expert_down."""
+    s = c.lora.scale
+    if "experts_gate_up" + A in layer:
+        a, b = layer["experts_gate_up" + A], layer["experts_gate_up" + B]
+        for i, k in enumerate(("expert_gate", "expert_up")):
+            w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))
+            out[k] = w + jnp.asarray(s, w.dtype) * jnp.einsum("xdr,xrf->xdf", a.astype(w.dtype), b[:, :, i].astype(w.dtype))
+    if "experts_down" + A in layer:
+        a, b, k = layer["experts_down" + A], layer["experts_down" + B], "expert_down"
+        w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))
+        out[k] = w + jnp.asarray(s, w.dtype) * jnp.einsum("xfr,xrd->xfd", a.astype(w.dtype), b.astype(w.dtype))
+    return out
+
+
+def kaiming_a(key, shape, dtype, lead: int = 1):
+    """peft's A: torch's kaiming_uniform_(a=sqrt(5)) of an (r, in) weight, bound 1 / sqrt(in), for a stacked A of
+    `lead` leading axes (layers; layers and experts), its input axes, then the rank."""
+    bound = 1.0 / math.sqrt(math.prod(shape[lead:-1]))
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def kaiming_experts(key, shape, dtype):
+    return kaiming_a(key, shape, dtype, lead=2)
 
 
 def delta(a, b, ins: list[int], outs: list[int]):
@@ -106,9 +156,9 @@ def delta(a, b, ins: list[int], outs: list[int]):
 def merged(c, layer: dict, splits: dict) -> dict:
     """One layer's weights (no leading layers axis) with each adapted weight W + scale A B and the adapters dropped;
     the base behind a stop-gradient (frozen). `splits`: {param: (input axes, output axes)} (`layer_splits`)."""
-    if not splits:
+    if not splits and not any(k.endswith(A) for k in layer):
         return layer
-    out = {k: v for k, v in layer.items() if not k.endswith((A, B))}
+    out = merged_experts(c, layer, {k: v for k, v in layer.items() if not k.endswith((A, B))})
     for k, (ins, outs) in splits.items():
         a = layer[k + A]
         w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))  # a bfloat16 base
@@ -145,7 +195,8 @@ def with_adapters(c, inv: dict) -> dict:
     def freeze(name, p):
         return p if name in trained else p._replace(trainable=False)
     out = {k: ({n: freeze(n, q) for n, q in v.items()} if isinstance(v, dict) else freeze(k, v)) for k, v in inv.items()}
-    out["layers"] = {**out["layers"], **adapter_params(c, inv["layers"], family(c.family).hf.leaves(c))}
+    out["layers"] = {**out["layers"], **adapter_params(c, inv["layers"], family(c.family).hf.leaves(c)),
+                     **expert_params(c, inv["layers"])}
     return out
 
 

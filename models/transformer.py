@@ -27,7 +27,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
-from models.lora import kaiming_a, layer_splits, merged, stored_dtype, with_adapters
+from models.lora import kaiming_a, kaiming_experts, layer_splits, merged, stored_dtype, with_adapters
 from models.spec import LOCAL, LayerCall, Param, family, stacks
 
 STACKS = ("first_layers", "layers")
@@ -70,7 +70,7 @@ def _make(c: ModelConfig, p: Param, rngs: nnx.Rngs, layers: int | None = None, s
              "residual": nnx.initializers.normal(c.init_std / (2 * c.n_layers) ** 0.5),
              "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
              "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype),
-             "lora_a": kaiming_a}
+             "lora_a": kaiming_a, "lora_a_experts": kaiming_experts}
     shape, axes = (p.shape, p.axes) if layers is None else ((layers,) + p.shape, (stack,) + p.axes)
     return nnx.Param(inits[p.init](rngs.params(), shape, stored_dtype(c, p)), logical_axes=axes, weight_decay=p.decay,
                      as_stored=p.as_stored, trainable=p.trainable)

@@ -11,8 +11,10 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
   peft_mixtral_r4    an adapter peft drew (B non-zero, r 4) on the attention of tests/fixtures/hf/mixtral_e4k2_f32 (4
                      experts, k 2; the experts' own projections are not adapted: meshtrain refuses them for now), and
                      PeftModel's logits of it
-  trained_mixtral    the same of tests/fixtures/hf/mixtral_e4k2_f32, the experts split over data, its attention
-                     adapted
+  peft_mixtral_experts_r4  the same with its experts adapted too (target_parameters mlp.experts.gate_up_proj and
+                     mlp.experts.down_proj: transformers 5's packed experts)
+  trained_mixtral    the same of tests/fixtures/hf/mixtral_e4k2_f32, the experts split over data, its attention and
+                     its packed experts adapted
   trained            meshtrain's own: 3 SGD steps of LoRA (r 4, alpha 8, q/v/o/down_proj) from llama_base on (2,1,4)
                      ZeRO-3 (the command below, run by this script with --meshtrain's Python), exported with
                      `meshtrain export --format peft`, then loaded by PeftModel.from_pretrained: its logits on the
@@ -92,15 +94,17 @@ def peft_made(d: Path, out: Path, rslora: bool, saved: tuple = ()):
     print(f"{name.name}: moves the logits by {moved:.3f}")
 
 
-def peft_moe(out: Path):
-    """peft's adapter on the attention of an MoE fixture, and PeftModel's logits of it."""
+def peft_moe(out: Path, experts: bool = False):
+    """peft's adapter on the attention of an MoE fixture (and with `experts`, on its packed experts' gate_up_proj and
+    down_proj: peft's target_parameters), and PeftModel's logits of it."""
     from transformers import MixtralForCausalLM
     d = ROOT / "tests" / "fixtures" / "hf" / "mixtral_e4k2_f32"
-    torch.manual_seed(17)
+    torch.manual_seed(17 + experts)
     load = lambda: MixtralForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager")  # noqa
+    more = dict(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts else {}
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                     init_lora_weights=False, task_type="CAUSAL_LM")
-    name = out / "peft_mixtral_r4"
+                     init_lora_weights=False, task_type="CAUSAL_LM", **more)
+    name = out / ("peft_mixtral_experts_r4" if experts else "peft_mixtral_r4")
     shutil.rmtree(name, ignore_errors=True)
     get_peft_model(load(), cfg).save_pretrained(name)
     ref = logits_of(PeftModel.from_pretrained(load(), name).eval(), 256)
@@ -153,11 +157,13 @@ def main():
     peft_made(d, out, True)
     peft_made(d, out, False, ("lm_head", "embed_tokens"))
     peft_moe(out)
+    peft_moe(out, experts=True)
     if args.meshtrain != "none":
         trained(d, out, args.meshtrain)
         from transformers import MixtralForCausalLM
         trained(ROOT / "tests" / "fixtures" / "hf" / "mixtral_e4k2_f32", out, args.meshtrain, "trained_mixtral",
-                ("train.expert_parallel=true", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj]"), MixtralForCausalLM,
+                ("train.expert_parallel=true", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj,"
+                 "mlp.experts.gate_up_proj,mlp.experts.down_proj]"), MixtralForCausalLM,
                 {"experts_implementation": "eager"})
     import peft
     (out / "versions.json").write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,

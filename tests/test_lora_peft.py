@@ -54,22 +54,30 @@ def test_an_adapter_peft_made_gives_peft_logits(name):
     assert np.abs(short - ref["logits"]).max() < 1e-4 and np.abs(long - ref["long_logits"]).max() < 1e-4
 
 
-@pytest.mark.slow
-def test_an_moe_adapter_with_the_experts_split_gives_peft_logits():
-    """peft's adapter on the attention of a Mixtral (4 experts, k 2), read into (2,1,4) ZeRO-3 with the experts split
-    over data: peft's logits (1e-4)."""
-    ref = np.load(FIX / "peft_mixtral_r4" / "reference.npz")
+EXPERT_TARGETS = ",mlp.experts.gate_up_proj,mlp.experts.down_proj"
+
+
+@pytest.mark.parametrize("name", [pytest.param("peft_mixtral_r4", marks=pytest.mark.slow), "peft_mixtral_experts_r4"])
+def test_an_moe_adapter_with_the_experts_split_gives_peft_logits(name):
+    """peft's adapter on the attention of a Mixtral (4 experts, k 2; and on its packed experts, peft's
+    target_parameters, one A shared by gate and up), read into (2,1,4) ZeRO-3 with the experts split over data:
+    peft's logits (1e-4)."""
+    ref = np.load(FIX / name / "reference.npz")
     ep = ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3", "train.expert_parallel=true"]
+    experts = EXPERT_TARGETS if "experts" in name else ""
     short, long = _logits([f"model.init_from={Path(__file__).parent / 'fixtures' / 'hf' / 'mixtral_e4k2_f32'}",
-                           "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj]",
-                           f"model.lora.init_from={FIX / 'peft_mixtral_r4'}"], ref, ep)
+                           "model.lora.rank=4", "model.lora.alpha=8",
+                           f"model.lora.targets=[q_proj,k_proj,v_proj,o_proj{experts}]",
+                           f"model.lora.init_from={FIX / name}"], ref, ep)
     assert float(ref["moved"]) > 1e-2
     assert np.abs(short - ref["logits"]).max() < 1e-4 and np.abs(long - ref["long_logits"]).max() < 1e-4
 
 
 TRAINED = {"trained": (FIX / "llama_base", LORA, ONE),
            "trained_mixtral": (Path(__file__).parent / "fixtures" / "hf" / "mixtral_e4k2_f32",
-                               ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,k_proj,v_proj,o_proj]"],
+                               ["model.lora.rank=4", "model.lora.alpha=8",
+                                "model.lora.targets=[q_proj,k_proj,v_proj,o_proj,mlp.experts.gate_up_proj,"
+                                "mlp.experts.down_proj]"],
                                ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3",
                                 "train.expert_parallel=true"])}
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.lora import A, B, hf_module, saved_modules, split_axes, targets
+from models.lora import A, B, EXPERTS, expert_targets, saved_modules, split_axes, targets
 from models.spec import family
 from trainer.ckpt import safetensors as st
 from trainer.errors import UserError
@@ -54,6 +54,36 @@ def _names(leaf, i: int) -> tuple[str, str]:
     return base + ".lora_A.weight", base + ".lora_B.weight"
 
 
+def _expert_names(mc, i: int) -> dict:
+    """{meshtrain's expert adapter: (peft's lora_A name, lora_B name)} of layer i: peft nests one ParamWrapper per
+    target parameter, gate_up's inside (its tensors under base_layer) where down_proj is adapted too."""
+    chosen = [EXPERTS[t] for t in expert_targets(mc)]
+    out, pre = {}, f"{PREFIX}model.layers.{i}.mlp.experts."
+    for k in chosen:
+        inner = "base_layer." if k == "experts_gate_up" and len(chosen) == 2 else ""
+        out[k] = (pre + inner + "lora_A.weight", pre + inner + "lora_B.weight")
+    return out
+
+
+def experts_to_peft(k: str, a, b) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's expert adapter -> peft's lora_A (E r, in), lora_B (out, r E) (ParamWrapper: A read as (E, r, in),
+    B as (out, r, E); gate_up's out the gate's F rows, then the up's)."""
+    X, r = a.shape[0], a.shape[-1]
+    lora_a = np.transpose(a, (0, 2, 1)).reshape(X * r, -1)
+    if k == "experts_gate_up":  # b (X, r, 2, F)
+        return lora_a, np.transpose(b, (2, 3, 1, 0)).reshape(-1, r * X)
+    return lora_a, np.transpose(b, (2, 1, 0)).reshape(-1, r * X)  # b (X, r, D)
+
+
+def experts_from_peft(k: str, lora_a, lora_b, a_shape, b_shape) -> tuple[np.ndarray, np.ndarray]:
+    X, r = a_shape[0], a_shape[-1]
+    a = np.asarray(lora_a).reshape(X, r, -1).transpose(0, 2, 1)
+    if k == "experts_gate_up":
+        F = b_shape[-1]
+        return a, np.asarray(lora_b).reshape(2, F, r, X).transpose(3, 2, 0, 1)
+    return a, np.asarray(lora_b).reshape(-1, r, X).transpose(2, 1, 0)
+
+
 def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
@@ -67,6 +97,11 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
         for i in range(a_all.shape[0]):
             na, nb = _names(leaf, i)
             tensors[na], tensors[nb] = to_peft(a_all[i], b_all[i], leaf)
+    for k in (EXPERTS[t] for t in expert_targets(mc)):
+        a_all, b_all = _host(params["layers"][k + A]), _host(params["layers"][k + B])
+        for i in range(a_all.shape[0]):
+            na, nb = _expert_names(mc, i)[k]
+            tensors[na], tensors[nb] = experts_to_peft(k, a_all[i], b_all[i])
     for k, leaf in saved_modules(mc, family(mc.family).hf.leaves(mc)).items():  # peft's modules_to_save, whole
         w = _host(params[k])
         tensors[PREFIX + leaf.names[0]] = w.transpose(tuple(np.argsort(leaf.perm))).reshape(leaf.hf_shape)
@@ -77,6 +112,7 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "bias": "none",
               "target_modules": sorted(t for t, _ in chosen.values()),
+              "target_parameters": list(expert_targets(mc)) or None,
               "modules_to_save": list(lora.modules) or None, "base_model_name_or_path": base,
               "inference_mode": True}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -112,6 +148,10 @@ def check_config(folder: Path, mc) -> dict:
     if sorted(have) != want:
         raise UserError(f"{folder / CONFIG}: target_modules={sorted(have)} but model.lora.targets gives {want}; set "
                         f"model.lora.targets=[{','.join(sorted(have))}]")
+    params = sorted(cfg.get("target_parameters") or [])
+    if params != sorted(expert_targets(mc)):
+        raise UserError(f"{folder / CONFIG}: target_parameters={params} but model.lora.targets gives "
+                        f"{sorted(expert_targets(mc))}; name them in model.lora.targets")
     return cfg
 
 
@@ -138,6 +178,16 @@ def read_peft(folder, mc, shapes: dict) -> dict:
             rows_a.append(a)
             rows_b.append(b)
         out[k + A], out[k + B] = np.stack(rows_a), np.stack(rows_b)
+    for k in (EXPERTS[t] for t in expert_targets(mc)):
+        a_shape, b_shape = shapes["layers"][k + A].shape[1:], shapes["layers"][k + B].shape[1:]
+        rows = []
+        for i in range(mc.n_layers):
+            na, nb = _expert_names(mc, i)[k]
+            if na not in have or nb not in have:
+                raise UserError(f"{folder / WEIGHTS} lacks '{na if na not in have else nb}'; give the adapter of "
+                                "this model")
+            rows.append(experts_from_peft(k, have[na].array(), have[nb].array(), a_shape, b_shape))
+        out[k + A], out[k + B] = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
     for k, leaf in saved_modules(mc, family(mc.family).hf.leaves(mc)).items():
         name = PREFIX + leaf.names[0]
         if name not in have or tuple(have[name].shape) != tuple(leaf.hf_shape):
@@ -157,6 +207,10 @@ def merged_params(params: dict, mc) -> dict:
         ins, outs = split_axes(leaf)
         d = jax.vmap(lambda a, b: delta(a, b, ins, outs))(params["layers"][k + A], params["layers"][k + B])
         layers[k] = (params["layers"][k] + jnp.asarray(mc.lora.scale, jnp.float32) * d).astype(layers[k].dtype)
+    if expert_targets(mc):
+        from models.lora import merged_experts
+        merged = jax.vmap(lambda lay: merged_experts(mc, lay, {}))(params["layers"])
+        layers.update({k: v.astype(layers[k].dtype) for k, v in merged.items()})
     return {**params, "layers": layers}
 
 
@@ -177,7 +231,8 @@ def with_adapters(s, params: dict) -> dict:
 
         def one(k, key):
             sh = shapes["layers"][k]
-            return kaiming_a(key, sh.shape, sh.dtype) if k.endswith(A) else jnp.zeros(sh.shape, sh.dtype)
+            lead = 2 if k.startswith("experts_") else 1  # (layers, experts, in..., r)
+            return kaiming_a(key, sh.shape, sh.dtype, lead) if k.endswith(A) else jnp.zeros(sh.shape, sh.dtype)
         with jax.set_mesh(s.mesh):
             fresh = {k: jax.jit(lambda key, k=k: one(k, key), out_shardings=shardings["layers"][k])(key)
                      for k, key in zip(names, keys)}

@@ -32,7 +32,7 @@ def lora_checks(mc, t, section) -> list:
     if lora is None:
         return [(not section.init_from, f"model.lora.init_from={section.init_from} with model.lora.rank=0 (no "
                  "adapters); set model.lora.rank to the adapter's r")]
-    from models.lora import saved_modules, targets
+    from models.lora import expert_targets, saved_modules, targets
     from models.spec import family
     spec = family(mc.family)
     if spec.hf is None:
@@ -41,9 +41,10 @@ def lora_checks(mc, t, section) -> list:
     try:
         chosen = targets(mc, spec.hf.leaves(mc))
         saved_modules(mc, spec.hf.leaves(mc))
+        expert_targets(mc)
     except ValueError as e:
         return [(False, str(e))]
-    small = min(min(leaf.hf_shape) for _, leaf in chosen.values())
+    small = min([min(leaf.hf_shape) for _, leaf in chosen.values()] or [mc.d_model])
     return [(lora.rank <= small, f"model.lora.rank={lora.rank} exceeds the smallest adapted projection's width "
              f"{small}; use a rank of at most {small}"),
             (lora.dropout == 0, f"model.lora.dropout={lora.dropout} is not supported yet; set 0"),
