@@ -62,3 +62,18 @@ def test_the_7b_lora_step_on_tpu_holds_at_most_half_of_full_fine_tuning():
     lora = compile_for(load_config(base + ["model.lora.rank=16", "model.lora.targets=[all-linear]"]), "v5p:2x2x2")
     print(f"per chip: full fine-tuning {full.total_bytes:,}, LoRA {lora.total_bytes:,}")
     assert lora.total_bytes <= 0.5 * full.total_bytes
+
+
+def test_the_plan_shows_the_saving_against_full_fine_tuning(capsys):
+    """`meshtrain plan` of a LoRA run: no gradient or optimizer state for the base (the adapters' only), and full
+    fine-tuning's state of the same layout beside it (parameters + gradients + two Adam moments)."""
+    import json
+    from trainer.cli import main
+    assert main(["plan", *TINY, "model.lora.rank=4", "model.lora.targets=[all-linear]", "mesh.data=8",
+                 "train.zero_stage=3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    p = got.get("predicted", got)
+    full = p["full_finetune_state_bytes"]
+    assert p["grads_bytes"] < p["params_bytes"] / 10 and p["opt_state_bytes"] < p["params_bytes"] / 5
+    assert full > 3.5 * p["params_bytes"]  # each weight's float32 value, gradient and two moments, sharded 8 ways
+    assert p["params_bytes"] + p["grads_bytes"] + p["opt_state_bytes"] < 0.35 * full

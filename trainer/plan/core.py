@@ -43,6 +43,7 @@ class Plan:
     links: dict  # axis -> "fast" | "net"
     layer_bytes: tuple = (0.0, 0.0)  # one layer's residuals: (bytes whatever the batch, bytes per token)
     reference_bytes: float = 0.0  # dpo.reference_mode=online: the frozen reference's parameters, outside the step
+    full_state_bytes: float = 0.0  # model.lora: full fine-tuning's parameters, gradients and optimizer state here
 
     @property
     def total_bytes(self) -> float:
@@ -125,8 +126,9 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     for t in moves:  # a collective over several axes runs at the slowest of their links
         slow = min(bw[lk[a]] for a in t.axis.split(","))
         comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
+    full = sum(state_bytes(dataclasses.replace(mc, lora=None), train, st)) if mc.lora is not None else 0.0
     return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk,
-                layer_residuals(mc, st, dtype, platform), ref)
+                layer_residuals(mc, st, dtype, platform), ref, full)
 
 
 def strategy_of(cfg, n_devices: int) -> Strategy:

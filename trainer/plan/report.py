@@ -79,6 +79,7 @@ def as_json(p: Plan) -> dict:
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
         "params": param_count(p.model), "hbm_bytes": p.device.hbm,
         **memory_terms(p), "total_bytes": p.total_bytes, "fits": p.fits, "over_bytes": p.over_bytes,
+        "full_finetune_state_bytes": p.full_state_bytes or None,
         "figures": {"exact": [k for k in TERMS if k in _exact(p.device.platform)],
                     "estimated": [k for k in TERMS if k not in _exact(p.device.platform)],
                     "accuracy": FIGURES[p.device.platform]},
@@ -107,6 +108,9 @@ def text(p: Plan) -> str:
             remat = executed(st).remat
             rows.append(f"    one layer saves {size(per_token)} per token + {size(fixed)} (remat {remat})")
     verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else f"DOES NOT FIT, {size(p.over_bytes)} over"
+    if p.full_state_bytes:  # a LoRA run: the frozen base holds no gradient or optimizer state
+        rows.append(f"  {'  full fine-tuning would hold':<30}{size(p.full_state_bytes):>12}  as state (LoRA's: "
+                    f"{p.state_bytes / p.full_state_bytes:.2f}x of it)")
     rows += [f"  {'total':<30}{size(p.total_bytes):>12}  of {size(p.device.hbm)} ({p.device.name}): {verdict}",
              f"  the planner's figures: {FIGURES[p.device.platform]}",
              "", "communication per step and device (bus bytes)",
