@@ -172,10 +172,6 @@ def aux_shapes(c: GptOssConfig) -> dict:
     return dict.fromkeys(BALANCE, (c.n_experts,))
 
 
-def layer_data(c: GptOssConfig) -> dict:
-    return local_data(c)
-
-
 def checks(c: GptOssConfig) -> list:
     n = len(c.local_layers or ())
     return MOE["checks"](c) + [
@@ -195,5 +191,5 @@ GPT_OSS = register(ModelSpec(
     "gpt_oss", inventory, layer, GPT_OSS_HF,
     **{**MOE, "config": GptOssConfig, "mlp": mlp_half, "aux": AUX, "aux_counts": aux_counts,
        "aux_weights": aux_weights, "checks": checks},
-    attention=attention_half, layer_data=layer_data, windows=local_windows, rope=rope, aux_shapes=aux_shapes,
+    attention=attention_half, layer_data=local_data, windows=local_windows, rope=rope, aux_shapes=aux_shapes,
     aux_objective=balance_term, whole_batch=whole_batch))

@@ -21,7 +21,8 @@ from models.config import own_keys
 from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
-from trainer.config.dpo import ignored_dpo, lora_checks, lora_of
+from trainer.config.dpo import ignored_dpo
+from trainer.config.lora import lora_checks, lora_of
 from trainer.config.experts import axis_of
 from trainer.config.mixture_entries import ignored_source
 from trainer.config.paths import check_layer
@@ -278,8 +279,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          f"train.batch_size={t.batch_size} is not divisible by {rows} x train.microbatches = "
          f"{data} x {t.microbatches} (each microbatch of batch_size/microbatches rows is split over "
          f"{rows}); use a multiple of {data * t.microbatches}"),
-        *_pipeline_checks(t, mc, stage),
-        (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
+        *_pipeline_checks(t, mc, stage), (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
         (not mc.mtp_depth or t.objective != "dpo",
          f"model.mtp_depth={mc.mtp_depth} with train.objective=dpo is not supported: the modules add token losses; "
