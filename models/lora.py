@@ -18,10 +18,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from models.spec import Param
 
 A, B = "_lora_a", "_lora_b"
+MERGED = "lora_merged"  # the checkpoint name of a merged weight W + scale A B
 # peft's target_parameters of transformers 5's packed experts ((E, 2F, D) gate then up, (E, D, F) down) and the
 # adapters meshtrain holds for them: gate/up share one A (X, D, r) and one B (X, r, 2, F); down A (X, F, r), B (X, r, D)
 EXPERTS = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
@@ -126,12 +128,19 @@ def merged_experts(c, layer: dict, out: dict) -> dict:
         a, b = layer["experts_gate_up" + A], layer["experts_gate_up" + B]
         for i, k in enumerate(("expert_gate", "expert_up")):
             w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))
-            out[k] = w + jnp.asarray(s, w.dtype) * jnp.einsum("xdr,xrf->xdf", a.astype(w.dtype), b[:, :, i].astype(w.dtype))
+            d = jnp.einsum("xdr,xrf->xdf", a.astype(w.dtype), b[:, :, i].astype(w.dtype))
+            out[k] = checkpoint_name(w + jnp.asarray(s, w.dtype) * d, MERGED)
     if "experts_down" + A in layer:
         a, b, k = layer["experts_down" + A], layer["experts_down" + B], "expert_down"
         w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))
-        out[k] = w + jnp.asarray(s, w.dtype) * jnp.einsum("xfr,xrd->xfd", a.astype(w.dtype), b.astype(w.dtype))
+        d = jnp.einsum("xfr,xrd->xfd", a.astype(w.dtype), b.astype(w.dtype))
+        out[k] = checkpoint_name(w + jnp.asarray(s, w.dtype) * d, MERGED)
     return out
+
+
+def adapter_of(param: str) -> str:
+    """The name of the A that adapts a layer parameter (whether it exists or not)."""
+    return {"expert_gate": "experts_gate_up", "expert_up": "experts_gate_up"}.get(param, param) + A
 
 
 def kaiming_a(key, shape, dtype, lead: int = 1):
@@ -163,7 +172,8 @@ def merged(c, layer: dict, splits: dict) -> dict:
         a = layer[k + A]
         w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))  # a bfloat16 base
         d = delta(a.astype(w.dtype), layer[k + B].astype(w.dtype), ins, outs)
-        out[k] = w + jnp.asarray(c.lora.scale, w.dtype) * d
+        # named: the planner counts the merged weights its backward keeps as weights, not activations
+        out[k] = checkpoint_name(w + jnp.asarray(c.lora.scale, w.dtype) * d, MERGED)
     return out
 
 

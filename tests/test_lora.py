@@ -77,3 +77,25 @@ def test_the_plan_shows_the_saving_against_full_fine_tuning(capsys):
     assert p["grads_bytes"] < p["params_bytes"] / 10 and p["opt_state_bytes"] < p["params_bytes"] / 5
     assert full > 3.5 * p["params_bytes"]  # each weight's float32 value, gradient and two moments, sharded 8 ways
     assert p["params_bytes"] + p["grads_bytes"] + p["opt_state_bytes"] < 0.35 * full
+
+
+@pytest.mark.parametrize("layout", [
+    ["train.zero_stage=3"],
+    pytest.param(["train.zero_stage=1"], marks=pytest.mark.slow),  # the merged weights kept as buffers, not gathered
+    pytest.param(["train.zero_stage=3", "model.remat=full"], marks=pytest.mark.slow)])
+def test_the_planned_lora_step_is_xla_s_within_ten_percent(layout):
+    """The planner's scratch (activations + gradients + buffers) of a LoRA step against XLA:CPU's compiled step
+    (model.preset=small, (2,1,4), rank 8 on every projection). Measured (cpu family 25): ZeRO-3 +9.5%, ZeRO-1 +8.1%,
+    ZeRO-3 with full remat +12.2% (remat's recomputation is estimated for full fine-tuning too: -7.0% there);
+    before the merged weights were counted once, ZeRO-3 was +21.6%."""
+    from trainer.config import load_config, model_config
+    from trainer.hardware import get_device
+    from trainer.plan.core import estimate, strategy_of
+    from trainer.plan.verify import measure
+    cfg = load_config(["model.preset=small", "mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.batch_size=8",
+                       "model.lora.rank=8", "model.lora.targets=[all-linear]", *layout])
+    plan = estimate(model_config(cfg), cfg.train, strategy_of(cfg, 8), get_device("h100-80g"), 1, "float32", None)
+    pred = plan.activations_bytes + plan.grads_bytes + plan.buffers_bytes
+    xla = measure(cfg, grads=False).temp_bytes
+    limit = 0.13 if "model.remat=full" in layout else 0.10
+    assert abs(pred / xla - 1) < limit, (pred, xla)

@@ -287,6 +287,20 @@ def gather_casts(platform: str, a: int) -> tuple[float, float]:
     return (a / 4 if platform == "tpu" else 1.0), a / 4
 
 
+def merged_bytes(mc: ModelConfig, st: Strategy, ls: list, a: int) -> float:
+    """LoRA's merged weights (models/lora.py `merged`, in the compute dtype, a bytes) the backward keeps: every
+    layer's without remat (or sublayer's), one layer's with it. Under ZeRO-3 they stand where the gathered layer
+    weights do (buffer_bytes counts those instead)."""
+    if mc.lora is None:
+        return 0.0
+    from models.lora import adapter_of
+    names = {x.name for x in ls}
+    stored = 2 if mc.lora.base_dtype == "bfloat16" else 4
+    total = sum(x.bytes / stored * a for x in ls
+                if x.layers and x.frozen and f"['layers']['{adapter_of(x.name[12:-2])}']" in names)
+    return total if st.remat in ("none", "sublayer") else total / stacks(mc)["layers"]
+
+
 def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) -> float:
     """Transient gradient and weight buffers that are not persistent state (a: bytes of the compute dtype,
     which ZeRO-3's data-parallel step gathers its layer weights in, on `platform`)."""
@@ -302,8 +316,8 @@ def buffer_bytes(mc: ModelConfig, train, st: Strategy, a: int, platform: str) ->
         # table executor accumulates it in circular order; moved back, it is the gradient counted above)
         stored = sum(x.bytes / (st.data if zero3 and x.zero else 1) for x in ls if x.layers)
         circ = 2 * stored if st.repeats > 1 else 0.0
-        return circ + ((top + lay / st.repeats) if zero3 else 0.0) + whole
-    out = 0.0
+        return circ + ((top + lay / st.repeats) if zero3 else merged_bytes(mc, st, ls, a)) + whole
+    out = 0.0 if zero3 else merged_bytes(mc, st, ls, a)
     if st.zero < 3 and (st.microbatches > 1 or (st.zero == 2 and st.data > 1)):
         # one microbatch's whole gradient before it is added or reduce-scattered (ZeRO-3 reduce-scatters
         # each layer's inside the scan, so its whole gradient never exists)

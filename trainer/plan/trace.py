@@ -52,11 +52,13 @@ def device_kernels(c: ModelConfig, dtype, platform: str, kv_repeat: int, fused_q
 
 
 def residuals(fn, *args) -> float:
-    """Bytes JAX saves from fn's forward for its backward, less the weights (already counted as state)."""
+    """Bytes JAX saves from fn's forward for its backward, less the weights (already counted as state) and LoRA's
+    merged weights (counted with the weights the backward keeps: memory.buffer_bytes)."""
     # jax.ad_checkpoint.print_saved_residuals prints this list; the function behind it returns it
     from jax._src.ad_checkpoint import saved_residuals
+    from models.lora import MERGED
     return float(sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, where in saved_residuals(fn, *args)
-                     if "argument w" not in where))
+                     if "argument w" not in where and f"named '{MERGED}'" not in where))
 
 
 def only_half(n: int):
