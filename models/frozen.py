@@ -42,3 +42,8 @@ def trained_only(c: ModelConfig, tree: dict) -> dict:
         return getattr(p, "trainable", True)
     return {k: ({n: w for n, w in v.items() if keep(inv[k][n])} if isinstance(v, dict) else v)
             for k, v in tree.items() if isinstance(v, dict) or keep(inv[k])}
+
+
+def joined(a: dict, b: dict) -> dict:
+    """Two parameter trees of disjoint leaves as one, a stack's dicts merged."""
+    return {**a, **b, **{k: {**a[k], **b[k]} for k in a.keys() & b.keys()}}

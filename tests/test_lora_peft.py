@@ -83,15 +83,23 @@ TRAINED = {"trained": (FIX / "llama_base", LORA, ONE),
 
 
 @pytest.mark.parametrize("name", ["trained", pytest.param("trained_mixtral", marks=pytest.mark.slow)])
-def test_a_trained_adapter_exports_to_peft_and_merged(tmp_path, name):
+def test_a_trained_adapter_exports_to_peft_and_merged(tmp_path, capsys, name):
     """The fixture's run trained again (its command.json: 3 SGD steps on (2,1,4) ZeRO-3; the Mixtral's with the
     experts split over data) and exported: peft's logits of the export equal meshtrain's of it (1e-4), moved more than
-    1e-2 from the base's; the export's tensors are the fixture's names; the merged export gives them too."""
+    1e-2 from the base's; the export's tensors are the fixture's names; the merged export gives them too. The run's
+    checkpoint holds the adapters, its base by reference (read again for the exports); a base changed or moved
+    since stops the resume in one line, the checkpoint left as it was."""
+    import shutil
     from hf_check import cli, read_folder
+    from trainer.ckpt.store import list_steps, read_meta
     base, lora, mesh = TRAINED[name]
     run, adapter = tmp_path / "run", tmp_path / "adapter"
     command = json.loads((FIX / name / "command.json").read_text())
+    base = Path(shutil.copytree(base, tmp_path / "base"))
     assert cli("train", f"model.init_from={base}", f"run.dir={run}", *command) == 0
+    meta = read_meta(run, 3)
+    assert "params.layers.wq_lora_a" in meta["leaves"] and "params.layers.wq" not in meta["leaves"]
+    assert "params.layers.wq" in meta["base"]["leaves"] and meta["base"]["init_from"] == str(base)
     assert cli("export", "--run", str(run), "--format", "peft", "--out", str(adapter)) == 0
     ref = np.load(FIX / name / "reference.npz")
     short, long = _logits([f"model.init_from={base}", *lora, f"model.lora.init_from={adapter}"], ref, mesh)
@@ -106,6 +114,20 @@ def test_a_trained_adapter_exports_to_peft_and_merged(tmp_path, name):
     short, long = _logits([f"model.init_from={tmp_path / 'merged'}"], ref, mesh)
     assert np.abs(short - ref["merged_logits"]).max() < 1e-4
     assert np.abs(long - ref["merged_long_logits"]).max() < 1e-4
+    weights = base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10  # one bit of the last tensor's last value
+    weights.write_bytes(bytes(data))
+    more = [c for c in command if not c.startswith("train.steps=")] + ["train.steps=4"]
+    capsys.readouterr()
+    assert cli("train", f"model.init_from={base}", f"run.dir={run}", *more) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not the one its adapters were trained on" in err, err
+    base.rename(tmp_path / "moved")
+    assert cli("train", f"model.init_from={base}", f"run.dir={run}", *more) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"model.init_from={base} does not exist (moved or deleted?)" in err, err
+    assert list_steps(run) == [3]
 
 
 @pytest.mark.slow
@@ -176,3 +198,25 @@ def test_an_adapter_of_other_shapes_is_one_line(tmp_path):
         _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, f"model.lora.init_from={d}"],
                 np.load(FIX / "peft_r4" / "reference.npz"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_resume_reads_the_base_again_and_continues_bit_for_bit(tmp_path):
+    """The trained fixture's run saving every step; its last checkpoint removed (as if preempted after step 2's
+    save), the run started again: it resumes from step 2, its base read from model.init_from and checked, and its
+    step-3 adapters are the uninterrupted run's, bit for bit."""
+    import shutil
+    from hf_check import cli, read_folder
+    command = [c for c in json.loads((FIX / "trained" / "command.json").read_text())
+               if not c.startswith("checkpoint.every=")] + ["checkpoint.every=1"]
+    run = tmp_path / "run"
+    args = ("train", f"model.init_from={FIX / 'llama_base'}", f"run.dir={run}", *command)
+    assert cli(*args) == 0
+    assert cli("export", "--run", str(run), "--format", "peft", "--out", str(tmp_path / "straight")) == 0
+    shutil.rmtree(run / "checkpoints" / "3")
+    assert cli(*args) == 0
+    assert cli("export", "--run", str(run), "--format", "peft", "--out", str(tmp_path / "resumed")) == 0
+    straight, resumed = read_folder(tmp_path / "straight"), read_folder(tmp_path / "resumed")
+    assert sorted(straight) == sorted(resumed)
+    for k in straight:
+        np.testing.assert_array_equal(resumed[k][1], straight[k][1], err_msg=k)

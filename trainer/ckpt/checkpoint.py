@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from meshes import DATA, recorded
+from trainer.ckpt import base_ref
 from trainer.ckpt.objects import path_of
 from trainer.ckpt.store import (FORMAT, SUBDIR, abstract, check_shapes, choose, config_dict, describe_leaves,
                                 manager, meta_of, restore, verify)
@@ -35,6 +36,7 @@ class Checkpointer:
         self.dir = path_of(run_dir) / SUBDIR  # a URL's: trainer/ckpt/objects.py
         self._mngr = None
         self._open = True
+        self._base = None  # a LoRA run's base as its checkpoints record it (trainer/ckpt/base_ref.py)
 
     @property
     def mngr(self) -> ocp.CheckpointManager:
@@ -54,12 +56,15 @@ class Checkpointer:
             return
         s = self.s
         offset = int(jax.device_get(state["guard"]["offset"]))  # rollbacks moved the data this far ahead
+        if base_ref.by_reference(s.cfg, s.model):  # a LoRA run's base: by reference to model.init_from
+            self._base = self._base or base_ref.record(s.cfg, s.model, state["params"])
+            state = base_ref.without_base(s.model, state)
         meta = {"format": FORMAT, "step": step, "saved_at": time.time(),
                 "config": config_dict(s.cfg),
                 "mesh": dict(s.mesh.shape), "zero_stage": s.cfg.train.zero_stage, "devices": s.mesh.size,
                 "processes": jax.process_count(), "platform": s.mesh.devices.flat[0].platform,
                 "rng": {"seed": s.cfg.train.seed, "data_step": step + offset, "data_offset": offset},
-                "leaves": describe_leaves(state)}
+                "leaves": describe_leaves(state), **({base_ref.KEY: self._base} if self._base else {})}
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
                        force=True)
 
@@ -75,8 +80,12 @@ class Checkpointer:
         def read(step):
             meta = meta_of(self.mngr, step)
             _same_replicas(meta, s, self.dir / str(step))
-            check_shapes(meta["leaves"], target, f"checkpoint {self.dir / str(step)}")
-            return restore(self.mngr, step, target), meta
+            saved = target
+            if base_ref.KEY in meta:  # a LoRA run's base: its folder there before the shapes are compared
+                base_ref.there(meta[base_ref.KEY], s.cfg.model.init_from, f"checkpoint {self.dir / str(step)}")
+                saved = base_ref.without_base(s.model, target)
+            check_shapes(meta["leaves"], saved, f"checkpoint {self.dir / str(step)}")
+            return restore(self.mngr, step, saved), meta
 
         def check(step, got):
             verify(got[0], got[1]["leaves"])
@@ -85,6 +94,8 @@ class Checkpointer:
         step, found, damaged = choose(self.mngr, where, read, check, None, self._quarantine)
         if found is not None:
             state, meta = found
+            if base_ref.KEY in meta:  # the base read again from its folder, checked leaf by leaf
+                state, self._base = base_ref.resumed(s, state, meta[base_ref.KEY], f"checkpoint {self.dir / str(step)}")
             if step >= s.cfg.train.steps:  # the caller compiles and writes nothing (trainer/run/context.py)
                 self.log(f"run.dir {self.dir.parent} holds step {step} >= train.steps={s.cfg.train.steps}: nothing "
                          f"to train, nothing written; raise train.steps above {step} to continue")

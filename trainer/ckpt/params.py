@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from models import abstract_model
+from trainer.ckpt import base_ref
 from trainer.ckpt.evidence import EXPORT, evidence, short as _short
 from trainer.ckpt.objects import absolute, path_of
 from trainer.ckpt.store import (EXPORT_META, SUBDIR, CorruptCheckpoint, check_shapes, choose, config_dict, config_of,
@@ -43,7 +44,8 @@ def one_set(meta: dict) -> tuple[str, dict]:
     """(where a checkpoint keeps its one set of parameters, their leaves as `params.*` at the model's shapes)."""
     sync = meta["config"]["train"].get("sync", "every_step")
     prefix = "outer.params." if sync == "diloco" else "params."
-    out = {"params." + n.removeprefix(prefix): v for n, v in meta["leaves"].items() if n.startswith(prefix)}
+    leaves = {**meta["leaves"], **meta.get(base_ref.KEY, {}).get("leaves", {})}  # a LoRA run's base by reference
+    out = {"params." + n.removeprefix(prefix): v for n, v in leaves.items() if n.startswith(prefix)}
     if sync == "local_sgd":  # (replicas, ...): their average has the model's shapes
         out = {n: {**v, "shape": v["shape"][1:]} for n, v in out.items()}
     return prefix, out
@@ -128,6 +130,8 @@ def load_params_at(run_dir, step: int | None = None, shardings=None, mtp_present
         meta = meta_of(mngr, st)
         cfg, (prefix, _) = config_of(meta), one_set(meta)
         sh = param_shardings(cfg, shardings)
+        if base_ref.KEY in meta:  # the base is read from its folder after the checkpoint (check)
+            sh = base_ref.split(model_config(cfg), sh, base=False)
         target = _params_target(meta["leaves"], jax.tree.map(_stacked, sh) if cfg.train.sync == "local_sgd" else sh,
                                 prefix)
         for key in reversed(prefix.strip(".").split(".")):  # {"params": ...} or {"outer": {"params": ...}}
@@ -142,13 +146,23 @@ def load_params_at(run_dir, step: int | None = None, shardings=None, mtp_present
             params = jax.jit(lambda t: jax.tree.map(lambda x: x.mean(0), t), out_shardings=sh)(params)
         return params, cfg
 
+    def with_base(st, found):
+        params, cfg = found
+        meta = meta_of(mngr, st)
+        if base_ref.KEY not in meta:
+            return found
+        whole = param_shardings(cfg, shardings)
+        target = _params_target(one_set(meta)[1], whole)
+        return base_ref.attach(model_config(cfg), params, meta[base_ref.KEY], target, whole, None,
+                               f"run '{run_dir}' step {st}"), cfg
+
     step, found, damaged = choose(mngr, f"run '{run_dir}'", read, check, step)
     if damaged:
         raise UserError(f"run '{run_dir}': none of its checkpoints can be read ("
                         + "; ".join(f"step {st}: {why}" for st, why in damaged) + ")")
     if found is None:
         raise UserError(f"run '{run_dir}' has no complete checkpoint; train it to write one")
-    return found + (step,)
+    return with_base(step, found) + (step,)
 
 
 def _load_hf(path: Path, shardings, mtp_present: bool = False):

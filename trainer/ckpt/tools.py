@@ -81,6 +81,11 @@ def inspect_run(run_dir) -> str:
         lines += [f"parameters at step {newest['step']} (shape, dtype, sharding over "
                   f"({', '.join(a.name for a in AXES)})):"]
         lines += _leaf_table(newest["leaves"], "params.")
+        base = newest.get("base")  # a LoRA run's frozen base, by reference (trainer/ckpt/base_ref.py)
+        if base:
+            lines += [f"the frozen base, not saved: {len(base['leaves'])} parameters read from model.init_from="
+                      f"{base['init_from']} and checked against their recorded checksums:"]
+            lines += _leaf_table(base["leaves"], "params.")
     return "\n".join(lines)
 
 

@@ -288,7 +288,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          f"train.sync={t.sync} with model.family={mc.family} is not supported: the family sets state after each step "
          "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "
          "would each set apart; use train.sync=every_step"),
-        *_context_checks(t, mc, shape[CONTEXT], model, stage), *lora_checks(mc, t, cfg.model.lora),
+        *_context_checks(t, mc, shape[CONTEXT], model, stage), *lora_checks(mc, t, cfg.model),
         *[(t.microbatches == 1 and stage == 1 and t.sync == "every_step", f"{why} needs the step's whole batch in one "
            f"objective: set train.microbatches=1, mesh.stage=1, train.sync=every_step (now {t.microbatches}, {stage}, "
            f"{t.sync}), or the weight to 0") for why in [family(mc.family).whole_batch(mc)] if why],

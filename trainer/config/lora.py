@@ -12,12 +12,18 @@ def lora_of(section):
                 tuple(section.targets), tuple(section.modules), section.base_dtype)
 
 
-def lora_checks(mc, t, section) -> list:
-    """(ok, message) of model.lora against the model and the train keys."""
-    lora = mc.lora
+def lora_checks(mc, t, model) -> list:
+    """(ok, message) of model.lora against the model (the model section) and the train keys."""
+    lora, section = mc.lora, model.lora
     if lora is None:
         return [(not section.init_from, f"model.lora.init_from={section.init_from} with model.lora.rank=0 (no "
                  "adapters); set model.lora.rank to the adapter's r")]
+    import os
+    from trainer.config.paths import is_url
+    base = model.init_from
+    if base and not is_url(base) and not os.path.exists(base):  # before the shapes it decides
+        return [(False, f"model.init_from={base} does not exist (moved or deleted?): model.lora adapts the base read "
+                 "from it; give the folder of the base model")]
     from models.lora import expert_targets, saved_modules, targets
     from models.spec import family
     spec = family(mc.family)
