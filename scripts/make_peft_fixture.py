@@ -15,6 +15,10 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
                      mlp.experts.down_proj: transformers 5's packed experts)
   trained_mixtral    the same of tests/fixtures/hf/mixtral_e4k2_f32, the experts split over data, its attention and
                      its packed experts adapted
+  sft                meshtrain's SFT with LoRA (rank 8 on every projection, the tied embedding trained whole) on
+                     tests/fixtures/generate's Llama, 20 steps on tests/fixtures/chat's conversations (SFT, the
+                     command in command.json), exported with `--format peft` (ensure_weight_tying: the head is the
+                     trained embedding), loaded by PeftModel: its logits of (2, 32) tokens in reference.npz
   trained            meshtrain's own: 3 SGD steps of LoRA (r 4, alpha 8, q/v/o/down_proj) from llama_base on (2,1,4)
                      ZeRO-3 (the command below, run by this script with --meshtrain's Python), exported with
                      `meshtrain export --format peft`, then loaded by PeftModel.from_pretrained: its logits on the
@@ -144,14 +148,47 @@ def trained(d: Path, out: Path, python: str, name: str = "trained", extra: tuple
                         merged_long_logits=merged["long_logits"], **ref)
 
 
+SFT = ["train.steps=20", "train.batch_size=8", "model.seq_len=128", "train.lr=3e-3", "train.warmup_steps=2",
+       "train.eval_every=0", "run.log_every=1", "run.progress=false", "data.document_mask=true", "model.lora.rank=8",
+       "model.lora.alpha=16", "model.lora.targets=[all-linear]", "model.lora.modules=[embed_tokens]"]
+
+
+def sft(out: Path, python: str):
+    """meshtrain's SFT run with LoRA and the tied embedding trained, its peft export loaded by peft."""
+    gen, chats, t = ROOT / "tests" / "fixtures" / "generate", ROOT / "tests" / "fixtures" / "chat", out / "sft"
+    shutil.rmtree(t, ignore_errors=True)
+    t.mkdir(parents=True)
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    data, run = t / "chats.bin", t / "run"
+    subprocess.run([python, "-m", "trainer.cli", "prepare", str(chats / "conversations.jsonl"), "--out", str(data),
+                    "--tokenizer", str(gen), "--no-progress", "--heldout", "0"], check=True, cwd=ROOT, env=env)
+    subprocess.run([python, "-m", "trainer.cli", "train", f"data.source={data}", f"model.init_from={gen}",
+                    f"run.dir={run}", *SFT], check=True, cwd=ROOT, env=env)
+    subprocess.run([python, "-m", "trainer.cli", "export", "--run", str(run), "--format", "peft", "--out",
+                    str(t / "adapter")], check=True, cwd=ROOT, env=env)
+    shutil.rmtree(run)
+    for p in t.glob("chats.bin*"):  # the prepared file and its sidecars
+        p.unlink()
+    (t / "command.json").write_text(json.dumps(SFT, indent=1) + "\n")
+    model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(gen, dtype=torch.float32), t / "adapter").eval()
+    tokens = torch.tensor(np.arange(64).reshape(2, 32) % 1025)
+    with torch.no_grad():
+        logits = model(tokens).logits.numpy().astype(np.float32)
+    np.savez_compressed(t / "reference.npz", tokens=tokens.numpy().astype(np.int32), logits=logits)
+    print(f"sft: peft's logits of meshtrain's export, max |logit| {np.abs(logits).max():.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "peft"))
     ap.add_argument("--meshtrain", default=str(ROOT / ".venv" / "bin" / "python"),
                     help="the Python with meshtrain (none: leave trained/ as it is)")
+    ap.add_argument("--only", choices=["sft"], help="make this fixture alone (the others left as they are)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only == "sft":
+        return sft(out, args.meshtrain)
     d = base(out)
     peft_made(d, out, False)
     peft_made(d, out, True)
@@ -159,6 +196,7 @@ def main():
     peft_moe(out)
     peft_moe(out, experts=True)
     if args.meshtrain != "none":
+        sft(out, args.meshtrain)
         trained(d, out, args.meshtrain)
         from transformers import MixtralForCausalLM
         trained(ROOT / "tests" / "fixtures" / "hf" / "mixtral_e4k2_f32", out, args.meshtrain, "trained_mixtral",

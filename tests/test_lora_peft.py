@@ -133,9 +133,10 @@ def test_a_trained_adapter_exports_to_peft_and_merged(tmp_path, capsys, name):
 @pytest.mark.slow
 def test_sft_with_lora_on_conversations_learns_and_exports(tmp_path):
     """LoRA (rank 8, every projection, the tied embedding trained whole) on the generate fixture's Llama, trained 20
-    steps on the chat fixture's conversations (their assistant turns only): the last logged loss below the first by
-    more than 0.5 nats; the adapter exported with --format peft (the embedding as modules_to_save) and read back by
-    model.lora.init_from gives the run's own logits (1e-5)."""
+    steps on the chat fixture's conversations (their assistant turns only; tests/fixtures/peft/sft/command.json): the
+    last logged loss below the first by more than 0.5 nats; the run's logits are peft's of the fixture's export of the
+    same run (1e-4: the head is the trained embedding, peft's ensure_weight_tying), its own export read back by
+    model.lora.init_from gives them (1e-5), and the fixture's adapter read by meshtrain gives peft's logits (1e-4)."""
     from hf_check import cli
     from models.transformer import forward
     from trainer import load_config, resolve
@@ -145,24 +146,26 @@ def test_sft_with_lora_on_conversations_learns_and_exports(tmp_path):
     data, run = tmp_path / "chats.bin", tmp_path / "run"
     assert cli("prepare", str(chats / "conversations.jsonl"), "--out", str(data), "--tokenizer", str(gen),
                "--no-progress", "--heldout", "0") == 0
-    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[all-linear]",
-            "model.lora.modules=[embed_tokens]"]  # the (tied) embedding trained whole, exported as modules_to_save
-    assert cli("train", f"data.source={data}", f"model.init_from={gen}", f"run.dir={run}", "train.steps=20",
-               "train.batch_size=8", "model.seq_len=128", "train.lr=3e-3", "train.warmup_steps=2", "train.eval_every=0",
-               "run.log_every=1", "run.progress=false", "data.document_mask=true", *lora) == 0
+    command = json.loads((FIX / "sft" / "command.json").read_text())
+    assert cli("train", f"data.source={data}", f"model.init_from={gen}", f"run.dir={run}", *command) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line and '"step"' in line]
     assert losses[0] - losses[-1] > 0.5, losses
     assert cli("export", "--run", str(run), "--format", "peft", "--out", str(tmp_path / "adapter")) == 0
-    params, cfg, _ = load_params_at(run)
-    cfg2 = resolve(load_config([f"model.init_from={gen}", "model.seq_len=128", "mesh.data=1", *lora,
-                                f"model.lora.init_from={tmp_path / 'adapter'}"]))
-    s = make_setup(cfg2, jax.devices()[:1])
-    back = init_params(s, cfg2.model.init_from)
-    tokens = np.arange(64, dtype=np.int32).reshape(2, 32) % 1025
-    a = np.asarray(jax.jit(lambda p: forward(s.model, p, tokens))(back))
-    b = np.asarray(jax.jit(lambda p: forward(s.model, p, tokens))(jax.device_get(params)))
-    assert np.abs(a - b).max() < 1e-5
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["ensure_weight_tying"] is True
+    ref = np.load(FIX / "sft" / "reference.npz")
+    lora = [c for c in command if c.startswith("model.lora.")]
+
+    def logits(params, adapter=None):
+        cfg = resolve(load_config([f"model.init_from={gen}", "model.seq_len=128", "mesh.data=1", *lora]
+                                  + ([f"model.lora.init_from={adapter}"] if adapter else [])))
+        s = make_setup(cfg, jax.devices()[:1])
+        p = init_params(s, cfg.model.init_from) if adapter else jax.device_get(params)
+        return np.asarray(jax.jit(lambda p: forward(s.model, p, ref["tokens"]))(p))
+    ran = logits(load_params_at(run)[0])
+    assert np.abs(ran - ref["logits"]).max() < 1e-4
+    assert np.abs(logits(None, tmp_path / "adapter") - ran).max() < 1e-5
+    assert np.abs(logits(None, FIX / "sft" / "adapter") - ref["logits"]).max() < 1e-4
 
 
 @pytest.mark.parametrize("key,value", [("use_dora", True), ("lora_bias", True), ("layers_to_transform", [0]),
@@ -180,6 +183,24 @@ def test_a_refused_adapter_setting_is_one_line(tmp_path, key, value):
     with pytest.raises(UserError, match=rf"adapter_config.json: {key}=") as e:
         _logits([f"model.init_from={FIX / 'llama_base'}", *LORA, f"model.lora.init_from={d}"],
                 np.load(FIX / "peft_r4" / "reference.npz"))
+    assert "\n" not in str(e.value)
+
+
+def test_a_tied_embedding_trained_apart_from_the_head_is_one_line(tmp_path):
+    """peft's modules_to_save embed_tokens on a tied model without ensure_weight_tying trains the input embedding
+    apart from the head (a model meshtrain's tied one cannot hold): refused in one line, from the config alone."""
+    import shutil
+    from trainer.ckpt.peft import check_config
+    from trainer.config import load_config, model_config
+    from trainer.errors import UserError
+    d = Path(shutil.copytree(FIX / "sft" / "adapter", tmp_path / "adapter"))
+    lora = [c for c in json.loads((FIX / "sft" / "command.json").read_text()) if c.startswith("model.lora.")]
+    mc = model_config(load_config(["model.preset=tiny", "model.tie_embeddings=true", *lora]))
+    c = check_config(d, mc)  # as meshtrain exported it (ensure_weight_tying): accepted
+    (d / "adapter_config.json").write_text(json.dumps({**c, "ensure_weight_tying": False}))
+    with pytest.raises(UserError, match=r"modules_to_save embed_tokens on a model with tied embeddings without "
+                                        r"ensure_weight_tying") as e:
+        check_config(d, mc)
     assert "\n" not in str(e.value)
 
 

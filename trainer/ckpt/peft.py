@@ -105,6 +105,8 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
     for k, leaf in saved_modules(mc, family(mc.family).hf.leaves(mc)).items():  # peft's modules_to_save, whole
         w = _host(params[k])
         tensors[PREFIX + leaf.names[0]] = w.transpose(tuple(np.argsort(leaf.perm))).reshape(leaf.hf_shape)
+        if k == "embed" and mc.tie_embeddings:  # the head is the trained embedding too: peft's ensure_weight_tying
+            tensors[PREFIX + "lm_head.weight"] = tensors[PREFIX + leaf.names[0]]
     out.mkdir(parents=True, exist_ok=True)
     st.write(out / WEIGHTS, [(n, t.shape, np.float32) for n, t in tensors.items()], lambda n: tensors[n],
              {"format": "pt"})
@@ -114,8 +116,13 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
               "target_modules": sorted(t for t, _ in chosen.values()),
               "target_parameters": list(expert_targets(mc)) or None,
               "modules_to_save": list(lora.modules) or None, "base_model_name_or_path": base,
-              "inference_mode": True}
+              "inference_mode": True, **({"ensure_weight_tying": True} if _tied_embedding(mc) else {})}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _tied_embedding(mc) -> bool:
+    """Whether model.lora trains the embedding of a model whose head is that embedding."""
+    return mc.tie_embeddings and "embed_tokens" in mc.lora.modules
 
 
 def check_config(folder: Path, mc) -> dict:
@@ -133,7 +140,11 @@ def check_config(folder: Path, mc) -> dict:
             raise UserError(f"{folder / CONFIG}: {key}={cfg[key]!r} is not supported (meshtrain computes {key}="
                             f"{want!r}); give an adapter without it")
     lora = mc.lora
-    saved = sorted(cfg.get("modules_to_save") or [])
+    saved = sorted({m.rpartition(".")[2] for m in cfg.get("modules_to_save") or []})  # peft adds model.embed_tokens
+    if "embed_tokens" in saved and _tied_embedding(mc) and not cfg.get("ensure_weight_tying"):
+        raise UserError(f"{folder / CONFIG}: modules_to_save embed_tokens on a model with tied embeddings without "
+                        "ensure_weight_tying: peft then trains the input embedding apart from the head, which a tied "
+                        "model cannot hold; give an adapter saved with ensure_weight_tying=true")
     if saved != sorted(lora.modules):
         raise UserError(f"{folder / CONFIG}: modules_to_save={saved} but model.lora.modules={sorted(lora.modules)}; set "
                         f"model.lora.modules=[{','.join(saved)}]")
