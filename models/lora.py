@@ -40,10 +40,17 @@ class Lora:
     targets: tuple = ("q_proj", "v_proj")
     modules: tuple = ()
     base_dtype: str = "float32"  # the frozen base's storage (bfloat16: half its bytes); adapters float32
+    fused_gate_up: bool = False  # the experts' gate_up adapter at 2 rank and 2 alpha (peft's rank/alpha_pattern)
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @property
+    def gate_up(self) -> tuple[int, float]:
+        """(rank, scale) of the experts' gate_up adapter: twice the rank and alpha where fused."""
+        k = 2 if self.fused_gate_up else 1
+        return k * self.rank, k * self.alpha / (math.sqrt(k * self.rank) if self.rslora else k * self.rank)
 
 
 def hf_module(name: str) -> str:
@@ -112,8 +119,9 @@ def expert_params(c, base: dict) -> dict:
     for t in expert_targets(c):
         if EXPERTS[t] == "experts_gate_up":
             X, D, F = base["expert_gate"].shape
-            out["experts_gate_up" + A] = Param((X, D, r), ("experts", "embed", None), "lora_a_experts", True)
-            out["experts_gate_up" + B] = Param((X, r, 2, F), ("experts", None, None, "mlp"), "zeros", True)
+            rg = c.lora.gate_up[0]
+            out["experts_gate_up" + A] = Param((X, D, rg), ("experts", "embed", None), "lora_a_experts", True)
+            out["experts_gate_up" + B] = Param((X, rg, 2, F), ("experts", None, None, "mlp"), "zeros", True)
         else:
             X, F, D = base["expert_down"].shape
             out["experts_down" + A] = Param((X, F, r), ("experts", "mlp", None), "lora_a_experts", True)
@@ -123,7 +131,7 @@ def expert_params(c, base: dict) -> dict:
 
 def merged_experts(c, layer: dict, out: dict) -> dict:
     """`out` with the experts' adapters (one layer's) merged into expert_gate, expert_up and expert_down."""
-    s = c.lora.scale
+    s = c.lora.gate_up[1]
     if "experts_gate_up" + A in layer:
         a, b = layer["experts_gate_up" + A], layer["experts_gate_up" + B]
         for i, k in enumerate(("expert_gate", "expert_up")):
@@ -134,7 +142,7 @@ def merged_experts(c, layer: dict, out: dict) -> dict:
         a, b, k = layer["experts_down" + A], layer["experts_down" + B], "expert_down"
         w = jax.lax.stop_gradient(layer[k]).astype(jnp.promote_types(layer[k].dtype, a.dtype))
         d = jnp.einsum("xfr,xrd->xfd", a.astype(w.dtype), b.astype(w.dtype))
-        out[k] = checkpoint_name(w + jnp.asarray(s, w.dtype) * d, MERGED)
+        out[k] = checkpoint_name(w + jnp.asarray(c.lora.scale, w.dtype) * d, MERGED)
     return out
 
 

@@ -13,6 +13,8 @@ dependency; install them in a separate venv, as for scripts/make_hf_fixture.py, 
                      PeftModel's logits of it
   peft_mixtral_experts_r4  the same with its experts adapted too (target_parameters mlp.experts.gate_up_proj and
                      mlp.experts.down_proj: transformers 5's packed experts)
+  peft_mixtral_fused_r4  the same with gate_up_proj's adapter at rank 8 and alpha 16 (rank_pattern/alpha_pattern
+                     `.*\.gate_up_proj`: the form peft converts transformers 4's w1 and w3 adapters into)
   trained_mixtral    the same of tests/fixtures/hf/mixtral_e4k2_f32, the experts split over data, its attention and
                      its packed experts adapted
   sft                meshtrain's SFT with LoRA (rank 8 on every projection, the tied embedding trained whole) on
@@ -98,7 +100,7 @@ def peft_made(d: Path, out: Path, rslora: bool, saved: tuple = ()):
     print(f"{name.name}: moves the logits by {moved:.3f}")
 
 
-def peft_moe(out: Path, experts: bool = False):
+def peft_moe(out: Path, experts: bool = False, fused: bool = False):
     """peft's adapter on the attention of an MoE fixture (and with `experts`, on its packed experts' gate_up_proj and
     down_proj: peft's target_parameters), and PeftModel's logits of it."""
     from transformers import MixtralForCausalLM
@@ -106,9 +108,11 @@ def peft_moe(out: Path, experts: bool = False):
     torch.manual_seed(17 + experts)
     load = lambda: MixtralForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager")  # noqa
     more = dict(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts else {}
+    if fused:  # as peft's conversion of transformers 4's w1/w3 adapters writes the fused gate_up_proj: 2 r, 2 alpha
+        more.update(rank_pattern={r".*\.gate_up_proj": 8}, alpha_pattern={r".*\.gate_up_proj": 16})
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                      init_lora_weights=False, task_type="CAUSAL_LM", **more)
-    name = out / ("peft_mixtral_experts_r4" if experts else "peft_mixtral_r4")
+    name = out / ("peft_mixtral_fused_r4" if fused else "peft_mixtral_experts_r4" if experts else "peft_mixtral_r4")
     shutil.rmtree(name, ignore_errors=True)
     get_peft_model(load(), cfg).save_pretrained(name)
     ref = logits_of(PeftModel.from_pretrained(load(), name).eval(), 256)
@@ -183,18 +187,19 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures" / "peft"))
     ap.add_argument("--meshtrain", default=str(ROOT / ".venv" / "bin" / "python"),
                     help="the Python with meshtrain (none: leave trained/ as it is)")
-    ap.add_argument("--only", choices=["sft"], help="make this fixture alone (the others left as they are)")
+    ap.add_argument("--only", choices=["sft", "fused"], help="make this fixture alone (the others left as they are)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.only == "sft":
-        return sft(out, args.meshtrain)
+    if args.only:
+        return sft(out, args.meshtrain) if args.only == "sft" else peft_moe(out, experts=True, fused=True)
     d = base(out)
     peft_made(d, out, False)
     peft_made(d, out, True)
     peft_made(d, out, False, ("lm_head", "embed_tokens"))
     peft_moe(out)
     peft_moe(out, experts=True)
+    peft_moe(out, experts=True, fused=True)
     if args.meshtrain != "none":
         sft(out, args.meshtrain)
         trained(d, out, args.meshtrain)

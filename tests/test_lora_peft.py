@@ -57,18 +57,21 @@ def test_an_adapter_peft_made_gives_peft_logits(name):
 EXPERT_TARGETS = ",mlp.experts.gate_up_proj,mlp.experts.down_proj"
 
 
-@pytest.mark.parametrize("name", [pytest.param("peft_mixtral_r4", marks=pytest.mark.slow), "peft_mixtral_experts_r4"])
+@pytest.mark.parametrize("name", [pytest.param("peft_mixtral_r4", marks=pytest.mark.slow), "peft_mixtral_experts_r4",
+                                  pytest.param("peft_mixtral_fused_r4", marks=pytest.mark.slow)])
 def test_an_moe_adapter_with_the_experts_split_gives_peft_logits(name):
     """peft's adapter on the attention of a Mixtral (4 experts, k 2; and on its packed experts, peft's
-    target_parameters, one A shared by gate and up), read into (2,1,4) ZeRO-3 with the experts split over data:
+    target_parameters, one A shared by gate and up; and with gate_up's at twice the rank and alpha, peft's
+    rank_pattern/alpha_pattern of w1 and w3 fused), read into (2,1,4) ZeRO-3 with the experts split over data:
     peft's logits (1e-4)."""
     ref = np.load(FIX / name / "reference.npz")
     ep = ["mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3", "train.expert_parallel=true"]
-    experts = EXPERT_TARGETS if "experts" in name else ""
+    experts = EXPERT_TARGETS if "experts" in name or "fused" in name else ""
     short, long = _logits([f"model.init_from={Path(__file__).parent / 'fixtures' / 'hf' / 'mixtral_e4k2_f32'}",
                            "model.lora.rank=4", "model.lora.alpha=8",
                            f"model.lora.targets=[q_proj,k_proj,v_proj,o_proj{experts}]",
-                           f"model.lora.init_from={FIX / name}"], ref, ep)
+                           f"model.lora.init_from={FIX / name}"]
+                          + (["model.lora.fused_gate_up=true"] if "fused" in name else []), ref, ep)
     assert float(ref["moved"]) > 1e-2
     assert np.abs(short - ref["logits"]).max() < 1e-4 and np.abs(long - ref["long_logits"]).max() < 1e-4
 
@@ -202,6 +205,29 @@ def test_a_tied_embedding_trained_apart_from_the_head_is_one_line(tmp_path):
                                         r"ensure_weight_tying") as e:
         check_config(d, mc)
     assert "\n" not in str(e.value)
+
+
+def test_the_fused_gate_up_form_is_accepted_where_asked_for():
+    """peft's gate_up_proj at twice the rank and alpha (rank_pattern/alpha_pattern, peft's fusion of w1 and w3) is
+    read with model.lora.fused_gate_up=true (its logits: the MoE test above, -m slow), refused in one line without it;
+    the key without those patterns in the adapter is refused too."""
+    from trainer import load_config, resolve
+    from trainer.ckpt.peft import check_config
+    from trainer.config import model_config
+    from trainer.errors import UserError
+    mix = Path(__file__).parent / "fixtures" / "hf" / "mixtral_e4k2_f32"
+
+    def mc(fused):
+        return model_config(resolve(load_config([f"model.init_from={mix}", "model.lora.rank=4", "model.lora.alpha=8",
+                                                 f"model.lora.targets=[q_proj,k_proj,v_proj,o_proj{EXPERT_TARGETS}]",
+                                                 f"model.lora.fused_gate_up={str(fused).lower()}"])))
+    assert check_config(FIX / "peft_mixtral_fused_r4", mc(True))["rank_pattern"] == {r".*\.gate_up_proj": 8}
+    with pytest.raises(UserError, match=r"twice the rank and alpha \(peft's fusion of w1 and w3 adapters\); set "
+                                        r"model.lora.fused_gate_up=true$"):
+        check_config(FIX / "peft_mixtral_fused_r4", mc(False))
+    with pytest.raises(UserError, match=r"has no rank_pattern of a fused gate_up_proj but model.lora.fused_gate_up="
+                                        r"true; set model.lora.fused_gate_up=false$"):
+        check_config(FIX / "peft_mixtral_experts_r4", mc(True))
 
 
 def test_an_adapter_of_other_shapes_is_one_line(tmp_path):

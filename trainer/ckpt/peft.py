@@ -5,6 +5,7 @@ hold A as (the weight's input axes..., r) and B as (r, its output axes...), each
 to peft's, the axes are put in the Hugging Face view's order and flattened."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from trainer.errors import UserError
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 # adapter_config.json keys that change what the adapter computes, and what meshtrain computes for each
+FUSED = r".*\.gate_up_proj"  # peft's pattern for a gate_up_proj fused from w1 and w3 adapters
 COMPUTES = {"use_dora": False, "lora_bias": False, "layers_to_transform": None, "layers_pattern": None,
             "trainable_token_indices": None, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
             "fan_in_fan_out": False}
@@ -116,8 +118,17 @@ def write_peft(params: dict, mc, out: Path, base: str | None):
               "target_modules": sorted(t for t, _ in chosen.values()),
               "target_parameters": list(expert_targets(mc)) or None,
               "modules_to_save": list(lora.modules) or None, "base_model_name_or_path": base,
-              "inference_mode": True, **({"ensure_weight_tying": True} if _tied_embedding(mc) else {})}
+              "inference_mode": True, **({"ensure_weight_tying": True} if _tied_embedding(mc) else {}),
+              **_fused_patterns(lora)}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _fused_patterns(lora) -> dict:
+    """The rank_pattern and alpha_pattern of the experts' fused gate_up adapter (model.lora.fused_gate_up) as peft
+    writes them, else none."""
+    if not lora.fused_gate_up:
+        return {}
+    return {"rank_pattern": {FUSED: 2 * lora.rank}, "alpha_pattern": {FUSED: 2 * lora.alpha}}
 
 
 def _tied_embedding(mc) -> bool:
@@ -134,12 +145,19 @@ def check_config(folder: Path, mc) -> dict:
         raise UserError(f"model.lora.init_from={folder} has no readable {CONFIG}; give a peft adapter folder") from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{folder / CONFIG}: peft_type={cfg.get('peft_type')!r} is not supported; meshtrain reads LORA")
-    for key, want in COMPUTES.items():
+    lora = mc.lora
+    fused = _fused_patterns(dataclasses.replace(lora, fused_gate_up=True))
+    if {k: cfg.get(k) or {} for k in fused} == fused and not lora.fused_gate_up:
+        raise UserError(f"{folder / CONFIG}: rank_pattern and alpha_pattern give gate_up_proj twice the rank and alpha "
+                        "(peft's fusion of w1 and w3 adapters); set model.lora.fused_gate_up=true")
+    if lora.fused_gate_up and not cfg.get("rank_pattern"):
+        raise UserError(f"{folder / CONFIG} has no rank_pattern of a fused gate_up_proj but model.lora.fused_gate_up="
+                        "true; set model.lora.fused_gate_up=false")
+    for key, want in {**COMPUTES, **_fused_patterns(lora)}.items():
         got = cfg.get(key)
         if got is not None and got != want and not (want == {} and not got):
             raise UserError(f"{folder / CONFIG}: {key}={cfg[key]!r} is not supported (meshtrain computes {key}="
                             f"{want!r}); give an adapter without it")
-    lora = mc.lora
     saved = sorted({m.rpartition(".")[2] for m in cfg.get("modules_to_save") or []})  # peft adds model.embed_tokens
     if "embed_tokens" in saved and _tied_embedding(mc) and not cfg.get("ensure_weight_tying"):
         raise UserError(f"{folder / CONFIG}: modules_to_save embed_tokens on a model with tied embeddings without "

@@ -9,7 +9,7 @@ def lora_of(section):
     if not section.rank:
         return None
     return Lora(int(section.rank), float(section.alpha), float(section.dropout), bool(section.use_rslora),
-                tuple(section.targets), tuple(section.modules), section.base_dtype)
+                tuple(section.targets), tuple(section.modules), section.base_dtype, bool(section.fused_gate_up))
 
 
 def lora_checks(mc, t, model) -> list:
@@ -40,6 +40,8 @@ def lora_checks(mc, t, model) -> list:
     return [(lora.rank <= small, f"model.lora.rank={lora.rank} exceeds the smallest adapted projection's width "
              f"{small}; use a rank of at most {small}"),
             (lora.dropout == 0, f"model.lora.dropout={lora.dropout} is not supported yet; set 0"),
+            (not lora.fused_gate_up or "mlp.experts.gate_up_proj" in lora.targets, "model.lora.fused_gate_up=true "
+             "without mlp.experts.gate_up_proj in model.lora.targets; add it, or set model.lora.fused_gate_up=false"),
             (not mc.mtp_depth, f"model.lora with model.mtp_depth={mc.mtp_depth} is not supported; set "
              "model.mtp_depth=0"),
             (t.sync == "every_step", f"model.lora with train.sync={t.sync} is not supported; use "

@@ -60,6 +60,8 @@ class LoraSection:
     init_from: Optional[str] = setting(None, None, "a peft adapter folder the adapters start from")
     base_dtype: str = setting("float32", ("float32", "bfloat16"), "the frozen base's storage (bfloat16: half its "
                               "bytes; the adapters and their state float32)")
+    fused_gate_up: bool = setting(False, None, "the experts' gate_up adapter at twice the rank and alpha (peft's "
+                                  "rank_pattern/alpha_pattern of .*\\.gate_up_proj: w1 and w3 adapters fused)")
 
 
 LAST = [("init_from", Optional[str], setting(None, None, "parameters from `meshtrain export`, a run, or a Hugging "
