@@ -16,6 +16,13 @@ if "xla_cpu_use_fusion_emitters" not in _flags and importlib.metadata.version("j
     _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, its xdist workers and the `meshtrain` processes tests start
+# (they inherit the environment): a program compiled once (a train step a resume compiles again, a one-device
+# reference another module runs) is read back, not compiled again. Keyed by the program and the flags.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshtrain-tests-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import functools  # noqa: E402
 from typing import NamedTuple  # noqa: E402
