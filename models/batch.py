@@ -21,7 +21,8 @@ DTYPES = {"tokens": np.int32, "targets": np.int32, "loss_weight": np.float32, "s
           "positions": np.int32}
 # train.objective=dpo adds ref_logp: the frozen reference's log-probability of each target (models/objectives/dpo.py)
 DPO_FIELDS = FIELDS + ("ref_logp",)
-ALL_DTYPES = {**DTYPES, "ref_logp": np.float32}
+ALL_DTYPES = {**DTYPES, "ref_logp": np.float32,
+              **dict.fromkeys(("metric_weight", "old_logp", "advantage", "completion"), np.float32)}  # GRPO's
 
 
 def from_windows(windows_BT1, loss_weight_BT=None, segment_ids_BT=None, positions_BT=None) -> dict:

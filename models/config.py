@@ -88,6 +88,8 @@ class ModelConfig:
     documents: bool = False
     # train.objective=dpo: the preference loss and its settings (models/objectives/dpo.py Dpo); None: the token loss
     dpo: Any = None
+    # train.objective=grpo: GRPO's loss and its settings (models/objectives/grpo.py Grpo); None: not GRPO
+    grpo: Any = None
     # model.lora: low-rank adapters on a frozen base (models/lora.py Lora); None: every weight trained
     lora: Any = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.objectives import dpo, mtp
+from models.objectives import dpo, grpo, mtp
 from models.objectives.cross_entropy import head_cross_entropy
 from models.batch import counted, inverse_count, mean_of
 from models.config import ModelConfig
@@ -26,6 +26,9 @@ def head_objective(c: ModelConfig, params: dict, x_BTD, aux: dict, batch: dict, 
     if c.dpo is not None:
         pair, sft, metrics = dpo_sums(c, params, x_BTD, batch, constrain)
         loss, aux = pair * scale["pairs"] + c.dpo.sft_weight * sft * scale["chosen"], {**aux, **metrics}
+    elif c.grpo is not None:  # each token's weight is its share of the step's loss already (grpo.token_weights)
+        loss, metrics = grpo.head_sums(c, params, x_BTD, batch, constrain)
+        aux = {**aux, **metrics}
     else:
         ce = head_cross_entropy(c, params, x_BTD, batch["targets"], batch["loss_weight"], constrain)
         loss = ce * scale["loss"]
@@ -47,7 +50,8 @@ def dpo_sums(c: ModelConfig, params: dict, x_BTD, batch: dict, constrain: Constr
 def head_fields(c: ModelConfig) -> tuple:
     """The batch fields `head_objective` reads (a pipeline's last stage takes only these of its microbatch)."""
     mtp_fields = ("segment_ids", "positions") if c.mtp_depth else ()
-    return ("targets", "loss_weight") + (("segment_ids", "ref_logp") if c.dpo is not None else ()) + tuple(
+    own = (("segment_ids", "ref_logp") if c.dpo is not None else ()) + (grpo.FIELDS if c.grpo is not None else ())
+    return ("targets", "loss_weight") + own + tuple(
         f for f in mtp_fields if c.dpo is None or f != "segment_ids")
 
 
@@ -97,6 +101,8 @@ def aux_counts(c: ModelConfig, batch: dict) -> dict:
     """Each aux output's count over the step's whole batch, the one source of its mean's divisor (in the objective's
     scale and in the logged metric): the family's aux_counts; DPO's metrics, its pairs (models/objectives/dpo.py)."""
     counts = {**family(c.family).aux_counts(c, batch), **mtp.counts(c, batch)}
+    if c.grpo is not None:  # means already (each token's metric weight)
+        counts.update(dict.fromkeys(grpo.METRICS, jnp.ones((), jnp.float32)))
     return {**counts, **dict.fromkeys(dpo.METRICS, dpo.counts(batch)[0])} if c.dpo is not None else counts
 
 
@@ -110,14 +116,17 @@ def scales(c: ModelConfig, batch: dict) -> dict:
     if c.dpo is not None:  # the pairs' mean and the chosen tokens' mean; the metrics are statistics (weight 0)
         out.update(dpo.scales(batch))
         out["aux"].update({k: jnp.zeros((), jnp.float32) for k in dpo.METRICS})
+    if c.grpo is not None:  # the loss weighted once per token already; its metrics are statistics
+        out["loss"] = jnp.ones((), jnp.float32)
+        out["aux"].update({k: jnp.zeros((), jnp.float32) for k in grpo.METRICS})
     return out
 
 
 def zero_parts(c: ModelConfig) -> dict:
     """`objective`'s parts, all zero: where a path starts adding them up."""
     z = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
-    return {"loss": z(), "aux": {**aux_zeros(c), **{k: z() for k in mtp.names(c) + (dpo.METRICS if c.dpo is not None
-                                                                                     else ())}}}
+    own = mtp.names(c) + (dpo.METRICS if c.dpo is not None else ()) + (grpo.METRICS if c.grpo is not None else ())
+    return {"loss": z(), "aux": {**aux_zeros(c), **{k: z() for k in own}}}
 
 
 def part_metrics(parts: dict, counts: dict) -> dict:

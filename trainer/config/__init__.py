@@ -18,10 +18,9 @@ from meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, MeshError, MeshShape, lo
 from models import FAMILIES, ModelConfig, family, from_preset
 from models.spec import nothing_after, stacks
 from models.config import own_keys
-from models.objectives.dpo import Dpo
 from trainer.errors import UserError
 from trainer.config.schema import check_ranges, closest, help_text, markdown, specs, step_range, text_lists
-from trainer.config.dpo import ignored_dpo
+from trainer.config.dpo import ignored_dpo, objective_checks, objectives_of
 from trainer.config.lora import lora_checks, lora_of
 from trainer.config.experts import axis_of
 from trainer.config.mixture_entries import ignored_source
@@ -235,10 +234,8 @@ def model_config(cfg: Config) -> ModelConfig:
             raise UserError(f"model.{k} is a key of {', '.join(theirs[k])}, not of model.family='{name}'; drop it "
                             "or set model.family")
         over.pop(k, None)
-    d = cfg.dpo
-    pref = Dpo(d.loss, float(d.beta), float(d.label_smoothing), float(d.sft_weight), d.reference_mode == "online") \
-        if cfg.train.objective == "dpo" else None
-    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), dpo=pref, lora=lora_of(m.lora))
+    return from_preset(m.preset, **over, documents=bool(cfg.data.document_mask), **objectives_of(cfg),
+                       lora=lora_of(m.lora))
 
 
 @functools.lru_cache(maxsize=8)
@@ -281,9 +278,6 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
          f"{rows}); use a multiple of {data * t.microbatches}"),
         *_pipeline_checks(t, mc, stage), (t.sync == "every_step" or (t.zero_stage == 0 and stage == 1),
          f"train.sync={t.sync} keeps a whole replica on every data shard; set train.zero_stage=0 and mesh.stage=1"),
-        (not mc.mtp_depth or t.objective != "dpo",
-         f"model.mtp_depth={mc.mtp_depth} with train.objective=dpo is not supported: the modules add token losses; "
-         "set model.mtp_depth=0 or train.objective=lm"),
         (t.sync == "every_step" or family(mc.family).after_step is nothing_after,
          f"train.sync={t.sync} with model.family={mc.family} is not supported: the family sets state after each step "
          "from the whole batch's statistics (its router bias from the experts' loads), which local SGD's replicas "
@@ -292,16 +286,7 @@ def validate(cfg: Config, n_devices: int) -> MeshShape:
         *[(t.microbatches == 1 and stage == 1 and t.sync == "every_step", f"{why} needs the step's whole batch in one "
            f"objective: set train.microbatches=1, mesh.stage=1, train.sync=every_step (now {t.microbatches}, {stage}, "
            f"{t.sync}), or the weight to 0") for why in [family(mc.family).whole_batch(mc)] if why],
-        (t.objective != "dpo" or bool(cfg.dpo.reference or cfg.model.init_from),
-         "train.objective=dpo needs a reference model: set dpo.reference (an export, a run or a Hugging Face folder) "
-         "or model.init_from (the reference is then the model training starts from)"),
-        (t.objective != "dpo" or t.sync == "every_step",
-         f"train.objective=dpo with train.sync={t.sync} is not supported: local SGD keeps a replica of the weights per "
-         "data rank, which neither the DPO reference's forward nor the pair evaluation reads; use "
-         "train.sync=every_step"),
-        (t.objective != "dpo" or shape[CONTEXT] == 1,
-         f"train.objective=dpo sums each pair's log-probabilities along its row, and mesh.context={shape[CONTEXT]} "
-         "splits the rows over context ranks (not supported with DPO yet); set mesh.context=1"),
+        *objective_checks(cfg, mc, shape[CONTEXT]),
     ]
     for ok, msg in checks:
         if not ok:

@@ -20,7 +20,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # train.pipeline_schedule (ta
 ON_NAN = ("skip", "rollback", "stop")  # train.on_nan (trainer/guard.py)
 ON_UNREADABLE = ("stop", "fresh")  # checkpoint.on_unreadable (trainer/ckpt/checkpoint.py)
 BIN_DTYPES = ("uint16", "uint32")
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # models/objectives/grpo.py LOSS_TYPES
+GRPO_SCALES = ("group", "batch", "none")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")  # models/objectives/dpo.py LOSSES
 REFERENCE_MODES = ("precompute", "online")
 # dist.cluster: auto, none, or one of jax.distributed's cluster_detection_method names; trainer/run/distributed.py
@@ -88,7 +90,8 @@ class TrainSection:
     b2: float = setting(0.95, ">= 0 and < 1", "AdamW's second-moment decay")
     grad_clip: float = setting(1.0, NON_NEGATIVE, "clip the gradients' global norm to this; 0: off")
     optimizer: str = setting("adamw", OPTIMIZERS, "adamw, or sgd (momentum b1; linear in the gradient)")
-    objective: str = setting("lm", OBJECTIVES, "lm: the next-token loss; dpo: preference pairs (dpo.*, docs/dpo.md)")
+    objective: str = setting("lm", OBJECTIVES, "lm: the next-token loss; dpo: preference pairs (dpo.*, docs/dpo.md); grpo: "
+                        "rewards of sampled completions (grpo.*)")
     sync: str = setting("every_step", SYNC_MODES, "replicas synced every step, or local SGD / DiLoCo "
                         "(docs/local_sgd.md)")
     sync_every: int = setting(1, STEP, "H: optimizer steps each replica takes on its own between syncs")
@@ -164,6 +167,27 @@ class DpoSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrpoSection:
+    """train.objective=grpo: Group Relative Policy Optimization and its variants, as TRL 1.16 defines them
+    (models/objectives/grpo.py)."""
+    num_generations: int = setting(8, ">= 2 and <= 65536", "G: completions sampled per prompt (a group)")
+    max_completion_length: int = setting(256, ">= 1 and <= 2**20", "the most tokens a completion has")
+    temperature: float = setting(1.0, f"> 0 and <= {FLOAT32}", "sampling temperature; log-probabilities are taken "
+                                 "at it")
+    num_iterations: int = setting(1, ">= 1 and <= 1024", "optimizer steps on each batch of completions")
+    loss_type: str = setting("dapo", GRPO_LOSSES, "grpo, dr_grpo, dapo (one mean over the step's tokens) or bnpo")
+    beta: float = setting(0.0, f">= 0 and <= {FLOAT32}", "weight of the KL penalty to the reference (0: none)")
+    epsilon: float = setting(0.2, "> 0 and < 1", "the ratio clipped below at 1 - epsilon")
+    epsilon_high: Optional[float] = setting(None, f"> 0 and <= {FLOAT32}", "the ratio clipped above at 1 + this; "
+                                            "null: epsilon")
+    scale_rewards: str = setting("group", GRPO_SCALES, "advantages divided by the group's, the batch's or no "
+                                 "reward standard deviation")
+    mask_truncated_completions: bool = setting(False, None, "completions cut at max_completion_length count no token")
+    reference: Optional[str] = setting(None, None, "beta > 0: the frozen reference (an export, run or HF folder); "
+                                       "null: model.init_from")
+
+
+@dataclasses.dataclass(frozen=True)
 class DistSection:
     """Joining a multi-process run (trainer/run/distributed.py); one process needs none of it."""
     coordinator: Optional[str] = setting(None, None, "HOST:PORT of process 0; with num_processes and process_id")
@@ -216,6 +240,7 @@ class Config:
     plan: PlanSection = dataclasses.field(default_factory=PlanSection)
     dist: DistSection = dataclasses.field(default_factory=DistSection)
     dpo: DpoSection = dataclasses.field(default_factory=DpoSection)
+    grpo: GrpoSection = dataclasses.field(default_factory=GrpoSection)
 
 
 # The names other trainers (MaxText, torchtitan, Megatron-LM, Hugging Face, nanoGPT) give these keys, for "did you

@@ -1,0 +1,159 @@
+"""GRPO (models/objectives/grpo.py) against TRL 1.16's GRPOTrainer itself: the fixtures of scripts/make_grpo_fixture.py
+(tests/fixtures/grpo: for each loss_type, beta 0 and 0.04, mask_truncated_completions both ways, what TRL's
+`_compute_loss` received and returned on its two microbatches of two optimizer steps, num_iterations=2, and what it
+logged). Here TRL's own per-token log-probabilities go through meshtrain's loss: the step's loss, kl and every
+clip_ratio metric within 1e-5 (relative) of TRL's at both steps, and the advantages of the recorded rewards."""
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from models.objectives import grpo
+
+FIX = Path(__file__).parent / "fixtures" / "grpo"
+VARIANTS = [f"{t}_beta{b}_mask{m}" for t in grpo.LOSS_TYPES for b in (0.0, 0.04) for m in (0, 1)]
+SETUP = json.loads((FIX / "completions.json").read_text()) if (FIX / "completions.json").exists() else {}
+
+
+def _close(got, want, what, rel=1e-5, floor=1e-6):
+    assert abs(got - want) <= rel * abs(want) + floor, (what, got, want)
+
+
+def interleaved(f, step: int) -> dict:
+    """TRL's two microbatches of one optimizer step as one batch whose rows alternate between them (row i in
+    microbatch i % 2, as meshtrain's step splits a batch): {field: array}."""
+    mbs = [{k.split("_", 1)[1]: f[k] for k in f.files if k.startswith(f"s{step}m{m}_")} for m in (0, 1)]
+    out = {}
+    for k, v in mbs[0].items():
+        if np.ndim(v) >= 1:
+            out[k] = np.stack([v, mbs[1][k]], axis=1).reshape(-1, *v.shape[1:])
+    return out
+
+
+def _step(f, step: int, g: grpo.Grpo) -> dict:
+    """meshtrain's step metrics of TRL's recorded microbatches of one optimizer step."""
+    b = interleaved(f, step)
+    mask = b["completion_mask"].astype(np.float32)
+    w = grpo.token_weights(g.loss_type, mask, 2, g.max_completion_length)
+    logp = b["per_token_logps"]
+    old = b.get("old_per_token_logps", logp)
+    ref = b.get("ref_per_token_logps", np.zeros_like(logp))
+    got = jax.jit(lambda *a: grpo.sums(g, *a[:4], {"loss": a[4], "metric": a[5]}, a[6]))(
+        logp, old, ref, b["advantages"][:, None], w["loss"], w["metric"], mask)
+    out = {k: float(v) for k, v in got.items() if np.ndim(v) == 0}
+    out.update(grpo.clip_extremes(np.asarray(got["row_low"]), np.asarray(got["row_high"]), 2))
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_loss_and_metrics_are_trl_s_on_its_log_probabilities(variant):
+    f = np.load(FIX / f"{variant}.npz")
+    loss_type, beta = variant.split("_beta")[0], float(variant.split("_beta")[1].split("_")[0])
+    g = grpo.Grpo(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                  max_completion_length=SETUP["max_completion_length"])
+    for step in (1, 2):
+        got = _step(f, step, g)
+        _close(got["loss"], float(f[f"log{step}_loss"]), f"loss at step {step}")
+        _close(got["loss"], sum(float(f[f"s{step}m{m}_loss"]) for m in (0, 1)), f"microbatch losses, step {step}")
+        for k in ("kl", *grpo.CLIP_METRICS, "clip_ratio/low_min", "clip_ratio/high_max"):
+            if f"log{step}_{k}" in f.files:
+                _close(got[k], float(f[f"log{step}_{k}"]), f"{k} at step {step}")
+    assert 0.05 < float(f["log2_clip_ratio/region_mean"]) < 0.9  # iteration 2 clips some tokens, not all
+
+
+@pytest.mark.parametrize("variant", ["dapo_beta0.0_mask0", "grpo_beta0.04_mask1"])
+def test_the_advantages_are_trl_s_of_the_recorded_rewards(variant):
+    f = np.load(FIX / f"{variant}.npz")
+    adv, metrics = grpo.advantages(f["rewards_per_func"], SETUP["reward_weights"], SETUP["G"])
+    trl = np.concatenate([f[f"s1m{m}_advantages"] for m in (0, 1)])
+    np.testing.assert_allclose(np.sort(adv), np.sort(trl), rtol=1e-5, atol=1e-6)  # TRL shuffles them into microbatches
+    for k in ("reward", "reward_std", "frac_reward_zero_std"):
+        _close(metrics[k], float(f[f"log1_{k}"]), k)
+
+
+ONE = ("mesh.data=1", "mesh.stage=1", "mesh.model=1")
+
+
+def _setup(variant: str, mesh=ONE):
+    """A meshtrain Setup of the fixture's model and the variant's GRPO settings, SGD at TRL's learning rate."""
+    from trainer import load_config, resolve
+    from trainer.state import make_setup
+    loss_type, beta, masked = variant.split("_beta")[0], variant.split("_beta")[1].split("_mask")[0], variant[-1]
+    cfg = resolve(load_config([f"model.init_from={FIX / 'policy'}", "model.seq_len=32", "train.batch_size=12",
+                               "train.microbatches=2", "train.optimizer=sgd", f"train.lr={SETUP['lr']}",
+                               "train.grad_clip=0", "train.warmup_steps=0", "train.min_lr_ratio=1", "train.b1=0",
+                               "train.weight_decay=0", "train.objective=grpo", f"grpo.loss_type={loss_type}",
+                               f"grpo.beta={beta}", "grpo.epsilon=0.2", "grpo.epsilon_high=0.28",
+                               "grpo.temperature=0.7", f"grpo.num_generations={SETUP['G']}",
+                               f"grpo.max_completion_length={SETUP['max_completion_length']}",
+                               f"grpo.mask_truncated_completions={'true' if masked == '1' else 'false'}", *mesh]))
+    n = int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))
+    return make_setup(cfg, jax.devices()[:n])
+
+
+ZERO3 = ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3")
+
+
+@pytest.mark.parametrize("variant,mesh", [("dapo_beta0.04_mask0", ONE)]
+                         + [pytest.param(v, m, marks=pytest.mark.slow) for v in VARIANTS for m in (ONE, ZERO3)
+                            if (v, m) != ("dapo_beta0.04_mask0", ONE)])
+def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
+    """TRL's completions learnt by meshtrain's train step (one device; every variant on one device and on (2,1,4)
+    ZeRO-3 under -m slow): its own old and reference log-probabilities (TRL's within 1e-5), at iteration 1 the
+    gradient's norm (relative 1e-5) and the first layer's q_proj gradient (1e-4), at iteration 2 the loss, kl and clip
+    ratios (relative 1e-5)."""
+    from models.objectives.grpo import token_weights
+    from trainer.ckpt.params import init_params
+    from trainer.ckpt.initial import state_from_params
+    from trainer.data.completions import gather_targets, rows
+    from trainer.step import jit_train_step
+    f = np.load(FIX / f"{variant}.npz")
+    s = _setup(variant, mesh)
+    g = s.model.grpo
+    b = interleaved(f, 1)
+    prompts = [list(p[m.astype(bool)]) for p, m in zip(b["prompt_ids"], b["prompt_mask"])]
+    mask = b["completion_mask"].astype(np.float32)
+    w = token_weights(g.loss_type, mask, 2, g.max_completion_length)
+    zeros = np.zeros_like(mask)
+    per = {"loss_weight": w["loss"], "metric_weight": w["metric"], "old_logp": zeros, "ref_logp": zeros,
+           "advantage": np.broadcast_to(b["advantages"][:, None], mask.shape), "completion": mask}
+    params = init_params(s, s.cfg.model.init_from)
+    logps = _logps(s, params, rows(prompts, b["completion_ids"], per, s.model.seq_len))
+    old = gather_targets(logps, prompts, mask.shape[1])
+    np.testing.assert_allclose(old * mask, b["old_per_token_logps"] * mask, atol=1e-5)
+    ref = zeros
+    if g.beta:
+        ref = gather_targets(_logps(s, _reference(s), rows(prompts, b["completion_ids"], per, s.model.seq_len)),
+                             prompts, mask.shape[1])
+        np.testing.assert_allclose(ref * mask, b["ref_per_token_logps"] * mask, atol=1e-5)
+    batch = rows(prompts, b["completion_ids"], {**per, "old_logp": old, "ref_logp": ref}, s.model.seq_len)
+    step = jit_train_step(s)
+    state = state_from_params(s, params)
+    with jax.set_mesh(s.mesh):
+        state, m1 = step(state, jax.device_put(batch, s.batch_sharding()))
+        new_q = np.asarray(state["params"]["layers"]["wq"][0])
+        _, m2 = step(state, jax.device_put(batch, s.batch_sharding()))
+    _close(float(m1["grad_norm"]), float(f["grad_norm"]), "grad_norm at iteration 1")
+    q0 = (np.asarray(params["layers"]["wq"][0]) - new_q) / SETUP["lr"]  # (D, H, E): HF's (H E, D) transposed
+    np.testing.assert_allclose(q0.reshape(q0.shape[0], -1).T, f["grad_q0"], rtol=1e-4, atol=1e-6)
+    _close(float(m2["loss"]), float(f["log2_loss"]), "loss at iteration 2")
+    for k in ("kl", *grpo.CLIP_METRICS):
+        if f"log2_{k}" in f.files:
+            _close(float(m2[k if "/" in k else f"aux/{k}"]), float(f[f"log2_{k}"]), f"{k} at iteration 2")
+
+
+def _logps(s, params, batch) -> np.ndarray:
+    """Each target's log-probability at the sampling temperature, (N, T), from one forward of the model."""
+    from models.objectives.grpo import token_logps
+    from models.objectives.objective import hidden
+    def fn(p, tokens, targets):
+        return token_logps(s.model, p, hidden(s.model, p, {"tokens": tokens})[0], targets, lambda x, _: x)[0]
+    with jax.set_mesh(s.mesh):
+        return np.asarray(jax.jit(fn)(params, batch["tokens"], batch["targets"]))
+
+
+def _reference(s):
+    from trainer.ckpt.params import init_params
+    return init_params(s, str(FIX / "reference"))
