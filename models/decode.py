@@ -95,15 +95,21 @@ def layer_runner(c: ModelConfig, rope, attend, pos, T: int, dtype):
     return run
 
 
-def hidden(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32, linear: bool = False):
+def hidden(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.float32, linear: bool = False,
+           start_B=None):
     """Run tokens at positions pos..pos+T-1 against the cache: (the last layer's output (B, T, D), before the final
     norm; cache). Each layer is the family's layer function (models/transformer.py `layer`, or the family's own; each
     stack's, models/spec.py `stacks`) through `layer_runner`. `linear`: a cache in position order even for a
-    sliding window (speculative decoding's, whose rejected drafts must not take a ring's slots)."""
+    sliding window (speculative decoding's, whose rejected drafts must not take a ring's slots). `start_B`: each
+    row's first slot that holds a token (left-padded prompts of different lengths, models/sampler.py); the slots
+    before it are never attended to (RoPE is relative: a row's shifted positions give its tokens the same scores)."""
     spec = family(c.family)
     B, T = tokens_BT.shape
     S = next(iter(cache.values())).shape[2]
-    rope, attend = (_ring if c.uniform_window and not linear else position_cache)(c, (B, T), pos, S, dtype)
+    if start_B is not None:
+        rope, attend = position_cache(c, (B, T), pos, S, dtype, start_B)
+    else:
+        rope, attend = (_ring if c.uniform_window and not linear else position_cache)(c, (B, T), pos, S, dtype)
     run = layer_runner(c, rope, attend, pos, T, dtype)
 
     def body(layer, x_BTD, xs):
@@ -128,22 +134,24 @@ def extend(c: ModelConfig, params: dict, tokens_BT, pos, cache: dict, dtype=jnp.
     return head(c, params, x_BTD[:, -1:])[:, 0], cache
 
 
-def position_cache(c: ModelConfig, shape, pos, S: int, dtype):
+def position_cache(c: ModelConfig, shape, pos, S: int, dtype, start_B=None):
     """(RoPE tables, attend) for a cache of S slots in position order: the new keys are written at pos.., and a
     query at pos + t sees slots 0..pos + t (its own key is written first), within its layer's window if it has one
-    (a mixed stack's local layers)."""
+    (a mixed stack's local layers); with `start_B`, row b's slots from start_B[b] on only."""
     B, T = shape
     q_pos = pos + jnp.arange(T)
     ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
+    rows_B11S = True if start_B is None else (jnp.arange(S)[None, :] >= start_B[:, None])[:, None, None, :]
 
     def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE, window=None, softcap=None, scale=None, sinks=None):
         k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
         keys, values = k_BSKE.astype(dtype), v_BSKE.astype(dtype)
         if window is None and softcap is None and scale is None and sinks is None:
-            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None])
+            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None] & rows_B11S)
         else:
             keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
+            keep = keep if start_B is None else keep[None, None, None] & rows_B11S[:, :, :, None]
             o = masked_attention(q_BTHE, keys, values, keep, softcap, scale, sinks)
         return o, k_BSKE, v_BSKE
 

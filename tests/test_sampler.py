@@ -1,0 +1,81 @@
+"""The batch sampler (models/sampler.py): prompts of different lengths drawn together equal each drawn alone
+(greedy: models/decode.py `generate`), the drawn tokens' log-probabilities are the learner's (GRPO's `token_logps`
+of the same rows, the sampler/learner mismatch), top-p and top-k cut what they should, the same key draws the same
+tokens, and a row stops at its end token."""
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+FIX = Path(__file__).parent / "fixtures" / "grpo" / "policy"
+PROMPTS = [[5, 17, 300, 42], [7], [900, 1, 2, 3, 4, 5, 6], [64, 64]]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from trainer import load_config, resolve
+    from trainer.ckpt.params import init_params
+    from trainer.state import make_setup
+    cfg = resolve(load_config([f"model.init_from={FIX}", "model.seq_len=64", "mesh.data=1", "train.batch_size=4"]))
+    s = make_setup(cfg, jax.devices()[:1])
+    return s, init_params(s, cfg.model.init_from)
+
+
+def test_prompts_of_different_lengths_drawn_together_are_each_alone(loaded):
+    from models.decode import generate
+    from models.sampler import sample_completions
+    s, params = loaded
+    got = sample_completions(s.model, params, PROMPTS, 10, jax.random.key(0), top_k=1)
+    for i, p in enumerate(PROMPTS):
+        alone = np.concatenate(list(generate(s.model, params, np.array([p]), 10, temperature=0.0)))
+        np.testing.assert_array_equal(got["tokens"][i], alone, err_msg=f"prompt {i}")
+    tiny_p = sample_completions(s.model, params, PROMPTS, 10, jax.random.key(1), top_p=1e-6, temperature=0.7)
+    np.testing.assert_array_equal(tiny_p["tokens"], got["tokens"])  # top-p that keeps one token: the greedy one
+
+
+def test_the_drawn_log_probabilities_are_the_learner_s(loaded):
+    """Sampled at temperature 0.7 with top-p 0.9: each drawn token's log-probability at the temperature equals the
+    learner's of the same row (GRPO's token_logps over prompt + completion from position 0), within 1e-5."""
+    from models.objectives.grpo import token_logps
+    from models.objectives.objective import hidden
+    from models.sampler import sample_completions
+    from trainer.data.completions import gather_targets, rows
+    import dataclasses
+    from models.objectives.grpo import Grpo
+    s, params = loaded
+    c = dataclasses.replace(s.model, grpo=Grpo(temperature=0.7))
+    got = sample_completions(c, params, PROMPTS, 12, jax.random.key(3), temperature=0.7, top_p=0.9)
+    again = sample_completions(c, params, PROMPTS, 12, jax.random.key(3), temperature=0.7, top_p=0.9)
+    np.testing.assert_array_equal(got["tokens"], again["tokens"])  # the same key, the same draws
+    mask = (np.arange(12)[None, :] < got["lengths"][:, None]).astype(np.float32)
+    zeros = np.zeros_like(mask)
+    batch = rows(PROMPTS, got["tokens"], {k: zeros for k in ("loss_weight", "metric_weight", "old_logp", "ref_logp",
+                                                           "advantage", "completion")}, c.seq_len)
+    fn = jax.jit(lambda p, t, y: token_logps(c, p, hidden(c, p, {"tokens": t})[0], y, lambda x, _: x)[0])
+    learner = gather_targets(np.asarray(fn(params, batch["tokens"], batch["targets"])), PROMPTS, 12)
+    gap = float(np.abs((learner - got["logps"]) * mask).max())
+    print(f"sampler vs learner log-probabilities, float32: largest difference {gap:.2e}")
+    assert gap < 1e-5
+
+
+def test_a_row_stops_at_its_end_token(loaded):
+    from models.sampler import sample_completions
+    s, params = loaded
+    free = sample_completions(s.model, params, PROMPTS, 8, jax.random.key(0), top_k=1)
+    end = int(free["tokens"][0, 2])  # the greedy third token of the first prompt, as an end token
+    got = sample_completions(s.model, params, PROMPTS, 8, jax.random.key(0), top_k=1, end_ids={end}, pad=1027)
+    assert got["ended"][0] and got["lengths"][0] <= 3
+    n = got["lengths"][0]
+    np.testing.assert_array_equal(got["tokens"][0, :n], free["tokens"][0, :n])
+    assert (got["tokens"][0, n:] == 1027).all() and (got["logps"][0, n:] == 0).all()
+    for i in range(len(PROMPTS)):  # a row that never drew it runs to max_new
+        if not got["ended"][i]:
+            assert got["lengths"][i] == 8
+
+
+def test_a_prompt_longer_than_the_context_is_refused(loaded):
+    from models.sampler import sample_completions
+    s, params = loaded
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        sample_completions(s.model, params, [[1] * 60], 8, jax.random.key(0))
