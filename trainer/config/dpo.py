@@ -53,6 +53,9 @@ def objective_checks(cfg, mc, context: int) -> list:
         (t.objective != "grpo" or not g.beta or bool(g.reference or cfg.model.init_from),
          f"grpo.beta={g.beta} needs a reference model: set grpo.reference (an export, a run or a Hugging Face folder) "
          "or model.init_from (the reference is then the model training starts from), or grpo.beta=0"),
+        (t.objective != "grpo" or not g.reward_weights or len(g.reward_weights) == len(g.rewards),
+         f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.rewards)} grpo.rewards; give one per "
+         "reward function, or none (1 each)"),
         (t.objective != "grpo" or (not mc.mtp_depth and t.sync == "every_step"),
          f"train.objective=grpo with model.mtp_depth={mc.mtp_depth}, train.sync={t.sync} is not supported; set "
          "model.mtp_depth=0 and train.sync=every_step"),

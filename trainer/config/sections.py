@@ -185,6 +185,10 @@ class GrpoSection:
     mask_truncated_completions: bool = setting(False, None, "completions cut at max_completion_length count no token")
     reference: Optional[str] = setting(None, None, "beta > 0: the frozen reference (an export, run or HF folder); "
                                        "null: model.init_from")
+    rewards: List[str] = setting([], None, "reward functions: exact_match:FIELD, regex:PATTERN, numeric:FIELD or an "
+                                 "import path module:function (trainer/rl/rewards.py)")
+    reward_weights: List[float] = setting([], None, "one weight per reward function (TRL's reward_weights); []: 1 "
+                                          "each")
 
 
 @dataclasses.dataclass(frozen=True)
