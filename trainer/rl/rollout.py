@@ -1,0 +1,91 @@
+"""One GRPO generation: B prompts, G completions each drawn together by the current policy (models/sampler.py),
+scored by the reward functions (trainer/rl/rewards.py), their advantages (models/objectives/grpo.py), and the
+learner's rows (trainer/data/completions.py) with each token's weights, the old log-probabilities (the policy's own
+forward before its first update, as TRL computes them without vLLM; the sampler's are kept only to report how far
+they are) and, with beta > 0, the reference's. The batch serves grpo.num_iterations optimizer steps."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+
+from models.objectives import grpo
+from models.sampler import sample_completions
+from trainer.data.completions import gather_targets, rows
+from trainer.rl import rewards as reward_fns
+
+PER_TOKEN = ("loss_weight",) + grpo.FIELDS
+
+
+@dataclasses.dataclass
+class Settings:
+    """What a generation needs besides the model: grpo.* and the sampler's keys, the step's microbatches, the tokens
+    that end a completion and the padding id, the decoder of token ids to text (for the reward functions)."""
+    G: int
+    max_new: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    mask_truncated: bool = False
+    microbatches: int = 1
+    end_ids: tuple = ()
+    pad: int = 0
+    decode: Callable = lambda ids: " ".join(map(str, ids))  # noqa: E731
+
+
+def logps(c, params: dict, batch: dict) -> np.ndarray:
+    """Each target's log-probability at c.grpo.temperature (N, T), one forward (jitted per model)."""
+    return np.asarray(_logps_fn(c)(params, batch["tokens"], batch["targets"]))
+
+
+_CACHE: dict = {}
+
+
+def _logps_fn(c):
+    if c not in _CACHE:
+        from models.objectives.objective import hidden
+
+        def fn(p, tokens, targets):
+            return grpo.token_logps(c, p, hidden(c, p, {"tokens": tokens})[0], targets, lambda x, _: x)[0]
+        _CACHE[c] = jax.jit(fn)
+    return _CACHE[c]
+
+
+def generation(c, params: dict, records: list, functions: list, weights, st: Settings, key,
+               reference: dict | None = None) -> tuple[dict, dict]:
+    """(the learner's batch {field: (N, seq_len)}, the generation's metrics) of B records ({"prompt_ids": [...],
+    "prompt": text or messages, other fields}), rows in groups of G consecutive completions."""
+    prompts = [r["prompt_ids"] for r in records for _ in range(st.G)]
+    got = sample_completions(c, params, prompts, st.max_new, key, temperature=st.temperature, top_k=st.top_k,
+                             top_p=st.top_p, end_ids=st.end_ids, pad=st.pad)
+    N, L = got["tokens"].shape
+    ids = [list(got["tokens"][i, :got["lengths"][i]]) for i in range(N)]
+    texts = [st.decode([t for t in x if t not in st.end_ids]) for x in ids]
+    fields = {k: [r[k] for r in records for _ in range(st.G)] for k in records[0] if k != "prompt_ids"}
+    fields.pop("prompt", None)
+    scored = reward_fns.score(functions, [r.get("prompt") for r in records for _ in range(st.G)], texts, ids, fields)
+    adv, metrics = grpo.advantages(scored, weights if len(weights) else np.ones(len(functions)), st.G,
+                                   st.scale_rewards)
+    mask = (np.arange(L)[None, :] < got["lengths"][:, None]).astype(np.float32)
+    if st.mask_truncated:
+        mask *= got["ended"][:, None]
+    w = grpo.token_weights(st.loss_type, mask, st.microbatches, c.grpo.max_completion_length)
+    per = {"loss_weight": w["loss"], "metric_weight": w["metric"], "advantage": np.broadcast_to(adv[:, None], mask.shape),
+           "completion": mask, "old_logp": np.zeros_like(mask), "ref_logp": np.zeros_like(mask)}
+    batch = rows(prompts, got["tokens"], per, c.seq_len, st.pad)
+    per["old_logp"] = gather_targets(logps(c, params, batch), prompts, L)
+    if reference is not None and c.grpo.beta:
+        per["ref_logp"] = gather_targets(logps(c, reference, batch), prompts, L)
+    lengths = got["lengths"].astype(np.float64)
+    done = lengths[got["ended"]] if got["ended"].any() else np.zeros(1)
+    metrics.update(reward_fns.metrics([n for n, _ in functions], scored))
+    metrics.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                    "completions/max_length": lengths.max(), "completions/clipped_ratio": float(1 - got["ended"].mean()),
+                    "completions/mean_terminated_length": done.mean(), "completions/min_terminated_length": done.min(),
+                    "completions/max_terminated_length": done.max(),
+                    "sampling/logp_difference/max": float(np.abs((per["old_logp"] - got["logps"]) * mask).max())})
+    return rows(prompts, got["tokens"], per, c.seq_len, st.pad), metrics
