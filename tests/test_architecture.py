@@ -21,7 +21,7 @@ LAYERS = [
     ("models", ["models"]),
     ("config (pure)", ["trainer.config"]),
     ("training core", ["trainer.state", "trainer.step", "trainer.optim", "trainer.guard", "trainer.parallel",
-                       "trainer.data"]),
+                       "trainer.data", "trainer.rl"]),
     ("ckpt, observe, plan", ["trainer.ckpt", "trainer.observe", "trainer.plan"]),
     ("running a job", ["trainer.run"]),
     ("cli and the Python API", ["trainer.cli", "trainer"]),

@@ -104,10 +104,28 @@ def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
     ZeRO-3 under -m slow): its own old and reference log-probabilities (TRL's within 1e-5), at iteration 1 the
     gradient's norm (relative 1e-5) and the first layer's q_proj gradient (1e-4), at iteration 2 the loss, kl and clip
     ratios (relative 1e-5)."""
+    f = np.load(FIX / f"{variant}.npz")
+    m1, m2, got = learnt(variant, mesh)
+    assert got["old_gap"] < 1e-5 and got["ref_gap"] < 1e-5, got
+    _close(float(m1["grad_norm"]), float(f["grad_norm"]), "grad_norm at iteration 1")
+    q0 = got["q0_grad"]  # (D, H, E): HF's (H E, D) transposed
+    np.testing.assert_allclose(q0.reshape(q0.shape[0], -1).T, f["grad_q0"], rtol=1e-4, atol=1e-6)
+    _close(float(m2["loss"]), float(f["log2_loss"]), "loss at iteration 2")
+    for k in ("kl", *grpo.CLIP_METRICS):
+        if f"log2_{k}" in f.files:
+            _close(float(m2[k if "/" in k else f"aux/{k}"]), float(f[f"log2_{k}"]), f"{k} at iteration 2")
+
+
+def learnt(variant: str, mesh) -> tuple[dict, dict, dict]:
+    """(the step metrics of iteration 1 and 2, {old_gap, ref_gap: the largest differences of meshtrain's old and
+    reference log-probabilities from TRL's; q0_grad: iteration 1's first-layer wq gradient}) of meshtrain's train step
+    learning TRL's recorded completions of a variant, from the fixture's policy (its own forward gives the old and
+    reference log-probabilities, as in a run)."""
     from models.objectives.grpo import token_weights
-    from trainer.ckpt.params import init_params
     from trainer.ckpt.initial import state_from_params
+    from trainer.ckpt.params import init_params
     from trainer.data.completions import gather_targets, rows
+    from trainer.rl.rollout import logps
     from trainer.step import jit_train_step
     f = np.load(FIX / f"{variant}.npz")
     s = _setup(variant, mesh)
@@ -120,14 +138,13 @@ def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
     per = {"loss_weight": w["loss"], "metric_weight": w["metric"], "old_logp": zeros, "ref_logp": zeros,
            "advantage": np.broadcast_to(b["advantages"][:, None], mask.shape), "completion": mask}
     params = init_params(s, s.cfg.model.init_from)
-    logps = _logps(s, params, rows(prompts, b["completion_ids"], per, s.model.seq_len))
-    old = gather_targets(logps, prompts, mask.shape[1])
-    np.testing.assert_allclose(old * mask, b["old_per_token_logps"] * mask, atol=1e-5)
-    ref = zeros
-    if g.beta:
-        ref = gather_targets(_logps(s, _reference(s), rows(prompts, b["completion_ids"], per, s.model.seq_len)),
-                             prompts, mask.shape[1])
-        np.testing.assert_allclose(ref * mask, b["ref_per_token_logps"] * mask, atol=1e-5)
+    layout = rows(prompts, b["completion_ids"], per, s.model.seq_len)
+    with jax.set_mesh(s.mesh):
+        old = gather_targets(logps(s.model, params, layout), prompts, mask.shape[1])
+        ref = gather_targets(logps(s.model, init_params(s, str(FIX / "reference")), layout), prompts,
+                             mask.shape[1]) if g.beta else zeros
+    gaps = {"old_gap": float(np.abs((old - b["old_per_token_logps"]) * mask).max()),
+            "ref_gap": float(np.abs((ref - b["ref_per_token_logps"]) * mask).max()) if g.beta else 0.0}
     batch = rows(prompts, b["completion_ids"], {**per, "old_logp": old, "ref_logp": ref}, s.model.seq_len)
     step = jit_train_step(s)
     state = state_from_params(s, params)
@@ -135,34 +152,66 @@ def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
         state, m1 = step(state, jax.device_put(batch, s.batch_sharding()))
         new_q = np.asarray(state["params"]["layers"]["wq"][0])
         _, m2 = step(state, jax.device_put(batch, s.batch_sharding()))
-    _close(float(m1["grad_norm"]), float(f["grad_norm"]), "grad_norm at iteration 1")
-    q0 = (np.asarray(params["layers"]["wq"][0]) - new_q) / SETUP["lr"]  # (D, H, E): HF's (H E, D) transposed
-    np.testing.assert_allclose(q0.reshape(q0.shape[0], -1).T, f["grad_q0"], rtol=1e-4, atol=1e-6)
-    _close(float(m2["loss"]), float(f["log2_loss"]), "loss at iteration 2")
-    for k in ("kl", *grpo.CLIP_METRICS):
-        if f"log2_{k}" in f.files:
-            _close(float(m2[k if "/" in k else f"aux/{k}"]), float(f[f"log2_{k}"]), f"{k} at iteration 2")
+    gaps["q0_grad"] = (np.asarray(params["layers"]["wq"][0]) - new_q) / SETUP["lr"]
+    return m1, m2, gaps
 
 
-def _logps(s, params, batch) -> np.ndarray:
-    """Each target's log-probability at the sampling temperature, (N, T), from one forward of the model."""
-    from models.objectives.grpo import token_logps
-    from models.objectives.objective import hidden
-    def fn(p, tokens, targets):
-        return token_logps(s.model, p, hidden(s.model, p, {"tokens": tokens})[0], targets, lambda x, _: x)[0]
-    with jax.set_mesh(s.mesh):
-        return np.asarray(jax.jit(fn)(params, batch["tokens"], batch["targets"]))
-
-
-def _reference(s):
-    from trainer.ckpt.params import init_params
-    return init_params(s, str(FIX / "reference"))
-
-
-@pytest.mark.parametrize("command", ["train", "plan"])
-def test_what_is_not_built_is_refused_in_one_line(capsys, command):
-    """meshtrain train and plan of train.objective=grpo (the sampling loop is not built yet): one line, exit 2."""
+def test_plan_is_refused_in_one_line(capsys):
+    """meshtrain plan of train.objective=grpo (its sampling is not planned yet): one line, exit 2."""
     from trainer.cli import main
-    assert main([command, "model.preset=tiny", "train.objective=grpo", "train.batch_size=16"]) == 2
+    assert main(["plan", "model.preset=tiny", "train.objective=grpo", "train.batch_size=16"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.objective=grpo" in err and "not" in err, err
+
+
+def _prompts(tmp_path, n=8, long=False):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": ("x " * 40 if long and i == 3 else f"Question {i}: what is {i} + 1?"),
+                                     "answer": str(i + 1)}) + "\n" for i in range(n)))
+    return f
+
+
+GRPO_RUN = ["train.objective=grpo", "grpo.rewards=[regex:x,numeric:answer]", "grpo.reward_weights=[1.0,0.5]",
+            "grpo.num_generations=4", "train.batch_size=8", "grpo.max_completion_length=8", "grpo.num_iterations=2",
+            "grpo.beta=0.04", "grpo.temperature=0.9", "model.seq_len=32", "mesh.data=-1", "train.optimizer=sgd",
+            "train.lr=0.05", "train.warmup_steps=0", "train.min_lr_ratio=1", "train.grad_clip=0",
+            "checkpoint.every=2", "run.progress=false", "run.log_every=1"]
+
+
+@pytest.mark.slow
+def test_meshtrain_train_learns_from_rewards_and_resumes_bit_for_bit(tmp_path):
+    """`meshtrain train train.objective=grpo` on a prompt file: 4 steps, a generation every 2 (num_iterations), TRL's
+    metrics in metrics.jsonl; the same run stopped after step 2 and resumed gives steps 3 and 4 bit for bit."""
+    from hf_check import cli
+    data = _prompts(tmp_path)
+    base = [f"model.init_from={FIX / 'policy'}", f"data.source={data}", *GRPO_RUN]
+    assert cli("train", *base, f"run.dir={tmp_path / 'a'}", "train.steps=4") == 0
+    assert cli("train", *base, f"run.dir={tmp_path / 'b'}", "train.steps=2") == 0
+    assert cli("train", *base, f"run.dir={tmp_path / 'b'}", "train.steps=4") == 0
+    a, b = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab")
+    assert [r["step"] for r in a] == [1, 2, 3, 4] == [r["step"] for r in b]
+    for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "reward", "reward_std",
+              "rewards/regex/mean", "rewards/numeric/std", "frac_reward_zero_std", "completions/mean_length",
+              "completions/clipped_ratio", "num_tokens"):
+        assert all(k in r for r in a), k
+        assert [r[k] for r in a[2:]] == [r[k] for r in b[2:]], k
+    assert a[0]["reward"] == a[1]["reward"] and a[2]["reward"] != a[0]["reward"]  # one generation per 2 steps
+
+
+def test_a_prompt_past_the_context_is_one_line(tmp_path):
+    from trainer import load_config
+    from trainer.errors import UserError
+    from trainer.run.grpo import prompts
+    cfg = load_config([f"data.source={_prompts(tmp_path, long=True)}", *GRPO_RUN])
+    with pytest.raises(UserError, match=r"prompts.jsonl:4: its prompt's 80 tokens plus grpo.max_completion_length=8 "
+                                        r"exceed the model's context of 64") as e:
+        prompts(cfg, lambda p: list(p.encode()), 64)
+    assert "\n" not in str(e.value)
+
+
+def test_fewer_than_two_generations_is_one_line():
+    from trainer import load_config
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match=r"grpo.num_generations") as e:
+        load_config(["train.objective=grpo", "grpo.num_generations=1"])
+    assert "\n" not in str(e.value)

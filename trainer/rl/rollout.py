@@ -39,7 +39,8 @@ class Settings:
 
 def logps(c, params: dict, batch: dict) -> np.ndarray:
     """Each target's log-probability at c.grpo.temperature (N, T), one forward (jitted per model)."""
-    return np.asarray(_logps_fn(c)(params, batch["tokens"], batch["targets"]))
+    fields = {k: batch[k] for k in ("tokens", "segment_ids", "positions")}
+    return np.asarray(_logps_fn(c)(params, fields, batch["targets"]))
 
 
 _CACHE: dict = {}
@@ -49,8 +50,8 @@ def _logps_fn(c):
     if c not in _CACHE:
         from models.objectives.objective import hidden
 
-        def fn(p, tokens, targets):
-            return grpo.token_logps(c, p, hidden(c, p, {"tokens": tokens})[0], targets, lambda x, _: x)[0]
+        def fn(p, fields, targets):  # one document per row: segment ids and positions as the learner's rows have them
+            return grpo.token_logps(c, p, hidden(c, p, fields)[0], targets, lambda x, _: x)[0]
         _CACHE[c] = jax.jit(fn)
     return _CACHE[c]
 
@@ -87,5 +88,6 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
                     "completions/max_length": lengths.max(), "completions/clipped_ratio": float(1 - got["ended"].mean()),
                     "completions/mean_terminated_length": done.mean(), "completions/min_terminated_length": done.min(),
                     "completions/max_terminated_length": done.max(),
-                    "sampling/logp_difference/max": float(np.abs((per["old_logp"] - got["logps"]) * mask).max())})
+                    "sampling/logp_difference/max": float(np.abs((per["old_logp"] - got["logps"]) * mask).max()),
+                    "tokens": int(sum(len(p) for p in prompts) + lengths.sum())})  # TRL's num_tokens adds these up
     return rows(prompts, got["tokens"], per, c.seq_len, st.pad), metrics

@@ -15,7 +15,6 @@ from rich.console import Console
 from models.objectives.dpo import unit
 from trainer.config import Config
 from trainer.data.batches import bits_per_byte
-from trainer.errors import UserError
 from trainer.observe.goodput import summary
 from trainer.run.checkpointing import Checkpointing
 from trainer.run.context import Result, Run, describe  # noqa: F401 - describe: the start-up line, for callers
@@ -47,10 +46,9 @@ def _timed(run: Run, p):
 
 def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     """Train according to cfg; returns the final state and the logged metrics."""
-    if cfg.train.objective == "grpo":
-        raise UserError("train.objective=grpo: meshtrain train does not sample completions yet (GRPO's loss and "
-                        "learning step on given completions are built: models/objectives/grpo.py, "
-                        "trainer/data/completions.py); use train.objective=lm or dpo")
+    if cfg.train.objective == "grpo":  # its own loop: a generation of completions every grpo.num_iterations steps
+        from trainer.run.grpo import train as train_grpo
+        return train_grpo(cfg, devices, console)
     run, ps, error = Run(cfg, devices, console), [], None
     if run.nothing_left:  # nothing to train: nothing compiled, nothing written (CLI exit 0, as a finished run's rerun)
         return run.result()

@@ -1,0 +1,144 @@
+"""`meshtrain train` with train.objective=grpo: prompts from data.source (JSONL or Parquet records with a `prompt`,
+text or a list of messages, and any other fields, which reach the reward functions), a generation every
+grpo.num_iterations steps (trainer/rl/rollout.py: train.batch_size completions, grpo.num_generations per prompt, the
+prompts of generation g a function of (train.seed, g)), one optimizer step of the train step per iteration.
+
+Checkpoints are written at generation boundaries only (a step that starts a generation): a resume samples the
+generation that an uninterrupted run samples there, from the same parameters and key, so it continues bit for bit.
+Metrics, as TRL 1.16 names them, go to metrics.jsonl each step: loss, grad_norm, kl, entropy, clip_ratio/*, and the
+generation's reward, reward_std, rewards/{fn}/mean and std, frac_reward_zero_std, completions/*, num_tokens,
+sampling/logp_difference/max."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+
+from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.initial import initial_state
+from trainer.ckpt.params import init_params
+from trainer.ckpt.sources import resolve
+from trainer.config import Config, to_yaml
+from trainer.data.records import read
+from trainer.errors import UserError
+from trainer.observe.metrics import MetricsWriter
+from trainer.rl import rewards as reward_fns
+from trainer.rl.rollout import Settings, generation
+from trainer.run.context import Result, check_run_dir
+from trainer.state import make_setup
+from trainer.step import jit_train_step
+
+
+def _codec(cfg: Config):
+    """(encode(prompt) -> ids, decode(ids) -> text, end ids, pad id) of the run's tokenizer (data.tokenizer, else the
+    model.init_from folder's tokenizer.json), else bytes."""
+    from trainer.config import replace
+    from trainer.run.generate import _Bytes, _Tokens
+    path = cfg.data.tokenizer
+    if path is None and cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer.json").is_file():
+        path = str(Path(cfg.model.init_from) / "tokenizer.json")
+    if path is None:
+        b = _Bytes()
+        return (lambda p: b.encode(p) if isinstance(p, str) else _no_template()), \
+            (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")), (), 0
+    t = _Tokens(replace(cfg, data={"tokenizer": path}), chat=False)
+
+    def encode(prompt):
+        if isinstance(prompt, str):
+            return t.encode(prompt)
+        if t.template is None:
+            _no_template()
+        return t.tok.encode(t.template.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids
+    return encode, (lambda ids: t.tok.decode(list(ids), skip_special_tokens=True)), tuple(sorted(t.eos())), t.eot
+
+
+def _no_template():
+    raise UserError("a conversational prompt needs a chat template beside the run's tokenizer (chat_template.jinja or "
+                    "tokenizer_config.json); give text prompts or add the template")
+
+
+def _tokens_seen(run_dir: Path, step: int) -> int:
+    """num_tokens at `step` as metrics.jsonl recorded it (0 at step 0, or where no record says)."""
+    path = run_dir / "metrics.jsonl"
+    if step == 0 or not path.exists():
+        return 0
+    seen = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return next((int(r["num_tokens"]) for r in seen if r.get("step") == step and "num_tokens" in r), 0)
+
+
+def prompts(cfg: Config, encode, context: int) -> list[dict]:
+    """Every record of data.source with its prompt's ids; one line for a record without a prompt or one whose
+    prompt plus grpo.max_completion_length exceeds the model's context."""
+    out = []
+    for where, rec, _ in read(Path(cfg.data.source)):
+        if not isinstance(rec, dict) or "prompt" not in rec:
+            raise UserError(f"{where} has no 'prompt'; give each record a prompt (text or a list of messages)")
+        ids = encode(rec["prompt"])
+        if len(ids) + cfg.grpo.max_completion_length > context:
+            raise UserError(f"{where}: its prompt's {len(ids)} tokens plus grpo.max_completion_length="
+                            f"{cfg.grpo.max_completion_length} exceed the model's context of {context} "
+                            "(model.seq_len); shorten the prompt, lower grpo.max_completion_length or raise "
+                            "model.seq_len")
+        out.append({**rec, "prompt_ids": ids})
+    if not out:
+        raise UserError(f"data.source {cfg.data.source} holds no record; give prompts")
+    return out
+
+
+def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
+    """Train with GRPO according to cfg; the final state and the logged metrics."""
+    console = console or Console(stderr=True, soft_wrap=True)
+    cfg = resolve(cfg, tensors=False)
+    g, t = cfg.grpo, cfg.train
+    if not g.rewards:
+        raise UserError("train.objective=grpo needs reward functions: set grpo.rewards (exact_match:FIELD, "
+                        "regex:PATTERN, numeric:FIELD or module:function)")
+    functions = [reward_fns.load(e) for e in g.rewards]
+    encode, decode, ends, pad = _codec(cfg)
+    s = make_setup(cfg, devices)
+    records = prompts(cfg, encode, s.model.seq_len)
+    run_dir = check_run_dir(cfg.run.dir)
+    ckpt = Checkpointer(s, cfg.run.dir, log=console.print)
+    try:
+        restored = ckpt.restore()
+        state, start = restored or (initial_state(s, console.print), 0)
+        reference = init_params(s, g.reference or cfg.model.init_from) if g.beta else None
+        st = Settings(G=g.num_generations, max_new=g.max_completion_length, temperature=g.temperature,
+                      loss_type=g.loss_type, scale_rewards=g.scale_rewards, mask_truncated=g.mask_truncated_completions,
+                      microbatches=t.microbatches, end_ids=ends, pad=pad, decode=decode)
+        if jax.process_index() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        writer, history = MetricsWriter(run_dir, enabled=jax.process_index() == 0, resume_step=start), []
+        step_fn, key, batch, gen = jit_train_step(s), jax.random.key(t.seed), None, {}
+        tokens = _tokens_seen(run_dir, start)
+        t0 = time.perf_counter()
+        with jax.set_mesh(s.mesh):
+            for step in range(start, t.steps):
+                if batch is None or step % g.num_iterations == 0:
+                    n = step // g.num_iterations
+                    pick = np.random.default_rng([t.seed, n]).choice(len(records), t.batch_size // g.num_generations,
+                                                                    replace=t.batch_size // g.num_generations > len(records))
+                    host, gen = generation(s.model, state["params"], [records[i] for i in pick], functions,
+                                           list(g.reward_weights), st, jax.random.fold_in(key, n), reference)
+                    tokens += gen.pop("tokens")
+                    batch = jax.device_put(host, s.batch_sharding())
+                state, m = step_fn(state, batch)
+                record = {"step": step + 1, **{k.removeprefix("aux/"): float(v) for k, v in m.items()
+                                               if np.ndim(v) == 0}, **gen, "num_tokens": tokens}
+                writer.write(record)
+                history.append(record)
+                if (step + 1) % cfg.run.log_every == 0 or step + 1 == t.steps:
+                    console.print(f"step {step + 1}/{t.steps} | loss {record['loss']:.4f} | reward "
+                                  f"{record['reward']:.4f} | kl {record.get('kl', 0.0):.4f} | "
+                                  f"{time.perf_counter() - t0:.1f}s")
+                if (step + 1) % g.num_iterations == 0 and (ckpt.due(step + 1) or step + 1 == t.steps):
+                    ckpt.save(step + 1, state)
+        writer.close()
+    finally:
+        ckpt.close()
+    return Result(s, state, history, None, start)
