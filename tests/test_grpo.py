@@ -89,19 +89,24 @@ def _setup(variant: str, mesh=ONE):
                                "grpo.temperature=0.7", f"grpo.num_generations={SETUP['G']}",
                                f"grpo.max_completion_length={SETUP['max_completion_length']}",
                                f"grpo.mask_truncated_completions={'true' if masked == '1' else 'false'}", *mesh]))
-    n = int(np.prod([cfg.mesh.data, cfg.mesh.stage, cfg.mesh.model]))
-    return make_setup(cfg, jax.devices()[:n])
+    from meshes import devices_named
+    return make_setup(cfg, jax.devices()[:devices_named(cfg.mesh)])
 
 
 ZERO3 = ("mesh.data=2", "mesh.stage=1", "mesh.model=4", "train.zero_stage=3")
+PIPE = ("mesh.data=1", "mesh.stage=2", "mesh.model=2", "train.pipeline_schedule=1f1b")
+CONTEXT = ("mesh.data=2", "mesh.stage=1", "mesh.model=2", "mesh.context=2", "train.context_attention=ring")
 
 
 @pytest.mark.parametrize("variant,mesh", [("dapo_beta0.04_mask0", ONE)]
                          + [pytest.param(v, m, marks=pytest.mark.slow) for v in VARIANTS for m in (ONE, ZERO3)
-                            if (v, m) != ("dapo_beta0.04_mask0", ONE)])
+                            if (v, m) != ("dapo_beta0.04_mask0", ONE)]
+                         + [pytest.param(v, m, marks=pytest.mark.slow) for v in ("dapo_beta0.04_mask0",
+                                                                                 "bnpo_beta0.04_mask1")
+                            for m in (PIPE, CONTEXT)])
 def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
     """TRL's completions learnt by meshtrain's train step (one device; every variant on one device and on (2,1,4)
-    ZeRO-3 under -m slow): its own old and reference log-probabilities (TRL's within 1e-5), at iteration 1 the
+    ZeRO-3, two on a (1,2,2) 1F1B pipeline and on two context ranks (ring), under -m slow): its own old and reference log-probabilities (TRL's within 1e-5), at iteration 1 the
     gradient's norm (relative 1e-5) and the first layer's q_proj gradient (1e-4), at iteration 2 the loss, kl and clip
     ratios (relative 1e-5)."""
     f = np.load(FIX / f"{variant}.npz")
