@@ -40,15 +40,18 @@ def filtered(logits_BV, temperature, top_k, top_p):
 
 @functools.lru_cache(maxsize=8)
 def _step(c: ModelConfig, dtype):
-    """One cached step for every row: (drawn tokens (B,), their log-probabilities (B,), cache)."""
+    """One cached step for every row: (drawn tokens (B,), their log-probabilities (B,), each draw's margin (B,): the
+    winner's perturbed logit above the runner-up's, how far the draw is from going the other way, cache)."""
     def step(params, tokens_BT, pos, cache, start_B, key, temperature, top_k, top_p, n_ids):
         x_BTD, cache = hidden(c, params, tokens_BT, pos, cache, dtype, linear=True, start_B=start_B)
         logits_BV = head(c, params, x_BTD[:, -1:])[:, 0]
         logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < n_ids, logits_BV, -jnp.inf)
         kept, scaled = filtered(logits_BV, temperature, top_k, top_p)
-        tok_B = jax.random.categorical(key, kept).astype(jnp.int32)
+        perturbed = kept + jax.random.gumbel(key, kept.shape)  # a draw: the argmax of the Gumbel-perturbed logits
+        top2 = jax.lax.top_k(perturbed, 2)[0]
+        tok_B = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
         logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tok_B[:, None], axis=-1)[:, 0]
-        return tok_B, logp_B, cache
+        return tok_B, logp_B, top2[:, 0] - top2[:, 1], cache
     return jax.jit(step, donate_argnums=3)
 
 
@@ -57,7 +60,8 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
                        vocab: int | None = None) -> dict:
     """Completions of each prompt (lists of token ids), drawn together: {"tokens": (N, max_new) int32, each row its
     tokens up to and including its first end token, then `pad`; "logps": (N, max_new) float32 (0 after the end);
-    "lengths": (N,); "ended": (N,) bool, whether the row drew an end token}. A prompt plus max_new longer than the
+    "lengths": (N,); "ended": (N,) bool, whether the row drew an end token; "margins": (N, max_new) each draw's
+    margin (inf after the end): where every margin exceeds the rounding another layout adds, it draws the same}. A prompt plus max_new longer than the
     model's context is a ValueError (the caller says it in one line)."""
     if family(c.family).decode_cache is not None:
         raise ValueError(f"sampling prompts of different lengths together is not built for model.family={c.family} "
@@ -73,18 +77,19 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(vocab or c.vocab_size))
     cache = init_cache(c, N, P + max_new, dtype)
     out, logps = np.full((N, max_new), pad, np.int32), np.zeros((N, max_new), np.float32)
+    margins = np.full((N, max_new), np.inf, np.float32)
     ended, ends = np.zeros(N, bool), np.asarray(sorted(end_ids), np.int32)
     nxt, pos = tokens, 0
     for t in range(max_new):
-        tok, logp, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, start, jax.random.fold_in(key, t),
-                                *settings)
+        tok, logp, margin, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, start,
+                                        jax.random.fold_in(key, t), *settings)
         pos += nxt.shape[1]
-        tok, logp = np.asarray(tok), np.asarray(logp)
+        tok, logp, margin = np.asarray(tok), np.asarray(logp), np.asarray(margin)
         live = ~ended
-        out[live, t], logps[live, t] = tok[live], logp[live]
+        out[live, t], logps[live, t], margins[live, t] = tok[live], logp[live], margin[live]
         ended |= live & np.isin(tok, ends)
         if ended.all():
             break
         nxt = tok[:, None]
     lengths = np.where(ended, np.argmax(np.isin(out, ends), axis=1) + 1, max_new)  # up to its first end token
-    return {"tokens": out, "logps": logps, "lengths": lengths.astype(np.int32), "ended": ended}
+    return {"tokens": out, "logps": logps, "lengths": lengths.astype(np.int32), "ended": ended, "margins": margins}
