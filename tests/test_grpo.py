@@ -4,6 +4,7 @@
 logged). Here TRL's own per-token log-probabilities go through meshtrain's loss: the step's loss, kl and every
 clip_ratio metric within 1e-5 (relative) of TRL's at both steps, and the advantages of the recorded rewards."""
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -220,3 +221,31 @@ def test_fewer_than_two_generations_is_one_line():
     with pytest.raises(UserError, match=r"grpo.num_generations") as e:
         load_config(["train.objective=grpo", "grpo.num_generations=1"])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_kill_9_resumes_the_same_completions_and_losses(tmp_path):
+    """The GRPO run killed (-9) once its step-4 checkpoint (a generation boundary) is written, then started again:
+    steps 5 and 6 (a new generation) log what the uninterrupted run logs, bit for bit."""
+    import os
+    import subprocess
+    import time
+    from hf_check import cli
+    root = Path(__file__).parent.parent
+    data = _prompts(tmp_path)
+    base = [f"model.init_from={FIX / 'policy'}", f"data.source={data}", *GRPO_RUN, "train.steps=6"]
+    assert cli("train", *base, f"run.dir={tmp_path / 'a'}") == 0
+    run = tmp_path / "b"
+    with open(tmp_path / "b.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *base, f"run.dir={run}"], cwd=root,
+                             env=dict(os.environ, PYTHONPATH=str(root)), stdout=log, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while not (run / "checkpoints" / "4").is_dir():
+            assert p.poll() is None and time.time() - t0 < 300, (tmp_path / "b.log").read_text()
+            time.sleep(0.002)
+        p.kill()
+        assert p.wait() == -9 and not (run / "checkpoints" / "6").exists()  # killed mid-run, not after its end
+    assert cli("train", *base, f"run.dir={run}") == 0
+    a, b = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert a == b
