@@ -198,7 +198,8 @@ def test_meshtrain_train_learns_from_rewards_and_resumes_bit_for_bit(tmp_path):
     assert cli("train", *base, f"run.dir={tmp_path / 'b'}", "train.steps=4") == 0
     a, b = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab")
     assert [r["step"] for r in a] == [1, 2, 3, 4] == [r["step"] for r in b]
-    for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "reward", "reward_std",
+    for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/high_max", "reward",
+              "reward_std",
               "rewards/regex/mean", "rewards/numeric/std", "frac_reward_zero_std", "completions/mean_length",
               "completions/clipped_ratio", "num_tokens"):
         assert all(k in r for r in a), k

@@ -5,7 +5,8 @@ prompts of generation g a function of (train.seed, g)), one optimizer step of th
 
 Checkpoints are written at generation boundaries only (a step that starts a generation): a resume samples the
 generation that an uninterrupted run samples there, from the same parameters and key, so it continues bit for bit.
-Metrics, as TRL 1.16 names them, go to metrics.jsonl each step: loss, grad_norm, kl, entropy, clip_ratio/*, and the
+Metrics, as TRL 1.16 names them, go to metrics.jsonl each step: loss, grad_norm, kl, entropy, clip_ratio/* (low_min
+and high_max from one more forward at a generation's later iterations), and the
 generation's reward, reward_std, rewards/{fn}/mean and std, frac_reward_zero_std, completions/*, num_tokens,
 sampling/logp_difference/max."""
 from __future__ import annotations
@@ -70,6 +71,19 @@ def _tokens_seen(run_dir: Path, step: int) -> int:
     return next((int(r["num_tokens"]) for r in seen if r.get("step") == step and "num_tokens" in r), 0)
 
 
+def _clip_extremes(s, params: dict, host: dict, iteration: int, microbatches: int) -> dict:
+    """TRL's clip_ratio/low_min and high_max of the step about to run (per microbatch, the smallest / largest
+    completion's share of clipped tokens, averaged): 0 at a generation's first iteration (every ratio is 1), else
+    from one forward of the parameters the step starts from (the train step returns no per-completion values)."""
+    if iteration == 0:
+        return {"clip_ratio/low_min": 0.0, "clip_ratio/high_max": 0.0}
+    from models.objectives.grpo import clip_extremes, sums
+    from trainer.rl.rollout import logps
+    got = sums(s.model.grpo, logps(s.model, params, host), host["old_logp"], host["ref_logp"], host["advantage"],
+               {"loss": host["loss_weight"], "metric": host["metric_weight"]}, host["completion"])
+    return clip_extremes(np.asarray(got["row_low"]), np.asarray(got["row_high"]), microbatches)
+
+
 def prompts(cfg: Config, encode, context: int) -> list[dict]:
     """Every record of data.source with its prompt's ids; one line for a record without a prompt or one whose
     prompt plus grpo.max_completion_length exceeds the model's context."""
@@ -127,9 +141,10 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                                            list(g.reward_weights), st, jax.random.fold_in(key, n), reference)
                     tokens += gen.pop("tokens")
                     batch = jax.device_put(host, s.batch_sharding())
+                extremes = _clip_extremes(s, state["params"], host, step % g.num_iterations, t.microbatches)
                 state, m = step_fn(state, batch)
                 record = {"step": step + 1, **{k.removeprefix("aux/"): float(v) for k, v in m.items()
-                                               if np.ndim(v) == 0}, **gen, "num_tokens": tokens}
+                                               if np.ndim(v) == 0}, **extremes, **gen, "num_tokens": tokens}
                 writer.write(record)
                 history.append(record)
                 if (step + 1) % cfg.run.log_every == 0 or step + 1 == t.steps:
