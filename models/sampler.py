@@ -60,9 +60,9 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
                        vocab: int | None = None) -> dict:
     """Completions of each prompt (lists of token ids), drawn together: {"tokens": (N, max_new) int32, each row its
     tokens up to and including its first end token, then `pad`; "logps": (N, max_new) float32 (0 after the end);
-    "lengths": (N,); "ended": (N,) bool, whether the row drew an end token; "margins": (N, max_new) each draw's
-    margin (inf after the end): where every margin exceeds the rounding another layout adds, it draws the same}. A prompt plus max_new longer than the
-    model's context is a ValueError (the caller says it in one line)."""
+    "lengths": (N,); "ended": (N,) bool, whether the row drew an end token; "margins": (N, max_new), each draw's
+    margin (inf after the end): where every margin exceeds the rounding another layout adds, it draws the same}. A
+    prompt plus max_new longer than the model's context is a ValueError (the caller says it in one line)."""
     if family(c.family).decode_cache is not None:
         raise ValueError(f"sampling prompts of different lengths together is not built for model.family={c.family} "
                          "(its own decoding cache)")

@@ -108,7 +108,8 @@ CONTEXT = ("mesh.data=2", "mesh.stage=1", "mesh.model=2", "mesh.context=2", "tra
                             for m in (PIPE, CONTEXT)])
 def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
     """TRL's completions learnt by meshtrain's train step (one device; every variant on one device and on (2,1,4)
-    ZeRO-3, two on a (1,2,2) 1F1B pipeline and on two context ranks (ring), under -m slow): its own old and reference log-probabilities (TRL's within 1e-5), at iteration 1 the
+    ZeRO-3, two on a (1,2,2) 1F1B pipeline and on two context ranks (ring), under -m slow): its own old and
+    reference log-probabilities (TRL's within 1e-5), at iteration 1 the
     gradient's norm (relative 1e-5) and the first layer's q_proj gradient (1e-4), at iteration 2 the loss, kl and clip
     ratios (relative 1e-5)."""
     f = np.load(FIX / f"{variant}.npz")

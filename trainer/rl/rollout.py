@@ -75,8 +75,9 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
     if st.mask_truncated:
         mask *= got["ended"][:, None]
     w = grpo.token_weights(st.loss_type, mask, st.microbatches, c.grpo.max_completion_length)
-    per = {"loss_weight": w["loss"], "metric_weight": w["metric"], "advantage": np.broadcast_to(adv[:, None], mask.shape),
-           "completion": mask, "old_logp": np.zeros_like(mask), "ref_logp": np.zeros_like(mask)}
+    per = {"loss_weight": w["loss"], "metric_weight": w["metric"], "completion": mask,
+           "advantage": np.broadcast_to(adv[:, None], mask.shape), "old_logp": np.zeros_like(mask),
+           "ref_logp": np.zeros_like(mask)}
     batch = rows(prompts, got["tokens"], per, c.seq_len, st.pad)
     per["old_logp"] = gather_targets(logps(c, params, batch), prompts, L)
     if reference is not None and c.grpo.beta:
@@ -85,7 +86,8 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
     done = lengths[got["ended"]] if got["ended"].any() else np.zeros(1)
     metrics.update(reward_fns.metrics([n for n, _ in functions], scored))
     metrics.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                    "completions/max_length": lengths.max(), "completions/clipped_ratio": float(1 - got["ended"].mean()),
+                    "completions/max_length": lengths.max(),
+                    "completions/clipped_ratio": float(1 - got["ended"].mean()),
                     "completions/mean_terminated_length": done.mean(), "completions/min_terminated_length": done.min(),
                     "completions/max_terminated_length": done.max(),
                     "sampling/logp_difference/max": float(np.abs((per["old_logp"] - got["logps"]) * mask).max()),

@@ -135,8 +135,8 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
             for step in range(start, t.steps):
                 if batch is None or step % g.num_iterations == 0:
                     n = step // g.num_iterations
-                    pick = np.random.default_rng([t.seed, n]).choice(len(records), t.batch_size // g.num_generations,
-                                                                    replace=t.batch_size // g.num_generations > len(records))
+                    B = t.batch_size // g.num_generations  # prompts per generation
+                    pick = np.random.default_rng([t.seed, n]).choice(len(records), B, replace=B > len(records))
                     host, gen = generation(s.model, state["params"], [records[i] for i in pick], functions,
                                            list(g.reward_weights), st, jax.random.fold_in(key, n), reference)
                     tokens += gen.pop("tokens")
