@@ -326,3 +326,15 @@ def test_the_learning_step_of_an_moe_is_the_same_with_the_experts_split():
         _close(n[k], m[k], k)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_through_a_pipeline_is_refused_in_one_line(tmp_path, capsys):
+    """meshtrain train of GRPO with mesh.stage > 1: its sampling is not built through a pipeline's stages (its
+    learning step is, tested above): one line, exit 2, nothing written."""
+    from trainer.cli import main
+    run = tmp_path / "run"
+    assert main(["train", f"model.init_from={FIX / 'policy'}", f"data.source={_prompts(tmp_path)}", *GRPO_RUN,
+                 "mesh.data=4", "mesh.stage=2", "train.microbatches=2", f"run.dir={run}", "train.steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "sampling through a pipeline's stages is not built" in err, err
+    assert not run.exists()

@@ -114,6 +114,10 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     functions = [reward_fns.load(e) for e in g.rewards]
     encode, decode, ends, pad = _codec(cfg)
     s = make_setup(cfg, devices)
+    if s.mesh.shape["stage"] > 1:
+        raise UserError(f"train.objective=grpo with mesh.stage={s.mesh.shape['stage']}: sampling through a pipeline's "
+                        "stages is not built (its learning step is); use mesh.stage=1 (data, model and context axes "
+                        "sample and learn)")
     records = prompts(cfg, encode, s.model.seq_len)
     run_dir = check_run_dir(cfg.run.dir)
     ckpt = Checkpointer(s, cfg.run.dir, log=console.print)
