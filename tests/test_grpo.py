@@ -338,3 +338,14 @@ def test_sampling_through_a_pipeline_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "sampling through a pipeline's stages is not built" in err, err
     assert not run.exists()
+
+
+def test_preparing_prompts_alone_points_at_grpo():
+    """meshtrain prepare of a record with a prompt and no completion: one line saying GRPO reads such prompts as they
+    are."""
+    from trainer.data.records import kind_of
+    from trainer.errors import UserError
+    with pytest.raises(UserError, match=r"^p.jsonl:1 has a 'prompt' and no 'completion': prompts alone are GRPO's, "
+                                        r"read as they are by `meshtrain train train.objective=grpo") as e:
+        kind_of({"prompt": "2 + 2 =", "answer": "4"}, "p.jsonl:1", "text")
+    assert "\n" not in str(e.value)

@@ -140,6 +140,10 @@ def kind_of(rec, where: str, field: str) -> str:
         if not isinstance(rec[field], str):
             raise UserError(f"{where}: '{field}' must be a string; fix the record or choose another --field")
         return "text"
+    if "prompt" in rec:  # prompts alone: GRPO's, which its loop reads as they are (trainer/run/grpo.py)
+        raise UserError(f"{where} has a 'prompt' and no 'completion': prompts alone are GRPO's, read as they are by "
+                        "`meshtrain train train.objective=grpo data.source=FILE` (not prepared); give 'completion' "
+                        "to prepare prompt-completion pairs")
     raise UserError(f"{where} has none of the fields '{field}', 'messages', 'prompt' + 'completion' (it has "
                     f"{', '.join(map(repr, sorted(rec))) or 'none'}); fix the record or name its text with --field")
 
