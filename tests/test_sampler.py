@@ -112,3 +112,17 @@ def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
     assert same >= len(prompts) // 2
     print(f"{same} of {len(prompts)} rows drew the same tokens on both layouts; smallest margin "
           f"{float(one['margins'].min()):.2e}")
+    import dataclasses
+    from models.objectives.grpo import Grpo
+    from trainer.data.completions import gather_targets, rows
+    from trainer.rl.rollout import logps
+    c8 = dataclasses.replace(s8.model, grpo=Grpo(temperature=1.0))
+    mask = (np.arange(12)[None, :] < eight["lengths"][:, None]).astype(np.float32)
+    batch = rows(prompts, eight["tokens"], {k: np.zeros_like(mask) for k in ("loss_weight", "metric_weight",
+                                                                             "old_logp", "ref_logp", "advantage",
+                                                                             "completion")}, c8.seq_len)
+    with jax.set_mesh(s8.mesh):
+        learner = gather_targets(logps(c8, init_params(s8, cfg.model.init_from), batch), prompts, 12)
+    gap = float(np.abs((learner - eight["logps"]) * mask).max())
+    print(f"(2,1,4) ZeRO-3: sampler vs learner log-probabilities, float32: largest difference {gap:.2e}")
+    assert gap < 1e-5
