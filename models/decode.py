@@ -141,17 +141,22 @@ def position_cache(c: ModelConfig, shape, pos, S: int, dtype, start_B=None):
     B, T = shape
     q_pos = pos + jnp.arange(T)
     ahead_TS = q_pos[:, None] - jnp.arange(S)[None, :]
-    rows_B11S = True if start_B is None else (jnp.arange(S)[None, :] >= start_B[:, None])[:, None, None, :]
+    slot = jnp.arange(S)[None, None, :]
+    # a row's slots from its first token on; a padding position before it sees its own slot (never an empty row,
+    # whose softmax would be NaN and reach the real tokens through the next layer's keys)
+    rows_B1TS = True if start_B is None else ((slot >= start_B[:, None, None]) | (slot == q_pos[None, :, None]))[
+        :, None]
 
     def attend(q_BTHE, k_BTKE, v_BTKE, k_BSKE, v_BSKE, window=None, softcap=None, scale=None, sinks=None):
         k_BSKE = jax.lax.dynamic_update_slice_in_dim(k_BSKE, k_BTKE.astype(k_BSKE.dtype), pos, axis=1)
         v_BSKE = jax.lax.dynamic_update_slice_in_dim(v_BSKE, v_BTKE.astype(v_BSKE.dtype), pos, axis=1)
         keys, values = k_BSKE.astype(dtype), v_BSKE.astype(dtype)
+        window = c.uniform_window if window is None else window  # a model-wide window (a ring's, when not linear)
         if window is None and softcap is None and scale is None and sinks is None:
-            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None] & rows_B11S)
+            o = jax.nn.dot_product_attention(q_BTHE, keys, values, mask=(ahead_TS >= 0)[None, None] & rows_B1TS)
         else:
             keep = (ahead_TS >= 0) & (True if window is None else ahead_TS < window)
-            keep = keep if start_B is None else keep[None, None, None] & rows_B11S[:, :, :, None]
+            keep = keep if start_B is None else keep[None, None, None] & rows_B1TS[:, :, None]
             o = masked_attention(q_BTHE, keys, values, keep, softcap, scale, sinks)
         return o, k_BSKE, v_BSKE
 

@@ -270,7 +270,8 @@ def test_the_fused_gate_up_form_is_accepted_where_asked_for():
     with pytest.raises(UserError, match=r"twice the rank and alpha \(peft's fusion of w1 and w3 adapters\); set "
                                         r"model.lora.fused_gate_up=true$"):
         check_config(FIX / "peft_mixtral_fused_r4", mc(False))
-    with pytest.raises(UserError, match=r"has no rank_pattern of a fused gate_up_proj but model.lora.fused_gate_up="
+    with pytest.raises(UserError, match=r"has no rank_pattern \(and alpha_pattern\) of a fused gate_up_proj but "
+                                        r"model.lora.fused_gate_up="
                                         r"true; set model.lora.fused_gate_up=false$"):
         check_config(FIX / "peft_mixtral_experts_r4", mc(True))
 

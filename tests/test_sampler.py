@@ -126,3 +126,29 @@ def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
     gap = float(np.abs((learner - eight["logps"]) * mask).max())
     print(f"(2,1,4) ZeRO-3: sampler vs learner log-probabilities, float32: largest difference {gap:.2e}")
     assert gap < 1e-5
+
+
+@pytest.mark.parametrize("family", [["model.family=gemma2"], ["model.family=mistral", "model.window=4"]])
+def test_left_padded_rows_on_soft_capped_and_windowed_models_are_the_learner_s(family):
+    """Gemma 2 (a scale and soft-caps: the written-out attention) and Mistral with a window shorter than the rows: the
+    left-padded rows' drawn log-probabilities are finite and the learner's (1e-5); the padding never attends to
+    nothing, the window applies."""
+    import dataclasses
+    from models.objectives.grpo import Grpo
+    from models.sampler import sample_completions
+    from trainer import load_config
+    from trainer.data.completions import gather_targets, rows
+    from trainer.rl.rollout import logps
+    from trainer.state import init_state, make_setup
+    cfg = load_config(["model.preset=tiny", "model.seq_len=32", "mesh.data=1", "train.batch_size=4", *family])
+    s = make_setup(cfg, jax.devices()[:1])
+    c, params = dataclasses.replace(s.model, grpo=Grpo(temperature=1.0)), init_state(s)["params"]
+    prompts = [[5, 17, 30, 42, 7, 8, 9, 10], [7], [90, 1, 2], [64, 64]]
+    got = sample_completions(c, params, prompts, 10, jax.random.key(2))
+    mask = (np.arange(10)[None, :] < got["lengths"][:, None]).astype(np.float32)
+    assert np.isfinite(got["logps"]).all()
+    batch = rows(prompts, got["tokens"], {k: np.zeros_like(mask) for k in ("loss_weight", "metric_weight", "old_logp",
+                                                                           "ref_logp", "advantage", "completion")},
+                 c.seq_len)
+    learner = gather_targets(logps(c, params, batch), prompts, 10)
+    assert float(np.abs((learner - got["logps"]) * mask).max()) < 1e-5

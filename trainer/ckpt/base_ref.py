@@ -66,8 +66,8 @@ def there(recorded: dict, folder: str | None, where: str) -> tuple[str, str]:
     """(the base's folder: `folder`, else the recorded one; what to do where it is not the base), after a one-line
     UserError where that folder is not a Hugging Face model folder (moved or deleted)."""
     folder = folder or recorded["init_from"]
-    fix = (f"put the base it was trained on back at {folder}, or set model.init_from to where it is now "
-           f"(recorded: {recorded['init_from']})")
+    fix = (f"put the base it was trained on back at {folder} (a resume may instead set model.init_from to where it "
+           f"is now; export and generate read the recorded {recorded['init_from']})")
     if kind_of(path_of(folder)) != "hf":
         raise UserError(f"{where} holds LoRA adapters whose base is read from model.init_from, but {folder} is no "
                         f"Hugging Face model folder (moved or deleted?); {fix}")

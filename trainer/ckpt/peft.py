@@ -150,8 +150,9 @@ def check_config(folder: Path, mc) -> dict:
     if {k: cfg.get(k) or {} for k in fused} == fused and not lora.fused_gate_up:
         raise UserError(f"{folder / CONFIG}: rank_pattern and alpha_pattern give gate_up_proj twice the rank and alpha "
                         "(peft's fusion of w1 and w3 adapters); set model.lora.fused_gate_up=true")
-    if lora.fused_gate_up and not cfg.get("rank_pattern"):
-        raise UserError(f"{folder / CONFIG} has no rank_pattern of a fused gate_up_proj but model.lora.fused_gate_up="
+    if lora.fused_gate_up and not (cfg.get("rank_pattern") and cfg.get("alpha_pattern")):
+        raise UserError(f"{folder / CONFIG} has no rank_pattern (and alpha_pattern) of a fused gate_up_proj but "
+                        "model.lora.fused_gate_up="
                         "true; set model.lora.fused_gate_up=false")
     for key, want in {**COMPUTES, **_fused_patterns(lora)}.items():
         got = cfg.get(key)

@@ -32,6 +32,7 @@ def objectives_of(cfg) -> dict:
 
 def objective_checks(cfg, mc, context: int) -> list:
     """(ok, message) of train.objective=dpo and grpo against the other keys."""
+    from models.spec import family
     t, g = cfg.train, cfg.grpo
     return [
         (not mc.mtp_depth or t.objective != "dpo",
@@ -56,6 +57,9 @@ def objective_checks(cfg, mc, context: int) -> list:
         (t.objective != "grpo" or not g.reward_weights or len(g.reward_weights) == len(g.rewards),
          f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.rewards)} grpo.rewards; give one per "
          "reward function, or none (1 each)"),
+        (t.objective != "grpo" or family(mc.family).decode_cache is None,
+         f"train.objective=grpo with model.family={mc.family} is not supported: sampling prompts of different lengths "
+         "together is not built for its own decoding cache (latent attention)"),
         (t.objective != "grpo" or (not mc.mtp_depth and t.sync == "every_step"),
          f"train.objective=grpo with model.mtp_depth={mc.mtp_depth}, train.sync={t.sync} is not supported; set "
          "model.mtp_depth=0 and train.sync=every_step"),

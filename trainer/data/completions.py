@@ -28,6 +28,8 @@ def rows(prompts: list, completions: np.ndarray, per_token: dict, seq_len: int, 
     N, C = completions.shape
     windows = np.full((N, seq_len + 1), pad, np.int32)
     for i, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError(f"prompt {i} is empty: a completion needs at least one token before it")
         if len(p) + C > seq_len + 1:
             raise ValueError(f"prompt {i} ({len(p)} tokens) and its completion ({C}) exceed seq_len {seq_len} + 1")
         windows[i, :len(p)] = p

@@ -33,25 +33,42 @@ def _number(x) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _text(c) -> str:
+    """A completion's text: itself, or a conversation's last message's content."""
+    return c if isinstance(c, str) else str(c[-1].get("content", ""))
+
+
+def _field(fields: dict, field: str, name: str) -> list:
+    if field not in fields:
+        raise UserError(f"grpo.rewards entry '{name}:{field}': the records have no field '{field}' (they have "
+                        f"{', '.join(sorted(fields)) or 'no other field'}); name one of theirs")
+    return fields[field]
+
+
 def exact_match(field: str) -> Callable:
     def exact_match(completions, **fields):
-        return [float(c.strip() == str(a).strip()) for c, a in zip(completions, fields[field])]
+        return [float(_text(c).strip() == str(a).strip()) for c, a in
+                zip(completions, _field(fields, field, "exact_match"))]
     return exact_match
 
 
 def regex(pattern: str) -> Callable:
-    compiled = re.compile(pattern, re.DOTALL)
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise UserError(f"grpo.rewards entry 'regex:{pattern}' is not a regular expression ({e}); fix the pattern") \
+            from None
 
     def regex(completions, **fields):
-        return [float(compiled.search(c) is not None) for c in completions]
+        return [float(compiled.search(_text(c)) is not None) for c in completions]
     return regex
 
 
 def numeric(field: str) -> Callable:
     def numeric(completions, **fields):
         out = []
-        for c, a in zip(completions, fields[field]):
-            want, found = _number(a), NUMBER.findall(c.replace(",", ""))
+        for c, a in zip(completions, _field(fields, field, "numeric")):
+            want, found = _number(a), NUMBER.findall(_text(c).replace(",", ""))
             out.append(None if want is None else float(bool(found) and math.isclose(float(found[-1]), want,
                                                                                       rel_tol=1e-9, abs_tol=1e-9)))
         return out
@@ -85,12 +102,27 @@ def load(entry: str) -> tuple[str, Callable]:
     return getattr(fn, "__name__", arg), fn
 
 
+def load_all(entries: list) -> list:
+    """load() of every entry, a name that repeats (two regex: rewards) numbered from its second on: regex, regex_1."""
+    out, seen = [], {}
+    for e in entries:
+        name, fn = load(e)
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out.append((name if n == 0 else f"{name}_{n}", fn))
+    return out
+
+
 def score(functions: list, prompts: list, completions: list, completion_ids: list, fields: dict) -> np.ndarray:
-    """(completions, functions) float32 rewards, NaN where a function returned None."""
+    """(completions, functions) float32 rewards, NaN where a function returned None. A record's fields named as the
+    call's own arguments are left out, as TRL leaves them."""
+    fields = {k: v for k, v in fields.items() if k not in ("prompts", "completions", "completion", "completion_ids")}
     out = np.full((len(completions), len(functions)), np.nan, np.float32)
     for j, (name, fn) in enumerate(functions):
         try:
             got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
+        except UserError:
+            raise
         except Exception as e:  # noqa: BLE001 - the user's function failed: one line naming it, nothing written
             raise UserError(f"reward function '{name}' raised {type(e).__name__}: {e}; fix it or drop it from "
                             "grpo.rewards") from None

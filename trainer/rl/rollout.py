@@ -66,8 +66,10 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
     N, L = got["tokens"].shape
     ids = [list(got["tokens"][i, :got["lengths"][i]]) for i in range(N)]
     texts = [st.decode([t for t in x if t not in st.end_ids]) for x in ids]
-    fields = {k: [r[k] for r in records for _ in range(st.G)] for k in records[0] if k != "prompt_ids"}
-    fields.pop("prompt", None)
+    if isinstance(records[0].get("prompt"), list):  # a conversation's completion is the assistant's message, as TRL's
+        texts = [[{"role": "assistant", "content": x}] for x in texts]
+    names = sorted({k for r in records for k in r} - {"prompt_ids", "prompt"})
+    fields = {k: [r.get(k) for r in records for _ in range(st.G)] for k in names}
     scored = reward_fns.score(functions, [r.get("prompt") for r in records for _ in range(st.G)], texts, ids, fields)
     adv, metrics = grpo.advantages(scored, weights if len(weights) else np.ones(len(functions)), st.G,
                                    st.scale_rewards)

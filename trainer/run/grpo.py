@@ -43,6 +43,9 @@ def _codec(cfg: Config):
     if path is None and cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer.json").is_file():
         path = str(Path(cfg.model.init_from) / "tokenizer.json")
     if path is None:
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size > 256 and cfg.model.init_from:
+            raise UserError(f"train.objective=grpo needs the tokenizer of model.init_from={cfg.model.init_from} (a "
+                            f"vocabulary of {cfg.model.vocab_size}); set data.tokenizer to its tokenizer.json")
         b = _Bytes()
         return (lambda p: b.encode(p) if isinstance(p, str) else _no_template()), \
             (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")), (), 0
@@ -85,13 +88,26 @@ def _clip_extremes(s, params: dict, host: dict, iteration: int, microbatches: in
 
 
 def prompts(cfg: Config, encode, context: int) -> list[dict]:
-    """Every record of data.source with its prompt's ids; one line for a record without a prompt or one whose
-    prompt plus grpo.max_completion_length exceeds the model's context."""
+    """Every record of data.source with its prompt's ids; one line for a source that is no local JSONL or Parquet
+    file, a record without a prompt (text or a list of messages), one its chat template fails on, or one whose prompt
+    plus grpo.max_completion_length exceeds the model's context."""
+    from trainer.data.chat import TemplateFailed
+    src = Path(cfg.data.source)
+    if src.suffix not in (".jsonl", ".parquet") or not src.is_file():
+        raise UserError(f"train.objective=grpo reads its prompts from data.source, and {cfg.data.source} is no local "
+                        ".jsonl or .parquet file; give a file of records with a 'prompt'")
     out = []
-    for where, rec, _ in read(Path(cfg.data.source)):
-        if not isinstance(rec, dict) or "prompt" not in rec:
-            raise UserError(f"{where} has no 'prompt'; give each record a prompt (text or a list of messages)")
-        ids = encode(rec["prompt"])
+    for where, rec, _ in read(src):
+        prompt = rec.get("prompt") if isinstance(rec, dict) else None
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
+            raise UserError(f"{where} has no 'prompt' (a non-empty string, or a list of messages with a 'role'); "
+                            "fix the record")
+        try:
+            ids = encode(prompt)
+        except TemplateFailed as e:
+            raise UserError(f"{where}: the chat template failed on its prompt ({e}); fix the record or the "
+                            "template") from None
         if len(ids) + cfg.grpo.max_completion_length > context:
             raise UserError(f"{where}: its prompt's {len(ids)} tokens plus grpo.max_completion_length="
                             f"{cfg.grpo.max_completion_length} exceed the model's context of {context} "
@@ -111,7 +127,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     if not g.rewards:
         raise UserError("train.objective=grpo needs reward functions: set grpo.rewards (exact_match:FIELD, "
                         "regex:PATTERN, numeric:FIELD or module:function)")
-    functions = [reward_fns.load(e) for e in g.rewards]
+    functions = reward_fns.load_all(g.rewards)
     encode, decode, ends, pad = _codec(cfg)
     s = make_setup(cfg, devices)
     if s.mesh.shape["stage"] > 1:
@@ -155,7 +171,9 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
                     console.print(f"step {step + 1}/{t.steps} | loss {record['loss']:.4f} | reward "
                                   f"{record['reward']:.4f} | kl {record.get('kl', 0.0):.4f} | "
                                   f"{time.perf_counter() - t0:.1f}s")
-                if (step + 1) % g.num_iterations == 0 and (ckpt.due(step + 1) or step + 1 == t.steps):
+                # at generation boundaries (a resume samples what an uninterrupted run samples there), and the last
+                # step whatever it is (a later run with more steps samples a new generation from it)
+                if step + 1 == t.steps or ((step + 1) % g.num_iterations == 0 and ckpt.due(step + 1)):
                     ckpt.save(step + 1, state)
         writer.close()
     finally:
