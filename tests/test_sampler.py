@@ -128,7 +128,8 @@ def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
     assert gap < 1e-5
 
 
-@pytest.mark.parametrize("family", [["model.family=gemma2"], ["model.family=mistral", "model.window=4"]])
+@pytest.mark.parametrize("family", [["model.family=gemma2"],
+                                    pytest.param(["model.family=mistral", "model.window=4"], marks=pytest.mark.slow)])
 def test_left_padded_rows_on_soft_capped_and_windowed_models_are_the_learner_s(family):
     """Gemma 2 (a scale and soft-caps: the written-out attention) and Mistral with a window shorter than the rows: the
     left-padded rows' drawn log-probabilities are finite and the learner's (1e-5); the padding never attends to
