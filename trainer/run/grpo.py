@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from rich.console import Console
 
+from meshes import STAGE
 from trainer.ckpt.checkpoint import Checkpointer
 from trainer.ckpt.initial import initial_state
 from trainer.ckpt.params import init_params
@@ -130,8 +131,8 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
     functions = reward_fns.load_all(g.rewards)
     encode, decode, ends, pad = _codec(cfg)
     s = make_setup(cfg, devices)
-    if s.mesh.shape["stage"] > 1:
-        raise UserError(f"train.objective=grpo with mesh.stage={s.mesh.shape['stage']}: sampling through a pipeline's "
+    if s.mesh.shape[STAGE] > 1:
+        raise UserError(f"train.objective=grpo with mesh.stage={s.mesh.shape[STAGE]}: sampling through a pipeline's "
                         "stages is not built (its learning step is); use mesh.stage=1 (data, model and context axes "
                         "sample and learn)")
     records = prompts(cfg, encode, s.model.seq_len)
