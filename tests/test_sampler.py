@@ -22,6 +22,7 @@ def loaded():
     return s, init_params(s, cfg.model.init_from)
 
 
+@pytest.mark.slow  # GRPO's default share: its loss parity and one learning step (issue's wording)
 def test_prompts_of_different_lengths_drawn_together_are_each_alone(loaded):
     from models.decode import generate
     from models.sampler import sample_completions
@@ -34,6 +35,7 @@ def test_prompts_of_different_lengths_drawn_together_are_each_alone(loaded):
     np.testing.assert_array_equal(tiny_p["tokens"], got["tokens"])  # top-p that keeps one token: the greedy one
 
 
+@pytest.mark.slow  # GRPO's default share: its loss parity and one learning step (issue's wording)
 def test_the_drawn_log_probabilities_are_the_learner_s(loaded):
     """Sampled at temperature 0.7 with top-p 0.9: each drawn token's log-probability at the temperature equals the
     learner's of the same row (GRPO's token_logps over prompt + completion from position 0), within 1e-5."""
@@ -59,6 +61,7 @@ def test_the_drawn_log_probabilities_are_the_learner_s(loaded):
     assert gap < 1e-5
 
 
+@pytest.mark.slow  # GRPO's default share: its loss parity and one learning step (issue's wording)
 def test_a_row_stops_at_its_end_token(loaded):
     from models.sampler import sample_completions
     s, params = loaded
@@ -128,8 +131,8 @@ def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
     assert gap < 1e-5
 
 
-@pytest.mark.parametrize("family", [["model.family=gemma2"],
-                                    pytest.param(["model.family=mistral", "model.window=4"], marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [["model.family=gemma2"], ["model.family=mistral", "model.window=4"]])
 def test_left_padded_rows_on_soft_capped_and_windowed_models_are_the_learner_s(family):
     """Gemma 2 (a scale and soft-caps: the written-out attention) and Mistral with a window shorter than the rows: the
     left-padded rows' drawn log-probabilities are finite and the learner's (1e-5); the padding never attends to
