@@ -6,6 +6,7 @@ they are) and, with beta > 0, the reference's. The batch serves grpo.num_iterati
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -43,17 +44,14 @@ def logps(c, params: dict, batch: dict) -> np.ndarray:
     return np.asarray(_logps_fn(c)(params, fields, batch["targets"]))
 
 
-_CACHE: dict = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _logps_fn(c):
-    if c not in _CACHE:
-        from models.objectives.objective import hidden
+    """token_logps of a batch's final hidden states, jitted once per model."""
+    from models.objectives.objective import hidden
 
-        def fn(p, fields, targets):  # one document per row: segment ids and positions as the learner's rows have them
-            return grpo.token_logps(c, p, hidden(c, p, fields)[0], targets, lambda x, _: x)[0]
-        _CACHE[c] = jax.jit(fn)
-    return _CACHE[c]
+    def fn(p, fields, targets):  # one document per row: segment ids and positions as the learner's rows have them
+        return grpo.token_logps(c, p, hidden(c, p, fields)[0], targets, lambda x, _: x)[0]
+    return jax.jit(fn)
 
 
 def generation(c, params: dict, records: list, functions: list, weights, st: Settings, key,
