@@ -199,6 +199,9 @@ def _damage(step_dir: Path, how: str = "flip-byte"):
         big.write_bytes(data[: len(data) // 2])
     elif how == "delete":
         big.unlink()
+    elif how == "flip-frame":  # the first byte of a zstd frame: the chunk no longer decompresses
+        data[0] ^= 0x10
+        big.write_bytes(bytes(data))
     else:  # silent corruption: Orbax reads it without error, the checksum catches it
         data[len(data) // 3] ^= 0x10
         big.write_bytes(bytes(data))
@@ -210,7 +213,7 @@ def _files(run: Path) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "flip-frame", "delete"])
 def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path, tiny, caplog, damage):
     run, s, states = _saved_run(tmp_path, tiny)
     _damage(run / "checkpoints" / "2", damage)
@@ -309,7 +312,7 @@ def test_export_read_failure_that_is_not_damage_is_not_called_corrupt(exported, 
     assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "meta-json"])
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "flip-frame", "meta-json"])
 def test_damaged_export_is_called_corrupt(exported, damage):
     out, _ = exported
     if damage == "meta-json":

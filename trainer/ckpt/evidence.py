@@ -8,6 +8,7 @@ unrecognised exception) is not evidence: the checkpoint must then be left as it 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,6 +29,24 @@ EXPORT = Layout("meta.json", "params")  # a `meshtrain export` directory
 
 class _Undecodable(Exception):
     """An OCDBT manifest or node whose bytes were read but do not decode."""
+
+
+# tensorstore's texts for bytes that were read and do not decode: the status codes of a short or garbled
+# record, a zstd frame (an array chunk; an OCDBT node, which tensorstore reports as FAILED_PRECONDITION), a manifest
+_UNDECODABLE = re.compile(r"^(DATA_LOSS|OUT_OF_RANGE)|ZSTD_decompress\w*\(\) failed|Error decoding (b-tree node|manifest)")
+
+
+def undecodable(e: BaseException) -> str | None:
+    """'"<key>": <why>' where `e` (or what it was raised from) is tensorstore saying that bytes it read do
+    not decode; None for anything else."""
+    for x in _chain(e):
+        text = str(x)
+        m = _UNDECODABLE.search(text)
+        if m:
+            key = re.search(r'Error reading "([^"]+)"', text)
+            why = re.search(r"(ZSTD_decompress\w*\(\) failed: [^;\[]*)", text)
+            return (f'"{key.group(1)}" ' if key else "") + f"does not decode ({(why.group(1) if why else m.group(0)).strip()})"
+    return None
 
 
 def short(e: BaseException) -> str:
@@ -59,7 +78,7 @@ def evidence(e: Exception, step_dir: Path, layout: Layout = CHECKPOINT) -> str |
     except Exception:  # noqa: BLE001 - a directory that cannot be inspected proves nothing about its bytes
         found = None
     bad_json = next((x for x in chain if isinstance(x, (json.JSONDecodeError, UnicodeDecodeError))), None)
-    return found or (f"undecodable metadata ({short(bad_json)})" if bad_json is not None else None)
+    return found or (f"undecodable metadata ({short(bad_json)})" if bad_json is not None else undecodable(e))
 
 
 def damage(step_dir: Path, layout: Layout = CHECKPOINT) -> str | None:
@@ -90,8 +109,8 @@ def _ocdbt_damage(root: Path, d: Path) -> str | None:
     def dump(loc=None):
         try:
             return ts.ocdbt.dump(kv, loc).result()
-        except ValueError as e:  # tensorstore's status code leads the text; only these two mean bad bytes
-            if str(e).startswith(("DATA_LOSS", "OUT_OF_RANGE")):
+        except ValueError as e:
+            if undecodable(e):
                 where = (root / "manifest.ocdbt").relative_to(d) if loc is None else loc
                 raise _Undecodable(f"{where} does not decode ({short(e)})") from None
             raise
