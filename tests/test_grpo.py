@@ -215,7 +215,7 @@ def test_a_prompt_past_the_context_is_one_line(tmp_path):
     cfg = load_config([f"data.source={_prompts(tmp_path, long=True)}", *GRPO_RUN])
     with pytest.raises(UserError, match=r"prompts.jsonl:4: its prompt's 80 tokens plus grpo.max_completion_length=8 "
                                         r"exceed the model's context of 64") as e:
-        prompts(cfg, lambda p: list(p.encode()), 64)
+        prompts(cfg, lambda rec, where: list(rec["prompt"].encode()), 64)
     assert "\n" not in str(e.value)
 
 
@@ -340,12 +340,44 @@ def test_sampling_through_a_pipeline_is_refused_in_one_line(tmp_path, capsys):
     assert not run.exists()
 
 
-def test_preparing_prompts_alone_points_at_grpo():
-    """meshtrain prepare of a record with a prompt and no completion: one line saying GRPO reads such prompts as they
-    are."""
-    from trainer.data.records import kind_of
+def test_prepared_prompts_are_the_ones_trl_samples_after(tmp_path):
+    """`meshtrain prepare` of a prompt file (the fixture's four text prompts, a conversation, fields for the rewards):
+    the loop reads each training prompt of the .bin with the ids TRL 1.16's `_tokenize_prompts` gives a text prompt
+    (`tokenizer(text=prompts)`: the tokenizers library's encode with its special tokens, BOS first; the fixture's
+    recorded ids, which its rollout_func encoded without them, follow the BOS) and the ids it encodes from the file
+    itself (the conversation rendered by the chat template with the generation prompt), every other field of the
+    record kept; a prepare that mixes prompts with texts is one line, nothing written."""
+    from trainer import load_config
+    from trainer.data.prepare import prepare
     from trainer.errors import UserError
-    with pytest.raises(UserError, match=r"^p.jsonl:1 has a 'prompt' and no 'completion': prompts alone are GRPO's, "
-                                        r"read as they are by `meshtrain train train.objective=grpo") as e:
-        kind_of({"prompt": "2 + 2 =", "answer": "4"}, "p.jsonl:1", "text")
-    assert "\n" not in str(e.value)
+    from tokenizers import Tokenizer
+    from trainer.run.grpo import _codec, prompts
+    f = np.load(FIX / "dapo_beta0.0_mask0.npz")
+    recorded = {tuple(int(x) for x in p[m.astype(bool)]) for k in ("s1m0", "s1m1")
+                for p, m in zip(f[f"{k}_prompt_ids"], f[f"{k}_prompt_mask"])}
+    hf = Tokenizer.from_file(str(FIX / "policy" / "tokenizer.json"))
+    records = [{"prompt": p, "answer": str(i), "meta": {"n": [i]}} for i, p in enumerate(SETUP["prompts"])]
+    records.append({"prompt": [{"role": "user", "content": "Count the a's in banana."}], "answer": "3"})
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare([str(src)], str(tmp_path / "p.bin"), tokenizer=str(FIX / "policy"), heldout=0.0, log=lambda *_: 0,
+                   show_progress=False)
+    assert meta["prompts"] == {"path": "p.bin.prompts.jsonl", "train": 5, "heldout": 0}
+    got = {}
+    for source in (tmp_path / "p.bin", src):
+        cfg = load_config([f"model.init_from={FIX / 'policy'}", f"data.source={source}", *GRPO_RUN])
+        got[source.suffix] = prompts(cfg, _codec(cfg)[0], 64)
+    assert got[".bin"] == got[".jsonl"] and [{k: v for k, v in r.items() if k != "prompt_ids"}
+                                             for r in got[".bin"]] == records
+    for r in got[".bin"][:4]:
+        assert r["prompt_ids"] == hf.encode(r["prompt"]).ids and r["prompt_ids"][0] == hf.token_to_id("<|begin_of_text|>"), r
+    assert recorded and recorded <= {tuple(r["prompt_ids"][1:]) for r in got[".bin"][:4]}
+    from trainer.data.checks import check_data
+    with pytest.raises(UserError, match=r"p.bin holds prompts alone .* train.objective=lm cannot learn from"):
+        check_data(load_config([f"data.source={tmp_path / 'p.bin'}", "model.preset=tiny"]))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "2 + 2 ="}) + "\n" + json.dumps({"text": "a document"}) + "\n")
+    with pytest.raises(UserError, match=r"mixed.jsonl:2: prompts alone \(GRPO's\) and records to train on") as e:
+        prepare([str(mixed)], str(tmp_path / "m.bin"), tokenizer=str(FIX / "policy"), heldout=0.0,
+                log=lambda *_: 0, show_progress=False)
+    assert "\n" not in str(e.value) and sorted(x.name for x in tmp_path.iterdir() if x.name.startswith("m.")) == []

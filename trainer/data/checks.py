@@ -69,13 +69,13 @@ def _prepared(source: str) -> dict | None:
         if not meta:
             return None
         return {"tokenizer": beside(source, meta["tokenizer"]["path"]), "pairs": bool(meta.get("pairs")),
-                "sources": meta.get("sources") or [],
+                "prompts": bool(meta.get("prompts")), "sources": meta.get("sources") or [],
                 "documents": bool(meta.get("document_index")) or meta.get("eot_id") is not None}
     if not is_manifest(source):
         return None
     m = read_manifest(source)
     return {"tokenizer": str(Where(source).at(m["tokenizer"]["path"])), "pairs": False, "documents": True,
-            "sources": m.get("sources") or []}
+            "prompts": any(e.get("prompts") for e in m["shards"]), "sources": m.get("sources") or []}
 
 
 def _exists(source: str) -> bool:
@@ -221,3 +221,8 @@ def check_data(cfg):
                 raise no_documents(s)
     if cfg.train.objective == "dpo":
         check_pairs(cfg)
+    for s in sources:
+        if cfg.train.objective != "grpo" and _exists(s) and (_prepared(s) or {}).get("prompts"):
+            raise UserError(f"{s} holds prompts alone (GRPO's, prepared with nothing to complete them), which "
+                            f"train.objective={cfg.train.objective} cannot learn from; set train.objective=grpo, or "
+                            "prepare records with completions")

@@ -29,7 +29,8 @@ from trainer.data.chat import ChatTemplate, load_template, parse_date
 from trainer.data import pairs
 from trainer.data.tokenizer import EOT, load_tokenizer, train_tokenizer  # noqa: F401 (load_tokenizer: re-exported)
 from trainer.data.records import Encoder, Kinds, is_records, kind_of, normalised, read, text_specials
-from trainer.data.writers import Bar, Names, Split, mask_name, write_files, write_records
+from trainer.data.prompts import records_path
+from trainer.data.writers import Bar, Names, Split, mask_name, records_name, write_files, write_records
 from trainer.errors import UserError
 
 VERSION = 2  # 2: the document index
@@ -282,7 +283,10 @@ def _progress(show: bool):
 
 
 def _summary(job: _Job, meta: dict, train: Split, held: Split, kinds: Kinds, tk: _Tok, log):
-    if "pairs" in meta:
+    if "prompts" in meta:
+        log(f"{kinds.prompts:,} prompts ({train.docs:,} train, {held.docs:,} held-out) for train.objective=grpo, "
+            f"each record kept in {meta['prompts']['path']} for the reward functions")
+    elif "pairs" in meta:
         log(pairs.summary(kinds, meta, job.max_length))
     elif "loss_mask" in meta:
         log(f"{kinds.conversations:,} conversations, {kinds.exchanges:,} exchanges, {kinds.text:,} text records; "
@@ -339,8 +343,13 @@ def _finish(job: _Job, names: Names, tk: _Tok, train: Split, held: Split, masked
         mask_tmp = mask_name(names.tokens)
         _append(mask_tmp, mask_name(names.held))
         os.replace(mask_tmp, tmp[mask_path(out_p)])
-        if job.template is not None:
-            tmp[template_path(out_p)].write_text(job.template.text)
+    if kinds.prompts:  # GRPO's: each document's record, train's then held-out's
+        for split in (train, held):
+            records_name(split.path).touch()
+        _append(records_name(names.tokens), records_name(names.held))
+        os.replace(records_name(names.tokens), tmp[records_path(out_p)])
+    if (masked or kinds.prompts) and job.template is not None:
+        tmp[template_path(out_p)].write_text(job.template.text)
     if not tk.given:
         tk.tok.save(str(names.tokenizer))
         os.replace(names.tokenizer, tk.path)
@@ -353,6 +362,9 @@ def _finish(job: _Job, names: Names, tk: _Tok, train: Split, held: Split, masked
         if kinds.pairs:  # documents 2i and 2i + 1 are pair i's chosen and rejected (trainer/data/pairs.py)
             meta["pairs"] = {"train": train.docs // 2, "heldout": held.docs // 2, "dropped": kinds.dropped_pairs,
                              "max_length": job.max_length}
+    if kinds.prompts:  # documents 0 .. train - 1 are the training split's prompts (trainer/data/prompts.py)
+        meta["prompts"] = {"path": records_path(out_p).name, "train": train.docs, "heldout": held.docs}
+    if masked or kinds.prompts:
         t = job.template
         meta["chat_template"] = t and {"path": template_path(out_p).name, "source": t.source, "sha256": t.sha256,
                                        "generation_blocks": t.blocks, "date": job.day.isoformat()}

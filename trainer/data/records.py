@@ -6,6 +6,8 @@ A record is one of
                                                   record's `tools` and `chat_template_kwargs`: chat.variables_of)
   {"prompt": ..., "completion": ...}              one exchange: a user turn and an assistant turn
   {"prompt": ..., "chosen": ..., "rejected": ...} a preference pair (trainer/data/pairs.py): two documents
+  {"prompt": ...} and nothing to complete it       a prompt of GRPO's (trainer/data/prompts.py): one document of no
+                                                  counted token, the record kept beside it for the reward functions
 Keys whose value is None are dropped first, at every depth (Parquet fills a column a record lacks with
 None), so the same records read the same from either format. A record goes to the held-out split by a
 hash of that normalised form (keys sorted), whatever file or format holds it.
@@ -94,13 +96,15 @@ class Kinds:
     conversations: int = 0
     exchanges: int = 0
     pairs: int = 0
+    prompts: int = 0  # GRPO's: a prompt file holds nothing else
     dropped_pairs: int = 0  # pairs whose prompt alone reaches --max-length (TRL drops them)
     dropped_prompts: tuple = (0, 0)  # the shortest and the longest of their prompts, in tokens
     uncounted: int = 0
     first_uncounted: str = ""
 
     def add(self, kind: str):
-        name = {"text": "text", "conversation": "conversations", "exchange": "exchanges", "pair": "pairs"}[kind]
+        name = {"text": "text", "conversation": "conversations", "exchange": "exchanges", "pair": "pairs",
+                "prompt": "prompts"}[kind]
         setattr(self, name, getattr(self, name) + 1)
 
     def drop_pair(self, prompt: int):
@@ -115,7 +119,7 @@ class Kinds:
 
     @property
     def total(self) -> int:
-        return self.text + self.conversations + self.exchanges + self.pairs
+        return self.text + self.conversations + self.exchanges + self.pairs + self.prompts
 
 
 def kind_of(rec, where: str, field: str) -> str:
@@ -140,10 +144,10 @@ def kind_of(rec, where: str, field: str) -> str:
         if not isinstance(rec[field], str):
             raise UserError(f"{where}: '{field}' must be a string; fix the record or choose another --field")
         return "text"
-    if "prompt" in rec:  # prompts alone: GRPO's, which its loop reads as they are (trainer/run/grpo.py)
-        raise UserError(f"{where} has a 'prompt' and no 'completion': prompts alone are GRPO's, read as they are by "
-                        "`meshtrain train train.objective=grpo data.source=FILE` (not prepared); give 'completion' "
-                        "to prepare prompt-completion pairs")
+    if "prompt" in rec:  # a prompt alone: GRPO's (trainer/data/prompts.py)
+        from trainer.data.prompts import check
+        check(rec, where)
+        return "prompt"
     raise UserError(f"{where} has none of the fields '{field}', 'messages', 'prompt' + 'completion' (it has "
                     f"{', '.join(map(repr, sorted(rec))) or 'none'}); fix the record or name its text with --field")
 
@@ -246,6 +250,10 @@ class Encoder:
         """[(where, kind, record)] -> [(ids, mask)], each a document. Plain text and exchanges without a template
         are texts: as tokenizer(text) encodes them, then the end-of-text token (as_text); a conversation's text
         holds the template's own special tokens, so the tokenizer adds none."""
+        if any(k == "prompt" for _, k, _ in batch):  # a prompt of GRPO's: its ids, no token counted
+            from trainer.data.prompts import encode
+            return [(np.asarray(encode(self.tok, self.specials[0], self.template, r, w), np.int64), None)
+                    if k == "prompt" else self.encode([(w, k, r)])[0] for w, k, r in batch]
         if any(k == "pair" for _, k, _ in batch):  # each pair: its two documents, or none (fully truncated)
             from trainer.data.pairs import encode_pair
             return [encode_pair(self, w, r) if k == "pair" else self.encode([(w, k, r)])[0] for w, k, r in batch]

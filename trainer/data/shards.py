@@ -158,7 +158,8 @@ def run_unit(unit: Unit, s: Settings) -> dict:
 
 def _entry(unit: Unit, meta: dict) -> dict:
     return {"path": unit.name, "tokens": meta["tokens"], "documents": meta["documents"],
-            "inputs_sha256": meta["inputs_sha256"], "loss_mask": "loss_mask" in meta, "input_bytes": unit.size}
+            "inputs_sha256": meta["inputs_sha256"], "loss_mask": "loss_mask" in meta, "input_bytes": unit.size,
+            **({"prompts": True} if "prompts" in meta else {})}
 
 
 def prepare_folder(sources: list[str], out: str, tokenizer: str | None, train_vocab: int | None, heldout: float,

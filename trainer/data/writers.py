@@ -2,12 +2,14 @@
 in pieces and record files a batch at a time, with the progress bar."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from trainer.data.batches import index_path, mask_path, sidecar_path, template_path
+from trainer.data.prompts import records_path
 from trainer.data.records import Encoder, Kinds, as_text, held_out, key, kind_of, normalised, read
 from trainer.errors import UserError
 
@@ -23,6 +25,13 @@ class Split:
         self.path, self.dtype, self.n, self.ends, self.docs, self.bytes, self.counted = tokens, dtype, 0, [], 0, 0, 0
         self.first_uncounted = ""  # where its first record without a counted token is
         self.f, self.m = open(tokens, "wb"), open(mask_name(tokens), "wb") if masks else None
+        self.r = None  # GRPO's prompts: each document's record, a JSON line (opened with the first)
+
+    def add_record(self, rec: dict):
+        """Keep a prompt's record beside its document (trainer/data/prompts.py)."""
+        if self.r is None:
+            self.r = open(records_name(self.path), "w", encoding="utf-8")
+        self.r.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
     def add(self, ids: np.ndarray, mask: np.ndarray, end: bool):
         """Append a piece of a document (`end`: its last)."""
@@ -37,12 +46,17 @@ class Split:
 
     def close(self):
         self.f.close()
-        if self.m is not None:
-            self.m.close()
+        for f in (self.m, self.r):
+            if f is not None:
+                f.close()
 
 
 def mask_name(p: Path) -> Path:
     return p.with_name(p.name + ".mask")
+
+
+def records_name(p: Path) -> Path:
+    return p.with_name(p.name + ".prompts")
 
 
 class Names:
@@ -55,11 +69,11 @@ class Names:
         self.tokenizer = out.parent / "tokenizer.json.tmp"
         # each final file beside the .bin -> its temporary name
         self.staged = {p: p.with_name(p.name + ".tmp") for p in (index_path(out), sidecar_path(out), mask_path(out),
-                                                                 template_path(out))}
+                                                                 template_path(out), records_path(out))}
 
     def all(self):
-        return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), self.tokenizer,
-                *self.staged.values()]
+        return [self.tokens, self.held, mask_name(self.tokens), mask_name(self.held), records_name(self.tokens),
+                records_name(self.held), self.tokenizer, *self.staged.values()]
 
     def clean(self):
         for p in self.all():
@@ -121,7 +135,12 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
 
     def flush():
         nonlocal batch, nbytes
-        for (split, n, (where, kind, _)), docs in zip(batch, enc.encode([b for _, _, b in batch])):
+        for (split, n, (where, kind, rec)), docs in zip(batch, enc.encode([b for _, _, b in batch])):
+            if kind == "prompt":  # GRPO's: its ids, no token counted, the record beside them
+                split.add(docs[0], np.zeros(len(docs[0]), np.uint8), True)
+                split.add_record(rec)
+                split.bytes += n
+                continue
             if kind == "pair" and not docs:  # its prompt alone reaches --max-length: dropped, counted
                 kinds.drop_pair(docs.prompt)
                 continue
@@ -137,6 +156,9 @@ def write_records(enc: Encoder, doc, heldout: float, train: Split, held: Split, 
     for where, rec, at in read(doc.path, doc.start, doc.stop, doc.line):
         kind = kind_of(rec := normalised(rec), where, enc.field)
         kinds.add(kind)
+        if kinds.prompts and kinds.prompts != kinds.total:
+            raise UserError(f"{where}: prompts alone (GRPO's) and records to train on (texts, conversations, "
+                            "exchanges, pairs) are in one prepare; prepare the prompts apart")
         k = key(rec)
         size = len(k)
         batch.append((held if held_out(k, heldout) else train, size, (where, kind, rec)))

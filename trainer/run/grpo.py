@@ -1,5 +1,6 @@
-"""`meshtrain train` with train.objective=grpo: prompts from data.source (JSONL or Parquet records with a `prompt`,
-text or a list of messages, and any other fields, which reach the reward functions), a generation every
+"""`meshtrain train` with train.objective=grpo: prompts from data.source (trainer/data/prompts.py: JSONL or Parquet
+records with a `prompt`, text or a list of messages, and any other fields, which reach the reward functions, as they
+are or prepared by `meshtrain prepare`), a generation every
 grpo.num_iterations steps (trainer/rl/rollout.py: train.batch_size completions, grpo.num_generations per prompt, the
 prompts of generation g a function of (train.seed, g)), one optimizer step of the train step per iteration.
 
@@ -36,9 +37,10 @@ from trainer.step import jit_train_step
 
 
 def _codec(cfg: Config):
-    """(encode(prompt) -> ids, decode(ids) -> text, end ids, pad id) of the run's tokenizer (data.tokenizer, else the
-    model.init_from folder's tokenizer.json), else bytes."""
+    """(encode(record, where) -> its prompt's ids, decode(ids) -> text, end ids, pad id) of the run's tokenizer
+    (data.tokenizer, else the model.init_from folder's tokenizer.json), else bytes."""
     from trainer.config import replace
+    from trainer.data import prompts as prompt_ids
     from trainer.run.generate import _Bytes, _Tokens
     path = cfg.data.tokenizer
     if path is None and cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer.json").is_file():
@@ -48,22 +50,16 @@ def _codec(cfg: Config):
             raise UserError(f"train.objective=grpo needs the tokenizer of model.init_from={cfg.model.init_from} (a "
                             f"vocabulary of {cfg.model.vocab_size}); set data.tokenizer to its tokenizer.json")
         b = _Bytes()
-        return (lambda p: b.encode(p) if isinstance(p, str) else _no_template()), \
-            (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")), (), 0
+
+        def encode_bytes(rec, where):
+            if not isinstance(rec["prompt"], str):
+                raise UserError(f"{where}: a conversational prompt needs a chat template beside the run's tokenizer, "
+                                "and this run decodes bytes; give text prompts or a tokenizer with a template")
+            return b.encode(rec["prompt"])
+        return encode_bytes, (lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", "replace")), (), 0
     t = _Tokens(replace(cfg, data={"tokenizer": path}), chat=False)
-
-    def encode(prompt):
-        if isinstance(prompt, str):
-            return t.encode(prompt)
-        if t.template is None:
-            _no_template()
-        return t.tok.encode(t.template.render(prompt, add_generation_prompt=True), add_special_tokens=False).ids
-    return encode, (lambda ids: t.tok.decode(list(ids), skip_special_tokens=True)), tuple(sorted(t.eos())), t.eot
-
-
-def _no_template():
-    raise UserError("a conversational prompt needs a chat template beside the run's tokenizer (chat_template.jinja or "
-                    "tokenizer_config.json); give text prompts or add the template")
+    return ((lambda rec, where: prompt_ids.encode(t.tok, t.start, t.template, rec, where)),
+            (lambda ids: t.tok.decode(list(ids), skip_special_tokens=True)), tuple(sorted(t.eos())), t.eot)
 
 
 def _tokens_seen(run_dir: Path, step: int) -> int:
@@ -89,34 +85,35 @@ def _clip_extremes(s, params: dict, host: dict, iteration: int, microbatches: in
 
 
 def prompts(cfg: Config, encode, context: int) -> list[dict]:
-    """Every record of data.source with its prompt's ids; one line for a source that is no local JSONL or Parquet
-    file, a record without a prompt (text or a list of messages), one its chat template fails on, or one whose prompt
-    plus grpo.max_completion_length exceeds the model's context."""
-    from trainer.data.chat import TemplateFailed
+    """Every record of data.source with its prompt's ids: the training split of a `meshtrain prepare` of prompts, or
+    a local JSONL or Parquet file's records encoded here; one line for another source, a record without a prompt
+    (text or a list of messages), one its chat template fails on, or one whose prompt plus
+    grpo.max_completion_length exceeds the model's context."""
+    from trainer.data.checks import check_data
+    from trainer.data.prompts import check, prepared
     src = Path(cfg.data.source)
-    if src.suffix not in (".jsonl", ".parquet") or not src.is_file():
-        raise UserError(f"train.objective=grpo reads its prompts from data.source, and {cfg.data.source} is no local "
-                        ".jsonl or .parquet file; give a file of records with a 'prompt'")
-    out = []
-    for where, rec, _ in read(src):
-        prompt = rec.get("prompt") if isinstance(rec, dict) else None
-        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
-            raise UserError(f"{where} has no 'prompt' (a non-empty string, or a list of messages with a 'role'); "
-                            "fix the record")
-        try:
-            ids = encode(prompt)
-        except TemplateFailed as e:
-            raise UserError(f"{where}: the chat template failed on its prompt ({e}); fix the record or the "
-                            "template") from None
-        if len(ids) + cfg.grpo.max_completion_length > context:
-            raise UserError(f"{where}: its prompt's {len(ids)} tokens plus grpo.max_completion_length="
+    out = prepared(cfg.data.source)
+    if out is not None:  # their tokenizer against model.init_from's, as a run on prepared data checks it
+        check_data(cfg)
+    wheres = [f"{cfg.data.source} prompt {i + 1}" for i in range(len(out or []))]
+    if out is None:
+        if src.suffix not in (".jsonl", ".parquet") or not src.is_file():
+            raise UserError(f"train.objective=grpo reads its prompts from data.source, and {cfg.data.source} is "
+                            "neither a `meshtrain prepare` of prompts nor a local .jsonl or .parquet file; give a "
+                            "file of records with a 'prompt'")
+        out, wheres = [], []
+        for where, rec, _ in read(src):
+            check(rec, where)
+            out.append({**rec, "prompt_ids": encode(rec, where)})
+            wheres.append(where)
+    for where, rec in zip(wheres, out):
+        if len(rec["prompt_ids"]) + cfg.grpo.max_completion_length > context:
+            raise UserError(f"{where}: its prompt's {len(rec['prompt_ids'])} tokens plus grpo.max_completion_length="
                             f"{cfg.grpo.max_completion_length} exceed the model's context of {context} "
                             "(model.seq_len); shorten the prompt, lower grpo.max_completion_length or raise "
                             "model.seq_len")
-        out.append({**rec, "prompt_ids": ids})
     if not out:
-        raise UserError(f"data.source {cfg.data.source} holds no record; give prompts")
+        raise UserError(f"data.source {cfg.data.source} holds no prompt; give records with a 'prompt'")
     return out
 
 
