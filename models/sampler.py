@@ -55,6 +55,9 @@ def _step(c: ModelConfig, dtype):
     return jax.jit(step, donate_argnums=3)
 
 
+BUCKET = 64  # the prompts' padded length is a multiple of this (or the context left), so few lengths compile
+
+
 def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int, key, *, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, end_ids=(), pad: int = 0, dtype=jnp.float32,
                        vocab: int | None = None) -> dict:
@@ -69,6 +72,7 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     N, P = len(prompts), max(len(p) for p in prompts)
     if P + max_new > c.seq_len:
         raise ValueError(f"a prompt of {P} tokens plus {max_new} new ones exceeds the model's context of {c.seq_len}")
+    P = min(-(-P // BUCKET) * BUCKET, c.seq_len - max_new)  # more left padding: one compile per bucket, not per length
     tokens = np.full((N, P), pad, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, P - len(p):] = p

@@ -148,8 +148,8 @@ def learnt(variant: str, mesh, extra=()) -> tuple[dict, dict, dict]:
     params = init_params(s, s.cfg.model.init_from)
     layout = rows(prompts, b["completion_ids"], per, s.model.seq_len)
     with jax.set_mesh(s.mesh):
-        old = gather_targets(logps(s.model, params, layout), prompts, mask.shape[1])
-        ref = gather_targets(logps(s.model, init_params(s, str(FIX / "reference")), layout), prompts,
+        old = gather_targets(logps(s.model, params, layout, 2), prompts, mask.shape[1])  # as a run: per microbatch
+        ref = gather_targets(logps(s.model, init_params(s, str(FIX / "reference")), layout, 2), prompts,
                              mask.shape[1]) if g.beta else zeros
     gaps = {"old_gap": float(np.abs((old - b["old_per_token_logps"]) * mask).max()),
             "ref_gap": float(np.abs((ref - b["ref_per_token_logps"]) * mask).max()) if g.beta else 0.0}

@@ -38,10 +38,17 @@ class Settings:
     decode: Callable = lambda ids: " ".join(map(str, ids))  # noqa: E731
 
 
-def logps(c, params: dict, batch: dict) -> np.ndarray:
-    """Each target's log-probability at c.grpo.temperature (N, T), one forward (jitted per model)."""
-    fields = {k: batch[k] for k in ("tokens", "segment_ids", "positions")}
-    return np.asarray(_logps_fn(c)(params, fields, batch["targets"]))
+def logps(c, params: dict, batch: dict, chunks: int = 1) -> np.ndarray:
+    """Each target's log-probability at c.grpo.temperature (N, T): a forward of each of `chunks` consecutive row
+    blocks in turn (the step's microbatches: its (N / chunks, T, V) logits are what one learning microbatch holds),
+    jitted once per model and block shape."""
+    N = batch["tokens"].shape[0]
+    chunks = chunks if chunks > 0 and N % chunks == 0 else 1
+    out, n = [], N // chunks
+    for i in range(0, N, n):
+        fields = {k: batch[k][i:i + n] for k in ("tokens", "segment_ids", "positions")}
+        out.append(np.asarray(_logps_fn(c)(params, fields, batch["targets"][i:i + n])))
+    return np.concatenate(out)
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,9 +86,9 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
            "advantage": np.broadcast_to(adv[:, None], mask.shape), "old_logp": np.zeros_like(mask),
            "ref_logp": np.zeros_like(mask)}
     batch = rows(prompts, got["tokens"], per, c.seq_len, st.pad)
-    per["old_logp"] = gather_targets(logps(c, params, batch), prompts, L)
+    per["old_logp"] = gather_targets(logps(c, params, batch, st.microbatches), prompts, L)
     if reference is not None and c.grpo.beta:
-        per["ref_logp"] = gather_targets(logps(c, reference, batch), prompts, L)
+        per["ref_logp"] = gather_targets(logps(c, reference, batch, st.microbatches), prompts, L)
     lengths = got["lengths"].astype(np.float64)
     done = lengths[got["ended"]] if got["ended"].any() else np.zeros(1)
     metrics.update(reward_fns.metrics([n for n, _ in functions], scored))

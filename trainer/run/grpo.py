@@ -79,8 +79,8 @@ def _clip_extremes(s, params: dict, host: dict, iteration: int, microbatches: in
         return {"clip_ratio/low_min": 0.0, "clip_ratio/high_max": 0.0}
     from models.objectives.grpo import clip_extremes, sums
     from trainer.rl.rollout import logps
-    got = sums(s.model.grpo, logps(s.model, params, host), host["old_logp"], host["ref_logp"], host["advantage"],
-               {"loss": host["loss_weight"], "metric": host["metric_weight"]}, host["completion"])
+    got = sums(s.model.grpo, logps(s.model, params, host, microbatches), host["old_logp"], host["ref_logp"],
+               host["advantage"], {"loss": host["loss_weight"], "metric": host["metric_weight"]}, host["completion"])
     return clip_extremes(np.asarray(got["row_low"]), np.asarray(got["row_high"]), microbatches)
 
 
