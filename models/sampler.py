@@ -60,12 +60,14 @@ BUCKET = 64  # the prompts' padded length is a multiple of this (or the context 
 
 def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int, key, *, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, end_ids=(), pad: int = 0, dtype=jnp.float32,
-                       vocab: int | None = None) -> dict:
+                       vocab: int | None = None, placement=(None, None)) -> dict:
     """Completions of each prompt (lists of token ids), drawn together: {"tokens": (N, max_new) int32, each row its
     tokens up to and including its first end token, then `pad`; "logps": (N, max_new) float32 (0 after the end);
     "lengths": (N,); "ended": (N,) bool, whether the row drew an end token; "margins": (N, max_new), each draw's
     margin (inf after the end): where every margin exceeds the rounding another layout adds, it draws the same}. A
-    prompt plus max_new longer than the model's context is a ValueError (the caller says it in one line)."""
+    prompt plus max_new longer than the model's context is a ValueError (the caller says it in one line).
+    `placement`: the shardings of the rows' arrays (N, ...) and of the cache (L, N, S, K, E) on the parameters'
+    mesh (trainer/rl/rollout.py `placement`), else where jax puts them."""
     if family(c.family).decode_cache is not None:
         raise ValueError(f"sampling prompts of different lengths together is not built for model.family={c.family} "
                          "(its own decoding cache)")
@@ -76,16 +78,20 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     tokens = np.full((N, P), pad, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, P - len(p):] = p
-    start = jnp.asarray(P - np.array([len(p) for p in prompts]), jnp.int32)
+    rows, spread = placement
+    put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray
+    start = put(np.asarray(P - np.array([len(p) for p in prompts]), np.int32))
     step = _step(c, jnp.dtype(dtype))
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(vocab or c.vocab_size))
     cache = init_cache(c, N, P + max_new, dtype)
+    if spread is not None:  # each rank its rows' (and heads') share of the cache, not a copy of all of it
+        cache = jax.tree.map(lambda a: jax.device_put(a, spread), cache)
     out, logps = np.full((N, max_new), pad, np.int32), np.zeros((N, max_new), np.float32)
     margins = np.full((N, max_new), np.inf, np.float32)
     ended, ends = np.zeros(N, bool), np.asarray(sorted(end_ids), np.int32)
     nxt, pos = tokens, 0
     for t in range(max_new):
-        tok, logp, margin, cache = step(params, jnp.asarray(nxt), jnp.int32(pos), cache, start,
+        tok, logp, margin, cache = step(params, put(nxt), jnp.int32(pos), cache, start,
                                         jax.random.fold_in(key, t), *settings)
         pos += nxt.shape[1]
         tok, logp, margin = np.asarray(tok), np.asarray(logp), np.asarray(margin)

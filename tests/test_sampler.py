@@ -98,10 +98,14 @@ def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
                                "mesh.model=4", "train.zero_stage=3", "train.batch_size=8"]))
     s8 = make_setup(cfg, jax.devices()[:8])
     prompts = PROMPTS * 4
+    from meshes import DATA
+    from trainer.rl.rollout import placement
     one = sample_completions(s.model, params, prompts, 12, jax.random.key(5), temperature=1.0)
+    p8 = init_params(s8, cfg.model.init_from)
+    where = placement(s8.model, p8, len(prompts))  # as a run samples: each data rank its rows and their cache
+    assert where[0].spec[0] in (DATA, (DATA,)) and where[1].spec[1] in (DATA, (DATA,)), where
     with jax.set_mesh(s8.mesh):
-        eight = sample_completions(s8.model, init_params(s8, cfg.model.init_from), prompts, 12, jax.random.key(5),
-                                   temperature=1.0)
+        eight = sample_completions(s8.model, p8, prompts, 12, jax.random.key(5), temperature=1.0, placement=where)
     same = 0
     for i in range(len(prompts)):
         differ = np.flatnonzero(one["tokens"][i] != eight["tokens"][i])

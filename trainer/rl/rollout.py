@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from meshes import DATA, EXPERT, MODEL
 from models.objectives import grpo
 from models.sampler import sample_completions
 from trainer.data.completions import gather_targets, rows
@@ -61,13 +62,31 @@ def _logps_fn(c):
     return jax.jit(fn)
 
 
+def placement(c, params: dict, N: int) -> tuple:
+    """(rows, cache): where the rows' arrays and the KV cache go on the parameters' mesh: the rows split over its
+    data (and expert) ranks where they divide N, the cache's kv heads over `model` where they divide; None for
+    both without a mesh (one device, or parameters that are no NamedSharding)."""
+    leaf = jax.tree.leaves(params)[0]
+    mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+    if not isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) or mesh.size == 1:
+        return None, None
+    rows = tuple(a for a in (DATA, EXPERT) if mesh.shape.get(a, 1) > 1)
+    n = int(np.prod([mesh.shape[a] for a in rows])) if rows else 1
+    rows = rows if rows and N % n == 0 else None
+    heads = MODEL if mesh.shape.get(MODEL, 1) > 1 and c.n_kv_heads % mesh.shape[MODEL] == 0 else None
+    P = jax.sharding.PartitionSpec
+    return (jax.sharding.NamedSharding(mesh, P(rows)),
+            jax.sharding.NamedSharding(mesh, P(None, rows, None, heads, None)))
+
+
 def generation(c, params: dict, records: list, functions: list, weights, st: Settings, key,
                reference: dict | None = None) -> tuple[dict, dict]:
     """(the learner's batch {field: (N, seq_len)}, the generation's metrics) of B records ({"prompt_ids": [...],
     "prompt": text or messages, other fields}), rows in groups of G consecutive completions."""
     prompts = [r["prompt_ids"] for r in records for _ in range(st.G)]
     got = sample_completions(c, params, prompts, st.max_new, key, temperature=st.temperature, top_k=st.top_k,
-                             top_p=st.top_p, end_ids=st.end_ids, pad=st.pad)
+                             top_p=st.top_p, end_ids=st.end_ids, pad=st.pad,
+                             placement=placement(c, params, len(prompts)))
     N, L = got["tokens"].shape
     ids = [list(got["tokens"][i, :got["lengths"][i]]) for i in range(N)]
     texts = [st.decode([t for t in x if t not in st.end_ids]) for x in ids]
