@@ -165,12 +165,46 @@ def learnt(variant: str, mesh, extra=()) -> tuple[dict, dict, dict]:
     return m1, m2, gaps
 
 
-def test_plan_is_refused_in_one_line(capsys):
-    """meshtrain plan of train.objective=grpo (its sampling is not planned yet): one line, exit 2."""
+def test_plan_counts_the_sampler_s_cache_and_the_reference(capsys):
+    """meshtrain plan of train.objective=grpo (beta 0.04, 16 completions, (2,1,2) data x model): its sampling KV
+    cache per device is the bytes each device holds of the cache as a run places it (trainer/rl/rollout.py, the
+    arrays' own shards on 4 devices), the reference model the parameters again, and the total counts the larger of
+    the cache and the step's activations and buffers."""
+    import jax.numpy as jnp
+    from models.decode import init_cache
+    from trainer import load_config, resolve
+    from trainer.ckpt.params import init_params
     from trainer.cli import main
-    assert main(["plan", "model.preset=tiny", "train.objective=grpo", "train.batch_size=16"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "train.objective=grpo" in err and "not" in err, err
+    from trainer.rl.rollout import placement
+    from trainer.state import make_setup
+    over = [f"model.init_from={FIX / 'policy'}", "train.objective=grpo", "train.batch_size=16", "grpo.beta=0.04",
+            "grpo.rewards=[regex:x]", "mesh.data=2", "mesh.model=2", "model.seq_len=64"]
+    assert main(["plan", *over, "--devices", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    s = make_setup(resolve(load_config(over)), jax.devices()[:4])
+    where = placement(s.model, init_params(s, str(FIX / "policy")), 16)
+    cache = jax.tree.map(lambda a: jax.device_put(a, where[1]), init_cache(s.model, 16, 64, jnp.float32))
+    held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(cache))
+    assert plan["sampling_bytes"] == held and held < sum(a.nbytes for a in jax.tree.leaves(cache)) / 2
+    assert plan["reference_bytes"] == plan["params_bytes"] > 0
+    assert plan["total_bytes"] == (plan["params_bytes"] + plan["grads_bytes"] + plan["opt_state_bytes"]
+                                   + plan["reference_bytes"]
+                                   + max(plan["activations_bytes"] + plan["buffers_bytes"], held))
+
+
+@pytest.mark.slow
+def test_the_learning_step_compiles_for_a_tpu_topology(capsys):
+    """meshtrain plan --compile-for of GRPO: XLA:TPU (libtpu, no chip) compiles the learning step with its batch's
+    fields (old and reference log-probabilities, advantages, weights) on 8 chips; it fits."""
+    import importlib.util
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install -e '.[tpu]')")
+    from trainer.cli import main
+    assert main(["plan", f"model.init_from={FIX / 'policy'}", "train.objective=grpo", "train.batch_size=16",
+                 "grpo.beta=0.04", "grpo.rewards=[regex:x]", "mesh.data=8", "--compile-for", "v5p:2x4x1",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["xla_tpu"]["fits"] and doc["predicted"]["sampling_bytes"] > 0, doc
 
 
 def _prompts(tmp_path, n=8, long=False):

@@ -63,7 +63,9 @@ class Setup:
 
     def abstract_batch(self, batch_size: int | None = None) -> dict:
         """The step's batch fields as ShapeDtypeStructs (train.batch_size rows unless given), sharded."""
-        fields = batch_fields.DPO_FIELDS if self.model.dpo is not None else batch_fields.FIELDS
+        from models.objectives.grpo import FIELDS as GRPO
+        fields = batch_fields.DPO_FIELDS if self.model.dpo is not None else \
+            batch_fields.FIELDS + GRPO if self.model.grpo is not None else batch_fields.FIELDS
         return batch_fields.abstract(batch_size or self.cfg.train.batch_size, self.model.seq_len,
                                      self.batch_sharding(), fields)
 

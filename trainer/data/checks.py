@@ -206,6 +206,8 @@ def check_pairs(cfg):
 def check_data(cfg):
     """Every check of a run's data that can refuse it before anything compiles (see the module's docstring)."""
     d = cfg.data
+    if cfg.train.objective == "grpo" and not (_exists(d.source) and _prepared(d.source)):
+        return  # prompts read as they are, encoded with the run's tokenizer (trainer/data/prompts.py)
     sources, names, _ = parse_entries(d.mixture) if d.mixture else ([d.source], [d.source], None)
     compared = d.mixture or (d.tokenizer_check and cfg.model.init_from)  # a tokenizer is read only to compare it
     toks = [data_tokenizer(s) for s in sources] if compared else []

@@ -65,9 +65,6 @@ def main(args: list[str]) -> int:
     from trainer.ckpt.sources import resolve
     from trainer.data.checks import check_data
     cfg = resolve(load_config(rest))
-    if cfg.train.objective == "grpo":
-        raise UserError("meshtrain plan of train.objective=grpo is not built yet (its sampling and batches); plan "
-                        "the same model with train.objective=lm")
     check_data(cfg)  # what the data decides, as `meshtrain train` says it (trainer/data/checks.py)
     modes = [f for f, on in (("--verify", ns.verify), ("--search", ns.search), ("--compile-for", ns.compile_for),
                              ("--lower", ns.lower)) if on]

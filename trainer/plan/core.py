@@ -42,12 +42,14 @@ class Plan:
     comm_s: dict  # axis -> seconds
     links: dict  # axis -> "fast" | "net"
     layer_bytes: tuple = (0.0, 0.0)  # one layer's residuals: (bytes whatever the batch, bytes per token)
-    reference_bytes: float = 0.0  # dpo.reference_mode=online: the frozen reference's parameters, outside the step
+    reference_bytes: float = 0.0  # DPO's online reference, GRPO's with beta > 0: its parameters, outside the step
     full_state_bytes: float = 0.0  # model.lora: full fine-tuning's parameters, gradients and optimizer state here
+    sampling_bytes: float = 0.0  # GRPO: the sampler's KV cache, held between steps (not beside the step's own)
 
     @property
     def total_bytes(self) -> float:
-        return self.state_bytes + self.activations_bytes + self.buffers_bytes + self.reference_bytes
+        step = max(self.activations_bytes + self.buffers_bytes, self.sampling_bytes)
+        return self.state_bytes + step + self.reference_bytes
 
     @property
     def state_bytes(self) -> float:
@@ -109,7 +111,8 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
     batch = train.batch_size
     mc = dataclasses.replace(mc, remat=st.remat)
     p, g, o = state_bytes(mc, train, st)
-    ref = p if mc.dpo is not None and mc.dpo.online else 0.0  # DPO's online reference: the parameters' layout again
+    # DPO's online reference, GRPO's (beta > 0): the parameters' layout again
+    ref = p if (mc.dpo is not None and mc.dpo.online) or (mc.grpo is not None and mc.grpo.beta) else 0.0
     acts = activation_bytes(mc, st, batch, dtype, platform)
     bufs = buffer_bytes(mc, train, st, a, platform)
     moves = tuple(transfers(mc, train, st, batch, a, platform))
@@ -128,7 +131,18 @@ def estimate(mc: ModelConfig, train, st: Strategy, device: Device, hosts: int, d
         comm[t.axis] = comm.get(t.axis, 0.0) + t.bytes / slow
     full = sum(state_bytes(dataclasses.replace(mc, lora=None), train, st)) if mc.lora is not None else 0.0
     return Plan(st, mc, device, hosts, dtype, batch, p, g, o, acts, bufs, moves, bubble, flops / peak, comm, lk,
-                layer_residuals(mc, st, dtype, platform), ref, full)
+                layer_residuals(mc, st, dtype, platform), ref, full, sampling_bytes=sampling_bytes(mc, st, batch, a))
+
+
+def sampling_bytes(mc: ModelConfig, st: Strategy, batch: int, itemsize: int) -> float:
+    """GRPO's sampler (trainer/rl/rollout.py): the keys and values of `batch` completions at the whole context in
+    the compute dtype, each data (and expert) rank its rows where they divide, the kv heads over `model` where they
+    divide; 0 for another objective."""
+    if mc.grpo is None:
+        return 0.0
+    rows, heads = st.data, st.model
+    return (2.0 * mc.n_layers * (batch // rows if batch % rows == 0 else batch) * mc.seq_len
+            * (mc.n_kv_heads // heads if mc.n_kv_heads % heads == 0 else mc.n_kv_heads) * mc.head_dim * itemsize)
 
 
 def strategy_of(cfg, n_devices: int) -> Strategy:

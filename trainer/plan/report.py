@@ -10,11 +10,12 @@ from trainer.plan.types import executed
 GB = 1e9
 LINK = {"fast": "fast link", "net": "network"}
 TERMS = {"params_bytes": "parameters", "grads_bytes": "gradients", "opt_state_bytes": "optimizer state",
-         "activations_bytes": "activations", "buffers_bytes": "buffers", "reference_bytes": "DPO reference (online)"}
+         "activations_bytes": "activations", "buffers_bytes": "buffers", "reference_bytes": "reference model",
+         "sampling_bytes": "sampling KV cache (GRPO)"}
 # The planner's figures that are XLA's own on every platform: the arguments, whose shapes and shardings come from
 # the run's rules (within 0.1% of XLA:CPU's, and of XLA:TPU's where it pads no width to its tiles: docs/plan.md),
-# and DPO's online reference (the parameters again)
-EXACT = ("params_bytes", "opt_state_bytes", "reference_bytes")
+# the reference (DPO online, GRPO with beta > 0: the parameters again) and GRPO's sampling cache (its shapes)
+EXACT = ("params_bytes", "opt_state_bytes", "reference_bytes", "sampling_bytes")
 # Per platform: which figures are XLA's and which estimates (their error as measured, docs/plan.md), and where
 # XLA's own are printed
 FIGURES = {
@@ -31,7 +32,10 @@ FIXES = {"params_bytes": "train.zero_stage=3 or a larger mesh.model / mesh.stage
          "opt_state_bytes": "train.zero_stage=1 (or higher) shards it over data",
          "activations_bytes": "model.remat=full, more train.microbatches, or a larger mesh.model",
          "buffers_bytes": "model.remat (ZeRO-3 keeps gathered weights without it) or fewer train.microbatches",
-         "reference_bytes": "dpo.reference_mode=precompute (its log-probabilities computed once, stored beside the data)"}
+         "reference_bytes": "dpo.reference_mode=precompute (its log-probabilities computed once, stored beside the "
+                            "data) for DPO, grpo.beta=0 for GRPO",
+         "sampling_bytes": "fewer completions per step (train.batch_size), a shorter model.seq_len, or a larger "
+                           "mesh.data / mesh.model"}
 
 
 def _exact(platform: str) -> tuple:
@@ -100,13 +104,15 @@ def text(p: Plan) -> str:
             f"layout: {st.describe()} | grad_sync {st.grad_sync}", "",
             "memory per device"]
     for key, name in TERMS.items():
-        if key == "reference_bytes" and not p.reference_bytes:
+        if key in ("reference_bytes", "sampling_bytes") and not getattr(p, key):
             continue
         rows.append(f"  {name:<30}{size(getattr(p, key)):>12}")
         if key == "activations_bytes":
             fixed, per_token = p.layer_bytes
             remat = executed(st).remat
             rows.append(f"    one layer saves {size(per_token)} per token + {size(fixed)} (remat {remat})")
+        if key == "sampling_bytes":
+            rows.append("    held between steps, in place of the activations and buffers: the total counts the larger")
     verdict = f"fits, {size(p.device.hbm - p.total_bytes)} free" if p.fits else f"DOES NOT FIT, {size(p.over_bytes)} over"
     if p.full_state_bytes:  # a LoRA run: the frozen base holds no gradient or optimizer state
         rows.append(f"  {'  full fine-tuning would hold':<30}{size(p.full_state_bytes):>12}  as state (LoRA's: "

@@ -37,6 +37,7 @@ class Settings:
     end_ids: tuple = ()
     pad: int = 0
     decode: Callable = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    dtype: object = np.float32  # the compute dtype of the sampler's forward and its KV cache (the run's)
 
 
 def logps(c, params: dict, batch: dict, chunks: int = 1) -> np.ndarray:
@@ -86,7 +87,7 @@ def generation(c, params: dict, records: list, functions: list, weights, st: Set
     prompts = [r["prompt_ids"] for r in records for _ in range(st.G)]
     got = sample_completions(c, params, prompts, st.max_new, key, temperature=st.temperature, top_k=st.top_k,
                              top_p=st.top_p, end_ids=st.end_ids, pad=st.pad,
-                             placement=placement(c, params, len(prompts)))
+                             placement=placement(c, params, len(prompts)), dtype=st.dtype)
     N, L = got["tokens"].shape
     ids = [list(got["tokens"][i, :got["lengths"][i]]) for i in range(N)]
     texts = [st.decode([t for t in x if t not in st.end_ids]) for x in ids]

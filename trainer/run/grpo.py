@@ -141,7 +141,7 @@ def train(cfg: Config, devices=None, console: Console | None = None) -> Result:
         reference = init_params(s, g.reference or cfg.model.init_from) if g.beta else None
         st = Settings(G=g.num_generations, max_new=g.max_completion_length, temperature=g.temperature,
                       loss_type=g.loss_type, scale_rewards=g.scale_rewards, mask_truncated=g.mask_truncated_completions,
-                      microbatches=t.microbatches, end_ids=ends, pad=pad, decode=decode)
+                      microbatches=t.microbatches, end_ids=ends, pad=pad, decode=decode, dtype=s.dtype)
         if jax.process_index() == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
