@@ -39,7 +39,7 @@ def filtered(logits_BV, temperature, top_k, top_p):
 
 
 @functools.lru_cache(maxsize=8)
-def _step(c: ModelConfig, dtype):
+def decode_step(c: ModelConfig, dtype):
     """One cached step for every row: (drawn tokens (B,), their log-probabilities (B,), each draw's margin (B,): the
     winner's perturbed logit above the runner-up's, how far the draw is from going the other way, cache)."""
     def step(params, tokens_BT, pos, cache, start_B, key, temperature, top_k, top_p, n_ids):
@@ -81,7 +81,7 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     rows, spread = placement
     put = (lambda x: jax.device_put(x, rows)) if rows is not None else jnp.asarray
     start = put(np.asarray(P - np.array([len(p) for p in prompts]), np.int32))
-    step = _step(c, jnp.dtype(dtype))
+    step = decode_step(c, jnp.dtype(dtype))
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(vocab or c.vocab_size))
     cache = init_cache(c, N, P + max_new, dtype)
     if spread is not None:  # each rank its rows' (and heads') share of the cache, not a copy of all of it

@@ -178,7 +178,8 @@ def test_plan_counts_the_sampler_s_cache_and_the_reference(capsys):
     from trainer.rl.rollout import placement
     from trainer.state import make_setup
     over = [f"model.init_from={FIX / 'policy'}", "train.objective=grpo", "train.batch_size=16", "grpo.beta=0.04",
-            "grpo.rewards=[regex:x]", "mesh.data=2", "mesh.model=2", "model.seq_len=64"]
+            "grpo.rewards=[regex:x]", "grpo.max_completion_length=16", "mesh.data=2", "mesh.model=2",
+            "model.seq_len=64"]
     assert main(["plan", *over, "--devices", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     s = make_setup(resolve(load_config(over)), jax.devices()[:4])
@@ -195,16 +196,21 @@ def test_plan_counts_the_sampler_s_cache_and_the_reference(capsys):
 @pytest.mark.slow
 def test_the_learning_step_compiles_for_a_tpu_topology(capsys):
     """meshtrain plan --compile-for of GRPO: XLA:TPU (libtpu, no chip) compiles the learning step with its batch's
-    fields (old and reference log-probabilities, advantages, weights) on 8 chips; it fits."""
+    fields (old and reference log-probabilities, advantages, weights) and the sampler's prefill and decode step on 8
+    chips; the cache each chip holds (the step's donated cache) is the planner's figure; it fits."""
     import importlib.util
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install -e '.[tpu]')")
     from trainer.cli import main
     assert main(["plan", f"model.init_from={FIX / 'policy'}", "train.objective=grpo", "train.batch_size=16",
-                 "grpo.beta=0.04", "grpo.rewards=[regex:x]", "mesh.data=8", "--compile-for", "v5p:2x4x1",
+                 "grpo.beta=0.04", "grpo.rewards=[regex:x]", "grpo.max_completion_length=64", "mesh.data=8",
+                 "--compile-for", "v5p:2x4x1",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["xla_tpu"]["fits"] and doc["predicted"]["sampling_bytes"] > 0, doc
+    for program in ("prefill", "decode"):
+        assert doc["xla_tpu"]["sampler"][program]["alias_bytes"] == doc["predicted"]["sampling_bytes"], doc
+    assert doc["xla_tpu"]["total_bytes"] >= doc["xla_tpu"]["sampling_total_bytes"] > 0
 
 
 def _prompts(tmp_path, n=8, long=False):
@@ -255,9 +261,15 @@ def test_a_prompt_past_the_context_is_one_line(tmp_path):
 
 def test_fewer_than_two_generations_is_one_line():
     from trainer import load_config
+    from trainer.config import validate
     from trainer.errors import UserError
     with pytest.raises(UserError, match=r"grpo.num_generations") as e:
         load_config(["train.objective=grpo", "grpo.num_generations=1"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"grpo.max_completion_length=64 leaves no room for a prompt in the model's "
+                                        r"context of 64 tokens") as e:
+        validate(load_config(["train.objective=grpo", "grpo.max_completion_length=64", "model.seq_len=64",
+                              "mesh.data=1"]), 1)
     assert "\n" not in str(e.value)
 
 

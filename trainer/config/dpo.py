@@ -60,6 +60,9 @@ def objective_checks(cfg, mc, context: int) -> list:
         (t.objective != "grpo" or family(mc.family).decode_cache is None,
          f"train.objective=grpo with model.family={mc.family} is not supported: sampling prompts of different lengths "
          "together is not built for its own decoding cache (latent attention)"),
+        (t.objective != "grpo" or not mc.seq_len or g.max_completion_length < mc.seq_len,
+         f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt in the model's context of "
+         f"{mc.seq_len} tokens (model.seq_len); lower it or raise model.seq_len"),
         (t.objective != "grpo" or (not mc.mtp_depth and t.sync == "every_step"),
          f"train.objective=grpo with model.mtp_depth={mc.mtp_depth}, train.sync={t.sync} is not supported; set "
          "model.mtp_depth=0 and train.sync=every_step"),

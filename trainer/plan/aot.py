@@ -86,11 +86,21 @@ class Compiled:
     seconds: float  # compile time on this host
     measured: object  # trainer.plan.verify.Measured
     plan: object  # trainer.plan.core.Plan
+    sampler: dict | None = None  # GRPO: {"prefill", "decode": trainer.plan.verify.Footprint} of the sampler's step
+
+    @property
+    def sampling_bytes(self) -> float:
+        """GRPO: the sampler's peak per chip, its larger program's (parameters, cache, scratch) with what the run
+        holds beside it (the optimizer state, the reference model: the planner's exact figures); else 0."""
+        if not self.sampler:
+            return 0.0
+        return max(f.total_bytes for f in self.sampler.values()) + self.plan.opt_state_bytes + self.plan.reference_bytes
 
     @property
     def total_bytes(self) -> float:
-        """XLA:TPU's per-device peak (trainer.plan.verify.Footprint)."""
-        return self.measured.total_bytes
+        """XLA:TPU's per-device peak (trainer.plan.verify.Footprint): the train step's, or GRPO's sampler's where
+        it is larger."""
+        return max(self.measured.total_bytes, self.sampling_bytes)
 
 
 def compile_for(cfg, name: str) -> Compiled:
@@ -112,13 +122,25 @@ def compile_for(cfg, name: str) -> Compiled:
     t0 = time.perf_counter()
     try:
         m = measure(cfg, devices, grads=False)
+        sampler = _sampler(cfg, devices) if cfg.train.objective == "grpo" else None
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  (XLA:TPU's errors: out of memory, an unsupported op)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         hint = f"; {_SHRINK}" if "RESOURCE_EXHAUSTED" in first else ""
         raise UserError(f"{st.describe()} does not compile for {name}: {first[:300]}{hint}") from None
-    return Compiled(name, devices[0].device_kind, time.perf_counter() - t0, m, plan)
+    return Compiled(name, devices[0].device_kind, time.perf_counter() - t0, m, plan, sampler)
+
+
+def _sampler(cfg, devices) -> dict:
+    """GRPO's sampler compiled for the devices: its prefill (the longest prompts, the context less
+    grpo.max_completion_length) and one decode step."""
+    from trainer.plan.verify import Footprint
+    from trainer.rl.rollout import compile_sampler
+    from trainer.state import make_setup
+    s = make_setup(cfg, devices)
+    prompt = s.model.seq_len - cfg.grpo.max_completion_length
+    return {"prefill": Footprint.of(compile_sampler(s, prompt)), "decode": Footprint.of(compile_sampler(s, 1))}
 
 
 def overflow(c: Compiled) -> str | None:

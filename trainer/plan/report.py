@@ -1,6 +1,8 @@
 """What `meshtrain plan` prints: the plan as text or JSON, XLA's figures beside it, the search's ranking."""
 from __future__ import annotations
 
+import dataclasses
+
 from meshes import DATA
 from models import param_count
 from trainer.plan.core import Plan
@@ -213,12 +215,18 @@ def compiled_text(c) -> str:
     planned_flops = p.compute_s * p.device.peak(p.dtype)  # per device, the planner's hardware FLOPs
     rows = [f"meshtrain plan --compile-for {c.topology}: {headline(p, param_count(p.model))}",
             f"layout: {p.strategy.describe()} | grad_sync {p.strategy.grad_sync}",
-            f"XLA:TPU compiled the train step for {n} x {c.device_kind} in {c.seconds:.1f} s here "
+            f"XLA:TPU compiled the train step{' and the sampler' if c.sampler else ''} for {n} x {c.device_kind} "
+            f"in {c.seconds:.1f} s here "
             f"(nothing ran); bytes per chip", f"  {'':<40}{'planner':>19}{'XLA:TPU':>19}  error",
             row("parameters + optimizer state", p.params_bytes + p.opt_state_bytes, m.params_opt_bytes),
             row("temp: activations+gradients+buffers", p.activations_bytes + p.grads_bytes + p.buffers_bytes,
                 m.temp_bytes),
             row("total (arguments+temp+unaliased outputs)", p.total_bytes, c.total_bytes),
+            *([row("  the train step's", p.state_bytes + p.activations_bytes + p.buffers_bytes + p.reference_bytes,
+                   m.total_bytes),
+               row("  sampling (GRPO): KV cache", p.sampling_bytes, max(f.alias_bytes for f in c.sampler.values())),
+               row("  sampling: step + optimizer + reference", p.state_bytes - p.grads_bytes + p.sampling_bytes
+                   + p.reference_bytes, c.sampling_bytes)] if c.sampler else []),
             f"  {'of the chip':<40}{size(p.device.hbm):>19}{'':>19}  ({p.device.name}"
             + (", fits)" if c.total_bytes <= p.device.hbm else ", DOES NOT FIT)")]
     for axis, (mine, xla) in by_axis(p, m).items():
@@ -244,6 +252,10 @@ def compiled_json(c) -> dict:
                         "argument_bytes": m.argument_bytes, "output_bytes": m.output_bytes,
                         "alias_bytes": m.alias_bytes, "total_bytes": c.total_bytes, "flops": m.flops,
                         "comm_bytes": m.comm_bytes, "fits": c.total_bytes <= c.plan.device.hbm,
+                        "step_total_bytes": m.total_bytes,
+                        "sampler": c.sampler and {k: {**dataclasses.asdict(f), "total_bytes": f.total_bytes}
+                                                  for k, f in c.sampler.items()},
+                        "sampling_total_bytes": c.sampling_bytes or None,
                         "collectives": [{"kind": k, "axes": list(a), "bytes": b}
                                         for (k, a), b in sorted(m.collectives.items())],
                         # an MoE dispatch's exact path, only where a buffer overflows (as if it ran)

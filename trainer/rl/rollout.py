@@ -80,6 +80,26 @@ def placement(c, params: dict, N: int) -> tuple:
             jax.sharding.NamedSharding(mesh, P(None, rows, None, heads, None)))
 
 
+def compile_sampler(s, prompt: int, options: dict | None = None):
+    """The sampler's cached step compiled for the setup's devices (a TPU topology ahead of time), abstract inputs
+    laid out as a run lays them (`placement`): train.batch_size rows reading `prompt` tokens each (the prefill: the
+    prompts' length; 1: one decode step) into a cache of the whole context, in the run's compute dtype."""
+    from models.decode import init_cache
+    from models.sampler import decode_step
+    c, N = s.model, s.cfg.train.batch_size
+    params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), s.shapes["params"],
+                          s.shardings["params"])
+    rows, spread = placement(c, params, N)
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spread),
+                         jax.eval_shape(lambda: init_cache(c, N, c.seq_len, s.dtype)))
+    i32, f32 = jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((), np.float32)
+    args = (params, jax.ShapeDtypeStruct((N, prompt), np.int32, sharding=rows), i32, cache,
+            jax.ShapeDtypeStruct((N,), np.int32, sharding=rows), jax.eval_shape(lambda: jax.random.key(0)),
+            f32, i32, f32, i32)
+    with jax.set_mesh(s.mesh):
+        return decode_step(c, s.dtype).lower(*args).compile(options or {})
+
+
 def generation(c, params: dict, records: list, functions: list, weights, st: Settings, key,
                reference: dict | None = None) -> tuple[dict, dict]:
     """(the learner's batch {field: (N, seq_len)}, the generation's metrics) of B records ({"prompt_ids": [...],
