@@ -55,7 +55,11 @@ def decode_step(c: ModelConfig, dtype):
     return jax.jit(step, donate_argnums=3)
 
 
-BUCKET = 64  # the prompts' padded length is a multiple of this (or the context left), so few lengths compile
+def bucket(P: int) -> int:
+    """The prompts' padded length: P rounded up to a multiple of a quarter of the power of two below it (at least
+    16), so a few lengths per octave compile and padding adds under a quarter to the prefill and cache."""
+    step = max(16, 1 << max(0, P.bit_length() - 3))
+    return -(-P // step) * step
 
 
 def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int, key, *, temperature: float = 1.0,
@@ -74,7 +78,7 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     N, P = len(prompts), max(len(p) for p in prompts)
     if P + max_new > c.seq_len:
         raise ValueError(f"a prompt of {P} tokens plus {max_new} new ones exceeds the model's context of {c.seq_len}")
-    P = min(-(-P // BUCKET) * BUCKET, c.seq_len - max_new)  # more left padding: one compile per bucket, not per length
+    P = min(bucket(P), c.seq_len - max_new)  # more left padding: one compile per bucket, not per length
     tokens = np.full((N, P), pad, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, P - len(p):] = p
