@@ -72,6 +72,12 @@ def test_the_advantages_are_trl_s_of_the_recorded_rewards(variant):
     np.testing.assert_allclose(np.sort(adv), np.sort(trl), rtol=1e-5, atol=1e-6)  # TRL shuffles them into microbatches
     for k in ("reward", "reward_std", "frac_reward_zero_std"):
         _close(metrics[k], float(f[f"log1_{k}"]), k)
+    from trainer.rl.rewards import metrics as per_function
+    names = sorted({k.split("/")[1] for k in f.files if k.startswith("log1_rewards/")})
+    got = per_function(names, f["rewards_per_func"])  # TRL's columns are its functions in the order given
+    for n in names:
+        for stat in ("mean", "std"):
+            _close(got[f"rewards/{n}/{stat}"], float(f[f"log1_rewards/{n}/{stat}"]), f"rewards/{n}/{stat}")
 
 
 ONE = ("mesh.data=1", "mesh.stage=1", "mesh.model=1")
@@ -119,6 +125,8 @@ def test_the_learning_step_is_trl_s_over_two_iterations(variant, mesh):
     q0 = got["q0_grad"]  # (D, H, E): HF's (H E, D) transposed
     np.testing.assert_allclose(q0.reshape(q0.shape[0], -1).T, f["grad_q0"], rtol=1e-4, atol=1e-6)
     _close(float(m2["loss"]), float(f["log2_loss"]), "loss at iteration 2")
+    for i, m in ((1, m1), (2, m2)):  # TRL's entropy: the microbatches' masked means, averaged
+        _close(float(m["aux/entropy"]), float(f[f"log{i}_entropy"]), f"entropy at iteration {i}")
     for k in ("kl", *grpo.CLIP_METRICS):
         if f"log2_{k}" in f.files:
             _close(float(m2[k if "/" in k else f"aux/{k}"]), float(f[f"log2_{k}"]), f"{k} at iteration 2")
