@@ -203,6 +203,38 @@ def _prepare(args: list[str]) -> int:
     return 0
 
 
+def _eval(args: list[str]) -> int:
+    p = ArgParser(prog="meshtrain eval", description="Score a run's checkpoint (or an export, or a Hugging Face "
+                  "folder) on lm-evaluation-harness tasks, on the mesh the key=value overrides give; lm-eval's results "
+                  "JSON goes to OUT (default: RUN/eval/harness_<tasks>.json) and a table to stdout. Needs "
+                  "pip install 'meshtrain[eval]'.")
+    p.add_argument("--run", required=True, help="the run.dir, an export, or a Hugging Face model folder")
+    p.add_argument("--tasks", required=True, help="task names, comma-separated: meshtrain's own (meshtrain_mc, "
+                   "meshtrain_rolling, meshtrain_gen) or tasks under --include-path")
+    for flag, kw in (("--include-path", dict(action="append", default=[], help="a folder of task YAML files "
+                                             "(repeatable); their relative data_files are read beside them")),
+                     ("--num-fewshot", dict(type=int, help="few-shot examples (lm-eval's seed picks them)")),
+                     ("--limit", dict(type=float, help="at most this many documents per task (or a share, < 1)")),
+                     ("--gen-kwargs", dict(help="generation arguments over the tasks', e.g. temperature=0")),
+                     ("--output", dict(help="where the results JSON goes"))):
+        p.add_argument(flag, "--" + flag[2:].replace("-", "_"), **kw)  # lm-eval spells them with underscores
+    p.add_argument("--log-samples", "--log_samples", action="store_true", help="keep each request and response "
+                   "in the results")
+    p.add_argument("--apply-chat-template", "--apply_chat_template", action="store_true",
+                   help="render each request with the tokenizer's chat template")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--seed", type=int, default=1234, help="lm-eval's seeds, few-shot sampling's included")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the run's config (e.g. mesh.data=2 "
+                   "mesh.model=4)")
+    ns = p.parse_args(args)
+    from trainer.run.harness import evaluate, write_results
+    tasks = [t for t in ns.tasks.split(",") if t]
+    results = evaluate(ns.run, tasks, ns.overrides, ns.include_path, ns.num_fewshot, ns.limit, ns.log_samples,
+                       ns.gen_kwargs, ns.apply_chat_template, ns.step, ns.seed)
+    print(write_results(results, ns.run, tasks, ns.output))
+    return 0
+
+
 def _plan(args: list[str]) -> int:
     from trainer.plan.command import main as plan
     return plan(args)
@@ -210,7 +242,7 @@ def _plan(args: list[str]) -> int:
 
 COMMANDS = {"train": _train, "plan": _plan,
             "inspect": _inspect, "export": _export, "simulate": _simulate, "plot": _plot,
-            "generate": _generate, "prepare": _prepare}
+            "generate": _generate, "prepare": _prepare, "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:

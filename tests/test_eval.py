@@ -1,0 +1,101 @@
+"""`meshtrain eval`: lm-evaluation-harness on meshtrain's model (trainer/run/harness.py), its three request kinds on
+the shipped offline tasks (trainer/eval_tasks), on one device and on (2,1,4); each loglikelihood request's figure
+against a forward of that request alone through the KV-cache decoder (models/decode.py, another attention path, no
+padding, no batching); and the one-line refusals."""
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer.errors import UserError
+
+FIX = Path(__file__).parent / "fixtures" / "grpo" / "policy"  # a tiny HF Llama with its tokenizer
+TASKS = ["meshtrain_mc", "meshtrain_rolling", "meshtrain_gen"]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    import os
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from trainer.run.harness import evaluate
+    return evaluate(str(FIX), TASKS, ["mesh.data=1"], log_samples=True)
+
+
+def _alone(c, params, ids, cont) -> tuple[float, bool]:
+    """(sum of the continuation's log-probabilities, all greedy) of one request's ids, through the decoder."""
+    from models.decode import hidden, init_cache
+    from models.transformer import head
+    fn = jax.jit(lambda p, t: jax.nn.log_softmax(head(c, p, hidden(c, p, t, 0, init_cache(c, 1, t.shape[1]))[0])
+                                                 .astype(jnp.float32), axis=-1)[0])
+    logp = np.asarray(fn(params, jnp.asarray([ids], jnp.int32)))
+    n = len(cont)
+    picked = [float(logp[len(ids) - n - 1 + i, t]) for i, t in enumerate(cont)]
+    greedy = all(int(np.argmax(logp[len(ids) - n - 1 + i])) == t for i, t in enumerate(cont))
+    return sum(picked), greedy
+
+
+def test_the_three_kinds_run_and_each_loglikelihood_is_the_request_alone(one_device):
+    from trainer.ckpt.params import load_params
+    from trainer.config import model_config
+    from trainer.run.harness import Tokenizer
+    r = one_device
+    assert set(r["results"]) == set(TASKS)
+    assert 0 <= r["results"]["meshtrain_mc"]["acc,none"] <= 1 and r["results"]["meshtrain_rolling"][
+        "bits_per_byte,none"] > 0 and "exact_match,strip" in r["results"]["meshtrain_gen"]
+    params, cfg = load_params(str(FIX))
+    c = model_config(cfg)
+    tok = Tokenizer(FIX / "tokenizer.json", 0)
+    for s in r["samples"]["meshtrain_mc"][:3]:  # 12 requests, each compiled at its own length
+        for (context, continuation), resp in zip(s["arguments"], s["resps"]):
+            whole, ctx = tok.encode(context + continuation), tok.encode(context)
+            got, greedy = resp[0]
+            want, want_greedy = _alone(c, params, whole, whole[len(ctx):])
+            assert abs(got - want) < 1e-4 and greedy == want_greedy, (context, continuation, got, want)
+    gen = r["samples"]["meshtrain_gen"]
+    assert len(gen) == 4 and all(isinstance(s["resps"][0][0], str) for s in gen)
+
+
+@pytest.mark.slow
+def test_another_layout_scores_the_same(one_device):
+    """(2,1,4): every request's figure within 1e-4 (relative for the rolling sums) and the same generations."""
+    from trainer.run.harness import evaluate
+    eight = evaluate(str(FIX), TASKS, ["mesh.data=2", "mesh.model=4"], log_samples=True)
+    for task in TASKS:
+        a, b = one_device["samples"][task], eight["samples"][task]
+        for x, y in zip(a, b):
+            if task == "meshtrain_gen":
+                assert x["resps"] == y["resps"], task
+            else:
+                for (p,), (q,) in zip(x["resps"], y["resps"]):  # (loglikelihood, is_greedy), or a rolling sum
+                    p, q = (p, True) if isinstance(p, float) else p, (q, True) if isinstance(q, float) else q
+                    assert abs(p[0] - q[0]) < 1e-4 * max(1.0, abs(q[0])) and p[1] == q[1], (task, p, q)
+
+
+def test_without_the_extra_it_is_one_line(monkeypatch):
+    from trainer.run.harness import need_lm_eval
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)
+    with pytest.raises(UserError, match=r"pip install 'meshtrain\[eval\]'") as e:
+        need_lm_eval()
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_task_and_data_that_is_not_local_are_one_line(tmp_path):
+    from trainer.run.harness import task_configs
+    with pytest.raises(UserError, match=r"^unknown task 'hellaswagg'") as e:
+        task_configs(["hellaswagg"])
+    assert "\n" not in str(e.value)
+    (tmp_path / "hub.yaml").write_text("task: from_hub\ndataset_path: Rowan/hellaswag\noutput_type: multiple_choice\n")
+    (tmp_path / "gone.yaml").write_text("task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                        "    test: missing.jsonl\noutput_type: multiple_choice\n")
+    with pytest.raises(UserError, match=r"task from_hub .* reads dataset_path 'Rowan/hellaswag', which is not local"):
+        task_configs(["from_hub"], [str(tmp_path)])
+    with pytest.raises(UserError, match=r"task gone: its data file .*missing.jsonl is not there"):
+        task_configs(["gone"], [str(tmp_path)])
+    (tmp_path / "missing.jsonl").write_text(json.dumps({"q": 1}) + "\n")
+    got = task_configs(["gone"], [str(tmp_path)])[0]  # a relative path is read beside its YAML, not in the cwd
+    assert got["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "missing.jsonl")
