@@ -59,20 +59,39 @@ def test_the_three_kinds_run_and_each_loglikelihood_is_the_request_alone(one_dev
     assert len(gen) == 4 and all(isinstance(s["resps"][0][0], str) for s in gen)
 
 
+def _same_as(samples_a, samples_b, where: str):
+    """Every request of every task: the same arguments, log-likelihoods within 1e-4 (relative for rolling sums),
+    the same is_greedy flags and generated strings."""
+    for task in TASKS:
+        a, b = sorted(samples_a[task], key=lambda x: x["doc_id"]), sorted(samples_b[task], key=lambda x: x["doc_id"])
+        assert len(a) == len(b) > 0, task
+        for x, y in zip(a, b):
+            assert [list(v) for v in x["arguments"]] == [list(v) for v in y["arguments"]], (where, task)
+            if task == "meshtrain_gen":
+                assert x["resps"] == y["resps"], (where, task, x["resps"], y["resps"])
+                continue
+            for (p,), (q,) in zip(x["resps"], y["resps"]):  # (loglikelihood, is_greedy), or a rolling sum
+                p, q = (p, True) if isinstance(p, (int, float)) else p, (q, True) if isinstance(q, (int, float)) else q
+                assert abs(p[0] - q[0]) < 1e-4 * max(1.0, abs(q[0])) and bool(p[1]) == bool(q[1]), (where, task, p, q)
+
+
+def test_every_request_is_what_lm_eval_s_hf_backend_computes(one_device):
+    """lm-eval 0.4.13's own HFLM (transformers + torch, float32) on the same folder and tasks (the fixture of
+    scripts/make_eval_fixture.py): every request's log-likelihood, is_greedy, rolling sum and generated string."""
+    want = json.loads((Path(__file__).parent / "fixtures" / "eval" / "llama.json").read_text())
+    _same_as(one_device["samples"], want["samples"], "one device vs HFLM")
+    for task, scores in want["results"].items():
+        for k, v in scores.items():
+            if k != "sample_len":
+                assert abs(one_device["results"][task][k] - v) <= 1e-4 * max(1.0, abs(v)), (task, k)
+
+
 @pytest.mark.slow
 def test_another_layout_scores_the_same(one_device):
     """(2,1,4): every request's figure within 1e-4 (relative for the rolling sums) and the same generations."""
     from trainer.run.harness import evaluate
     eight = evaluate(str(FIX), TASKS, ["mesh.data=2", "mesh.model=4"], log_samples=True)
-    for task in TASKS:
-        a, b = one_device["samples"][task], eight["samples"][task]
-        for x, y in zip(a, b):
-            if task == "meshtrain_gen":
-                assert x["resps"] == y["resps"], task
-            else:
-                for (p,), (q,) in zip(x["resps"], y["resps"]):  # (loglikelihood, is_greedy), or a rolling sum
-                    p, q = (p, True) if isinstance(p, float) else p, (q, True) if isinstance(q, float) else q
-                    assert abs(p[0] - q[0]) < 1e-4 * max(1.0, abs(q[0])) and p[1] == q[1], (task, p, q)
+    _same_as(eight["samples"], one_device["samples"], "(2,1,4) vs one device")
 
 
 def test_without_the_extra_it_is_one_line(monkeypatch):

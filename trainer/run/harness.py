@@ -230,6 +230,7 @@ def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: 
     need_lm_eval()
     from lm_eval import evaluator
     from trainer.ckpt.params import load_params
+    from trainer.config import model_config
     from trainer.state import make_setup
     configs = task_configs(list(tasks), list(include))  # before any weights are read: a bad name costs nothing
     if params is None:
@@ -239,6 +240,11 @@ def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: 
         from trainer.config import load_config
         cfg = load_config(list(overrides), base=config_dict(cfg))
     from meshes import devices_named
+    from trainer.ckpt.hf import context_of, origin_of
+    from trainer.config import replace
+    context = context_of(origin_of(cfg, run))  # a Hugging Face model's own context: lm-eval's max_length there
+    if context and context != model_config(cfg).seq_len:
+        cfg = replace(cfg, model={"seq_len": context})
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh) or jax.device_count()])
     params = jax.device_put(params, s.shardings["params"])
     path = cfg.data.tokenizer
