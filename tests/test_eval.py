@@ -118,3 +118,24 @@ def test_an_unknown_task_and_data_that_is_not_local_are_one_line(tmp_path):
     (tmp_path / "missing.jsonl").write_text(json.dumps({"q": 1}) + "\n")
     got = task_configs(["gone"], [str(tmp_path)])[0]  # a relative path is read beside its YAML, not in the cwd
     assert got["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.slow
+def test_scores_during_training_are_meshtrain_eval_s_of_that_checkpoint(tmp_path):
+    """eval.harness_tasks in a run (the fixture's Llama fine-tuned 2 SGD steps on (8,1,1), scored at steps 1 and 2):
+    the scores metrics.jsonl logs at step 2 equal `meshtrain eval` of the step-2 checkpoint, and they moved from
+    step 1's (the parameters changed)."""
+    from trainer.cli import main
+    from trainer.run.benchmarks import scores
+    from trainer.run.harness import evaluate
+    run = tmp_path / "run"
+    assert main(["train", f"model.init_from={FIX}", "data.source=synthetic", "model.seq_len=64", "mesh.data=-1",
+                 "train.batch_size=8", "train.steps=2", "train.optimizer=sgd", "train.lr=0.5", "train.grad_clip=0",
+                 "train.warmup_steps=0", "train.eval_every=1", "checkpoint.every=2", "run.progress=false",
+                 f"eval.harness_tasks=[{','.join(TASKS)}]", f"run.dir={run}"]) == 0
+    logged = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "meshtrain_mc/acc" in r}
+    assert sorted(logged) == [1, 2]
+    want = scores(evaluate(str(run), TASKS, ["mesh.data=-1"], step=2))
+    assert want and {k: logged[2][k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert logged[1]["meshtrain_rolling/bits_per_byte"] != logged[2]["meshtrain_rolling/bits_per_byte"]

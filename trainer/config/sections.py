@@ -192,6 +192,20 @@ class GrpoSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """lm-evaluation-harness tasks scored during training (trainer/run/benchmarks.py), as `meshtrain eval` scores a
+    checkpoint (trainer/run/harness.py)."""
+    harness_tasks: List[str] = setting([], None, "task names scored during training: meshtrain's own "
+                                       "(meshtrain_mc, meshtrain_rolling, meshtrain_gen) or under eval.include_path")
+    harness_every: int = setting(0, EVERY, "steps between harness evaluations (and after the last); 0: "
+                                 "train.eval_every")
+    include_path: List[str] = setting([], None, "folders of task YAML files (their data_files read beside them)")
+    limit: Optional[float] = setting(None, f"> 0 and <= {FLOAT32}", "at most this many documents per task (a share "
+                                     "if below 1); null: all")
+    num_fewshot: Optional[int] = setting(None, f">= 0 and <= {INT32}", "few-shot examples; null: each task's own")
+
+
+@dataclasses.dataclass(frozen=True)
 class DistSection:
     """Joining a multi-process run (trainer/run/distributed.py); one process needs none of it."""
     coordinator: Optional[str] = setting(None, None, "HOST:PORT of process 0; with num_processes and process_id")
@@ -245,6 +259,7 @@ class Config:
     dist: DistSection = dataclasses.field(default_factory=DistSection)
     dpo: DpoSection = dataclasses.field(default_factory=DpoSection)
     grpo: GrpoSection = dataclasses.field(default_factory=GrpoSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
 
 # The names other trainers (MaxText, torchtitan, Megatron-LM, Hugging Face, nanoGPT) give these keys, for "did you

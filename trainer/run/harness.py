@@ -219,20 +219,30 @@ def task_configs(names: list[str], include: list[str] = ()) -> list[dict]:
     return out
 
 
+def tokenizer_of(cfg) -> Path:
+    """The run's tokenizer.json: data.tokenizer, else its model.init_from folder's; one line where it has none."""
+    from trainer.data.sidecars import local_tokenizer
+    if cfg.data.tokenizer:
+        return Path(local_tokenizer(cfg.data.tokenizer))
+    if cfg.model.init_from and (Path(cfg.model.init_from) / "tokenizer.json").is_file():
+        return Path(cfg.model.init_from) / "tokenizer.json"
+    raise UserError("lm-eval's tasks are text, and this model has no tokenizer recorded (trained on bytes or bare "
+                    "token ids): evaluate a run trained on `meshtrain prepare` data or from a Hugging Face folder "
+                    "with its tokenizer.json")
+
+
 def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: int | None = None,
              limit: float | None = None, log_samples: bool = False, gen_kwargs: str | None = None,
              apply_chat_template: bool = False, step: int | None = None, seed: int = 1234,
              params=None, cfg=None) -> dict:
     """lm-eval's results of `tasks` on a run's checkpoint (or an export, or a Hugging Face folder) on the mesh the
     overrides give (default: every local device over data); `params`/`cfg` given: those (the training loop's)."""
-    import os
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files: never ask the hub
     need_lm_eval()
-    from lm_eval import evaluator
     from trainer.ckpt.params import load_params
     from trainer.config import model_config
     from trainer.state import make_setup
     configs = task_configs(list(tasks), list(include))  # before any weights are read: a bad name costs nothing
+    params_given = params
     if params is None:
         params, cfg = load_params(run, step)
     if overrides:  # the mesh (and anything else) to evaluate on
@@ -242,26 +252,34 @@ def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: 
     from meshes import devices_named
     from trainer.ckpt.hf import context_of, origin_of
     from trainer.config import replace
-    context = context_of(origin_of(cfg, run))  # a Hugging Face model's own context: lm-eval's max_length there
+    from trainer.ckpt.objects import path_of
+    from trainer.ckpt.store import kind_of
+    # a Hugging Face folder's own context is lm-eval's max_length there; a run's or an export's is its model.seq_len
+    context = context_of(origin_of(cfg, run)) if params_given is None and kind_of(path_of(run)) == "hf" else None
     if context and context != model_config(cfg).seq_len:
         cfg = replace(cfg, model={"seq_len": context})
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh) or jax.device_count()])
     params = jax.device_put(params, s.shardings["params"])
-    path = cfg.data.tokenizer
-    if not path:
-        raise UserError(f"'{run}' has no tokenizer recorded (it was trained on bytes or bare token ids); lm-eval's "
-                        "tasks are text: evaluate a run trained on `meshtrain prepare` data or a Hugging Face folder "
-                        "with its tokenizer.json")
-    from trainer.data.sidecars import local_tokenizer
-    tok = Tokenizer(Path(local_tokenizer(path)), int(s.model.vocab_size) - 1)
+    tok = Tokenizer(tokenizer_of(cfg), int(s.model.vocab_size) - 1)
     from meshes import DATA
     lm = make_lm(s.model, params, tok, s.model.seq_len, s.mesh.shape[DATA])
     with jax.set_mesh(s.mesh):
-        return evaluator.simple_evaluate(model=lm, tasks=configs, num_fewshot=num_fewshot, limit=limit,
-                                         log_samples=log_samples, gen_kwargs=gen_kwargs,
-                                         apply_chat_template=apply_chat_template, random_seed=seed,
-                                         numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                         bootstrap_iters=0, verbosity="WARNING")
+        return lm_results(lm, configs, num_fewshot, limit, log_samples, gen_kwargs, apply_chat_template, seed)
+
+
+def lm_results(lm, configs: list[dict], num_fewshot: int | None = None, limit: float | None = None,
+               log_samples: bool = False, gen_kwargs: str | None = None, apply_chat_template: bool = False,
+               seed: int = 1234) -> dict:
+    """lm-eval's simple_evaluate of the task configs on `lm`, every seed `seed` (lm-eval's default 1234), no
+    bootstrap: the same requests and few-shot examples wherever it runs."""
+    import os
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files: never ask the hub
+    from lm_eval import evaluator
+    return evaluator.simple_evaluate(model=lm, tasks=configs, num_fewshot=num_fewshot, limit=limit,
+                                     log_samples=log_samples, gen_kwargs=gen_kwargs,
+                                     apply_chat_template=apply_chat_template, random_seed=seed, numpy_random_seed=seed,
+                                     torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=0,
+                                     verbosity="WARNING")
 
 
 def write_results(results: dict, run: str, tasks: list[str], output: str | None = None) -> str:

@@ -16,6 +16,7 @@ from models.objectives.dpo import unit
 from trainer.config import Config
 from trainer.data.batches import bits_per_byte
 from trainer.observe.goodput import summary
+from trainer.run.benchmarks import Benchmarks
 from trainer.run.checkpointing import Checkpointing
 from trainer.run.context import Result, Run, describe  # noqa: F401 - describe: the start-up line, for callers
 from trainer.run.evaluator import Eval
@@ -33,7 +34,7 @@ def plugins(run: Run) -> list:
     """In the order their hooks run: fault injection first; at a sync point metrics, eval, the line, the guard,
     the save, the stop; on exit the same order; the watchdog last (it watches the others' exits too)."""
     guard = Guard(run)
-    return [*extra(run, run.cfg.run.plugins), Profiler(run), StepMetrics(run), Eval(run), Report(run), guard,
+    return [*extra(run, run.cfg.run.plugins), Profiler(run), StepMetrics(run), Eval(run), Benchmarks(run), Report(run), guard,
             Checkpointing(run, guard), Preemption(run), GoodputRecord(run), Watchdog(run)]
 
 
