@@ -22,7 +22,7 @@ def one_device():
     import os
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from trainer.run.harness import evaluate
-    return evaluate(str(FIX), TASKS, ["mesh.data=1"], log_samples=True)
+    return evaluate(str(FIX), TASKS, ["mesh.data=1"], log_samples=True, max_length=64)  # windows, left truncation
 
 
 def _alone(c, params, ids, cont) -> tuple[float, bool]:
@@ -56,7 +56,7 @@ def test_the_three_kinds_run_and_each_loglikelihood_is_the_request_alone(one_dev
             want, want_greedy = _alone(c, params, whole, whole[len(ctx):])
             assert abs(got - want) < 1e-4 and greedy == want_greedy, (context, continuation, got, want)
     gen = r["samples"]["meshtrain_gen"]
-    assert len(gen) == 4 and all(isinstance(s["resps"][0][0], str) for s in gen)
+    assert len(gen) == 5 and all(isinstance(s["resps"][0][0], str) for s in gen)
 
 
 def _same_as(samples_a, samples_b, where: str):
@@ -75,22 +75,35 @@ def _same_as(samples_a, samples_b, where: str):
                 assert abs(p[0] - q[0]) < 1e-4 * max(1.0, abs(q[0])) and bool(p[1]) == bool(q[1]), (where, task, p, q)
 
 
-def test_every_request_is_what_lm_eval_s_hf_backend_computes(one_device):
-    """lm-eval 0.4.13's own HFLM (transformers + torch, float32) on the same folder and tasks (the fixture of
-    scripts/make_eval_fixture.py): every request's log-likelihood, is_greedy, rolling sum and generated string."""
-    want = json.loads((Path(__file__).parent / "fixtures" / "eval" / "llama.json").read_text())
-    _same_as(one_device["samples"], want["samples"], "one device vs HFLM")
+def _as_hflm(got: dict, fixture: str):
+    want = json.loads((Path(__file__).parent / "fixtures" / "eval" / fixture).read_text())
+    _same_as(got["samples"], want["samples"], f"meshtrain vs HFLM ({fixture})")
     for task, scores in want["results"].items():
         for k, v in scores.items():
             if k != "sample_len":
-                assert abs(one_device["results"][task][k] - v) <= 1e-4 * max(1.0, abs(v)), (task, k)
+                assert abs(got["results"][task][k] - v) <= 1e-4 * max(1.0, abs(v)), (task, k)
+
+
+def test_every_request_is_what_lm_eval_s_hf_backend_computes(one_device):
+    """lm-eval 0.4.13's own HFLM (transformers + torch, float32) on the same folder and tasks at max_length 64 (the
+    fixture of scripts/make_eval_fixture.py, which asserts that the rolling documents span several windows and that
+    a generation context is cut on the left): every request's log-likelihood, is_greedy, rolling sum and generated
+    string, and every score."""
+    _as_hflm(one_device, "llama_64.json")
+
+
+@pytest.mark.slow
+def test_at_the_model_s_own_context_too():
+    """The same at the folder's own context (max_position_embeddings 256, HFLM's default max_length)."""
+    from trainer.run.harness import evaluate
+    _as_hflm(evaluate(str(FIX), TASKS, ["mesh.data=1"], log_samples=True), "llama.json")
 
 
 @pytest.mark.slow
 def test_another_layout_scores_the_same(one_device):
     """(2,1,4): every request's figure within 1e-4 (relative for the rolling sums) and the same generations."""
     from trainer.run.harness import evaluate
-    eight = evaluate(str(FIX), TASKS, ["mesh.data=2", "mesh.model=4"], log_samples=True)
+    eight = evaluate(str(FIX), TASKS, ["mesh.data=2", "mesh.model=4"], log_samples=True, max_length=64)
     _same_as(eight["samples"], one_device["samples"], "(2,1,4) vs one device")
 
 

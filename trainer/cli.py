@@ -216,7 +216,9 @@ def _eval(args: list[str]) -> int:
                      ("--num-fewshot", dict(type=int, help="few-shot examples (lm-eval's seed picks them)")),
                      ("--limit", dict(type=float, help="at most this many documents per task (or a share, < 1)")),
                      ("--gen-kwargs", dict(help="generation arguments over the tasks', e.g. temperature=0")),
-                     ("--output", dict(help="where the results JSON goes"))):
+                     ("--output", dict(help="where the results JSON goes")),
+                     ("--max-length", dict(type=int, help="the context requests are truncated to (lm-eval's "
+                                                          "max_length; default: the model's)"))):
         p.add_argument(flag, "--" + flag[2:].replace("-", "_"), **kw)  # lm-eval spells them with underscores
     p.add_argument("--log-samples", "--log_samples", action="store_true", help="keep each request and response "
                    "in the results")
@@ -230,7 +232,7 @@ def _eval(args: list[str]) -> int:
     from trainer.run.harness import evaluate, write_results
     tasks = [t for t in ns.tasks.split(",") if t]
     results = evaluate(ns.run, tasks, ns.overrides, ns.include_path, ns.num_fewshot, ns.limit, ns.log_samples,
-                       ns.gen_kwargs, ns.apply_chat_template, ns.step, ns.seed)
+                       ns.gen_kwargs, ns.apply_chat_template, ns.step, ns.seed, max_length=ns.max_length)
     print(write_results(results, ns.run, tasks, ns.output))
     return 0
 

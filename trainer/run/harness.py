@@ -234,9 +234,10 @@ def tokenizer_of(cfg) -> Path:
 def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: int | None = None,
              limit: float | None = None, log_samples: bool = False, gen_kwargs: str | None = None,
              apply_chat_template: bool = False, step: int | None = None, seed: int = 1234,
-             params=None, cfg=None) -> dict:
+             params=None, cfg=None, max_length: int | None = None) -> dict:
     """lm-eval's results of `tasks` on a run's checkpoint (or an export, or a Hugging Face folder) on the mesh the
-    overrides give (default: every local device over data); `params`/`cfg` given: those (the training loop's)."""
+    overrides give (default: every local device over data); `params`/`cfg` given: those (the training loop's);
+    `max_length`: the context lm-eval truncates to (HFLM's max_length; default the model's)."""
     need_lm_eval()
     from trainer.ckpt.params import load_params
     from trainer.config import model_config
@@ -262,7 +263,9 @@ def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: 
     params = jax.device_put(params, s.shardings["params"])
     tok = Tokenizer(tokenizer_of(cfg), int(s.model.vocab_size) - 1)
     from meshes import DATA
-    lm = make_lm(s.model, params, tok, s.model.seq_len, s.mesh.shape[DATA])
+    if max_length is not None and not 1 < max_length <= s.model.seq_len:
+        raise UserError(f"--max-length {max_length} must be between 2 and the model's context, {s.model.seq_len}")
+    lm = make_lm(s.model, params, tok, max_length or s.model.seq_len, s.mesh.shape[DATA])
     with jax.set_mesh(s.mesh):
         return lm_results(lm, configs, num_fewshot, limit, log_samples, gen_kwargs, apply_chat_template, seed)
 
