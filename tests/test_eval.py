@@ -48,7 +48,7 @@ def test_the_three_kinds_run_and_each_loglikelihood_is_the_request_alone(one_dev
         "bits_per_byte,none"] > 0 and "exact_match,strip" in r["results"]["meshtrain_gen"]
     params, cfg = load_params(str(FIX))
     c = model_config(cfg)
-    tok = Tokenizer(FIX / "tokenizer.json", 0)
+    tok = Tokenizer(FIX / "tokenizer.json")
     for s in r["samples"]["meshtrain_mc"][:3]:  # 12 requests, each compiled at its own length
         for (context, continuation), resp in zip(s["arguments"], s["resps"]):
             whole, ctx = tok.encode(context + continuation), tok.encode(context)

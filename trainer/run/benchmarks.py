@@ -32,7 +32,7 @@ class Benchmarks(Plugin):
         from trainer.run.harness import Tokenizer, need_lm_eval, task_configs, tokenizer_of
         need_lm_eval()
         self.configs = task_configs(self.tasks, list(e.include_path))  # a bad name stops the run before step 1
-        self.tok = Tokenizer(tokenizer_of(run.cfg), int(run.s.model.vocab_size) - 1)
+        self.tok = Tokenizer(tokenizer_of(run.cfg))
 
     def due(self, run, step: int) -> bool:
         return bool(self.tasks) and self.every > 0 and (step % self.every == 0 or step == run.cfg.train.steps)

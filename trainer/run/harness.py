@@ -44,9 +44,9 @@ class Tokenizer:
     """The run's tokenizer.json as transformers' fast tokenizer encodes with it (its post-processor's specials by
     default), with the BOS and EOS its tokenizer_config.json names (else meshtrain's end-of-text token as EOS)."""
 
-    def __init__(self, path: Path, eot: int):
-        from tokenizers import Tokenizer as HF
-        self.tok = HF.from_file(str(path))
+    def __init__(self, path: Path):
+        from trainer.data.tokenizer import load_tokenizer
+        self.tok, _, eot = load_tokenizer(str(path))
         conf = path.parent / "tokenizer_config.json"
         named = json.loads(conf.read_text()) if conf.is_file() else {}
 
@@ -234,38 +234,30 @@ def tokenizer_of(cfg) -> Path:
 def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: int | None = None,
              limit: float | None = None, log_samples: bool = False, gen_kwargs: str | None = None,
              apply_chat_template: bool = False, step: int | None = None, seed: int = 1234,
-             params=None, cfg=None, max_length: int | None = None) -> dict:
+             max_length: int | None = None) -> dict:
     """lm-eval's results of `tasks` on a run's checkpoint (or an export, or a Hugging Face folder) on the mesh the
-    overrides give (default: every local device over data); `params`/`cfg` given: those (the training loop's);
-    `max_length`: the context lm-eval truncates to (HFLM's max_length; default the model's)."""
+    overrides give (default: every local device over data); `max_length`: the context lm-eval truncates to
+    (HFLM's max_length; default the model's: a Hugging Face folder's max_position_embeddings, else model.seq_len)."""
     need_lm_eval()
+    from meshes import DATA, devices_named
+    from trainer.ckpt.hf import context_of, origin_of
+    from trainer.ckpt.objects import path_of
     from trainer.ckpt.params import load_params
-    from trainer.config import model_config
+    from trainer.ckpt.store import config_dict, kind_of
+    from trainer.config import load_config, model_config, replace
     from trainer.state import make_setup
     configs = task_configs(list(tasks), list(include))  # before any weights are read: a bad name costs nothing
-    params_given = params
-    if params is None:
-        params, cfg = load_params(run, step)
+    params, cfg = load_params(run, step)
     if overrides:  # the mesh (and anything else) to evaluate on
-        from trainer.ckpt.store import config_dict
-        from trainer.config import load_config
         cfg = load_config(list(overrides), base=config_dict(cfg))
-    from meshes import devices_named
-    from trainer.ckpt.hf import context_of, origin_of
-    from trainer.config import replace
-    from trainer.ckpt.objects import path_of
-    from trainer.ckpt.store import kind_of
-    # a Hugging Face folder's own context is lm-eval's max_length there; a run's or an export's is its model.seq_len
-    context = context_of(origin_of(cfg, run)) if params_given is None and kind_of(path_of(run)) == "hf" else None
+    context = context_of(origin_of(cfg, run)) if kind_of(path_of(run)) == "hf" else None
     if context and context != model_config(cfg).seq_len:
         cfg = replace(cfg, model={"seq_len": context})
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh) or jax.device_count()])
-    params = jax.device_put(params, s.shardings["params"])
-    tok = Tokenizer(tokenizer_of(cfg), int(s.model.vocab_size) - 1)
-    from meshes import DATA
     if max_length is not None and not 1 < max_length <= s.model.seq_len:
         raise UserError(f"--max-length {max_length} must be between 2 and the model's context, {s.model.seq_len}")
-    lm = make_lm(s.model, params, tok, max_length or s.model.seq_len, s.mesh.shape[DATA])
+    lm = make_lm(s.model, jax.device_put(params, s.shardings["params"]), Tokenizer(tokenizer_of(cfg)),
+                 max_length or s.model.seq_len, s.mesh.shape[DATA])
     with jax.set_mesh(s.mesh):
         return lm_results(lm, configs, num_fewshot, limit, log_samples, gen_kwargs, apply_chat_template, seed)
 
