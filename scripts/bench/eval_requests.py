@@ -28,7 +28,7 @@ out = []
 for r in range({n}):
     t = time.perf_counter()
     got = simple_evaluate(model=lm, tasks=configs(), bootstrap_iters=0, log_samples=True)
-    out.append((time.perf_counter() - t, sum(len(s) for s in got["samples"].values())))
+    out.append((time.perf_counter() - t, sum(len(x["arguments"]) for v in got["samples"].values() for x in v)))
 print("RESULT", json.dumps(out))
 """
 
@@ -47,7 +47,7 @@ def ours(n: int) -> list:
     for _ in range(n):
         t = time.perf_counter()
         got = lm_results(lm, task_configs(TASKS), log_samples=True)
-        out.append((time.perf_counter() - t, sum(len(s) for s in got["samples"].values())))
+        out.append((time.perf_counter() - t, sum(len(x["arguments"]) for v in got["samples"].values() for x in v)))
     return out
 
 
