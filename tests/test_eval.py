@@ -152,3 +152,23 @@ def test_scores_during_training_are_meshtrain_eval_s_of_that_checkpoint(tmp_path
     want = scores(evaluate(str(run), TASKS, ["mesh.data=-1"], step=2))
     assert want and {k: logged[2][k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
     assert logged[1]["meshtrain_rolling/bits_per_byte"] != logged[2]["meshtrain_rolling/bits_per_byte"]
+
+
+@pytest.mark.slow
+def test_requests_of_60_lengths_compile_4_programs():
+    """score_rows pads requests to length buckets (models/sampler.py `bucket`: 16, 32, 48, 64 here): 60 requests of
+    60 different lengths (3 to 62 tokens) compile 4 programs (the jitted function's own cache count), and each
+    figure equals the request scored alone at its own length (1e-5)."""
+    import dataclasses
+    from trainer.ckpt.params import load_params
+    from trainer.config import model_config
+    from trainer.run.harness import _scores_fn, score_rows
+    params, cfg = load_params(str(FIX))
+    c = dataclasses.replace(model_config(cfg), seq_len=200)  # a model config of its own: a fresh jit cache
+    rng = np.random.default_rng(0)
+    rows = [(list(rng.integers(1, 1000, n)), list(rng.integers(1, 1000, 1 + n % 3))) for n in range(3, 63)]
+    got = score_rows(c, params, rows)
+    assert _scores_fn(c)._cache_size() == 4
+    for i in (0, 17, 59):  # alone: the last chunk of one row, padded to its own bucket
+        alone = score_rows(c, params, [rows[i]])[0]
+        assert abs(alone[0] - got[i][0]) < 1e-5 and alone[1] == got[i][1], i
