@@ -53,8 +53,8 @@ def prepared(source: str) -> list[dict] | None:
     `prompt_ids`; None where `source` is no prepared data; one line where it is prepared data of no prompts."""
     from trainer.data.manifest import Where, is_manifest, read_manifest
     if str(source).endswith(".bin"):
-        where, name = Where(Path(str(source)).parent if "://" not in str(source) else str(source).rsplit("/", 1)[0]), \
-            str(source).rsplit("/", 1)[-1]
+        folder, name = str(source).rsplit("/", 1) if "/" in str(source) else (".", str(source))
+        where = Where(folder)
         if where.size(name + ".json") is None:
             return None
         shards = [name]
@@ -71,8 +71,7 @@ def prepared(source: str) -> list[dict] | None:
                             "or give that file as data.source")
         ids = where.small(name, np.dtype(meta["dtype"]))
         index = where.small(_beside(name, meta["document_index"]["path"]), np.uint64)
-        lines = where.at(_beside(name, meta["prompts"]["path"]))
-        text = (lines.read_text() if isinstance(lines, Path) else _remote_text(lines)).splitlines()
+        text = where.small(_beside(name, meta["prompts"]["path"]), np.uint8).tobytes().decode().splitlines()
         for i in range(int(meta["prompts"]["train"])):  # the training split's documents come first
             out.append({**json.loads(text[i]), "prompt_ids": ids[int(index[i]):int(index[i + 1])].tolist()})
     return out
@@ -81,8 +80,3 @@ def prepared(source: str) -> list[dict] | None:
 def _beside(name: str, file: str) -> str:
     """A file that shard (or .bin) `name`'s sidecar names, relative to the folder `name` is relative to."""
     return (name.rsplit("/", 1)[0] + "/" if "/" in name else "") + file
-
-
-def _remote_text(url: str) -> str:
-    from trainer.data import remote
-    return remote.read_bytes(url).decode()

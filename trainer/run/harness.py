@@ -86,10 +86,11 @@ def score_rows(c, params, rows: list[tuple[list[int], list[int]]], data_ranks: i
     """(sum of the continuation's log-probabilities, whether every continuation token is the argmax) of each
     (input ids, continuation ids) row: the continuation's targets are the row's last len(continuation) positions
     (the input ends with all of it but its last token), as lm-eval's HF backend reads them."""
-    out = []
+    out = [None] * len(rows)
     n = -(-ROWS // data_ranks) * data_ranks
+    order = sorted(range(len(rows)), key=lambda k: -len(rows[k][0]))  # similar lengths share a bucket (as HFLM sorts)
     for i in range(0, len(rows), n):
-        chunk = rows[i:i + n]
+        chunk = [rows[k] for k in order[i:i + n]]
         T = bucket(max(len(inp) for inp, _ in chunk))
         tokens = np.zeros((n, T), np.int32)
         targets = np.zeros((n, T), np.int32)
@@ -101,9 +102,9 @@ def score_rows(c, params, rows: list[tuple[list[int], list[int]]], data_ranks: i
         fields = {"tokens": tokens, "segment_ids": segs, "positions": np.broadcast_to(np.arange(T, dtype=np.int32),
                                                                                       (n, T)).copy()}
         logp, greedy = (np.asarray(x) for x in _scores_fn(c)(params, fields, targets))
-        for r, (inp, cont) in enumerate(chunk):
+        for r, (k, (inp, cont)) in enumerate(zip(order[i:i + n], chunk)):
             span = slice(len(inp) - len(cont), len(inp))
-            out.append((float(logp[r, span].sum()), bool(greedy[r, span].all())))
+            out[k] = (float(logp[r, span].sum()), bool(greedy[r, span].all()))
     return out
 
 
@@ -146,28 +147,40 @@ def _lm_class():
             return out
 
         def generate_until(self, requests, disable_tqdm: bool = False):
-            return [_generate(self, context, gen_kwargs) for context, gen_kwargs in [r.args for r in requests]]
+            args = [r.args for r in requests]
+            groups: dict = {}  # requests of the same gen_kwargs drawn together, ROWS at a time
+            for k, (_, kw) in enumerate(args):
+                groups.setdefault(json.dumps(kw, sort_keys=True, default=str), []).append(k)
+            out = [None] * len(args)
+            for ks in groups.values():
+                for i in range(0, len(ks), ROWS):
+                    part = ks[i:i + ROWS]
+                    for k, text in zip(part, _generate(self, [args[k][0] for k in part], args[part[0]][1])):
+                        out[k] = text
+            return out
 
     return MeshtrainLM
 
 
-def _generate(lm, context: str, gen_kwargs: dict) -> str:
-    """One generate_until request as HFLM answers it: greedy unless the kwargs sample, stopped at EOS, cut at the
-    first `until` string."""
+def _generate(lm, contexts: list[str], gen_kwargs: dict) -> list[str]:
+    """generate_until requests of the same gen_kwargs drawn together (rows and KV cache over the mesh's data
+    ranks, trainer/rl/rollout.py `placement`), each as HFLM answers it: greedy unless the kwargs sample, stopped at
+    EOS, cut at the first `until` string."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from models.sampler import sample_completions
+    from trainer.rl.rollout import placement
     tok = lm.tok
     kwargs = normalize_gen_kwargs(dict(gen_kwargs), lm.max_gen_toks)
     until = handle_stop_sequences(kwargs.pop("until", None), eos=tok.decode([tok.eos], skip_special_tokens=False))
     new = kwargs.pop("max_gen_toks")
-    ids = tok.encode(context)[-(lm.length - new):]
+    ids = [tok.encode(context)[-(lm.length - new):] for context in contexts]
     sample = bool(kwargs.get("do_sample")) or float(kwargs.get("temperature", 0.0) or 0.0) > 0
-    got = sample_completions(lm.c, lm.params, [ids], new, jax.random.key(int(kwargs.get("seed", 0) or 0)),
+    got = sample_completions(lm.c, lm.params, ids, new, jax.random.key(int(kwargs.get("seed", 0) or 0)),
                              temperature=float(kwargs.get("temperature", 1.0) or 1.0) if sample else 1.0,
                              top_k=0 if sample else 1, top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                             end_ids={tok.eos}, pad=tok.eos)
-    text = tok.decode(got["tokens"][0, :got["lengths"][0]])
-    return postprocess_generated_text(generation=text, stop=until, think_end_token=None)
+                             end_ids={tok.eos}, pad=tok.eos, placement=placement(lm.c, lm.params, len(ids)))
+    return [postprocess_generated_text(generation=tok.decode(got["tokens"][r, :got["lengths"][r]]), stop=until,
+                                       think_end_token=None) for r in range(len(ids))]
 
 
 TASKS = Path(__file__).resolve().parent.parent / "eval_tasks"  # the shipped tasks (YAML over local JSONL)
