@@ -55,6 +55,14 @@ def decode_step(c: ModelConfig, dtype):
     return jax.jit(step, donate_argnums=3)
 
 
+def host(x) -> np.ndarray:
+    """A jax array's whole value on this host, gathered from the other processes where it is split over them."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def bucket(P: int) -> int:
     """The prompts' padded length: P rounded up to a multiple of a quarter of the power of two below it (at least
     16), so a few lengths per octave compile and padding adds under a quarter to the prefill and cache."""
@@ -64,14 +72,16 @@ def bucket(P: int) -> int:
 
 def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int, key, *, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, end_ids=(), pad: int = 0, dtype=jnp.float32,
-                       vocab: int | None = None, placement=(None, None)) -> dict:
+                       vocab: int | None = None, placement=(None, None), stop=None) -> dict:
     """Completions of each prompt (lists of token ids), drawn together: {"tokens": (N, max_new) int32, each row its
     tokens up to and including its first end token, then `pad`; "logps": (N, max_new) float32 (0 after the end);
     "lengths": (N,); "ended": (N,) bool, whether the row drew an end token; "margins": (N, max_new), each draw's
     margin (inf after the end): where every margin exceeds the rounding another layout adds, it draws the same}. A
     prompt plus max_new longer than the model's context is a ValueError (the caller says it in one line).
     `placement`: the shardings of the rows' arrays (N, ...) and of the cache (L, N, S, K, E) on the parameters'
-    mesh (trainer/rl/rollout.py `placement`), else where jax puts them."""
+    mesh (trainer/rl/rollout.py `placement`), else where jax puts them. `stop(row, tokens)`: whether a row that drew
+    no end token stops after its tokens so far (a stop string in their text; its length is then theirs). The drawn
+    arrays are read on every process (gathered where the rows are split over processes)."""
     if family(c.family).decode_cache is not None:
         raise ValueError(f"sampling prompts of different lengths together is not built for model.family={c.family} "
                          "(its own decoding cache)")
@@ -87,23 +97,26 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     start = put(np.asarray(P - np.array([len(p) for p in prompts]), np.int32))
     step = decode_step(c, jnp.dtype(dtype))
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(vocab or c.vocab_size))
-    cache = init_cache(c, N, P + max_new, dtype)
-    if spread is not None:  # each rank its rows' (and heads') share of the cache, not a copy of all of it
-        cache = jax.tree.map(lambda a: jax.device_put(a, spread), cache)
+    # each rank its rows' (and heads') share of the cache, not a copy of all of it
+    cache = jax.jit(lambda: init_cache(c, N, P + max_new, dtype), out_shardings=spread)()
     out, logps = np.full((N, max_new), pad, np.int32), np.zeros((N, max_new), np.float32)
     margins = np.full((N, max_new), np.inf, np.float32)
     ended, ends = np.zeros(N, bool), np.asarray(sorted(end_ids), np.int32)
+    stopped, cut = np.zeros(N, bool), np.full(N, max_new, np.int32)
     nxt, pos = tokens, 0
     for t in range(max_new):
         tok, logp, margin, cache = step(params, put(nxt), jnp.int32(pos), cache, start,
                                         jax.random.fold_in(key, t), *settings)
         pos += nxt.shape[1]
-        tok, logp, margin = np.asarray(tok), np.asarray(logp), np.asarray(margin)
-        live = ~ended
+        tok, logp, margin = host(tok), host(logp), host(margin)
+        live = ~(ended | stopped)
         out[live, t], logps[live, t], margins[live, t] = tok[live], logp[live], margin[live]
         ended |= live & np.isin(tok, ends)
-        if ended.all():
+        for r in np.flatnonzero(live & ~ended) if stop is not None else ():
+            if stop(int(r), out[r, :t + 1]):
+                stopped[r], cut[r] = True, t + 1
+        if (ended | stopped).all():
             break
         nxt = tok[:, None]
-    lengths = np.where(ended, np.argmax(np.isin(out, ends), axis=1) + 1, max_new)  # up to its first end token
+    lengths = np.where(ended, np.argmax(np.isin(out, ends), axis=1) + 1, cut)  # up to its first end token
     return {"tokens": out, "logps": logps, "lengths": lengths.astype(np.int32), "ended": ended, "margins": margins}

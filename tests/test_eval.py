@@ -13,7 +13,9 @@ import pytest
 
 from trainer.errors import UserError
 
-FIX = Path(__file__).parent / "fixtures" / "grpo" / "policy"  # a tiny HF Llama with its tokenizer
+EVAL = Path(__file__).parent / "fixtures" / "eval"
+FIX = EVAL / "llama"  # a tiny HF Llama trained on the generation task, with its tokenizer and chat template
+MOE = EVAL / "mixtral"  # a tiny random Mixtral (4 experts, 2 per token), router margins above 1e-3 on every request
 TASKS = ["meshtrain_mc", "meshtrain_rolling", "meshtrain_gen"]
 
 
@@ -57,12 +59,37 @@ def test_the_three_kinds_run_and_each_loglikelihood_is_the_request_alone(one_dev
             assert abs(got - want) < 1e-4 and greedy == want_greedy, (context, continuation, got, want)
     gen = r["samples"]["meshtrain_gen"]
     assert len(gen) == 5 and all(isinstance(s["resps"][0][0], str) for s in gen)
+    assert r["results"]["meshtrain_gen"]["exact_match,strip"] == 1.0  # it learnt the answers, then "\n" ends them
+
+
+def test_a_generation_stops_at_its_until_string(monkeypatch):
+    """The sampler stops a row once its text holds an `until` string: the trained model answers " apple\n" and
+    draws nothing after it (2 of max_gen_toks 16 draws), the same string as drawing all 16 and cutting."""
+    import models.sampler as sampler
+    from trainer.ckpt.params import load_params
+    from trainer.config import model_config
+    from trainer.run.harness import Tokenizer, _generate
+    params, cfg = load_params(str(FIX))
+    tok = Tokenizer(FIX / "tokenizer.json")
+    lm = type("LM", (), {"c": model_config(cfg), "params": params, "tok": tok, "length": 256, "max_gen_toks": 256})()
+    draws = []
+    real = sampler.decode_step
+
+    def counted(*a):
+        step = real(*a)
+        return lambda *b: (draws.append(1), step(*b))[1]
+    monkeypatch.setattr(sampler, "decode_step", counted)
+    kw = {"until": ["\n"], "max_gen_toks": 16, "do_sample": False}
+    assert _generate(lm, ["Repeat the word: apple"], kw) == [" apple"]
+    assert len(draws) < 16, len(draws)
+    assert _generate(lm, ["Repeat the word: apple"], {**kw, "until": ["NEVER"]})[0].startswith(" apple\n")
 
 
 def _same_as(samples_a, samples_b, where: str):
     """Every request of every task: the same arguments, log-likelihoods within 1e-4 (relative for rolling sums),
     the same is_greedy flags and generated strings."""
-    for task in TASKS:
+    assert set(samples_a) == set(samples_b), where
+    for task in samples_b:
         a, b = sorted(samples_a[task], key=lambda x: x["doc_id"]), sorted(samples_b[task], key=lambda x: x["doc_id"])
         assert len(a) == len(b) > 0, task
         for x, y in zip(a, b):
@@ -101,10 +128,33 @@ def test_at_the_model_s_own_context_too():
 
 @pytest.mark.slow
 def test_another_layout_scores_the_same(one_device):
-    """(2,1,4): every request's figure within 1e-4 (relative for the rolling sums) and the same generations."""
+    """(2,1,4): every request's figure within 1e-4 (relative for the rolling sums) and the same generations, and
+    HFLM's."""
     from trainer.run.harness import evaluate
     eight = evaluate(str(FIX), TASKS, ["mesh.data=2", "mesh.model=4"], log_samples=True, max_length=64)
     _same_as(eight["samples"], one_device["samples"], "(2,1,4) vs one device")
+    _as_hflm(eight, "llama_64.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["mesh.data=1"], ["mesh.data=2", "mesh.model=4"]], ids=["one", "2x1x4"])
+def test_a_mixture_of_experts_scores_as_hflm(mesh):
+    """The Mixtral fixture (experts routed by a router whose 2nd and 3rd logits differ by more than 1e-3 on every
+    token lm-eval's requests route, asserted by the fixture script from the router's own outputs) on one device and
+    on (2,1,4): every request and score as HFLM's."""
+    from trainer.run.harness import evaluate
+    _as_hflm(evaluate(str(MOE), TASKS, mesh, log_samples=True, max_length=64), "mixtral.json")
+
+
+@pytest.mark.slow
+def test_the_chat_template_renders_as_hflm_s():
+    """--apply-chat-template: every request rendered through the folder's chat template (transformers'
+    apply_chat_template as HFLM calls it) and scored as HFLM's, the multiple-choice and generation tasks."""
+    from trainer.run.harness import evaluate
+    got = evaluate(str(FIX), ["meshtrain_mc", "meshtrain_gen"], ["mesh.data=1"], log_samples=True,
+                   apply_chat_template=True)
+    assert got["samples"]["meshtrain_gen"][0]["arguments"][0][0].startswith("<|begin_of_text|><|im_start|>user")
+    _as_hflm(got, "llama_chat.json")
 
 
 def test_without_the_extra_it_is_one_line(monkeypatch):
@@ -116,11 +166,22 @@ def test_without_the_extra_it_is_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
-def test_an_unknown_task_and_data_that_is_not_local_are_one_line(tmp_path):
+@pytest.mark.slow
+def test_an_unknown_task_and_one_of_lm_eval_s_own_are_one_line():
+    """A name that is not meshtrain's nor under --include-path is looked up in lm-eval's built-in tasks (indexing
+    them takes ~15 s): unknown, or lm-eval's own whose data downloads from the hub."""
     from trainer.run.harness import task_configs
-    with pytest.raises(UserError, match=r"^unknown task 'hellaswagg'") as e:
-        task_configs(["hellaswagg"])
+    with pytest.raises(UserError, match=r"^unknown task 'hellaswagg': not in meshtrain's tasks \(meshtrain_gen") as e:
+        task_configs(["meshtrain_mc", "hellaswagg"])
     assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"^task 'hellaswag' is one of lm-eval's own and reads dataset_path "
+                       r"'Rowan/hellaswag' from the Hugging Face hub, which nothing here reaches") as e:
+        task_configs(["hellaswag"])
+    assert "\n" not in str(e.value)
+
+
+def test_data_that_is_not_local_is_one_line(tmp_path):
+    from trainer.run.harness import task_configs
     (tmp_path / "hub.yaml").write_text("task: from_hub\ndataset_path: Rowan/hellaswag\noutput_type: multiple_choice\n")
     (tmp_path / "gone.yaml").write_text("task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                         "    test: missing.jsonl\noutput_type: multiple_choice\n")
@@ -133,25 +194,82 @@ def test_an_unknown_task_and_data_that_is_not_local_are_one_line(tmp_path):
     assert got["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.slow
-def test_scores_during_training_are_meshtrain_eval_s_of_that_checkpoint(tmp_path):
-    """eval.harness_tasks in a run (the fixture's Llama fine-tuned 2 SGD steps on (8,1,1), scored at steps 1 and 2):
-    the scores metrics.jsonl logs at step 2 equal `meshtrain eval` of the step-2 checkpoint, and they moved from
-    step 1's (the parameters changed)."""
+TRAIN = [f"model.init_from={FIX}", "data.source=synthetic", "model.seq_len=64", "train.batch_size=8",
+         "train.steps=2", "train.optimizer=sgd", "train.lr=0.5", "train.grad_clip=0", "train.warmup_steps=0",
+         "train.eval_every=1", "checkpoint.every=2", "run.progress=false", f"eval.harness_tasks=[{','.join(TASKS)}]"]
+
+
+def _logged(run: Path) -> dict:
+    """step -> the harness scores metrics.jsonl logged at it."""
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "meshtrain_mc/acc" in r}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The fixture's Llama fine-tuned 2 SGD steps on (8,1,1), the three tasks scored at steps 1 and 2."""
     from trainer.cli import main
+    run = tmp_path_factory.mktemp("harness") / "run"
+    assert main(["train", *TRAIN, "mesh.data=-1", f"run.dir={run}"]) == 0
+    return run
+
+
+@pytest.mark.slow
+def test_scores_during_training_are_meshtrain_eval_s_of_that_checkpoint(trained):
+    """eval.harness_tasks in a run: the scores metrics.jsonl logs at step 2 equal `meshtrain eval` of the step-2
+    checkpoint, and they moved from step 1's (the parameters changed)."""
     from trainer.run.benchmarks import scores
     from trainer.run.harness import evaluate
-    run = tmp_path / "run"
-    assert main(["train", f"model.init_from={FIX}", "data.source=synthetic", "model.seq_len=64", "mesh.data=-1",
-                 "train.batch_size=8", "train.steps=2", "train.optimizer=sgd", "train.lr=0.5", "train.grad_clip=0",
-                 "train.warmup_steps=0", "train.eval_every=1", "checkpoint.every=2", "run.progress=false",
-                 f"eval.harness_tasks=[{','.join(TASKS)}]", f"run.dir={run}"]) == 0
-    logged = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "meshtrain_mc/acc" in r}
+    logged = _logged(trained)
     assert sorted(logged) == [1, 2]
-    want = scores(evaluate(str(run), TASKS, ["mesh.data=-1"], step=2))
+    want = scores(evaluate(str(trained), TASKS, ["mesh.data=-1"], step=2))
     assert want and {k: logged[2][k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
     assert logged[1]["meshtrain_rolling/bits_per_byte"] != logged[2]["meshtrain_rolling/bits_per_byte"]
+
+
+def _two_processes(args: list[str], logs: Path):
+    """`python -m trainer.cli ARGS` as 2 processes x 4 CPU devices (jax.distributed on localhost)."""
+    import os
+    import re
+    import subprocess
+    from test_multihost import ROOT, free_port
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4")
+    port, files = free_port(), [logs / f"{i}.log" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "trainer.cli", *args, f"dist.coordinator=127.0.0.1:{port}",
+                               "dist.num_processes=2", f"dist.process_id={i}"],
+                              cwd=ROOT, env=env, stdout=open(files[i], "w"), stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], [f.read_text()[-2000:] for f in files]
+
+
+@pytest.mark.slow
+def test_two_processes_score_as_one(trained, tmp_path):
+    """The same run as 2 processes x 4 devices: process 0 drives lm-eval and sends each batch of requests to
+    process 1, which computes it with it; the scores logged at steps 1 and 2 equal 1 process x 8 devices'."""
+    run = tmp_path / "run"
+    _two_processes(["train", *TRAIN, "mesh.data=-1", f"run.dir={run}"], tmp_path)
+    two, one = _logged(run), _logged(trained)
+    assert sorted(two) == [1, 2]
+    for step in (1, 2):
+        keys = [k for k in one[step] if "/" in k and k.split("/")[0] in TASKS]
+        assert keys and {k: two[step][k] for k in keys} == pytest.approx({k: one[step][k] for k in keys}, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_meshtrain_eval_on_two_processes_is_hflm_s(tmp_path):
+    """`meshtrain eval` as 2 processes x 4 devices on (2,1,4): process 0 writes lm-eval's results, every request as
+    HFLM's."""
+    out = tmp_path / "results.json"
+    _two_processes(["eval", "--run", str(FIX), "--tasks", ",".join(TASKS), "--max-length", "64", "--log-samples",
+                    "--output", str(out), "mesh.data=2", "mesh.model=4"], tmp_path)
+    _as_hflm(json.loads(out.read_text()), "llama_64.json")
 
 
 @pytest.mark.slow

@@ -229,11 +229,16 @@ def _eval(args: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run's config (e.g. mesh.data=2 "
                    "mesh.model=4)")
     ns = p.parse_args(args)
+    from trainer.config import load_config
+    from trainer.run.distributed import initialize
     from trainer.run.harness import evaluate, write_results
+    initialize(load_config([o for o in ns.overrides if o.startswith("dist.")]).dist)  # before jax touches a device
     tasks = [t for t in ns.tasks.split(",") if t]
     results = evaluate(ns.run, tasks, ns.overrides, ns.include_path, ns.num_fewshot, ns.limit, ns.log_samples,
                        ns.gen_kwargs, ns.apply_chat_template, ns.step, ns.seed, max_length=ns.max_length)
-    print(write_results(results, ns.run, tasks, ns.output))
+    import jax
+    if jax.process_index() == 0:  # the process that drove lm-eval holds its whole results
+        print(write_results(results, ns.run, tasks, ns.output))
     return 0
 
 

@@ -57,6 +57,31 @@ class Tokenizer:
         self.bos, eos = token("bos_token"), token("eos_token")
         self.eos = eos if eos is not None else eot
         self.bos_text = self.tok.id_to_token(self.bos) if self.bos is not None else None
+        self.name = str(path.parent).replace("/", "__")  # lm-eval's cache fingerprint, as HFLM's name_or_path
+        from trainer.data.chat import load_template, parse_date
+        self.template = load_template(path, None, parse_date(None))
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The messages rendered as HFLM's apply_chat_template renders them (transformers' apply_chat_template with
+        continue_final_message where no generation prompt is added: the text ends where the last message does;
+        without the system message where the template fails with it); one line without a template."""
+        from trainer.data.chat import TemplateFailed
+        if self.template is None:
+            raise UserError("--apply-chat-template needs a chat template beside the run's tokenizer "
+                            "(chat_template.jinja or tokenizer_config.json's chat_template)")
+        tag = "CONTINUE_FINAL_MESSAGE_TAG "
+        msgs = [dict(m) for m in messages]
+        if not add_generation_prompt and msgs:
+            msgs[-1]["content"] = msgs[-1]["content"] + tag
+        try:
+            text = self.template.render(msgs, add_generation_prompt=add_generation_prompt)
+        except TemplateFailed:
+            text = self.template.render([m for m in msgs if m.get("role") != "system"],
+                                        add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt or not msgs:
+            return text
+        at = text.rindex(tag.strip())
+        return text[:at] if text[at:at + len(tag)] == tag else text[:at].rstrip()
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         specials = True if add_special_tokens is None else add_special_tokens
@@ -126,6 +151,14 @@ def _lm_class():
         max_length = property(lambda self: self.length)
         max_gen_toks = property(lambda self: 256)
 
+        tokenizer_name = property(lambda self: self.tok.name)
+
+        def chat_template(self, chat_template: bool | str = False) -> str | None:
+            return self.tok.template.text if chat_template and self.tok.template else None
+
+        def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+            return self.tok.chat(chat_history, add_generation_prompt)
+
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
             return self.tok.encode(string, add_special_tokens)
 
@@ -134,7 +167,7 @@ def _lm_class():
             for _, ctx, cont in requests:  # HFLM's input: the last max_length + 1 ids less the last
                 whole = (list(ctx) + list(cont))[-(self.length + 1):]
                 rows.append((whole[:-1], list(cont)))
-            return score_rows(self.c, self.params, rows, self.ranks)
+            return _call(self, {"op": "rows", "rows": rows})
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             from lm_eval import utils as lm_utils
@@ -155,7 +188,8 @@ def _lm_class():
             for ks in groups.values():
                 for i in range(0, len(ks), ROWS):
                     part = ks[i:i + ROWS]
-                    for k, text in zip(part, _generate(self, [args[k][0] for k in part], args[part[0]][1])):
+                    cmd = {"op": "gen", "contexts": [args[k][0] for k in part], "kwargs": args[part[0]][1]}
+                    for k, text in zip(part, _call(self, cmd)):
                         out[k] = text
             return out
 
@@ -164,8 +198,8 @@ def _lm_class():
 
 def _generate(lm, contexts: list[str], gen_kwargs: dict) -> list[str]:
     """generate_until requests of the same gen_kwargs drawn together (rows and KV cache over the mesh's data
-    ranks, trainer/rl/rollout.py `placement`), each as HFLM answers it: greedy unless the kwargs sample, stopped at
-    EOS, cut at the first `until` string."""
+    ranks, trainer/rl/rollout.py `placement`), each as HFLM answers it: greedy unless the kwargs sample, a row
+    stopped at EOS or once its text holds an `until` string, cut at the first one."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from models.sampler import sample_completions
     from trainer.rl.rollout import placement
@@ -175,12 +209,48 @@ def _generate(lm, contexts: list[str], gen_kwargs: dict) -> list[str]:
     new = kwargs.pop("max_gen_toks")
     ids = [tok.encode(context)[-(lm.length - new):] for context in contexts]
     sample = bool(kwargs.get("do_sample")) or float(kwargs.get("temperature", 0.0) or 0.0) > 0
+    terms = [u for u in until if u]
     got = sample_completions(lm.c, lm.params, ids, new, jax.random.key(int(kwargs.get("seed", 0) or 0)),
                              temperature=float(kwargs.get("temperature", 1.0) or 1.0) if sample else 1.0,
                              top_k=0 if sample else 1, top_p=float(kwargs.get("top_p", 1.0) or 1.0),
-                             end_ids={tok.eos}, pad=tok.eos, placement=placement(lm.c, lm.params, len(ids)))
+                             end_ids={tok.eos}, pad=tok.eos, placement=placement(lm.c, lm.params, len(ids)),
+                             stop=lambda _, drawn: any(u in tok.decode(drawn) for u in terms))
     return [postprocess_generated_text(generation=tok.decode(got["tokens"][r, :got["lengths"][r]]), stop=until,
                                        think_end_token=None) for r in range(len(ids))]
+
+
+def _share(obj=None):
+    """Process 0's `obj` (JSON) on every process (as it comes back from JSON on process 0 too)."""
+    from jax.experimental import multihost_utils
+    data = json.dumps(obj, default=str).encode() if jax.process_index() == 0 else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.zeros(n, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))))
+
+
+def _call(lm, cmd: dict):
+    """One batch of requests on the mesh, every process computing it together: process 0 (which drives lm-eval)
+    sends it to the others (`serve`) first."""
+    return _compute(lm, _share(cmd) if jax.process_count() > 1 else cmd)
+
+
+def _compute(lm, cmd: dict):
+    if cmd["op"] == "rows":
+        return score_rows(lm.c, lm.params, [(a, b) for a, b in cmd["rows"]], lm.ranks)
+    return _generate(lm, cmd["contexts"], cmd["kwargs"])
+
+
+def serve(lm) -> dict:
+    """The other processes' part of process 0's lm-eval pass: each batch it sends computed with it, until it sends
+    its results ({"results": lm-eval's per-task scores}); one line where its pass failed."""
+    while True:
+        cmd = _share()
+        if cmd["op"] == "done":
+            return {"results": cmd["results"]}
+        if cmd["op"] == "failed":
+            raise UserError(f"lm-eval's pass on process 0 failed ({cmd['why']}); its output says why")
+        _compute(lm, cmd)
 
 
 TASKS = Path(__file__).resolve().parent.parent / "eval_tasks"  # the shipped tasks (YAML over local JSONL)
@@ -200,6 +270,20 @@ def _local(files, folder: Path, task: str):
     return str(p)
 
 
+def _not_ours(name: str, ours: list[str]):
+    """One line for a task name that neither meshtrain's tasks nor --include-path hold: one of lm-eval's own
+    (indexing its built-in tasks, ~15 s), whose data downloads from the hub, or unknown."""
+    from lm_eval.tasks import TaskManager
+    entry = TaskManager(include_defaults=True).task_index.get(name)
+    fix = ("copy its data locally and point a task YAML's data_files at it (--include-path; docs/eval.md)")
+    if entry is not None:
+        hub = (entry.cfg or {}).get("dataset_path")
+        what = f"reads dataset_path '{hub}' from the Hugging Face hub" if hub else "is a group of tasks that do"
+        raise UserError(f"task '{name}' is one of lm-eval's own and {what}, which nothing here reaches; {fix}")
+    raise UserError(f"unknown task '{name}': not in meshtrain's tasks ({', '.join(ours)}), under --include-path, "
+                    f"nor among lm-eval's; check the name, or for a task of your own {fix}")
+
+
 def task_configs(names: list[str], include: list[str] = ()) -> list[dict]:
     """lm-eval task configs of `names`, found in the shipped tasks and the --include-path folders (YAML files with a
     `task:`), their data files made absolute; a name found nowhere, or a task whose data is not local files, is
@@ -216,12 +300,11 @@ def task_configs(names: list[str], include: list[str] = ()) -> list[dict]:
                 continue
             if isinstance(cfg.get("task"), str):
                 found.setdefault(cfg["task"], (y, cfg))
+    missing = [n for n in names if n not in found]
+    if missing:
+        _not_ours(missing[0], sorted(t for t, (y, _) in found.items() if y.is_relative_to(TASKS)))
     out = []
     for name in names:
-        if name not in found:
-            raise UserError(f"unknown task '{name}': not in meshtrain's tasks ({', '.join(sorted(t for t, (y, _) in found.items() if y.is_relative_to(TASKS)))}) nor "
-                            "under --include-path; lm-eval's own tasks download their data, which nothing here "
-                            "reaches: copy the dataset locally and point a task YAML's data_files at it (docs/eval.md)")
         y, cfg = found[name]
         kw = dict(cfg.get("dataset_kwargs") or {})
         if cfg.get("dataset_path") not in ("json", "parquet", "csv", "text") or "data_files" not in kw:
@@ -269,7 +352,8 @@ def evaluate(run: str, tasks: list[str], overrides=(), include=(), num_fewshot: 
     s = make_setup(cfg, jax.devices()[:devices_named(cfg.mesh) or jax.device_count()])
     if max_length is not None and not 1 < max_length <= s.model.seq_len:
         raise UserError(f"--max-length {max_length} must be between 2 and the model's context, {s.model.seq_len}")
-    lm = make_lm(s.model, jax.device_put(params, s.shardings["params"]), Tokenizer(tokenizer_of(cfg)),
+    params = jax.device_put(params, s.shardings["params"])  # read FSDP-style over every device: the run's layout
+    lm = make_lm(s.model, params, Tokenizer(tokenizer_of(cfg)),
                  max_length or s.model.seq_len, s.mesh.shape[DATA])
     with jax.set_mesh(s.mesh):
         return lm_results(lm, configs, num_fewshot, limit, log_samples, gen_kwargs, apply_chat_template, seed)
@@ -279,15 +363,28 @@ def lm_results(lm, configs: list[dict], num_fewshot: int | None = None, limit: f
                log_samples: bool = False, gen_kwargs: str | None = None, apply_chat_template: bool = False,
                seed: int = 1234) -> dict:
     """lm-eval's simple_evaluate of the task configs on `lm`, every seed `seed` (lm-eval's default 1234), no
-    bootstrap: the same requests and few-shot examples wherever it runs."""
+    bootstrap: the same requests and few-shot examples wherever it runs. With several processes, process 0 drives
+    lm-eval and sends each batch of requests to the others (`serve`), which get its per-task scores at the end
+    ({"results": ...}, all they return)."""
     import os
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files: never ask the hub
     from lm_eval import evaluator
-    return evaluator.simple_evaluate(model=lm, tasks=configs, num_fewshot=num_fewshot, limit=limit,
-                                     log_samples=log_samples, gen_kwargs=gen_kwargs,
-                                     apply_chat_template=apply_chat_template, random_seed=seed, numpy_random_seed=seed,
-                                     torch_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=0,
-                                     verbosity="WARNING")
+    many = jax.process_count() > 1
+    if many and jax.process_index() != 0:
+        return serve(lm)
+    try:
+        got = evaluator.simple_evaluate(model=lm, tasks=configs, num_fewshot=num_fewshot, limit=limit,
+                                        log_samples=log_samples, gen_kwargs=gen_kwargs,
+                                        apply_chat_template=apply_chat_template, random_seed=seed,
+                                        numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                        bootstrap_iters=0, verbosity="WARNING")
+    except BaseException as e:
+        if many:
+            _share({"op": "failed", "why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+        raise
+    if many:
+        _share({"op": "done", "results": got["results"]})
+    return got
 
 
 def write_results(results: dict, run: str, tasks: list[str], output: str | None = None) -> str:
