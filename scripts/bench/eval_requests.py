@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-FIX = ROOT / "tests" / "fixtures" / "grpo" / "policy"
+FIX = ROOT / "tests" / "fixtures" / "eval" / "llama"  # generations end at their until string
 TASKS = ["meshtrain_mc", "meshtrain_rolling", "meshtrain_gen"]
 
 HF = """
