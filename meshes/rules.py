@@ -96,6 +96,9 @@ def _drop(entry, axes: set[str]):
 RULES = Rules({
     "batch": DATA,
     "seq": None,
+    # the residual stream's sequence (each layer's input and output, the norms before the column-parallel
+    # matmuls): as `seq`, and over `model` too with train.sequence_parallel (trainer/state.py rules_for)
+    "res_seq": None,
     "embed": None,
     "heads": MODEL,
     "kv_heads": MODEL,

@@ -34,6 +34,9 @@ class Placement(NamedTuple):
     # context parallelism (models/context_parallel/gather.py ContextPlan: each row's tokens split over `context`, the attention
     # strategy that attends a chunk, the tokens' original positions); None: whole rows, index causality
     context: Any = None
+    # sequence parallelism: the residual stream split over `model` along the sequence (trainer/state.py rules_for);
+    # each column-parallel matmul's gathered input is then recomputed in the backward, not kept (LayerCall.column)
+    sequence_parallel: bool = False
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):
@@ -197,8 +200,9 @@ REMAT = {
 
 
 def sublayer_remat(f: Callable) -> Callable:
-    """model.remat=sublayer on a layer half f(p, x) (-> x, or (x, aux) for an MLP half): its backward recomputes it
-    from its saved input."""
+    """model.remat=sublayer on a layer half f(p, x) (-> x, or (x, aux) for an MLP half), and sequence parallelism's
+    norm + column-parallel projections (-> a tuple of them, LayerCall.column): its backward recomputes it from its
+    saved input."""
     # A custom vjp rather than jax.checkpoint(nothing_saveable): XLA:CPU merged that recomputation
     # with the forward pass (both halves' internals live at once again; measured: no memory saved).
     def half(p, x):
@@ -214,10 +218,8 @@ def sublayer_remat(f: Callable) -> Callable:
                 return dx, dp, tuple(dconsts)
 
             def never(dy):
-                p, _, *consts = res
-                # an MLP half returns (x, aux): its x's cotangent has x's shape
-                dx = dy[0] if isinstance(dy, tuple) else dy
-                return dx, jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
+                p, x, *consts = res
+                return jnp.zeros_like(x), jax.tree.map(jnp.zeros_like, p), tuple(map(jnp.zeros_like, consts))
 
             # A conditional XLA cannot decide: XLA:CPU drops optimization barriers before CSE,
             # which would then merge a recomputation with the forward pass (remat undone), but it

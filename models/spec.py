@@ -134,6 +134,10 @@ class LayerCall(NamedTuple):
     decoding: bool = False
     # decoding a family with its own cache (ModelSpec.decode_cache): this layer's (models/decode.py CacheView)
     cache: Any = None
+    # wraps f(p, x) -> the column-parallel projections of norm(x): the identity, or under sequence parallelism a
+    # remat that keeps x (split over `model` along the sequence), not its gathered norm (models/layers.py
+    # sublayer_remat), which each projection's weight gradient would otherwise hold (the Placement's)
+    column: Callable = lambda f: f
 
 
 class Ends(NamedTuple):

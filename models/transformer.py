@@ -149,12 +149,12 @@ def abstract_model(mc: ModelConfig, seed: int = 0) -> Abstract:
 
 def layer_call(c: ModelConfig, rope, constrain: Constrain = _no_constrain, kernels: Kernels | None = None,
                half: Callable = _identity, segments=None, index=0, data=None, kv_repeat: int = 1,
-               collectives=LOCAL, attention: Callable | None = None) -> LayerCall:
+               collectives=LOCAL, attention: Callable | None = None, column: Callable = _identity) -> LayerCall:
     """A LayerCall (models/spec.py) with `attention` as its strategy (default: the kernels' own, whole rows; the
     collectives' local form unless given)."""
     kn = kernels or kernels_for(c)
     return LayerCall(rope, constrain, kn, half, segments, attention or kn.attention, index, data or {}, kv_repeat,
-                     collectives)
+                     collectives, column=column)
 
 
 def layer(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -171,7 +171,8 @@ def attention_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     """x + attention(norm(x)): norm, q/k/v, RoPE, attention (call.attention), output projection, residual add."""
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("attn_norm", "wq", "wk", "wv", "wo") + ATTENTION_OPTIONS if k in p}
-    q_BTHE, k_BTKE, v_BTKE = repeat_kv(call, *qkv(c, p, x_BTD, call.rope, constrain, kernels=kn))
+    q_BTHE, k_BTKE, v_BTKE = repeat_kv(call, *qkv(c, p, x_BTD, call.rope, constrain, kernels=kn,
+                                                   column=call.column))
     o_BTHE = call.attention(q_BTHE, k_BTKE, v_BTKE, segments=call.segments)
     return attn_out(c, p, x_BTD, o_BTHE, constrain, kn)
 
@@ -186,21 +187,21 @@ def repeat_kv(call: LayerCall, q_BTHE, k_BTKE, v_BTKE):
 
 
 def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constrain, offset=0,
-        kernels: Kernels | None = None, plus_one: bool = False):
+        kernels: Kernels | None = None, plus_one: bool = False, column: Callable = _identity):
     """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ...; with the
     options its weights hold (ATTENTION_OPTIONS): q/k/v biases (Qwen2), RMSNorm of each q and k head over head_dim
-    before RoPE, one weight shared by the heads (Qwen3). `plus_one`: every norm's gain applied as (1 + w) (Gemma)."""
+    before RoPE, one weight shared by the heads (Qwen3). `plus_one`: every norm's gain applied as (1 + w) (Gemma).
+    `column`: wraps the norm and projections (LayerCall.column)."""
     kn = kernels or kernels_for(c)
-    h_BTD = rms_norm(x_BTD, p["attn_norm"], c.norm_eps, plus_one)
-    # same-shaped weights in one call: the fast path shares their backward
-    if c.fused_qkv:
-        q_BTHE, k_BTKE, v_BTKE = kn.project(h_BTD, (p["wq"], p["wk"], p["wv"]))
-    else:
-        (q_BTHE,) = kn.project(h_BTD, (p["wq"],))
-        k_BTKE, v_BTKE = kn.project(h_BTD, (p["wk"], p["wv"]))
+
+    def projections(w, x_BTD):  # the norm over the whole sequence: gathered here under sequence parallelism
+        h_BTD = constrain(rms_norm(x_BTD, w["attn_norm"], c.norm_eps, plus_one), ("batch", "seq", "embed"))
+        # same-shaped weights in one call: the fast path shares their backward
+        groups = ((w["wq"], w["wk"], w["wv"]),) if c.fused_qkv else ((w["wq"],), (w["wk"], w["wv"]))
+        return tuple(y for ws in groups for y in kn.project(h_BTD, ws))
+    q_BTHE, k_BTKE, v_BTKE = column(projections)({k: p[k] for k in ("attn_norm", "wq", "wk", "wv")}, x_BTD)
     if "bq" in p:
-        q_BTHE, k_BTKE, v_BTKE = (a + p[b].astype(a.dtype) for a, b in ((q_BTHE, "bq"), (k_BTKE, "bk"),
-                                                                         (v_BTKE, "bv")))
+        q_BTHE, k_BTKE, v_BTKE = (a + p[b].astype(a.dtype) for a, b in zip((q_BTHE, k_BTKE, v_BTKE), ("bq", "bk", "bv")))
     if "q_norm" in p:
         q_BTHE, k_BTKE = (rms_norm(a, p[n], c.norm_eps, plus_one) for a, n in ((q_BTHE, "q_norm"),
                                                                                (k_BTKE, "k_norm")))
@@ -217,18 +218,21 @@ def attn_out(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_
     HE = c.n_heads * c.head_dim
     o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)
     (o_BTD,) = kn.project(o_BTX, (p["wo"].astype(x_BTD.dtype).reshape(HE, D),))
-    return constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+    return constrain(x_BTD + o_BTD, ("batch", "res_seq", "embed"))
 
 
 def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     """x + SwiGLU(norm(x)); no auxiliary outputs."""
     kn, constrain = call.kernels, call.constrain
     p = {k: p[k].astype(x_BTD.dtype) for k in ("mlp_norm", "w_gate", "w_up", "w_down")}
-    h_BTD = rms_norm(x_BTD, p["mlp_norm"], c.norm_eps)
-    gate_BTF, up_BTF = kn.project(h_BTD, (p["w_gate"], p["w_up"]))
+
+    def projections(w, x_BTD):  # the norm over the whole sequence: gathered here under sequence parallelism
+        h_BTD = constrain(rms_norm(x_BTD, w["mlp_norm"], c.norm_eps), ("batch", "seq", "embed"))
+        return tuple(kn.project(h_BTD, (w["w_gate"], w["w_up"])))
+    gate_BTF, up_BTF = call.column(projections)({k: p[k] for k in ("mlp_norm", "w_gate", "w_up")}, x_BTD)
     a_BTF = constrain(kn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
-    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed")), {}
+    return constrain(x_BTD + down_BTD, ("batch", "res_seq", "embed")), {}
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
@@ -271,7 +275,8 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
     def body(x, pi):
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
-                          placement.kv_repeat, placement.collectives, attention)
+                          placement.kv_repeat, placement.collectives, attention,
+                          sublayer_remat if placement.sequence_parallel else _identity)
         return run(c, merged(c, gather(p), splits), x, call)
 
     if remat in REMAT:
@@ -346,7 +351,7 @@ def _unrolled(body, layers, index, x_BTD, L: int):
 
 def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
     x = jnp.take(params["embed"], tokens_BT, axis=0).astype(dtype)
-    return constrain(scale_embedding(c, x), ("batch", "seq", "embed"))
+    return constrain(scale_embedding(c, x), ("batch", "res_seq", "embed"))
 
 
 def scale_embedding(c: ModelConfig, x_BTD):

@@ -70,15 +70,19 @@ class Setup:
                                      self.batch_sharding(), fields)
 
 
-def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1, expert: int = 1) -> Rules:
+def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1, expert: int = 1, model: int = 1) -> Rules:
     """The run's logical->mesh rules on `data` data ranks, `expert` expert ranks and `context` context ranks: the
     base table (meshes/rules.py) and the entries its config adds (an MoE's experts over `expert`, the batch over
     data x expert: mesh.expert; or the experts over `data`: train.expert_parallel; each sequence's tokens over
-    `context`: context parallelism)."""
+    `context`: context parallelism; the residual stream's sequence over `model` ranks too: sequence
+    parallelism)."""
     over = experts_axis(cfg, data, quiet, expert)
     rules = RULES.replace(batch=(DATA, EXPERT), experts=EXPERT) if over == EXPERT else \
         RULES.replace(experts=DATA) if over == DATA else RULES
-    return rules.replace(seq=CONTEXT) if context > 1 else rules
+    rules = rules.replace(seq=CONTEXT, res_seq=CONTEXT) if context > 1 else rules
+    if cfg.train.sequence_parallel and model > 1:
+        rules = rules.replace(res_seq=(CONTEXT, MODEL) if context > 1 else MODEL)
+    return rules
 
 
 def rules_by_data(cfg: Config):
@@ -115,14 +119,15 @@ def setup_on(cfg: Config, mesh, platform: str, rules: Rules | None = None) -> Se
     mc = model_config(cfg)
     layout = Layout(mesh, cfg.train.zero_stage,
                     rules_for(cfg, mesh.shape[DATA], context=mesh.shape.get(CONTEXT, 1),
-                              expert=mesh.shape.get(EXPERT, 1)) if rules is None else rules)
+                              expert=mesh.shape.get(EXPERT, 1), model=model) if rules is None else rules)
     # the kernels of the devices the step runs on; kv heads replicated over `model` (fewer than its ranks): each
     # rank repeats the one its query heads need; the collectives over the layout's logical axes
     context = mesh.shape.get(CONTEXT, 1)
     plan = None if context == 1 else ContextPlan(context, cfg.train.context_attention, tuple(
         int(i) for i in order(mc.seq_len, context, cfg.train.context_load_balance)))
     placement = Placement(platform, model // mc.n_kv_heads if mc.n_kv_heads < model else 1,
-                          Collectives(layout.rules, mesh, platform), plan)
+                          Collectives(layout.rules, mesh, platform), plan,
+                          sequence_parallel=layout.rules["res_seq"] != layout.rules["seq"])
     pshapes, logical, decay, frozen = abstract_model(mc, cfg.train.seed)
     reduction = decide(layout, pshapes, logical, cfg.train.grad_sync, cfg.train.microbatches)
     tx, schedule = make_optimizer(cfg.train, decay, frozen)

@@ -157,7 +157,7 @@ def attention_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):
     else:
         o_BTD = latent_attention(p, h_BTD, cos, sin, call.attention, softmax_scale(c), c.nope_dim,
                                  c.rope_interleave, c.norm_eps, segments=call.segments)
-    return call.constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+    return call.constrain(x_BTD + o_BTD, ("batch", "res_seq", "embed"))
 
 
 def decode_cache(c: DeepseekConfig, batch: int, length: int, dtype) -> dict:
@@ -209,7 +209,7 @@ def moe_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):
            "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)),
            "moe/overflow": jnp.sum(over_N), "seq_balance": jnp.asarray(seq, jnp.float32),
            "moe/loads": row[:, None] * chosen_X[None, :]}
-    return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
+    return constrain(x_BTD + y_BTD, ("batch", "res_seq", "embed")), aux
 
 
 def dense_mlp_half(c: DeepseekConfig, p: dict, x_BTD, call: LayerCall):

@@ -112,7 +112,7 @@ def attention_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     (o_BTD,) = kn.project(o_BTX, (p["wo"].reshape(HE, D),))
     if "post_attn_norm" in p:  # Gemma 2 and 3 (Gemma 1 had none)
         o_BTD = rms_norm(o_BTD, p["post_attn_norm"], c.norm_eps, c.norm_plus_one)
-    return constrain(x_BTD + o_BTD, ("batch", "seq", "embed"))
+    return constrain(x_BTD + o_BTD, ("batch", "res_seq", "embed"))
 
 
 def geglu(gate, up):
@@ -129,7 +129,7 @@ def mlp_half(c: Gemma2Config, p: dict, x_BTD, call: LayerCall):
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
     if "post_mlp_norm" in p:
         down_BTD = rms_norm(down_BTD, p["post_mlp_norm"], c.norm_eps, c.norm_plus_one)
-    return constrain(x_BTD + down_BTD, ("batch", "seq", "embed")), {}
+    return constrain(x_BTD + down_BTD, ("batch", "res_seq", "embed")), {}
 
 
 def windows(c: Gemma2Config):

@@ -93,7 +93,7 @@ def attention_half(c: GptOssConfig, p: dict, x_BTD, call: LayerCall):
     HE = c.n_heads * c.head_dim
     o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)
     (o_BTD,) = kn.project(o_BTX, (p["wo"].reshape(HE, D),))
-    return constrain(x_BTD + o_BTD + p["bo"], ("batch", "seq", "embed"))
+    return constrain(x_BTD + o_BTD + p["bo"], ("batch", "res_seq", "embed"))
 
 
 def mlp_half(c: GptOssConfig, p: dict, x_BTD, call: LayerCall):
@@ -127,7 +127,7 @@ def mlp_half(c: GptOssConfig, p: dict, x_BTD, call: LayerCall):
            "moe/overflow": jnp.sum(over_N),
            "load_balance/choices": jax.lax.stop_gradient(jnp.einsum("btx,bt->x", chosen_BTX, v_BT)),
            "load_balance/probs": jnp.einsum("btx,bt->x", probs_BTX, v_BT)}
-    return call.constrain(x_BTD + y_ND.reshape(B, T, D), ("batch", "seq", "embed")), aux
+    return call.constrain(x_BTD + y_ND.reshape(B, T, D), ("batch", "res_seq", "embed")), aux
 
 
 def pooled_balance(c: GptOssConfig, choices_X, probs_X):

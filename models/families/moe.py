@@ -281,7 +281,7 @@ def moe_half(c: MoEConfig, p: dict, x_BTD, call: LayerCall):
     aux = {"load_balance": balance, "z_loss": z,
            "moe/dropped": jnp.sum((~keep_BTK & valid_BT[..., None]).astype(jnp.float32)),
            "moe/overflow": jnp.sum(over_N)}
-    return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), aux
+    return constrain(x_BTD + y_BTD, ("batch", "res_seq", "embed")), aux
 
 
 def aux_counts(c: MoEConfig, batch: dict) -> dict:

@@ -68,6 +68,10 @@ class TrainSection:
     expert_parallel: Optional[bool] = setting(None, None, "an MoE's experts split over mesh.data, tokens sent to them "
                                               "(docs/parallelism.md); null: on when n_experts > 1 is divisible by "
                                               "mesh.data > 1 and train.sync=every_step")
+    sequence_parallel: bool = setting(False, None, "under tensor parallelism (mesh.model > 1): the residual stream "
+                                      "(each layer's input and output, its norms) split over `model` along the "
+                                      "sequence, each layer's all-reduces a reduce-scatter + all-gather, the "
+                                      "gathered input recomputed in the backward (docs/parallelism.md)")
     context_attention: str = setting("all_gather", CONTEXT_ATTENTION, "under context parallelism (mesh.context > 1): "
                                      "how attention sees the keys of other ranks (all_gather: each layer's K/V "
                                      "gathered over context; all_to_all: whole rows of a group of heads per rank, "

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 
-from meshes import CONTEXT, DATA, EXPERT
+from meshes import CONTEXT, DATA, EXPERT, MODEL
 from models import ModelConfig, flops_per_token, hardware_flops_per_token
 from trainer.plan.comm import transfers
 from trainer.hardware import Device
@@ -153,5 +153,6 @@ def strategy_of(cfg, n_devices: int) -> Strategy:
     shape = validate(cfg, n_devices)
     return Strategy(shape, t.zero_stage, t.microbatches, cfg.model.remat,
                     t.pipeline_repeats, t.grad_sync, t.pipeline_schedule,
-                    rules_for(cfg, shape[DATA], context=shape[CONTEXT], expert=shape[EXPERT]), t.context_load_balance,
+                    rules_for(cfg, shape[DATA], context=shape[CONTEXT], expert=shape[EXPERT], model=shape[MODEL]),
+                    t.context_load_balance,
                     t.context_attention)
