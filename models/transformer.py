@@ -33,6 +33,7 @@ from models.spec import LOCAL, LayerCall, Param, family, stacks
 STACKS = ("first_layers", "layers")
 
 Constrain = Callable[[jax.Array, tuple], jax.Array]
+RESIDUAL = ("batch", "res_seq", "embed")  # the residual stream: its sequence over `model` too under sequence parallelism
 
 
 def _no_constrain(x, logical):
@@ -190,8 +191,8 @@ def qkv(c: ModelConfig, p: dict, x_BTD, rope, constrain: Constrain = _no_constra
         kernels: Kernels | None = None, plus_one: bool = False, column: Callable = _identity):
     """One layer's queries, keys and values, RoPE'd for tokens at positions offset, offset+1, ...; with the
     options its weights hold (ATTENTION_OPTIONS): q/k/v biases (Qwen2), RMSNorm of each q and k head over head_dim
-    before RoPE, one weight shared by the heads (Qwen3). `plus_one`: every norm's gain applied as (1 + w) (Gemma).
-    `column`: wraps the norm and projections (LayerCall.column)."""
+    before RoPE, one weight shared by the heads (Qwen3). `plus_one`: every norm's gain applied as (1 + w) (Gemma);
+    `column` wraps the norm and projections (LayerCall.column)."""
     kn = kernels or kernels_for(c)
 
     def projections(w, x_BTD):  # the norm over the whole sequence: gathered here under sequence parallelism
@@ -214,11 +215,11 @@ def attn_out(c: ModelConfig, p: dict, x_BTD, o_BTHE, constrain: Constrain = _no_
              kernels: Kernels | None = None):
     """x + the attention output projected back to d_model."""
     kn = kernels or kernels_for(c)
-    B, T, D = x_BTD.shape
+    (B, T), D = o_BTHE.shape[:2], x_BTD.shape[-1]  # x's tokens may be a sequence-parallel rank's (the planner's)
     HE = c.n_heads * c.head_dim
     o_BTX = constrain(o_BTHE, ("batch", "seq", "heads", "head_dim")).reshape(B, T, HE)
     (o_BTD,) = kn.project(o_BTX, (p["wo"].astype(x_BTD.dtype).reshape(HE, D),))
-    return constrain(x_BTD + o_BTD, ("batch", "res_seq", "embed"))
+    return constrain(x_BTD + constrain(o_BTD, RESIDUAL), RESIDUAL)  # the partial sums reduced into its layout first
 
 
 def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
@@ -232,7 +233,7 @@ def mlp_half(c: ModelConfig, p: dict, x_BTD, call: LayerCall):
     gate_BTF, up_BTF = call.column(projections)({k: p[k] for k in ("mlp_norm", "w_gate", "w_up")}, x_BTD)
     a_BTF = constrain(kn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
     (down_BTD,) = kn.project(a_BTF, (p["w_down"],))
-    return constrain(x_BTD + down_BTD, ("batch", "res_seq", "embed")), {}
+    return constrain(x_BTD + constrain(down_BTD, RESIDUAL), RESIDUAL), {}
 
 
 def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _no_constrain,
@@ -336,10 +337,9 @@ def _scanned(body, layers, index, x_BTD, aux0):
 
 
 def _unrolled(body, layers, index, x_BTD, L: int):
-    """The stack unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop:
-    residuals are not stacked into (L, ...) buffers and read back with dynamic slices.
-    lax.split: its transpose is one concatenate (indexing w[i] would transpose to L zero-padded
-    full-size gradients summed together)."""
+    """The stack unrolled: one copy of the layer per layer in the program. Longer compiles, but no loop: residuals
+    are not stacked into (L, ...) buffers and read back with dynamic slices. lax.split: its transpose is one
+    concatenate (indexing w[i] would transpose to L zero-padded full-size gradients summed together)."""
     leaves, tree = jax.tree.flatten(layers)
     parts = [jax.lax.split(w, [1] * L) for w in leaves]
     total = None
@@ -351,7 +351,7 @@ def _unrolled(body, layers, index, x_BTD, L: int):
 
 def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
     x = jnp.take(params["embed"], tokens_BT, axis=0).astype(dtype)
-    return constrain(scale_embedding(c, x), ("batch", "res_seq", "embed"))
+    return constrain(scale_embedding(c, x), RESIDUAL)
 
 
 def scale_embedding(c: ModelConfig, x_BTD):

@@ -121,9 +121,13 @@ def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     return out
 
 
-def _ctx(st: Strategy) -> tuple:
-    """(context ranks, their attention strategy) of a layout, as the traced layer takes them."""
-    return (st.context, st.context_attention)
+def _ctx(st: Strategy, mc: ModelConfig | None = None) -> tuple:
+    """(context ranks, their attention strategy) of a layout, as the traced layer takes them; and the model ranks
+    under sequence parallelism, for a model whose layers are Llama's halves (trainer/plan/trace.py
+    `one_model_rank` shapes them; another family's own halves are traced whole: counted high)."""
+    sp = st.model > 1 and st.rules["res_seq"] != st.rules["seq"] and mc is not None and \
+        family(mc.family).attention is None and family(mc.family).mlp is None and not sparse(mc)
+    return (st.context, st.context_attention) + ((st.model,) if sp else ())
 
 
 def _saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows: int,
@@ -149,7 +153,7 @@ def _stacks_saved(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str
 def layer_residuals(mc: ModelConfig, st: Strategy, dtype: str, platform: str) -> tuple[float, float]:
     """(bytes whatever the batch, bytes per token) one layer saves for its backward on one device of `platform`, as
     it runs."""
-    fixed, per_seq = per_row(no_remat(mc), st.model, dtype, platform, executed(st).remat, _ctx(st))
+    fixed, per_seq = per_row(no_remat(mc), st.model, dtype, platform, executed(st).remat, _ctx(st, mc))
     return fixed, per_seq / (mc.seq_len // st.context)
 
 
@@ -167,7 +171,7 @@ def head_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, rows: i
     N, D = rows * mc.seq_len // st.context, mc.d_model  # this device's tokens
     V = mc.vocab_size // st.model  # the vocabulary is split over `model`
     logits = 4.0 * N * V
-    res = _saved(mc, st.model, dtype, platform, "head", rows, _ctx(st))
+    res = _saved(mc, st.model, dtype, platform, "head", rows, _ctx(st, mc))
     seen = N if local else N * st.data
     n = chunk_tokens(mc.loss_chunk, seen, mc.vocab_size)
     if not n:
@@ -180,7 +184,7 @@ def activation_bytes(mc: ModelConfig, st: Strategy, batch: int, dtype: str, plat
     """Residuals saved for the backward pass (JAX's own list, at one device's shapes), per device."""
     b = batch // (st.data * st.microbatches)  # sequences per device and microbatch
     if st.stage == 1:
-        saved = _stacks_saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st))
+        saved = _stacks_saved(mc, st.model, dtype, platform, st.remat, b, _ctx(st, mc))
         recompute = _recompute(mc, st, dtype, platform, b) if st.remat != "none" else 0.0
         return saved + recompute + head_bytes(mc, st, dtype, platform, b) + expert_working_bytes(mc, st, b, dtype, platform) \
             + module_bytes(mc, st, dtype, platform, b)
@@ -227,8 +231,8 @@ def _recompute(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: int)
     expert parallelism the MLP half's are one sender's run's (`_routed_run`), not every choice's."""
     routed = _routed_run(mc, st, dtype, platform, b)
     if st.remat != "sublayer" and routed is None:
-        return _saved(mc, st.model, dtype, platform, "none", b, _ctx(st))
-    halves = [_saved(mc, st.model, dtype, platform, half, b, _ctx(st)) for half in ("attention", "mlp")]
+        return _saved(mc, st.model, dtype, platform, "none", b, _ctx(st, mc))
+    halves = [_saved(mc, st.model, dtype, platform, half, b, _ctx(st, mc)) for half in ("attention", "mlp")]
     halves[1] = halves[1] if routed is None else routed
     return max(halves) if st.remat == "sublayer" else sum(halves)
 
@@ -263,10 +267,10 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str,
     body = stacks(mc)["layers"] // (st.stage * st.repeats)
     # a stage body's residuals, rebuilt for its vjp (the first stage's with the first layers, which its embedding
     # step runs); under sublayer remat its half inputs and one half's
-    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st)) + _stacks_saved(
+    recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st, mc)) + _stacks_saved(
         mc, st.model, dtype, platform, "none", b, _ctx(st), only_first=True)
     if st.remat == "sublayer":
-        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, _ctx(st)) + _recompute(mc, st, dtype, platform,
+        recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, _ctx(st, mc)) + _recompute(mc, st, dtype, platform,
                                                                                                  b)
     # live inputs and cotangents; the tick's stage input, cotangent and output (the
     # input cotangent reuses the output's buffer); then a backward (the vjp's residuals and block

@@ -86,17 +86,19 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
            context: tuple = (1, "all_gather"), stack: str = "layers") -> float:
     """The residual bytes of _per_row's `what` at `rows` sequences, traced; with `context` = (C ranks splitting
     each row, their attention strategy), at one rank's seq_len / C tokens, the strategy's collectives shaped as
-    one rank sees them (OneContextRank: the gathered K/V as large as the row's)."""
+    one rank sees them (OneContextRank: the gathered K/V as large as the row's); a third entry M: sequence
+    parallelism over M model ranks, the layer's input and output at T / M tokens (`one_model_rank`)."""
     from models.objectives.cross_entropy import cross_entropy
     from models.layers import REMAT, rope_for, sublayer_remat
     from models.spec import family
     from models.transformer import STACKS, head, inventory, layer_call
     (c, repeat), T, dt = device_view(mc, tp), mc.seq_len // context[0], jax.numpy.dtype(dtype)
+    sp = context[2] if len(context) > 2 and what != "head" else 1
     w = lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32)  # noqa: E731
     D = c.d_model
     # the RoPE tables and the targets are made inside the traced function, as abstract as the rest: a plan of
     # any seq_len or head_dim allocates nothing (as constants they count the same bytes)
-    x = jax.ShapeDtypeStruct((rows, T, D), dt)
+    x = jax.ShapeDtypeStruct((rows, T // sp, D), dt)
     if what == "head":  # an untied head: its weight, as the tied embedding's, is the same (V, D) numbers
         cfg = dataclasses.replace(c, tie_embeddings=False)
         weights = {k: w(p.shape) for k, p in inventory(cfg).items() if k not in ("embed", "mtp", *STACKS)}
@@ -117,12 +119,27 @@ def traced(mc: ModelConfig, tp: int, dtype: str, platform: str, what: str, rows:
             call = layer_call(c, rope_for(c, T, jax.numpy.broadcast_to(jax.numpy.arange(T), (rows, T))), kernels=kn,
                               data=data, kv_repeat=repeat, collectives=coll,
                               attention=plan.attention(kn.attention, coll, pos))
+        if sp > 1:
+            call = call._replace(constrain=one_model_rank(T, sp), column=sublayer_remat)
         run = lambda x, weights: layer(c, trained(c, stack, weights), x, call._replace(half=half) if half  # noqa
                                        else call)[0]
         if what not in ("none", "attention", "mlp", "sublayer"):
             run = jax.checkpoint(run, policy=REMAT[what], prevent_cse=False)
         return run(x, weights)
     return residuals(fn, x, weights)
+
+
+def one_model_rank(T: int, M: int):
+    """A constrain(x, logical) that shapes the residual stream as one of M sequence-parallel ranks holds it: the
+    normed input of the column-parallel matmuls (batch, seq, embed) gathered from T / M to T tokens (a new buffer,
+    as the all-gather's), the residual (batch, res_seq, embed) at T tokens cut to T / M (the reduce-scatter's)."""
+    def constrain(x, logical):
+        if logical == ("batch", "seq", "embed") and x.shape[1] == T // M:
+            return jax.numpy.concatenate([x] * M, axis=1)
+        if logical == ("batch", "res_seq", "embed") and x.shape[1] == T:
+            return x[:, :T // M]
+        return x
+    return constrain
 
 
 def trained(c, stack: str, weights: dict) -> dict:
