@@ -78,3 +78,24 @@ def test_the_7b_tpu_program_needs_less_temp_memory():
                     for sp in ("false", "true"))
     print(f"7B on v5p:4x4x8: temp {plain / 1e9:.3f} GB -> {split / 1e9:.3f} GB")
     assert split < 0.6 * plain, (plain, split)
+
+
+@pytest.mark.slow
+def test_the_pipeline_hops_carry_a_model_rank_s_tokens():
+    """(1,2,4) 1F1B, 4 microbatches: the stage-to-stage hops (collective-permute over `stage` in the compiled
+    program) send 1/M of the bytes with sequence parallelism (each model rank its T/M tokens), as the planner
+    counts them."""
+    from trainer.config import load_config, model_config
+    from trainer.hardware import get_device
+    from trainer.plan.core import estimate, strategy_of
+    from trainer.plan.verify import measure
+    over = ["mesh.data=1", "mesh.stage=2", "mesh.model=4", "train.pipeline_schedule=1f1b", "train.microbatches=4"]
+    sent = {}
+    for sp in ("false", "true"):
+        cfg = load_config(TINY + over + [f"train.sequence_parallel={sp}"])
+        xla = measure(cfg, jax.devices()[:8], grads=False).collectives[("collective-permute", ("stage",))]
+        plan = estimate(model_config(cfg), cfg.train, strategy_of(cfg, 8), get_device("h100"), 1, "float32", "cpu")
+        planned = sum(t.bytes for t in plan.transfers if t.axis == "stage" and t.kind == "collective-permute")
+        assert planned == pytest.approx(xla, rel=0.01), (sp, planned, xla)
+        sent[sp] = xla
+    assert sent["true"] == pytest.approx(sent["false"] / 4, rel=0.01), sent

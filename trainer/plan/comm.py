@@ -314,6 +314,8 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     k, S, tp, m, V = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats
     ticks, body = cost(st.schedule, S, m, V).ticks, stacks(mc)["layers"] // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
+    if st.rules["res_seq"] != st.rules["seq"]:  # sequence parallelism: each model rank sends its T/M tokens
+        act /= tp
     top = sum(x.bytes for x in ls if not x.layers)
     reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over every batch axis
     out = [Transfer(STAGE, "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
