@@ -169,6 +169,27 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert got[("collective-permute", ("stage",))] == 64 * 2 / 8
 
 
+def test_hlo_parser_reads_xla_tpu_s_all_reduce_scatter_fusion_as_a_reduce_scatter():
+    """XLA:TPU writes sequence parallelism's reduce-scatter as a fusion of an all-reduce and a dynamic-slice of it
+    (a computation named all-reduce-scatter*, copied from a compiled v5p program): one reduce-scatter of the
+    all-reduce's array, (K-1)/K of it, not an all-reduce's 2 (K-1)/K."""
+    hlo = """HloModule m
+
+%all-reduce-scatter.8 (input.8: bf16[4,1024,256]) -> bf16[4,256,256] {
+  %input.8 = bf16[4,1024,256]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %all-reduce.118 = bf16[4,1024,256]{2,1,0:T(8,128)(2,1)} all-reduce(%input.8), channel_id=66, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add.41.clone
+  ROOT %dynamic-slice.448 = bf16[4,256,256]{2,1,0:T(8,128)(2,1)} dynamic-slice(%all-reduce.118, %c, %m, %c), dynamic_slice_sizes={4,256,256}
+}
+
+ENTRY %main (a: bf16[4,1024,256]) -> bf16[4,256,256] {
+  %a = bf16[4,1024,256]{2,1,0} parameter(0)
+  ROOT %fusion.8 = bf16[4,256,256]{2,1,0:T(8,128)(2,1)} fusion(%a), kind=kCustom, calls=%all-reduce-scatter.8
+}
+"""
+    got = collective_bytes(hlo, {"data": 2, "stage": 1, "model": 4})
+    assert got == {("reduce-scatter", ("model",)): 3 / 4 * 4 * 1024 * 256 * 2}
+
+
 def _doc_numbers(heading: str) -> list[list[float]]:
     """The numbers after '=' in each row of the table under a docs/plan.md heading."""
     text = DOCS.read_text(encoding="utf-8").split(heading, 1)[1]

@@ -2,7 +2,8 @@
 
 Bytes follow the bus-bytes convention the planner predicts in (what one device sends with
 ring algorithms, trainer/parallel/collective_costs.py; S = the full, unsharded array), collective-permute S
-per sending device (averaged over all devices). A conditional runs one branch per call: without
+per sending device (averaged over all devices); XLA:TPU's all-reduce-scatter fusions (an all-reduce and a
+dynamic-slice of it, one collective) as the reduce-scatter they are. A conditional runs one branch per call: without
 `branch_weights` each branch counts as if it ran every call (an upper bound); the table executor's
 tick switch runs branch i on a share of the (tick, stage) cells its table says (trainer/plan/verify.py).
 A while loop's trip count is XLA's `known_trip_count` (XLA:CPU writes it), else read from its
@@ -283,6 +284,9 @@ def collective_ops(text: str, mesh_shape: dict[str, int], branch_weights=None,
             k = len(groups[0])
             if k == 1:
                 continue
+            if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
+                kind = "reduce-scatter"  # XLA:TPU's all-reduce-scatter fusion: its all-reduce then its rank's slice
+                size //= k  # (sequence parallelism's reduce-scatters), one reduce-scatter on the wire
             full = size * k if kind == "reduce-scatter" else size
             out.append((kind, axes_of(groups, mesh_shape), mult[name] * full * bus_factor(kind, k), line))
     return out
