@@ -121,11 +121,11 @@ def _leaves(mc: ModelConfig, train, st: Strategy) -> list[Leaf]:
     return out
 
 
-def _ctx(st: Strategy, mc: ModelConfig | None = None) -> tuple:
+def _ctx(st: Strategy, mc: ModelConfig) -> tuple:
     """(context ranks, their attention strategy) of a layout, as the traced layer takes them; and the model ranks
     under sequence parallelism, for a model whose layers are Llama's halves (trainer/plan/trace.py
     `one_model_rank` shapes them; another family's own halves are traced whole: counted high)."""
-    sp = st.model > 1 and st.rules["res_seq"] != st.rules["seq"] and mc is not None and \
+    sp = st.model > 1 and st.rules["res_seq"] != st.rules["seq"] and \
         family(mc.family).attention is None and family(mc.family).mlp is None and not sparse(mc)
     return (st.context, st.context_attention) + ((st.model,) if sp else ())
 
@@ -198,7 +198,7 @@ def module_bytes(mc: ModelConfig, st: Strategy, dtype: str, platform: str, b: in
         return 0.0
     N = b * mc.seq_len // st.context
     own = 3.0 * N * mc.d_model * jax.numpy.dtype(dtype).itemsize  # [enorm(e), hnorm(h)] (2D) and eh_proj's output
-    layer = _saved(mc, st.model, dtype, platform, "none", b, _ctx(st), "mtp")
+    layer = _saved(mc, st.model, dtype, platform, "none", b, _ctx(st, mc), "mtp")
     return mc.mtp_depth * (layer + head_bytes(mc, st, dtype, platform, b) + own)
 
 
@@ -268,7 +268,7 @@ def pipeline_activation_bytes(mc: ModelConfig, st: Strategy, b: int, dtype: str,
     # a stage body's residuals, rebuilt for its vjp (the first stage's with the first layers, which its embedding
     # step runs); under sublayer remat its half inputs and one half's
     recompute = body * _saved(mc, st.model, dtype, platform, "none", b, _ctx(st, mc)) + _stacks_saved(
-        mc, st.model, dtype, platform, "none", b, _ctx(st), only_first=True)
+        mc, st.model, dtype, platform, "none", b, _ctx(st, mc), only_first=True)
     if st.remat == "sublayer":
         recompute = body * _saved(mc, st.model, dtype, platform, "sublayer", b, _ctx(st, mc)) + _recompute(mc, st, dtype, platform,
                                                                                                  b)
