@@ -63,6 +63,13 @@ def host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+@functools.lru_cache(maxsize=16)
+def _empty_cache(c: ModelConfig, N: int, S: int, dtype, spread):
+    """The KV cache's zeros made where they live (`spread`: each rank its rows' and heads' share, not a copy of all
+    of it), jitted once per shape and layout."""
+    return jax.jit(lambda: init_cache(c, N, S, dtype), out_shardings=spread)
+
+
 def bucket(P: int) -> int:
     """The prompts' padded length: P rounded up to a multiple of a quarter of the power of two below it (at least
     16), so a few lengths per octave compile and padding adds under a quarter to the prefill and cache."""
@@ -97,8 +104,7 @@ def sample_completions(c: ModelConfig, params: dict, prompts: list, max_new: int
     start = put(np.asarray(P - np.array([len(p) for p in prompts]), np.int32))
     step = decode_step(c, jnp.dtype(dtype))
     settings = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.int32(vocab or c.vocab_size))
-    # each rank its rows' (and heads') share of the cache, not a copy of all of it
-    cache = jax.jit(lambda: init_cache(c, N, P + max_new, dtype), out_shardings=spread)()
+    cache = _empty_cache(c, N, P + max_new, dtype, spread)()
     out, logps = np.full((N, max_new), pad, np.int32), np.zeros((N, max_new), np.float32)
     margins = np.full((N, max_new), np.inf, np.float32)
     ended, ends = np.zeros(N, bool), np.asarray(sorted(end_ids), np.int32)
