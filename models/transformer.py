@@ -1,16 +1,14 @@
 """The generic decoder in Flax NNX, with a pure functional forward: the module built from a family's inventory
-(models/spec.py), the layer stack that runs a family's layer function, embedding and head. The families are
-models/families/ (Llama, the default: models/families/llama.py).
+(models/spec.py), the layer stack, embedding and head; the families in models/families/ (Llama: llama.py).
 
 Dimension letters (tensor names carry their shape, e.g. x_BTD):
   B batch   T sequence   D d_model   H query heads   K kv heads   G = H/K
   E head_dim   F d_ff (MLP hidden)   V vocabulary   L layers
 
-The module owns the parameters and their logical axis names; the math lives in pure
-functions over a dict of arrays, so the trainer can jit, shard_map, pipeline and remat
-it without going through the module. Layers are stacked on a leading `layers` axis and
-run by one `lax.scan` (one compiled layer). The model never names a mesh axis: it calls
-`constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
+The module owns the parameters and their logical axis names; the math lives in pure functions over a dict of
+arrays, so the trainer can jit, shard_map, pipeline and remat it without going through the module. Layers are
+stacked on a leading `layers` axis and run by one `lax.scan` (one compiled layer). The model never names a mesh
+axis: it calls `constrain(x, logical_axes)`, supplied by the trainer from meshes.rules.
 
 `layer` is a family's attention half, then its MLP half (ModelSpec.attention, .mlp); the default halves here,
 pre-norm GQA attention with RoPE and a SwiGLU MLP (Llama's), are built of models/layers.py's pieces: the plain
@@ -350,7 +348,9 @@ def _unrolled(body, layers, index, x_BTD, L: int):
 
 
 def embed(c: ModelConfig, params: dict, tokens_BT, dtype, constrain: Constrain = _no_constrain):
-    x = jnp.take(params["embed"], tokens_BT, axis=0).astype(dtype)
+    # whole along the sequence first (the vocab-split rows summed), then cut to the residual's layout: under sequence
+    # parallelism a lookup straight into it gathered the whole table, its gradient a whole-table scatter-add
+    x = constrain(jnp.take(params["embed"], tokens_BT, axis=0), ("batch", "seq", "embed")).astype(dtype)
     return constrain(scale_embedding(c, x), RESIDUAL)
 
 

@@ -99,7 +99,7 @@ def alone():
 @pytest.mark.parametrize("mesh,kernels", [
     ((1, 1, 1), "fast"), ((1, 1, 1), "reference"),
     pytest.param((2, 1, 4), "fast", marks=SLOW), pytest.param((2, 1, 4), "reference", marks=SLOW),
-    ((1, 4, 1), "fast"), pytest.param((1, 4, 1), "reference", marks=SLOW)])
+    pytest.param((1, 4, 1), "fast", marks=SLOW), pytest.param((1, 4, 1), "reference", marks=SLOW)])
 def test_each_document_as_if_alone(mesh, kernels):
     np.testing.assert_allclose(_layout_losses(mesh, kernels), alone(), rtol=1e-5)
 

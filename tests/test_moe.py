@@ -113,7 +113,7 @@ def _close(a, b, tol=1e-5):
 
 
 # each router dropless or with a capacity by default (Mixtral's with a capacity on every formulation), both under -m slow
-DEFAULT_LAYER = {("mixtral", 0.75), ("qwen3_norm", 0.0), ("qwen3_raw", 0.75), ("qwen2_shared", 0.0)}
+DEFAULT_LAYER = {("qwen3_norm", 0.0), ("qwen3_raw", 0.75), ("qwen2_shared", 0.0)}
 
 
 @pytest.mark.parametrize("router,capacity", [pytest.param(r, f, marks=[] if (r, f) in DEFAULT_LAYER else

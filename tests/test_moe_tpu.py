@@ -149,8 +149,8 @@ KERNEL = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*custom-call\([^\n]*custom_call_ta
 
 
 @TPU
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "d2m4-zero3" else [pytest.mark.slow])
-                                  for n in TPU_LAYOUTS])
+@pytest.mark.slow  # the default run keeps megablox against a per-expert loop (test_megablox_equals_a_per_expert_loop)
+@pytest.mark.parametrize("name", TPU_LAYOUTS)
 def test_the_tpu_moe_step_runs_megablox(name):
     """XLA:TPU's program of the MoE step holds megablox's kernels: the grouped matmuls of gate/up ((rows, 512 /
     model) bfloat16), down ((rows, 256)) and tgmm's weight gradients ((El, 256, 512 / model), (El, 512 / model,

@@ -192,6 +192,7 @@ def _circular_run(tmp_path):
 CIRCULAR_TARGETS = (["mesh.data=2", "mesh.stage=1"], ["mesh.data=1", "mesh.stage=2", "train.pipeline_repeats=4"])
 
 
+@pytest.mark.slow  # the default run restores onto other meshes in tests/test_checkpoint.py
 def test_circular_checkpoint_restores_onto_any_schedule(tmp_path):
     """A circular (S=2, V=2) checkpoint restores bit for bit as plain data parallel and as circular V=4."""
     run, base, saved = _circular_run(tmp_path)

@@ -109,6 +109,7 @@ RING_IN_PIPELINE = BASE + NARROW + ["mesh.data=1", "mesh.stage=2", "mesh.context
                                     "train.context_attention=ring"]
 
 
+@pytest.mark.slow  # the default run compiles the (2,2,2) 1F1B ring for TPU in the layouts test
 def test_ring_in_a_pipeline_on_tpu_passes_blocks_and_gathers_the_embedding():
     """XLA:TPU's program of the ring inside a pipeline has neither of XLA:CPU's workarounds: each step of the ring is
     a collective-permute over `context` (the planner's bytes within 1%), no all-gather over `context` (on CPU: two

@@ -152,7 +152,8 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phase", [p if p == "save" else pytest.param(p, marks=pytest.mark.slow) for p in PHASES])
+@pytest.mark.slow  # the default run keeps the hung step's end (test_hung_step_ends_the_run_and_leaves_the_checkpoints)
+@pytest.mark.parametrize("phase", PHASES)
 def test_a_phase_that_waits_for_good_ends_the_run(tmp_path, phase):
     """Crash, not hang, beside the steps too: one line naming the phase, exit 4, checkpoints 2 and 4 intact."""
     extra, at, what = PHASES[phase]

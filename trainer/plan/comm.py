@@ -23,6 +23,7 @@ from trainer.parallel.circular import circular_moves
 from trainer.parallel.reduction import EXPLICIT, PIPELINE
 from trainer.plan.memory import Leaf, decision, gather_casts, leaves
 from trainer.plan.schedule_cost import cost
+from trainer.plan.split_residual import split_ends, split_transfers
 from trainer.plan.types import Strategy, Transfer
 
 
@@ -36,13 +37,13 @@ def transfers(mc: ModelConfig, train, st: Strategy, batch: int, a: int, platform
     # leaves the rules split over a batch axis (an MoE's experts over `expert`) are summed over the axes left
     rest = {x.left for x in ls if x.split and x.left}
     if where == PIPELINE:
-        out = _table_transfers(mc, st, ls, n, a)
+        out = _table_transfers(mc, st, ls, n, a, platform)
         for over in sorted(rest):
             out += _table_data_sync(st, [x for x in ls if x.split and x.left == over], _ranks(st, over), over)
     else:
         out = ((_data_transfers(mc, st, [x for x in ls if not x.split], n, a, platform, where == EXPLICIT)
                 if st.data * st.context > 1 else [])
-               + (_model_transfers(mc, st, n, a) if st.model > 1 else []))
+               + (_model_transfers(mc, st, n, a, platform) if st.model > 1 else []))
         for over in sorted(rest):
             out += _data_transfers(mc, st, [x for x in ls if x.split and x.left == over], n, a, platform,
                                    where == EXPLICIT, (_ranks(st, over), over))
@@ -257,7 +258,7 @@ def _embed_bytes(mc: ModelConfig, st: Strategy) -> float:
     return mc.vocab_size // st.model * mc.d_model * 4
 
 
-def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
+def _model_transfers(mc, st: Strategy, n: int, a: int, platform: str | None = None) -> list[Transfer]:
     """Megatron activation all-reduces. The backward's input gradient of the column-parallel
     projections is one all-reduce per `models.transformer.projections` group: q/k/v together
     (q apart from k/v with grouped-query attention) and gate/up together."""
@@ -272,6 +273,11 @@ def _model_transfers(mc, st: Strategy, n: int, a: int) -> list[Transfer]:
     if own is not None:  # the family's own: the widths each layer of each stack all-reduces, in d_model's units
         units = sum(rows * sum(own(mc, stack, st.remat)) for stack, rows in stacks(mc).items()) / mc.d_model
         per_layer = units / mc.n_layers
+    if st.sequence_parallel:
+        return (split_transfers("tensor-parallel activations", m * layers * per_layer, m * layers, act, st.remat,
+                                platform, tp)
+                + [t.times(m * layers) for t in _shared_kv_transfers(mc, tp, n, a)]
+                + split_ends(m, n, mc.d_model, a, tp, platform))
     out = [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_layer:g} per layer and microbatch)",
                     m * ar * layers * per_layer * act, m * layers * per_layer)]
     out += [t.times(m * layers) for t in _shared_kv_transfers(mc, tp, n, a)]
@@ -304,7 +310,7 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
                      2 * bus_factor("all-gather", K) * K * head, 2)]
 
 
-def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[Transfer]:
+def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str | None = None) -> list[Transfer]:
     """The table executor (trainer/parallel/pipeline.py): two ppermutes every tick of the table, the
     stage's top gradients summed over `stage`, the data-axis sync of the stage's share once per step.
 
@@ -314,12 +320,11 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
     k, S, tp, m, V = st.data * st.context, st.stage, st.model, st.microbatches, st.repeats
     ticks, body = cost(st.schedule, S, m, V).ticks, stacks(mc)["layers"] // (S * V)
     act, senders = n * mc.d_model * a, (S if V > 1 else S - 1)
-    if st.rules["res_seq"] != st.rules["seq"]:  # sequence parallelism: each model rank sends its T/M tokens
-        act /= tp
+    hop = act / tp if st.sequence_parallel else act  # sequence parallelism: each model rank sends its T/M tokens
     top = sum(x.bytes for x in ls if not x.layers)
     reduced = [x for x in ls if not x.split]  # the leaves whose gradients are reduced over every batch axis
     out = [Transfer(STAGE, "collective-permute", "pipeline hops (activation forward, cotangent back, every tick)",
-                    2 * ticks * act * senders / S, 2 * ticks),
+                    2 * ticks * hop * senders / S, 2 * ticks),
            Transfer(STAGE, "all-reduce", "embedding, head and final-norm gradients and the loss summed over stage",
                     bus_factor("all-reduce", S) * (top + 4), 1)]
     if V > 1:  # circular_blocks: the stage's layers (gathered already under ZeRO-3) to their blocks, and back
@@ -335,6 +340,10 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int) -> list[T
         # forward: after wo and w_down; backward: the recomputed forward (its last all-reduce is dead)
         # and one per projection group
         per_mb = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
+        if st.sequence_parallel:
+            return (out + split_transfers("tensor-parallel activations", m * V * per_mb, m * V * body, act, "full",
+                                          platform, tp) + split_ends(m / S, n, mc.d_model, a, tp, platform)
+                    + [t.times(m * V * body) for t in _shared_kv_transfers(mc, tp, n, a)])
         out += [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_mb} per microbatch and block)",
                          m * V * per_mb * ar * act, m * V * per_mb)]
         out += [t.times(m * V * body) for t in _shared_kv_transfers(mc, tp, n, a)]

@@ -125,7 +125,7 @@ def _ctx(st: Strategy, mc: ModelConfig) -> tuple:
     """(context ranks, their attention strategy) of a layout, as the traced layer takes them; and the model ranks
     under sequence parallelism, for a model whose layers are Llama's halves (trainer/plan/trace.py
     `one_model_rank` shapes them; another family's own halves are traced whole: counted high)."""
-    sp = st.model > 1 and st.rules["res_seq"] != st.rules["seq"] and \
+    sp = st.sequence_parallel and \
         family(mc.family).attention is None and family(mc.family).mlp is None and not sparse(mc)
     return (st.context, st.context_attention) + ((st.model,) if sp else ())
 

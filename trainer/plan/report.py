@@ -81,6 +81,7 @@ def as_json(p: Plan) -> dict:
         "layout": {**st.mesh.as_dict(), "zero_stage": st.zero,
                    "microbatches": st.microbatches, "remat": st.remat, "pipeline_repeats": st.repeats,
                    "grad_sync": st.grad_sync, "pipeline_schedule": st.schedule,
+                   "sequence_parallel": st.sequence_parallel,
                    **({"context_attention": st.context_attention} if st.context > 1 else {})},
         "device": p.device.name, "devices": st.devices, "hosts": p.hosts, "dtype": p.dtype,
         "params": param_count(p.model), "hbm_bytes": p.device.hbm,
@@ -186,18 +187,20 @@ def search_text(ranked, best_n: int, why) -> str:
     p0 = fit[0]
     ep = any(p.strategy.rules["experts"] == DATA for p in fit)  # an EP column (expert parallelism) where tried
     cp = any(p.strategy.context > 1 for p in fit[:best_n])  # the context attention's column where a row has context
+    sp = any(p.strategy.model > 1 for p in fit[:best_n])  # sequence parallelism's column where a row has `model`
     rows = [f"meshtrain plan --search: {headline(p0, param_count(p0.model))}",
             f"{ranked.tried} layouts tried, {len(fit)} fit in {p0.device.hbm / GB:.1f} GB; "
             f"the fastest {min(best_n, len(fit))} by roofline step time:",
             "   #" + "".join(f" {a:>5}" for a in p0.strategy.mesh.names)
             + " ZeRO    M remat schedule          step s   MFU  mem GB  comm GB" + (" EP" if ep else "")
-            + (" attention" if cp else "")]
+            + (" SP" if sp else "") + (" attention" if cp else "")]
     for i, p in enumerate(fit[:best_n]):
         st = p.strategy
         rows.append(f"  {i + 1:>2}" + "".join(f" {n:>5}" for n in st.mesh.sizes)
                     + f" {st.zero:>4} {st.microbatches:>4} {st.remat:<5} {_schedule(st):<16} {p.step_s:>8.4g} "
                     f"{100 * p.mfu:>4.0f}% {p.total_bytes / GB:>7.1f} {p.comm_bytes / GB:>8.3f}"
                     + ((" on" if st.rules["experts"] == DATA else " off") if ep else "")
+                    + ((" on" if st.sequence_parallel else " off") if sp else "")
                     + ((f" {st.context_attention}" if st.context > 1 else " -") if cp else ""))
         rows.append(f"       {why(p, p0, i)}")
     if any(p.strategy.stage > 1 for p in fit[:best_n]):

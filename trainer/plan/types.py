@@ -28,6 +28,8 @@ class Strategy:
     data = property(lambda self: self.mesh[DATA] * self.expert)
     stage = property(lambda self: self.mesh[STAGE])
     model = property(lambda self: self.mesh[MODEL])
+    # train.sequence_parallel: the residual stream's sequence over `model` (its rule differs from the sequence's)
+    sequence_parallel = property(lambda self: self.mesh[MODEL] > 1 and self.rules["res_seq"] != self.rules["seq"])
     context = property(lambda self: self.mesh[CONTEXT] if CONTEXT in self.mesh.names else 1)
     expert = property(lambda self: self.mesh[EXPERT] if EXPERT in self.mesh.names else 1)
 
@@ -52,6 +54,7 @@ class Strategy:
         pp += f" {self.schedule}" if self.stage > 1 else ""
         ep = f" experts over {self.rules['experts']}" if self.rules["experts"] else ""
         ep += f" context by {self.context_attention}" if self.context > 1 else ""
+        ep += " sequence-parallel" if self.sequence_parallel else ""
         return f"{self.mesh.describe()} ZeRO-{self.zero} M={self.microbatches}{pp} remat={self.remat}{ep}"
 
 
