@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import REMAT, Kernels, Placement, kernels_for, rms_norm, rope_for, sublayer_remat
+from models.layers import REMAT, Kernels, Placement, column_remat, kernels_for, rms_norm, rope_for, sublayer_remat
 from models.lora import kaiming_a, kaiming_experts, layer_splits, merged, stored_dtype, with_adapters
 from models.spec import LOCAL, LayerCall, Param, family, stacks
 
@@ -275,7 +275,7 @@ def layer_stack(c: ModelConfig, layers: dict, x_BTD, *, constrain: Constrain = _
         p, i = pi
         call = layer_call(c, rope, constrain, kernels, half, segments, i, {k: v[i] for k, v in tables.items()},
                           placement.kv_repeat, placement.collectives, attention,
-                          sublayer_remat if placement.sequence_parallel else _identity)
+                          column_remat(placement.platform) if placement.sequence_parallel else _identity)
         return run(c, merged(c, gather(p), splits), x, call)
 
     if remat in REMAT:

@@ -130,7 +130,8 @@ def test_ring_in_a_pipeline_on_tpu_passes_blocks_and_gathers_the_embedding():
 
 
 def test_a_condition_against_a_constant_is_a_trip_count():
-    """_counted on hand-written HLO: `counter < 7` is 7 trips; a data-dependent bound is unknown."""
+    """_counted on hand-written HLO: `counter < 7` is 7 trips, unsigned too (XLA:TPU's windowed einsum loops count in
+    u32); a data-dependent bound is unknown."""
     from trainer.plan.hlo import _computations, _counted
     text = """HloModule m
 
@@ -147,9 +148,16 @@ def test_a_condition_against_a_constant_is_a_trip_count():
   %i = s32[] get-tuple-element(%p), index=0
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
+
+%windows (p: (u32[], f32[])) -> pred[] {
+  %p = (u32[], f32[]) parameter(0)
+  %c = u32[]{:T(128)} constant(4)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
 """
     comps, _ = _computations(text)
-    assert _counted(comps, "cond") == 7 and _counted(comps, "data") is None
+    assert _counted(comps, "cond") == 7 and _counted(comps, "data") is None and _counted(comps, "windows") == 4
 
 
 def test_forcing_the_cpu_fast_paths_into_the_tpu_program_is_caught(monkeypatch):

@@ -69,11 +69,12 @@ def _frame_functions(text: str) -> dict[int, set[str]]:
 
 
 def _counted(comps, cond: str | None) -> int | None:
-    """The trips of a loop whose condition is `counter < constant` (the counter starts at 0 and
-    counts up by one, as XLA's loop canonicalisation leaves it), else None."""
+    """The trips of a loop whose condition is `counter < constant`, signed or unsigned (XLA:TPU's windowed einsum
+    loops count in u32), the counter starting at 0 and counting up by one as XLA's loop canonicalisation leaves it;
+    else None."""
     lines = comps.get(cond or "", [])
     consts = {d.group(1): int(d.group(2)) for line in lines
-              if (d := re.match(r"\s*%([\w.\-]+)\s*=\s*s(?:32|64)\[\]\S*\s+constant\((-?\d+)\)", line))}
+              if (d := re.match(r"\s*%([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((-?\d+)\)", line))}
     gtes = {d.group(1) for line in lines if (d := re.match(r"\s*%([\w.\-]+)\s*=.*get-tuple-element\(", line))}
     root = next((line for line in lines if line.lstrip().startswith("ROOT")), "")
     m = re.search(r"compare\(%([\w.\-]+),\s*%([\w.\-]+)\),\s*direction=LT", root)
