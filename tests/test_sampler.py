@@ -85,17 +85,19 @@ def test_a_prompt_longer_than_the_context_is_refused(loaded):
 
 
 @pytest.mark.slow
-def test_another_layout_draws_the_same_where_the_margins_allow(loaded):
-    """The same prompts, key and parameters sampled on one device and with the parameters on (2,1,4) ZeRO-3: each row
-    draws the same tokens up to its first draw whose margin (the winner's perturbed logit over the runner-up's) is
-    below 1e-4, where layouts may round differently; the first divergence is reported."""
+@pytest.mark.parametrize("extra", [[], ["train.sequence_parallel=true"]], ids=["plain", "sequence-parallel"])
+def test_another_layout_draws_the_same_where_the_margins_allow(loaded, extra):
+    """The same prompts, key and parameters sampled on one device and with the parameters on (2,1,4) ZeRO-3 (and with
+    sequence parallelism, which decoding does not take: its constraints name `seq`): each row draws the same tokens
+    up to its first draw whose margin (the winner's perturbed logit over the runner-up's) is below 1e-4, where
+    layouts may round differently; the first divergence is reported."""
     from models.sampler import sample_completions
     from trainer import load_config, resolve
     from trainer.ckpt.params import init_params
     from trainer.state import make_setup
     s, params = loaded
     cfg = resolve(load_config([f"model.init_from={FIX}", "model.seq_len=64", "mesh.data=2", "mesh.stage=1",
-                               "mesh.model=4", "train.zero_stage=3", "train.batch_size=8"]))
+                               "mesh.model=4", "train.zero_stage=3", "train.batch_size=8", *extra]))
     s8 = make_setup(cfg, jax.devices()[:8])
     prompts = PROMPTS * 4
     from meshes import DATA

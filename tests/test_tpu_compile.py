@@ -53,7 +53,9 @@ def kernel_problems(text: str) -> list[str]:
     return [f"ran {s}" for s in wrong] + [f"lacks {s}" for s in missing]
 
 
-SLOW_LAYOUTS = {"d2m4-kv-replicated", "d8-zero3-tiled-loss"}  # the default run keeps the (2,2,2) 1F1B ring
+# the default run compiles one TPU program (test_the_tpu_programs_temp_holds_its_recorded_figure) and checks the
+# kernels of one (test_forcing_the_cpu_fast_paths_into_the_tpu_program_is_caught); these under -m slow
+SLOW_LAYOUTS = {"d2m4-kv-replicated", "d8-zero3-tiled-loss", "d2s2m2-1f1b-ring"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_LAYOUTS else [])
@@ -109,7 +111,7 @@ RING_IN_PIPELINE = BASE + NARROW + ["mesh.data=1", "mesh.stage=2", "mesh.context
                                     "train.context_attention=ring"]
 
 
-@pytest.mark.slow  # the default run compiles the (2,2,2) 1F1B ring for TPU in the layouts test
+@pytest.mark.slow  # the default run compiles a TPU program in test_the_tpu_programs_temp_holds_its_recorded_figure
 def test_ring_in_a_pipeline_on_tpu_passes_blocks_and_gathers_the_embedding():
     """XLA:TPU's program of the ring inside a pipeline has neither of XLA:CPU's workarounds: each step of the ring is
     a collective-permute over `context` (the planner's bytes within 1%), no all-gather over `context` (on CPU: two
