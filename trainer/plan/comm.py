@@ -258,7 +258,7 @@ def _embed_bytes(mc: ModelConfig, st: Strategy) -> float:
     return mc.vocab_size // st.model * mc.d_model * 4
 
 
-def _model_transfers(mc, st: Strategy, n: int, a: int, platform: str | None = None) -> list[Transfer]:
+def _model_transfers(mc, st: Strategy, n: int, a: int, platform: str) -> list[Transfer]:
     """Megatron activation all-reduces. The backward's input gradient of the column-parallel
     projections is one all-reduce per `models.transformer.projections` group: q/k/v together
     (q apart from k/v with grouped-query attention) and gate/up together."""
@@ -310,7 +310,7 @@ def _shared_kv_transfers(mc: ModelConfig, tp: int, n: int, a: int) -> list[Trans
                      2 * bus_factor("all-gather", K) * K * head, 2)]
 
 
-def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str | None = None) -> list[Transfer]:
+def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform: str) -> list[Transfer]:
     """The table executor (trainer/parallel/pipeline.py): two ppermutes every tick of the table, the
     stage's top gradients summed over `stage`, the data-axis sync of the stage's share once per step.
 
@@ -342,7 +342,7 @@ def _table_transfers(mc, st: Strategy, ls: list[Leaf], n: int, a: int, platform:
         per_mb = 2 * body + (2 * body - 1) + _groups(mc, tp) * body
         if st.sequence_parallel:
             return (out + split_transfers("tensor-parallel activations", m * V * per_mb, m * V * body, act, "full",
-                                          platform, tp) + split_ends(m / S, n, mc.d_model, a, tp, platform)
+                                          platform, tp) + split_ends(m / S, n, mc.d_model, a, tp, platform, m / S)
                     + [t.times(m * V * body) for t in _shared_kv_transfers(mc, tp, n, a)])
         out += [Transfer(MODEL, "all-reduce", f"tensor-parallel activations ({per_mb} per microbatch and block)",
                          m * V * per_mb * ar * act, m * V * per_mb)]

@@ -18,7 +18,7 @@ from trainer.plan.types import Transfer
 
 
 def split_transfers(what: str, reductions: float, layers: float, act: float, remat: str,
-                    platform: str | None, model: int) -> list[Transfer]:
+                    platform: str, model: int) -> list[Transfer]:
     """`reductions` all-reduces of `act` bytes (over `layers` layers) written as sequence parallelism does."""
     scatter = "all-reduce" if platform == "cpu" else "reduce-scatter"
     gathers = layers * (8 if remat == "full" else 6 if platform == "cpu" else 7)
@@ -28,14 +28,16 @@ def split_transfers(what: str, reductions: float, layers: float, act: float, rem
                      bus_factor("all-gather", model) * gathers * act, gathers)]
 
 
-def split_ends(m: float, n: int, d: int, a: int, model: int, platform: str | None) -> list[Transfer]:
+def split_ends(m: float, n: int, d: int, a: int, model: int, platform: str, recomputed: float = 0) -> list[Transfer]:
     """The embedding, head and loss of m microbatches of n tokens under sequence parallelism: the vocab-split
     lookup all-reduced whole along the sequence (then cut to the split residual) and its cotangent gathered; the
     head's input gathered forward and backward, its float32 input gradient reduce-scattered; the loss's per-token
-    sums all-reduced."""
+    sums all-reduced; `recomputed` more embedding all-reduces (a pipeline's first stage recomputes its lookup for the
+    backward: m of them over the stages)."""
     scatter = "all-reduce" if platform == "cpu" else "reduce-scatter"
     ar, act, gathers = bus_factor("all-reduce", model), n * d * a, 2 if platform == "cpu" else 3
-    return [Transfer(MODEL, "all-reduce", "vocab-parallel embedding and loss", m * ar * (act + 3 * n * 4), 4 * m),
+    return [Transfer(MODEL, "all-reduce", "vocab-parallel embedding and loss",
+                     m * ar * (act + 3 * n * 4) + recomputed * ar * act, 4 * m + recomputed),
             Transfer(MODEL, "all-gather", "the embedding's cotangent and the head's input (forward; XLA:CPU reuses it "
                      "backward)", m * bus_factor("all-gather", model) * gathers * act, gathers * m),
             Transfer(MODEL, scatter, "the head's input gradient (float32)", m * bus_factor(scatter, model) * n * d * 4,
