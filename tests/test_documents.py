@@ -145,7 +145,9 @@ TRAIN = ["model.vocab_size=320", "data.document_mask=true"] + SGD
     pytest.param(["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "train.microbatches=2"], id="zero3-2x1x4"),
     pytest.param(["mesh.data=2", "mesh.stage=4", "train.pipeline_schedule=1f1b", "train.microbatches=4",
                   "model.n_layers=4"], id="1f1b-2x4x1", marks=SLOW),
-    pytest.param(["mesh.data=8", "train.grad_sync=ring", "train.microbatches=2"], id="ring-8x1x1", marks=SLOW)])
+    pytest.param(["mesh.data=8", "train.grad_sync=ring", "train.microbatches=2"], id="ring-8x1x1", marks=SLOW),
+    pytest.param(["mesh.data=2", "mesh.model=4", "train.zero_stage=3", "train.microbatches=2",
+                  "train.sequence_parallel=true"], id="zero3-2x1x4-sequence-parallel", marks=SLOW)])
 def test_training_with_document_masks_equals_one_device(prepared, layout):
     model = [o for o in layout if o.startswith("model.")]
     got = run_steps(TRAIN + layout, source=prepared)

@@ -22,8 +22,7 @@ def test_a_layout_with_sequence_parallelism_trains_as_one_device(mesh):
     ["mesh.data=1", "mesh.context=2", "mesh.model=4"],
     ["mesh.data=2", "mesh.model=4", "model.family=mixtral", "model.n_experts=4", "model.n_experts_per_token=2",
      "train.expert_parallel=true"],
-    ["mesh.data=2", "mesh.model=4", "data.document_mask=true"],
-], ids=["1x2x4-1f1b", "context2-model4", "moe-experts-split", "2x1x4-documents"])
+], ids=["1x2x4-1f1b", "context2-model4", "moe-experts-split"])  # with documents: tests/test_documents.py
 def test_other_paths_with_sequence_parallelism_train_as_one_device(mesh):
     equals_one_device(SP + mesh)
 
