@@ -67,9 +67,8 @@ def test_the_125m_step_needs_less_temp_memory(remat):
 @pytest.mark.slow
 def test_the_7b_tpu_program_needs_less_temp_memory():
     """The 7B on v5p:4x4x8 (data 16, model 8, ZeRO-3, 16 x 4096, remat full, bfloat16), compiled ahead of time by
-    XLA:TPU (libtpu in the venv): temp per chip with sequence parallelism below without it (measured: 1.250 GB
-    against 2.585 GB on jaxlib 0.10.2, windowed einsums off there: trainer/step.py compiler_options; 1.244 GB on jax
-    0.12 with them)."""
+    XLA:TPU (libtpu in the venv): temp per chip with sequence parallelism below without it (measured: 1.219 GB
+    against 2.585 GB on jaxlib 0.10.2; 1.244 GB on jax 0.12)."""
     pytest.importorskip("libtpu")
     from trainer.config import load_config
     from trainer.plan.aot import compile_for

@@ -224,26 +224,13 @@ def eval_step(s: Setup, params, batch):
     return loss_sum(s.model, params, batch, **kw), counted(batch)
 
 
-def compiler_options(s: Setup) -> dict:
-    """XLA options the step compiles with: on TPU under sequence parallelism with jaxlib 0.10, XLA:TPU's windowed
-    einsums (an all-gather's or reduce-scatter's collective matmul) off: that libtpu's loops of them fail its own
-    check ("while loop calling wide.windowed_dot_general_body_rs ... has no known trip count", the 7B on v5p:4x4x8;
-    jax-ml/jax#39200). Later jaxlibs keep XLA:TPU's own choice."""
-    import jaxlib
-    if s.placement.platform == "tpu" and s.placement.sequence_parallel and jaxlib.__version__.startswith("0.10."):
-        return {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
-                "xla_tpu_enable_windowed_einsum_for_all_gather": False}
-    return {}
-
-
 def jit_train_step(s: Setup):
     """train_step behind the NaN/spike guard, jitted once with explicit in/out shardings and the state donated."""
     # local SGD / DiLoCo: replicas step apart and sync every train.sync_every steps
     inner = localsgd.train_step if localsgd.enabled(s.cfg) else train_step
     step = functools.partial(guard.guarded_step, functools.partial(inner, s), s.cfg)
     return jax.jit(step, in_shardings=(s.shardings, s.batch_sharding()),
-                   out_shardings=(s.shardings, s.layout.replicated), donate_argnums=0,
-                   compiler_options=compiler_options(s) or None)
+                   out_shardings=(s.shardings, s.layout.replicated), donate_argnums=0)
 
 
 def jit_eval_step(s: Setup):
