@@ -49,7 +49,8 @@ def test_a_config_feature_the_family_does_not_compute_is_one_line(case, tmp_path
                                   for n in QWEN + ["mistral_window16_f32"]])
 def test_generate_and_plan_work_on_the_folder(name, capsys):
     """`meshtrain generate --run FOLDER` decodes what KV-cache decoding from the parity-checked import gives (no
-    tokenizer in the folder: bytes); `meshtrain plan` counts the family's parameters (biases and norms included)."""
+    tokenizer in the folder: bytes, so ids past 255 are never drawn, trainer/run/generate.py _Bytes); `meshtrain
+    plan` counts the family's parameters (biases and norms included)."""
     import codecs
     import io
     import re
@@ -61,9 +62,9 @@ def test_generate_and_plan_work_on_the_folder(name, capsys):
     from trainer.run.generate import generate_text
     s, params = loaded(name, "1dev")
     text = generate_text(str(FIX / name), "ab", 6, temperature=0.0, out=io.StringIO())
-    want = np.concatenate(list(generate(s.model, params, np.asarray([list(b"ab")], np.int32), 6)))
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ids past the bytes show as U+FFFD
-    shown = "".join(decoder.decode(bytes([int(t)])) if t < 256 else "\ufffd" for t in want)
+    want = np.concatenate(list(generate(s.model, params, np.asarray([list(b"ab")], np.int32), 6, vocab=256)))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    shown = "".join(decoder.decode(bytes([int(t)])) for t in want)
     assert text == shown + decoder.decode(b"", final=True), (text, want)
     assert cli("plan", *TINY, f"model.init_from={FIX / name}", "mesh.data=1") == 0
     kb = float(re.search(r"parameters\s+([\d.]+) KB", capsys.readouterr().out).group(1))

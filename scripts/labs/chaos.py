@@ -79,7 +79,10 @@ def wait(cond, p: subprocess.Popen, timeout: float) -> bool:
 def interrupted_run(run: Path, args: list[str], env: dict, kills: int, rng: random.Random, timeout: float) -> dict:
     """Start, kill -9 `kills` times (even kills: while a save is in flight), resume; then finish."""
     done, during_save, expected = 0, 0, []
+    log = run.parent / f"{run.name}.log"
+    offsets = []  # where each start's lines begin in the shared log
     while done < kills:
+        offsets.append(log.stat().st_size if log.exists() else 0)
         p, base = start(run, args, env), newest_checkpoint(run)
         progress = lambda: newest_checkpoint(run) > base  # noqa: E731 - each start commits one checkpoint at least
         if done % 2 == 0:  # a kill while Orbax writes the next checkpoint
@@ -95,9 +98,12 @@ def interrupted_run(run: Path, args: list[str], env: dict, kills: int, rng: rand
         p.wait()
         done += 1
         expected.append(newest_checkpoint(run))  # what the next start must resume from
+    offsets.append(log.stat().st_size if log.exists() else 0)
     p = start(run, args, env)
     rc = p.wait(timeout=timeout)
-    starts = (run.parent / f"{run.name}.log").read_text().split("meshtrain model ")[2:]  # the restarts' logs
+    text = log.read_bytes()
+    starts = [text[a:b].decode(errors="replace") for a, b in zip(offsets[1:], offsets[2:] + [len(text)])]
+    # each restart's first resume (the final run's rollback resumes again, later in its lines)
     resumed = [m.group(1) for m in (re.search(r"resumed from \S+/checkpoints/(\d+) ", x) for x in starts) if m]
     return {"kills": done, "during_save": during_save, "rc": rc,
             "resumed_newest": [int(x) for x in resumed] == [e for e in expected if e]}
