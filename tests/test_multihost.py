@@ -216,6 +216,20 @@ def test_same_losses_experts_inside_each_process(env, tmp_path):
     assert "experts 8 over expert=4 (2 per expert rank)" in log
 
 
+@pytest.mark.slow
+def test_same_losses_sequence_parallel_inside_each_process(env, tmp_path):
+    """train.sequence_parallel with `model` inside each process (data 2 over the 2 processes, model 4 in each),
+    ZeRO-3: the split residual's reduce-scatters and gathers stay in a process, the gradients' across: 2 processes x
+    4 devices equal one device's losses and grad norms (1e-5)."""
+    ref = run_steps(RUN + ["mesh.data=1", "train.steps=5"], steps=5, source="synthetic")
+    d = tmp_path / "run"
+    log = run(env, 2, 4, *RUN, "mesh.data=2", "mesh.model=4", "mesh.dcn_data=2", "train.zero_stage=3",
+              "train.sequence_parallel=true", "train.steps=5", f"run.dir={d}")
+    same_five_steps(ref, d, "sequence parallel, model 4 inside each of 2 processes vs one device")
+    for i in range(2):
+        assert f"[{i}] process {i} of 2 | 4 devices at data {i} stage 0 expert 0 context 0 model 0-3 | batch rows " \
+               f"{8 * i}:{8 * i + 8} of 16" in log, log[-3000:]
+
 def test_checkpoint_across_process_counts(env, fsdp_run, tmp_path):
     d = fsdp_run.dir
     meta = read_meta(d, STEPS)
