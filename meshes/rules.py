@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshes.axes import DATA, MODEL, STAGE
+from meshes.axes import CONTEXT, DATA, MODEL, STAGE
 
 
 class Rules(Mapping):
@@ -52,6 +52,12 @@ class Rules(Mapping):
     def replace(self, **entries) -> "Rules":
         """These rules with some logical axes mapped anew (e.g. experts="data")."""
         return Rules({**self._table, **entries})
+
+    def sequence(self, context: int, split_residual: bool) -> "Rules":
+        """These rules with each sequence's tokens over `context` where it has more than one rank, and with
+        `split_residual` (train.sequence_parallel) the residual stream's over `model` too."""
+        seq = CONTEXT if context > 1 else None
+        return self.replace(seq=seq, res_seq=((CONTEXT, MODEL) if context > 1 else MODEL) if split_residual else seq)
 
     def without(self, axes) -> "Rules":
         """These rules with some mesh axes dropped (for code running manual over them)."""
@@ -97,7 +103,7 @@ RULES = Rules({
     "batch": DATA,
     "seq": None,
     # the residual stream's sequence (each layer's input and output, the norms before the column-parallel
-    # matmuls): as `seq`, and over `model` too with train.sequence_parallel (trainer/state.py rules_for)
+    # matmuls): as `seq`, and over `model` too with train.sequence_parallel (Rules.sequence)
     "res_seq": None,
     "embed": None,
     "heads": MODEL,

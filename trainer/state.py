@@ -79,10 +79,7 @@ def rules_for(cfg: Config, data: int, quiet: bool = False, context: int = 1, exp
     over = experts_axis(cfg, data, quiet, expert)
     rules = RULES.replace(batch=(DATA, EXPERT), experts=EXPERT) if over == EXPERT else \
         RULES.replace(experts=DATA) if over == DATA else RULES
-    rules = rules.replace(seq=CONTEXT, res_seq=CONTEXT) if context > 1 else rules
-    if cfg.train.sequence_parallel and model > 1:
-        rules = rules.replace(res_seq=(CONTEXT, MODEL) if context > 1 else MODEL)
-    return rules
+    return rules.sequence(context, cfg.train.sequence_parallel and model > 1)
 
 
 def rules_by_data(cfg: Config):

@@ -41,7 +41,11 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
         # under context parallelism each strategy whose heads split (all_to_all: over model x context)
         weighed = [a for a in CONTEXT_STRATEGIES if (a != "all_to_all" or mc.n_heads % (model * context) == 0)
                    and (a != "ring" or stage == 1 or context % 2 == 0)]  # trainer/config's checks
-        for rules in _sequence_splits(rules_of(data, expert) if callable(rules_of) else [rules_of], model, context):
+        # under tensor parallelism each rules twice: the residual stream whole along the sequence, and split over
+        # `model` (train.sequence_parallel: less activation memory, more gathers; trainer/plan/split_residual.py)
+        splits = (False, True) if model > 1 else (False,)
+        for rules in [r.sequence(context, sp) for r in (rules_of(data, expert) if callable(rules_of) else [rules_of])
+                      for sp in splits]:
             for schedule, v in _schedules(stage, repeats):
                 if mc.n_layers % (stage * v):
                     continue
@@ -55,17 +59,6 @@ def _candidates(mc: ModelConfig, batch: int, n_devices: int, repeats: int, grad_
                         for remat in REMATS:
                             for ca in (weighed if context > 1 else [context_attention]):
                                 yield Strategy(shape, zero, m, remat, v, grad_sync, schedule, rules, balance, ca)
-
-
-def _sequence_splits(rules_list, model: int, context: int):
-    """Each rules of the list as the layout runs it: the sequence over `context` where it is split; under tensor
-    parallelism each twice, the residual stream whole along the sequence on every model rank and split over `model`
-    (train.sequence_parallel: less activation memory, more gathers: trainer/plan/split_residual.py)."""
-    seq = CONTEXT if context > 1 else None
-    for rules in rules_list:
-        yield rules.replace(seq=seq, res_seq=seq)
-        if model > 1:
-            yield rules.replace(seq=seq, res_seq=(CONTEXT, MODEL) if context > 1 else MODEL)
 
 
 def _schedules(stage: int, repeats: int) -> list[tuple[str, int]]:

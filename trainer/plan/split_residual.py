@@ -17,10 +17,15 @@ from trainer.parallel.collective_costs import bus_factor
 from trainer.plan.types import Transfer
 
 
+def _scatter(platform: str) -> str:
+    """The collective a reduce-scatter is sent as: XLA:CPU's all-reduce (and slice), elsewhere itself."""
+    return "all-reduce" if platform == "cpu" else "reduce-scatter"
+
+
 def split_transfers(what: str, reductions: float, layers: float, act: float, remat: str,
                     platform: str, model: int) -> list[Transfer]:
     """`reductions` all-reduces of `act` bytes (over `layers` layers) written as sequence parallelism does."""
-    scatter = "all-reduce" if platform == "cpu" else "reduce-scatter"
+    scatter = _scatter(platform)
     gathers = layers * (8 if remat == "full" else 6 if platform == "cpu" else 7)
     return [Transfer(MODEL, scatter, f"{what}: reduce-scatters into the sequence-split residual",
                      bus_factor(scatter, model) * reductions * act, reductions),
@@ -34,7 +39,7 @@ def split_ends(m: float, n: int, d: int, a: int, model: int, platform: str, reco
     head's input gathered forward and backward, its float32 input gradient reduce-scattered; the loss's per-token
     sums all-reduced; `recomputed` more embedding all-reduces (a pipeline's first stage recomputes its lookup for the
     backward: m of them over the stages)."""
-    scatter = "all-reduce" if platform == "cpu" else "reduce-scatter"
+    scatter = _scatter(platform)
     ar, act, gathers = bus_factor("all-reduce", model), n * d * a, 2 if platform == "cpu" else 3
     return [Transfer(MODEL, "all-reduce", "vocab-parallel embedding and loss",
                      m * ar * (act + 3 * n * 4) + recomputed * ar * act, 4 * m + recomputed),
