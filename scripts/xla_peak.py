@@ -8,7 +8,8 @@ buffer's live range over the flattened schedule from the live-range file, and th
 the time of the peak (the union of the live buffers' bytes, so that buffers sharing a slot count once), the
 instruction there, and the live buffers of at least 1 MB, largest first, each with the operation that made it (the
 tail of its op_name) or, for a copy of an argument, the argument it copies (e.g. `state['opt_state'][1][0].mu[...]`).
-Lines are grouped into the phases of the step: `jvp` (the forward), `transpose` (the backward), argument copies.
+It ends with their bytes by where they were made: the forward (`jvp` in the op_name), the backward (`transpose`),
+copies of arguments, other. `--phase backward` finds the peak among the backward's instructions instead.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=None, help="compile for the first N devices (default: the mesh's)")
     ap.add_argument("--top", type=int, default=60, help="list at most this many buffers")
     ap.add_argument("--keep", action="store_true", help="keep XLA's dump (its path is printed)")
+    ap.add_argument("--phase", choices=("forward", "backward"), help="the peak inside that phase's instructions "
+                    "(its op_name's jvp or transpose) rather than the whole step's")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     out = tempfile.mkdtemp(prefix="xla-peak-")
@@ -38,7 +41,7 @@ def main() -> None:
     from trainer.plan.verify import measure
     m = measure(load_config(a.overrides), jax.devices()[:a.devices] if a.devices else None, grads=False)
     try:
-        report(out, m.temp_bytes, a.top)
+        report(out, m.temp_bytes, a.top, a.phase)
     finally:
         if a.keep:
             print(f"XLA's dump: {out}")
@@ -46,7 +49,7 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def report(dump: str, temp_bytes: int, top: int) -> None:
+def report(dump: str, temp_bytes: int, top: int, phase: str | None = None) -> None:
     base = sorted(glob.glob(f"{dump}/*guarded_step*-buffer-assignment.txt"))[-1][:-len("-buffer-assignment.txt")]
     ba = open(base + "-buffer-assignment.txt").read()
     temp = re.search(r"allocation \d+: size (\d+), preallocated-temp:\n((?: value:.*\n)+)", ba)
@@ -65,7 +68,8 @@ def report(dump: str, temp_bytes: int, top: int) -> None:
         s, e = ranges.get(name if "{" in name else name + "{}", (None, None))
         for t in range(s, e + 1) if s is not None else ():
             live[t].append((offset, offset + size))
-    at = max(range(span), key=lambda t: union(live[t]))
+    times = [t for t in range(span) if phase is None or _phase(made.get(order.get(t), "")) == phase]
+    at = max(times, key=lambda t: union(live[t]))
     print(f"temp allocation {temp_bytes / 1e6:.1f} MB; peak {union(live[at]) / 1e6:.1f} MB live at {at} "
           f"({order.get(at)})")
     rows = []
@@ -78,12 +82,15 @@ def report(dump: str, temp_bytes: int, top: int) -> None:
             rows.append((size, name, shape, what))
     for size, name, shape, what in sorted(rows, reverse=True)[:top]:
         print(f"{size / 1e6:8.2f} MB  {shape:34s} {name:34s} {what[-90:]}")
-    phases = {}
+    made_in = {}
     for size, _, _, what in rows:
-        phase = ("argument copies" if what.startswith("copy of") else "backward" if "transpose(" in what
-                 else "forward" if "jvp(" in what else "other")
-        phases[phase] = phases.get(phase, 0) + size
-    print("; ".join(f"{k} {v / 1e6:.1f} MB" for k, v in phases.items()))
+        kind = "argument copies" if what.startswith("copy of") else _phase(what)
+        made_in[kind] = made_in.get(kind, 0) + size
+    print("made in: " + "; ".join(f"{k} {v / 1e6:.1f} MB" for k, v in made_in.items()))
+
+
+def _phase(op_name: str) -> str:
+    return "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "other"
 
 
 def union(intervals: list) -> int:

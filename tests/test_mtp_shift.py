@@ -157,6 +157,7 @@ def test_losses_and_gradients_equal_the_documents_run_by_hand():
     for d in (1, 2):
         total, n = got[f"mtp_{d}"]
         assert float(n) > 0 and abs(float(aux[f"mtp_{d}"]) - float(total)) < 1e-5 * max(1.0, abs(float(total))), d
+    print(f"against the float64 hand computation: loss {abs(float(v) - float(rv)):.1e}, gradients {max_rel(g, rg):.1e}")
     assert abs(float(v) - float(rv)) < 1e-5 and max_rel(g, rg) < 1e-5, (float(v), float(rv), max_rel(g, rg))
 
 
