@@ -55,9 +55,11 @@ class Rules(Mapping):
 
     def sequence(self, context: int, split_residual: bool) -> "Rules":
         """These rules with each sequence's tokens over `context` where it has more than one rank, and with
-        `split_residual` (train.sequence_parallel) the residual stream's over `model` too."""
+        `split_residual` (train.sequence_parallel) the residual stream's over `model` too; these rules themselves
+        where they say so already."""
         seq = CONTEXT if context > 1 else None
-        return self.replace(seq=seq, res_seq=((CONTEXT, MODEL) if context > 1 else MODEL) if split_residual else seq)
+        entries = {"seq": seq, "res_seq": ((CONTEXT, MODEL) if context > 1 else MODEL) if split_residual else seq}
+        return self if all(self._table[k] == v for k, v in entries.items()) else self.replace(**entries)
 
     def without(self, axes) -> "Rules":
         """These rules with some mesh axes dropped (for code running manual over them)."""
